@@ -1,0 +1,25 @@
+"""The one family of errors zeroplan raises for bad input or impossible requests.
+
+The CLI turns every `ZeroplanError` into one line on stderr and exit status 2; anything else is a
+bug and keeps its traceback.
+"""
+
+
+class ZeroplanError(Exception):
+    """Base of every error meant for the user: the message is one line and names the field."""
+
+
+class SpecError(ZeroplanError):
+    """A model, training or engine spec is invalid (a field, a file, or a combination)."""
+
+
+class UnknownModelError(SpecError):
+    """MODEL is neither a catalogue name nor a readable spec or config.json file."""
+
+
+class MeasureError(ZeroplanError):
+    """A measurement could not be run or a worker failed."""
+
+
+class MissingDependencyError(ZeroplanError):
+    """An optional package is needed for this command; the message says how to install it."""

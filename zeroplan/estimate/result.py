@@ -1,0 +1,110 @@
+"""What an estimate returns: frozen, plain data, bytes as ints.
+
+The categories are the ones `zeroplan measure` records, so each estimated term can be checked
+against a measured one:
+- params: parameter storage on the device (sharded, persistent, and the fp32 master where the
+  engine keeps it as a parameter), not gathered copies;
+- grads: gradient storage (per-parameter .grad, flat gradient partitions, accumulation buffers);
+- optimizer_states: optimizer state tensors (Adam moments, momentum) and the fp32 master copy that
+  mixed-precision optimizers keep;
+- activations: tensors saved for backward, the logits and loss, the recomputed block in flight;
+- buffers: communication and gathering buffers of the engine (DDP buckets, DeepSpeed reduce and
+  all-gather buckets, ZeRO-3/FSDP2 gathered parameters, reduce-scatter outputs);
+- temporaries: short-lived tensors of a phase (optimizer-step intermediates, gradient of the logits);
+- overhead: what is not a tensor (CUDA context, allocator fragmentation); zero for a CPU run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum
+
+
+class Phase(str, Enum):
+    """Phases of a training step, in order. The peak is the maximum over (step, phase)."""
+
+    INIT = "init"  # model built, engine and optimizer created
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER_STEP = "optimizer_step"
+
+
+class Step(str, Enum):
+    FIRST = "first"  # optimizer states do not exist yet before the first step() creates them
+    STEADY = "steady"  # step 2 and later
+
+
+@dataclass(frozen=True)
+class CategoryBytes:
+    """Bytes by category; `total_bytes` is their sum."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer_states: int = 0
+    activations: int = 0
+    buffers: int = 0
+    temporaries: int = 0
+    overhead: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __add__(self, other: "CategoryBytes") -> "CategoryBytes":
+        return CategoryBytes(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class PhaseBytes:
+    """Bytes live on one GPU at the peak of one phase of one step."""
+
+    step: Step
+    phase: Phase
+    categories: CategoryBytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.categories.total_bytes
+
+
+@dataclass(frozen=True)
+class NodeBytes:
+    """Host-side memory per node under offload (pinned buffers included) and NVMe use."""
+
+    cpu_bytes: int = 0
+    pinned_bytes: int = 0  # part of cpu_bytes that is page-locked
+    nvme_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    name: str
+    params: int
+    trainable_params: int
+    implementation: str  # which model implementation the activation terms describe
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The memory of one configuration: per-phase, peak, and per-node."""
+
+    model: ModelSummary
+    engine: str
+    phases: tuple[PhaseBytes, ...]
+    per_node: NodeBytes
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak(self) -> PhaseBytes:
+        """The (step, phase) with the most bytes live; the first one wins a tie."""
+        return max(self.phases, key=lambda p: p.total_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total_bytes
+
+    def peak_of(self, step: Step) -> PhaseBytes:
+        return max((p for p in self.phases if p.step == step), key=lambda p: p.total_bytes)

@@ -1,0 +1,153 @@
+"""Training specs: how a model is trained (ZeRO stage, world, offload, precision, batch) and the
+knobs of the engine that runs it. Validated once here; everything downstream trusts them.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class Engine(str, Enum):
+    """Which ZeRO implementation is modelled (and, in measure, run)."""
+
+    DEEPSPEED = "deepspeed"  # deepspeed.runtime.zero stage_1_and_2.py / stage3.py
+    FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard
+    TORCH = "torch"  # DDP (stage 0), DDP + ZeroRedundancyOptimizer (stage 1)
+    PAPER = "paper"  # the ZeRO paper's idealised 2Ψ + 2Ψ + KΨ accounting, nothing else
+
+
+class Precision(str, Enum):
+    """Numeric format of parameters, gradients and the optimizer's master copy."""
+
+    FP32 = "fp32"  # everything fp32
+    FP16 = "fp16"  # mixed: 16-bit params/grads, fp32 master weights and states
+    BF16 = "bf16"  # mixed, as fp16 with bfloat16
+    PURE_BF16 = "pure-bf16"  # params, grads and optimizer states all bf16, no master copy
+
+
+class Optimizer(str, Enum):
+    """Optimizer, by the states it keeps per parameter."""
+
+    ADAMW = "adamw"  # exp_avg and exp_avg_sq
+    ADAM = "adam"  # same states as adamw
+    SGD = "sgd"  # momentum buffer
+    ADAM_8BIT = "adam8bit"  # bitsandbytes: two 1-byte states (+ block-wise scales)
+
+
+class Offload(str, Enum):
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class Checkpointing(str, Enum):
+    """Activation checkpointing (recomputation), Korthikanti et al. 2022 sections 4-5."""
+
+    NONE = "none"
+    SELECTIVE = "selective"  # recompute attention's core only
+    FULL = "full"  # keep each block's input only, recompute the block in backward
+
+
+class Attention(str, Enum):
+    EAGER = "eager"  # materialises the a x s x s score and probability matrices
+    FUSED = "fused"  # flash / memory-efficient SDPA: keeps output and log-sum-exp only
+
+
+class Device(str, Enum):
+    CUDA = "cuda"
+    CPU = "cpu"  # a CPU run: no CUDA context, exact allocations, host and device are one memory
+
+
+class DeepSpeedKnobs(BaseModel):
+    """`zero_optimization` settings of DeepSpeed that change memory, with DeepSpeed's defaults
+    (deepspeed/runtime/zero/config.py)."""
+
+    model_config = _STRICT
+
+    reduce_bucket_size: int = Field(500_000_000, ge=1, description="Elements per gradient reduce bucket.")
+    allgather_bucket_size: int = Field(500_000_000, ge=1, description="Elements per all-gather bucket (stages 1-2).")
+    overlap_comm: bool | None = Field(
+        None, description="Overlap reduction with backward; None = DeepSpeed's default (False for 1-2, True for 3)."
+    )
+    contiguous_gradients: bool = Field(True, description="Copy gradients into one contiguous buffer as produced.")
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, description="Elements prefetched ahead (stage 3).")
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0, description="Gathered elements kept live (stage 3).")
+    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0, description="Reuse distance for keeping params (stage 3).")
+    stage3_param_persistence_threshold: int = Field(
+        100_000, ge=0, description="Tensors smaller than this stay whole on every rank (stage 3)."
+    )
+    offload_pin_memory: bool = Field(True, description="Pin the CPU buffers of offloaded states.")
+    offload_buffer_count: int = Field(5, ge=1, description="offload_param.buffer_count (NVMe swap buffers).")
+    offload_buffer_size: int = Field(100_000_000, ge=1, description="offload_param.buffer_size in elements.")
+    offload_max_in_cpu: int = Field(1_000_000_000, ge=0, description="offload_param.max_in_cpu elements.")
+
+
+class FSDP2Knobs(BaseModel):
+    """fully_shard settings that change memory (torch/distributed/fsdp/_fully_shard/_fully_shard.py)."""
+
+    model_config = _STRICT
+
+    reshard_root_after_forward: bool | None = Field(
+        None, description="reshard_after_forward of the root module; None = same as the blocks."
+    )
+
+
+class TrainingSpec(BaseModel):
+    """One training configuration, as a user would choose it."""
+
+    model_config = _STRICT
+
+    engine: Engine = Field(Engine.DEEPSPEED, description="ZeRO implementation to model.")
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters.")
+    gpus: int = Field(1, ge=1, description="Total data-parallel ranks (GPUs).")
+    gpus_per_node: int | None = Field(None, ge=1, description="GPUs per node; defaults to min(gpus, 8).")
+    offload_optimizer: Offload = Field(Offload.NONE, description="Where optimizer states live: none (GPU), cpu, nvme.")
+    offload_params: Offload = Field(Offload.NONE, description="Where parameters live between uses (stage 3 only).")
+    precision: Precision = Field(Precision.BF16, description="fp32, fp16/bf16 mixed with fp32 master, or pure-bf16.")
+    optimizer: Optimizer = Field(Optimizer.ADAMW, description="Optimizer, which fixes the states per parameter.")
+    micro_batch: int = Field(1, ge=1, description="Sequences per GPU per forward pass.")
+    seq_len: int = Field(2048, ge=1, description="Tokens per sequence.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    checkpointing: Checkpointing = Field(Checkpointing.NONE, description="Activation checkpointing mode.")
+    attention: Attention = Field(Attention.FUSED, description="Attention kernel: eager or fused (flash/SDPA).")
+    device: Device = Field(Device.CUDA, description="cuda (a GPU run) or cpu (a CPU run, as measured here).")
+    freeze: tuple[Literal["embeddings", "blocks", "final"], ...] = Field(
+        (), description="Module groups that do not train (no gradients, no optimizer states)."
+    )
+    deepspeed: DeepSpeedKnobs = Field(default_factory=DeepSpeedKnobs, description="DeepSpeed zero_optimization knobs.")
+    fsdp2: FSDP2Knobs = Field(default_factory=FSDP2Knobs, description="FSDP2 knobs.")
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> "TrainingSpec":
+        if self.gpus % self.node_gpus:
+            raise ValueError(f"gpus {self.gpus} is not divisible by gpus_per_node {self.node_gpus}")
+        if self.offload_params != Offload.NONE and self.zero_stage != 3:
+            raise ValueError(f"offload_params requires zero_stage 3 (got zero_stage {self.zero_stage})")
+        if self.offload_optimizer != Offload.NONE and self.zero_stage == 0 and self.engine != Engine.PAPER:
+            raise ValueError("offload_optimizer requires zero_stage 1 or higher (ZeRO-Offload partitions the states)")
+        if self.engine == Engine.TORCH and self.zero_stage > 1:
+            raise ValueError("engine torch covers zero_stage 0 (DDP) and 1 (ZeroRedundancyOptimizer); use fsdp2 or deepspeed for 2-3")
+        if self.engine == Engine.TORCH and self.offload_optimizer != Offload.NONE:
+            raise ValueError("engine torch has no offload; use deepspeed or fsdp2")
+        if self.engine == Engine.FSDP2:
+            if self.zero_stage in (0, 1):
+                raise ValueError("engine fsdp2 covers zero_stage 2 (reshard_after_forward=False) and 3 (True)")
+            if Offload.NVME in (self.offload_optimizer, self.offload_params):
+                raise ValueError("engine fsdp2 offloads to cpu only (CPUOffloadPolicy); nvme needs deepspeed")
+            if self.offload_params != Offload.NONE and self.offload_optimizer != self.offload_params:
+                # CPUOffloadPolicy moves sharded parameters, gradients and the optimizer step together.
+                raise ValueError("engine fsdp2 offloads parameters and optimizer together: set offload_optimizer cpu too")
+        return self
+
+    @property
+    def node_gpus(self) -> int:
+        return self.gpus_per_node or min(self.gpus, 8)
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.node_gpus
