@@ -1,0 +1,13 @@
+"""zeroplan measure: real distributed training steps on real engines, memory per rank, phase and category.
+
+The only part of zeroplan that imports torch, and it does so lazily (inside functions), so that
+`import zeroplan.measure` stays cheap and works without torch. Modules, one job each:
+
+- `context`: which device, backend and memory probe a rank uses (the only CPU/GPU seam);
+- `accounting`: live-tensor accounting by storage, per phase, with the categories at each peak;
+- `workload`: the model of a spec, built for real (Hugging Face or `reference_model`), and its batches;
+- `engines`: one runner per engine (torch, fsdp2, deepspeed) behind the `EngineRunner` interface;
+- `worker`: one rank (`python -m zeroplan.measure.worker`, also under torchrun);
+- `launcher`: `run_measurement`, which spawns local workers and collects their results;
+- `result`: the result dataclasses and their JSON.
+"""

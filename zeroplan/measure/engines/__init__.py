@@ -1,0 +1,165 @@
+"""The engine interface of the measure mode: one `EngineRunner` per engine name.
+
+An engine module (`torch_engine`, `fsdp2_engine`, `deepspeed_engine`) exposes one function,
+
+    build_runner(model, training: TrainingSpec, ctx: RunContext) -> EngineRunner
+
+which wraps `model` (already built on `ctx.device`, under the accounting, so engine buffers are
+counted) and creates the optimizer. The worker drives every runner the same way:
+
+    runner = build_runner(model, training, ctx)            # phase "engine"
+    for step in range(steps):
+        for micro in range(training.grad_accum):
+            loss = runner.forward(input_ids, labels)       # phase "forward"
+            runner.backward(loss)                          # phase "backward"
+        runner.step()                                      # phase "optimizer_step"
+
+Contract:
+- `model` is a `torch.nn.Module` whose `forward(input_ids, labels)` returns the mean causal-LM
+  loss of the micro-batch (a 0-d tensor); `transformer_blocks(model)` lists its blocks, in order,
+  for engines that wrap or shard per block (FSDP2 `fully_shard`, DeepSpeed ZeRO-3 needs none).
+- `backward` is called `training.grad_accum` times between two `step()` calls with the raw
+  micro-batch loss; the runner counts micro-batches itself, scales the loss by 1/grad_accum where
+  its engine does not, and skips gradient synchronisation on all but the last micro-batch where
+  its engine allows it (DDP `no_sync`, FSDP2 `set_requires_gradient_sync`).
+- `step` runs the optimizer and drops the gradients (`zero_grad(set_to_none=True)` or the
+  engine's equivalent), so that gradient memory is what the engine keeps between steps.
+- `tensors_by_category` returns the tensors the engine holds right now, by category name
+  (`CATEGORIES` minus activations and temporaries: "params", "grads", "optimizer_states",
+  "buffers"). The accounting matches them to live storages by storage identity (a view or a
+  DTensor counts its storage once), so listing a tensor twice, or a view of a listed tensor, is
+  harmless; a storage listed under two categories counts under the first in `CATEGORIES` order.
+  "buffers" means the engine's own buffers (DDP buckets, DeepSpeed reduce/all-gather buckets,
+  FSDP2 unsharded parameters and their all-gather/reduce-scatter buffers) and module buffers.
+  Everything else that is live counts as activations during forward/backward and as temporaries
+  in the optimizer step and at set-up.
+- `model` may be a fake-tensor model (`ctx.backend == "fake"`); a runner that cannot run there
+  raises `MeasureError` saying so.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from zeroplan.errors import MeasureError
+from zeroplan.spec.training import TrainingSpec
+
+if TYPE_CHECKING:  # torch is imported lazily: zeroplan.measure must import without it
+    import torch
+
+CATEGORIES = ("params", "grads", "optimizer_states", "activations", "buffers", "temporaries")
+"""The categories the accounting records: those of `zeroplan.estimate.result.CategoryBytes`
+minus overhead (a CPU run has none; on CUDA it is reserved minus allocated, from the probe)."""
+
+ENGINE_CATEGORIES = ("params", "grads", "optimizer_states", "buffers")
+"""The categories a runner reports; the others are what is left live."""
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Where one rank runs. Built by the worker once the process group exists."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: Any  # torch.device: cpu for gloo and fake, cuda:<local_rank> for nccl
+    backend: str  # "gloo", "nccl" or "fake" (one process simulating world_size ranks)
+    engine_config: dict | None = None  # the user's own engine config (DeepSpeed JSON, --config), if any
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def is_fake(self) -> bool:
+        return self.backend == "fake"
+
+
+class EngineRunner(Protocol):
+    def forward(self, input_ids: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
+        """Run one micro-batch forward; return its loss."""
+        ...
+
+    def backward(self, loss: "torch.Tensor") -> None:
+        """Back-propagate one micro-batch's loss (see the contract above for accumulation)."""
+        ...
+
+    def step(self) -> None:
+        """Optimizer step, then drop the gradients (set_to_none)."""
+        ...
+
+    def tensors_by_category(self) -> dict[str, list["torch.Tensor"]]:
+        """The tensors the engine holds now: keys among ENGINE_CATEGORIES."""
+        ...
+
+
+# engine name (TrainingSpec.engine value) -> module exposing build_runner(model, training, ctx)
+_ENGINE_MODULES = {
+    "torch": "zeroplan.measure.engines.torch_engine",
+    "fsdp2": "zeroplan.measure.engines.fsdp2_engine",
+    "deepspeed": "zeroplan.measure.engines.deepspeed_engine",
+}
+
+BuildRunner = Callable[[Any, TrainingSpec, RunContext], EngineRunner]
+
+
+def engine_names() -> tuple[str, ...]:
+    return tuple(_ENGINE_MODULES)
+
+
+def build_runner(model: "torch.nn.Module", training: TrainingSpec, ctx: RunContext) -> EngineRunner:
+    """Wrap `model` with the engine `training.engine` names and create its optimizer."""
+    name = training.engine.value
+    if name not in _ENGINE_MODULES:
+        raise MeasureError(f"engine: {name} cannot be measured; choose one of {', '.join(_ENGINE_MODULES)}")
+    module = importlib.import_module(_ENGINE_MODULES[name])
+    return module.build_runner(model, training, ctx)
+
+
+def transformer_blocks(model: "torch.nn.Module") -> list["torch.nn.Module"]:
+    """The transformer blocks of a workload model, in order (see `zeroplan.measure.workload`)."""
+    return list(model.transformer_blocks)
+
+
+def module_buffers(model: "torch.nn.Module") -> list["torch.Tensor"]:
+    """Registered module buffers (rotary frequencies, masks): counted as buffers by every runner."""
+    return [b for b in model.buffers() if b is not None]
+
+
+def gradients(params: list["torch.Tensor"]) -> list["torch.Tensor"]:
+    """The `.grad` tensors that exist now."""
+    return [p.grad for p in params if p.grad is not None]
+
+
+def optimizer_state_tensors(optimizer: "torch.optim.Optimizer") -> list["torch.Tensor"]:
+    """Every tensor in a torch optimizer's state (moments, momentum buffers, step counters)."""
+    import torch
+
+    tensors = []
+    for state in optimizer.state.values():
+        tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return tensors
+
+
+def make_optimizer(params: list["torch.Tensor"], training: TrainingSpec) -> "torch.optim.Optimizer":
+    """The optimizer of `training` over `params` (torch defaults for what does not change memory)."""
+    cls, kwargs = optimizer_class_and_kwargs(training)
+    return cls(params, **kwargs)
+
+
+def optimizer_class_and_kwargs(training: TrainingSpec) -> tuple[type, dict]:
+    """The class and keyword arguments of `make_optimizer`, for wrappers that build it themselves
+    (ZeroRedundancyOptimizer)."""
+    import torch
+
+    name = training.optimizer.value
+    table = {
+        "adamw": (torch.optim.AdamW, {"lr": 1e-4}),
+        "adam": (torch.optim.Adam, {"lr": 1e-4}),
+        "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
+    }
+    if name not in table:
+        raise MeasureError(f"optimizer: {name} cannot be measured (bitsandbytes is not a dependency); use adamw, adam or sgd")
+    return table[name]
