@@ -1,0 +1,151 @@
+"""The model catalogue, and turning a MODEL argument into a validated `ModelSpec`.
+
+A MODEL is one of:
+- a catalogue name: a `<name>.toml` file in `model_specs/` (shipped inside the package as
+  `zeroplan/model_specs/`, read from the repository's top-level `model_specs/` in a checkout);
+- a spec file (.toml or .json) whose keys are the fields of `TransformerSpec` or `ParamCountSpec`;
+- a Hugging Face `config.json` (a JSON object with a `model_type` key), or a folder holding one.
+
+Files are parsed with the standard library only (tomllib, json) and validated by pydantic; every
+failure becomes one `SpecError` line that names the file and, where it can, the line or key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from zeroplan.errors import SpecError, UnknownModelError
+from zeroplan.spec.model import ModelSpec, ParamCountSpec, TransformerSpec
+
+_MODEL_SPEC = TypeAdapter(ModelSpec)
+_SPEC_FIELDS = {kind: set(cls.model_fields) for kind, cls in (("transformer", TransformerSpec), ("params", ParamCountSpec))}
+
+
+def _catalogue_dir() -> Path:
+    """The installed `zeroplan/model_specs/`, else the checkout's top-level `model_specs/`."""
+    installed = Path(str(resources.files("zeroplan"))) / "model_specs"
+    if installed.is_dir():
+        return installed
+    return Path(__file__).resolve().parent.parent / "model_specs"
+
+
+def _catalogue_files() -> dict[str, Path]:
+    folder = _catalogue_dir()
+    return {path.stem: path for path in sorted(folder.glob("*.toml"))}
+
+
+def describe_validation_error(exc: ValidationError, where: str) -> str:
+    """One line for a pydantic error: `where: key: message`, or `N errors in where: a: ...; b: ...`."""
+    parts = []
+    for error in exc.errors():
+        loc = [str(part) for part in error["loc"]]
+        if loc and loc[0] in _SPEC_FIELDS:  # the discriminated union puts the kind first
+            kind, loc = loc[0], loc[1:]
+        else:
+            kind = None
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden" and kind and loc:
+            close = difflib.get_close_matches(loc[-1], sorted(_SPEC_FIELDS[kind]), n=1)
+            message = "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
+        parts.append(f"{'.'.join(loc)}: {message}" if loc else message)
+    if len(parts) == 1:
+        return f"{where}: {parts[0]}"
+    return f"{len(parts)} errors in {where}: {'; '.join(parts)}"
+
+
+def spec_from_data(data: Any, where: str) -> ModelSpec:
+    """Validate a mapping of spec fields; `kind` defaults to transformer unless `params` is given."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{where}: expected a table of spec fields, got {type(data).__name__}")
+    if "kind" not in data:
+        data = {"kind": "params" if "params" in data else "transformer", **data}
+    try:
+        return _MODEL_SPEC.validate_python(data)
+    except ValidationError as exc:
+        raise SpecError(describe_validation_error(exc, where)) from None
+
+
+def _read_toml(path: Path, where: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        # tomllib's message already ends with "(at line L, column C)".
+        raise SpecError(f"{where}: invalid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{where}: cannot read: {exc}") from None
+
+
+def _read_json(path: Path, where: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{where}: invalid JSON: {exc.msg} (at line {exc.lineno}, column {exc.colno})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{where}: cannot read: {exc}") from None
+
+
+def load_spec_file(path: Path, where: str | None = None) -> ModelSpec:
+    """A spec file (.toml or .json) or a Hugging Face config.json, validated."""
+    where = where or str(path)
+    if path.suffix == ".toml":
+        return spec_from_data(_read_toml(path, where), where)
+    if path.suffix != ".json":
+        raise SpecError(f"{where}: a model file must end in .toml or .json")
+    data = _read_json(path, where)
+    from zeroplan import hf_config  # only where a JSON file is read
+
+    if isinstance(data, dict) and hf_config.is_hf_config(data):
+        # A config.json is named after its folder (…/Llama-2-7b-hf/config.json -> Llama-2-7b-hf).
+        name = path.resolve().parent.name if path.stem == "config" else path.stem
+        return hf_config.spec_from_hf_config(data, name or path.stem, source=where)
+    return spec_from_data(data, where)
+
+
+@cache
+def _catalogue_spec(name: str) -> ModelSpec:
+    path = _catalogue_files()[name]
+    spec = load_spec_file(path, where=f"model_specs/{path.name}")
+    if spec.name != name:
+        raise SpecError(f"model_specs/{path.name}: name {spec.name!r} differs from the file name {name!r}")
+    return spec
+
+
+def list_models() -> list[ModelSpec]:
+    """Every catalogue model, sorted by name."""
+    return [_catalogue_spec(name) for name in _catalogue_files()]
+
+
+def resolve_model(text: str) -> ModelSpec:
+    """A MODEL argument (catalogue name, spec file, config.json, or folder with one) as a spec."""
+    names = _catalogue_files()
+    if text in names:
+        return _catalogue_spec(text)
+    path = Path(text).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_spec_file(path / "config.json", where=str(path / "config.json"))
+    if path.is_file():
+        return load_spec_file(path, where=text)
+    if path.suffix in (".toml", ".json") or "/" in text:
+        raise UnknownModelError(f"model file {text!r} does not exist")
+    close = difflib.get_close_matches(text.lower(), list(names), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise UnknownModelError(
+        f"unknown model {text!r}{hint} (run `zeroplan models` for the catalogue, or pass a .toml/.json spec or a config.json)"
+    )
+
+
+def params_model(params: int, largest_layer: int | None = None, trainable: int | None = None) -> ParamCountSpec:
+    """A model known only by its parameter count (for model-states-only estimates)."""
+    return spec_from_data(
+        {"kind": "params", "name": f"{params:,} params", "params": params,
+         "largest_layer_params": largest_layer, "trainable_params": trainable},
+        where="parameter-count model",
+    )

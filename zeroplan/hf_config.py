@@ -1,0 +1,190 @@
+"""Read a Hugging Face `config.json` (already parsed into a dict) into a `TransformerSpec`.
+
+Only data is read: nothing in the config is imported or executed (no `auto_map`, no
+`trust_remote_code`). Each family maps its own keys, with the defaults its transformers
+`models/<type>/configuration_<type>.py` gives a key that the file leaves out, and the bias and
+tying choices its `modeling_<type>.py` hard-codes. The size keys (vocabulary, width, depth,
+heads, MLP width) are required here even where transformers has a default: a config.json written
+by transformers always carries them, and a silently defaulted width would be a wrong model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from zeroplan.errors import SpecError
+from zeroplan.spec.model import TransformerSpec
+
+_REQUIRED = object()
+
+
+class _ConfigProblem(Exception):
+    """Raised by the family readers; `spec_from_hf_config` adds the file name and re-raises."""
+
+
+def _value(config: Mapping[str, Any], keys: tuple[str, ...], default: Any = _REQUIRED) -> Any:
+    """The first of `keys` that the config sets to a non-null value, else `default`."""
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    if default is _REQUIRED:
+        raise _ConfigProblem(f"no {keys[0]!r}, required for model_type {config.get('model_type')!r}")
+    return default
+
+
+def _rotary_gated(config: Mapping[str, Any], *, kv_heads: int | None, head_dim: int | None,
+                  max_positions: int, tie: bool) -> dict[str, Any]:
+    """Fields shared by the Llama-like families: RMSNorm, gated MLP, rotary, no positions."""
+    return {
+        "vocab_size": _value(config, ("vocab_size",)),
+        "hidden_size": _value(config, ("hidden_size",)),
+        "num_layers": _value(config, ("num_hidden_layers",)),
+        "num_heads": _value(config, ("num_attention_heads",)),
+        "num_kv_heads": _value(config, ("num_key_value_heads",), kv_heads),
+        "head_dim": _value(config, ("head_dim",), head_dim),
+        "intermediate_size": _value(config, ("intermediate_size",)),
+        "max_position_embeddings": _value(config, ("max_position_embeddings",), max_positions),
+        "position_embedding": "rotary",
+        "norm": "rmsnorm",
+        "mlp": "gated",
+        "tie_word_embeddings": _value(config, ("tie_word_embeddings",), tie),
+    }
+
+
+def _llama(config: Mapping[str, Any]) -> dict[str, Any]:
+    # LlamaConfig: max_position_embeddings 2048, untied; LlamaAttention puts `attention_bias` on
+    # q, k, v and o_proj; LlamaMLP puts `mlp_bias` on all three projections.
+    fields = _rotary_gated(config, kv_heads=None, head_dim=None, max_positions=2048, tie=False)
+    bias = _value(config, ("attention_bias",), False)
+    return fields | {"attention_bias": bias, "attention_out_bias": bias,
+                     "mlp_bias": _value(config, ("mlp_bias",), False)}
+
+
+def _mistral(config: Mapping[str, Any]) -> dict[str, Any]:
+    # MistralConfig: num_key_value_heads 8, max_position_embeddings 4096 * 32, untied; no biases.
+    return _rotary_gated(config, kv_heads=8, head_dim=None, max_positions=4096 * 32, tie=False)
+
+
+def _mixtral(config: Mapping[str, Any]) -> dict[str, Any]:
+    # MixtralConfig: as Mistral, plus num_local_experts 8 and num_experts_per_tok 2; the router
+    # (MixtralTopKRouter) is a bias-free h x experts matrix.
+    return _mistral(config) | {
+        "num_experts": _value(config, ("num_local_experts",), 8),
+        "experts_per_token": _value(config, ("num_experts_per_tok",), 2),
+    }
+
+
+def _qwen2(config: Mapping[str, Any]) -> dict[str, Any]:
+    # Qwen2Config: num_key_value_heads 32, max_position_embeddings 32768, untied; Qwen2Attention
+    # has bias=True on q, k, v and bias=False on o_proj.
+    fields = _rotary_gated(config, kv_heads=32, head_dim=None, max_positions=32768, tie=False)
+    return fields | {"attention_bias": True, "attention_out_bias": False}
+
+
+def _gemma(config: Mapping[str, Any]) -> dict[str, Any]:
+    # GemmaConfig: num_key_value_heads 16, head_dim 256 (not hidden/heads: 7B has 16 x 256 = 4096
+    # query width on a 3072 model), max_position_embeddings 8192, tied; GemmaAttention puts
+    # `attention_bias` on q, k, v and o_proj. GemmaRMSNorm holds one weight of size h.
+    fields = _rotary_gated(config, kv_heads=16, head_dim=256, max_positions=8192, tie=True)
+    bias = _value(config, ("attention_bias",), False)
+    return fields | {"attention_bias": bias, "attention_out_bias": bias}
+
+
+def _phi3(config: Mapping[str, Any]) -> dict[str, Any]:
+    # Phi3Config: max_position_embeddings 4096, untied. Phi3Attention fuses q, k, v into one
+    # bias-free qkv_proj of h x (q + 2 kv) and Phi3MLP fuses gate and up into gate_up_proj
+    # (h x 2i): the same elements as separate projections.
+    return _rotary_gated(config, kv_heads=None, head_dim=None, max_positions=4096, tie=False)
+
+
+def _gpt2(config: Mapping[str, Any]) -> dict[str, Any]:
+    # GPT2Config: n_positions 1024, n_inner None -> 4 * n_embd (GPT2Block), tied; its
+    # attribute_map lets hidden_size etc. stand for n_embd etc. GPT2Attention's c_attn / c_proj
+    # and GPT2MLP's c_fc / c_proj are Conv1D layers, all with bias; LayerNorms have bias.
+    if config.get("add_cross_attention"):
+        raise _ConfigProblem("add_cross_attention (GPT-2 with cross-attention) is not supported")
+    hidden = _value(config, ("n_embd", "hidden_size"))
+    return {
+        "vocab_size": _value(config, ("vocab_size",)),
+        "hidden_size": hidden,
+        "num_layers": _value(config, ("n_layer", "num_hidden_layers")),
+        "num_heads": _value(config, ("n_head", "num_attention_heads")),
+        "intermediate_size": _value(config, ("n_inner",), 4 * hidden if isinstance(hidden, int) else hidden),
+        "max_position_embeddings": _value(config, ("n_positions", "max_position_embeddings"), 1024),
+        "position_embedding": "learned",
+        "norm": "layernorm",
+        "mlp": "gelu",
+        "attention_bias": True,
+        "attention_out_bias": True,
+        "mlp_bias": True,
+        "tie_word_embeddings": _value(config, ("tie_word_embeddings",), True),
+    }
+
+
+def _gpt_neox(config: Mapping[str, Any]) -> dict[str, Any]:
+    # GPTNeoXConfig: max_position_embeddings 2048, untied (the head is a separate embed_out /
+    # lm_head), attention_bias True on query_key_value and dense; GPTNeoXMLP's dense_h_to_4h and
+    # dense_4h_to_h always have bias; LayerNorms have bias. Rotary (rotary_pct) has no parameters.
+    bias = _value(config, ("attention_bias",), True)
+    return {
+        "vocab_size": _value(config, ("vocab_size",)),
+        "hidden_size": _value(config, ("hidden_size",)),
+        "num_layers": _value(config, ("num_hidden_layers",)),
+        "num_heads": _value(config, ("num_attention_heads",)),
+        "intermediate_size": _value(config, ("intermediate_size",)),
+        "max_position_embeddings": _value(config, ("max_position_embeddings",), 2048),
+        "position_embedding": "rotary",
+        "norm": "layernorm",
+        "mlp": "gelu",
+        "attention_bias": bias,
+        "attention_out_bias": bias,
+        "mlp_bias": True,
+        "tie_word_embeddings": _value(config, ("tie_word_embeddings",), False),
+    }
+
+
+_FAMILIES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+    "gemma": _gemma,
+    "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+    "llama": _llama,
+    "mistral": _mistral,
+    "mixtral": _mixtral,
+    "phi3": _phi3,
+    "qwen2": _qwen2,
+}
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))
+
+
+def is_hf_config(data: Mapping[str, Any]) -> bool:
+    """A parsed JSON object is a Hugging Face config (not a zeroplan spec) if it has model_type."""
+    return "model_type" in data
+
+
+def spec_from_hf_config(config: Mapping[str, Any], name: str, source: str | None = None) -> TransformerSpec:
+    """The `TransformerSpec` of a Hugging Face config.json, for the supported model types.
+
+    `source` (the file or URL it came from) is recorded in the spec and names it in errors.
+    """
+    where = source or f"config.json of {name}"
+    model_type = config.get("model_type")
+    family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise SpecError(
+            f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    try:
+        fields = family(config) | {"name": name, "source": source, "hf_model_type": model_type}
+    except _ConfigProblem as exc:
+        raise SpecError(f"{where}: {exc}") from None
+    try:
+        return TransformerSpec.model_validate(fields)
+    except ValidationError as exc:
+        # Imported here, not at the top: catalog imports this module when it meets a config.json.
+        from zeroplan.catalog import describe_validation_error
+
+        raise SpecError(describe_validation_error(exc, where)) from None
