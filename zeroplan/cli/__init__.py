@@ -1,0 +1,40 @@
+"""The `zeroplan` command line: a thin click layer over the library.
+
+Each command is a module of this package exposing `command` (a click command), loaded only when
+it runs. To add one, write `zeroplan/cli/<name>.py` and list it in COMMANDS.
+"""
+
+from __future__ import annotations
+
+import click
+
+from zeroplan import __version__
+from zeroplan.cli.group import LazyGroup
+
+COMMANDS = {
+    # command name -> module under zeroplan.cli holding `command`
+    "estimate": "estimate",
+    "models": "models",
+}
+
+
+@click.group(
+    cls=LazyGroup,
+    commands=COMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.version_option(__version__, "-V", "--version", prog_name="zeroplan")
+def cli() -> None:
+    """Plan ZeRO / FSDP training memory: how many bytes per GPU, in which phase, and does it fit.
+
+    \b
+    Examples:
+      zeroplan estimate llama-2-7b --gpus 8 --zero 3
+      zeroplan estimate --params 7.5e9 --gpus 64 --zero 3 --engine paper --units GB
+      zeroplan models
+    """
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the `zeroplan` console script and `python -m zeroplan`."""
+    cli.main(args=args, prog_name="zeroplan")

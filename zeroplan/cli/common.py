@@ -1,0 +1,115 @@
+"""Options shared by the commands that estimate (estimate, compare, plan, measure), as decorators.
+
+Training options carry the names of the TrainingSpec fields they set (`--zero` -> zero_stage) and
+default to None ("not given"), so that `zeroplan.options.training_spec_from_options` can lay them
+over a `--config` file and the spec's defaults. Help texts are the spec's field descriptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from zeroplan.errors import ZeroplanError
+from zeroplan.report import FORMATS, UNITS
+from zeroplan.spec.training import Attention, Checkpointing, Device, Engine, Offload, Optimizer, Precision, TrainingSpec
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CountType(click.ParamType):
+    """A whole positive count: 6738415616, 7.5e9, 7B, 125M."""
+
+    name = "N"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        from zeroplan.options import parse_count
+
+        try:
+            return parse_count(value, param.opts[0] if param else "count")
+        except ZeroplanError as error:
+            self.fail(str(error).split(": ", 1)[-1], param, ctx)
+
+
+class SizeType(click.ParamType):
+    """A memory size: 80GiB, 40GB, 24e9 (bytes)."""
+
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        from zeroplan.units import parse_size_bytes
+
+        try:
+            return parse_size_bytes(value, param.opts[0] if param else "size")
+        except ZeroplanError as error:
+            self.fail(str(error).split(": ", 1)[-1], param, ctx)
+
+
+def _help(field: str, extra: str = "") -> str:
+    info = TrainingSpec.model_fields[field]
+    default = info.default.value if hasattr(info.default, "value") else info.default
+    shown = "min(gpus, 8)" if field == "gpus_per_node" else default
+    return f"{info.description}{extra} [default: {shown}]"
+
+
+def _choice(enum: type) -> click.Choice:
+    return click.Choice([member.value for member in enum])
+
+
+def _apply(decorators: list[Callable[[F], F]], function: F) -> F:
+    for decorator in reversed(decorators):
+        function = decorator(function)
+    return function
+
+
+_POSITIVE = click.IntRange(min=1)
+
+MODEL_OPTIONS = [
+    click.argument("model", required=False, metavar="[MODEL]"),
+    click.option("--params", type=CountType(), help="Estimate a model known by its parameter count only (e.g. 7.5e9, 7B); model states only, no activations. Not with MODEL."),
+    click.option("--largest-layer", "largest_layer", type=CountType(), help="With --params: parameters of the largest layer (ZeRO-3 gathers one layer at a time)."),
+    click.option("--trainable-params", "trainable_params", type=CountType(), help="With --params: parameters that train (the rest are frozen: no gradients, no optimizer states)."),
+]
+
+TRAINING_OPTIONS = [
+    click.option("--gpus", "gpus", type=_POSITIVE, help=_help("gpus")),
+    click.option("--gpus-per-node", "gpus_per_node", type=_POSITIVE, help=_help("gpus_per_node")),
+    click.option("--zero", "zero_stage", type=click.IntRange(0, 3), metavar="{0,1,2,3}", help=_help("zero_stage")),
+    click.option("--offload-optimizer", "offload_optimizer", type=_choice(Offload), help=_help("offload_optimizer")),
+    click.option("--offload-params", "offload_params", type=_choice(Offload), help=_help("offload_params")),
+    click.option("--precision", "precision", type=_choice(Precision), help=_help("precision")),
+    click.option("--optimizer", "optimizer", type=_choice(Optimizer), help=_help("optimizer")),
+    click.option("--micro-batch", "micro_batch", type=_POSITIVE, help=_help("micro_batch")),
+    click.option("--seq-len", "seq_len", type=_POSITIVE, help=_help("seq_len")),
+    click.option("--grad-accum", "grad_accum", type=_POSITIVE, help=_help("grad_accum")),
+    click.option("--checkpointing", "checkpointing", type=_choice(Checkpointing), help=_help("checkpointing")),
+    click.option("--attention", "attention", type=_choice(Attention), help=_help("attention")),
+    click.option("--engine", "engine", type=_choice(Engine), help=_help("engine")),
+    click.option("--device", "device", type=_choice(Device), help=_help("device")),
+    click.option(
+        "--config", "config_file", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+        help="DeepSpeed JSON config or ColossalAI-style Python config (parsed, never run); options given here override it.",
+    ),
+    click.option("--gpu-memory", "gpu_memory", type=SizeType(), help="Memory of one GPU (e.g. 80GiB, 40GB); reports whether the peak fits."),
+]
+
+OUTPUT_OPTIONS = [
+    click.option("--format", "output_format", type=click.Choice(FORMATS), default="table", show_default=True, help="Output format; json is a stable contract with sizes in bytes."),
+    click.option("--units", "units", type=click.Choice(UNITS), default="GiB", show_default=True, help="GiB = 2^30 bytes, GB = 10^9 bytes (json is always bytes)."),
+]
+
+
+def estimate_options(function: F) -> F:
+    """MODEL or --params, every training option, --config and --gpu-memory."""
+    return _apply(MODEL_OPTIONS + TRAINING_OPTIONS, function)
+
+
+def output_options(function: F) -> F:
+    """--format and --units."""
+    return _apply(OUTPUT_OPTIONS, function)

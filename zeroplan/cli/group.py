@@ -1,0 +1,68 @@
+"""The click group behind `zeroplan`: loads each command's module only when it is used, and turns
+every user error into one line on stderr with exit status 2.
+
+User errors are click's usage errors, `ZeroplanError`, and pydantic's `ValidationError`; anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+import click
+
+from zeroplan.errors import ZeroplanError
+
+USER_ERROR_STATUS = 2
+
+
+def fail(message: str) -> NoReturn:
+    """Print `message` as one line on stderr and exit with status 2."""
+    click.echo(f"Error: {' '.join(str(message).split())}", err=True)
+    sys.exit(USER_ERROR_STATUS)
+
+
+class LazyGroup(click.Group):
+    """A group whose commands live in modules of `zeroplan.cli`, imported on first use."""
+
+    def __init__(self, *args: Any, commands: Mapping[str, str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.command_modules = dict(commands)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.command_modules)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.command_modules:
+            return None
+        return importlib.import_module(f"zeroplan.cli.{self.command_modules[cmd_name]}").command
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> Any:
+        """click's main, with user errors reported on one line (click prints usage and a hint over
+        three lines, and a library error would otherwise end in a traceback)."""
+        extra.pop("standalone_mode", None)
+        try:
+            status = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.UsageError as error:
+            hint = f" (see '{error.ctx.command_path} -h')" if error.ctx is not None else ""
+            fail(error.format_message() + hint)
+        except click.ClickException as error:
+            fail(error.format_message())
+        except click.Abort:
+            fail("aborted")
+        except ZeroplanError as error:
+            fail(str(error))
+        except Exception as error:
+            from pydantic import ValidationError
+
+            if not isinstance(error, ValidationError):
+                raise
+            from zeroplan.options import validation_message
+
+            fail(validation_message(error))
+        # standalone_mode=False returns the exit code of `ctx.exit(code)` (--help, --version) or the
+        # command's return value (None).
+        sys.exit(status if isinstance(status, int) else 0)

@@ -1,0 +1,66 @@
+"""An `Estimate` as plain JSON-ready data: the contract scripts rely on (`zeroplan estimate
+--format json`), and the one source every other output format is rendered from.
+
+All sizes are ints in bytes. Keys:
+- `model`: name, params, trainable_params, implementation;
+- `engine`;
+- `per_gpu`: the categories live at the peak (params, grads, optimizer_states, activations,
+  buffers, temporaries, overhead; they sum to `peak`), `peak`, `peak_step` (first/steady),
+  `peak_phase` (init/forward/backward/optimizer_step);
+- `phases`: one entry per (step, phase) with the same categories and their `total`;
+- `per_node`: cpu (pinned included), pinned, nvme;
+- `config`: the TrainingSpec (gpus_per_node resolved), which reads back with
+  `TrainingSpec.model_validate`;
+- `gpu_memory` and `fits` (peak <= gpu_memory) only when a GPU memory size was given;
+- `notes`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from zeroplan.estimate.result import CategoryBytes, Estimate, PhaseBytes
+
+if TYPE_CHECKING:
+    from zeroplan.spec.training import TrainingSpec
+
+CATEGORIES = tuple(CategoryBytes().as_dict())
+"""Category keys, in report order."""
+
+
+def phase_to_dict(phase: PhaseBytes) -> dict[str, Any]:
+    return {"step": phase.step.value, "phase": phase.phase.value, **phase.categories.as_dict(), "total": phase.total_bytes}
+
+
+def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_bytes: int | None = None) -> dict[str, Any]:
+    """The JSON contract for one estimate of `training` (see the module docstring)."""
+    peak = estimate.peak
+    config = training.model_dump(mode="json")
+    config["gpus_per_node"] = training.node_gpus
+    data: dict[str, Any] = {
+        "model": {
+            "name": estimate.model.name,
+            "params": estimate.model.params,
+            "trainable_params": estimate.model.trainable_params,
+            "implementation": estimate.model.implementation,
+        },
+        "engine": estimate.engine,
+        "per_gpu": {
+            **peak.categories.as_dict(),
+            "peak": peak.total_bytes,
+            "peak_step": peak.step.value,
+            "peak_phase": peak.phase.value,
+        },
+        "phases": [phase_to_dict(phase) for phase in estimate.phases],
+        "per_node": {
+            "cpu": estimate.per_node.cpu_bytes,
+            "pinned": estimate.per_node.pinned_bytes,
+            "nvme": estimate.per_node.nvme_bytes,
+        },
+        "config": config,
+        "notes": list(estimate.notes),
+    }
+    if gpu_memory_bytes is not None:
+        data["gpu_memory"] = gpu_memory_bytes
+        data["fits"] = peak.total_bytes <= gpu_memory_bytes
+    return data

@@ -1,0 +1,122 @@
+"""From what a user typed (command-line options, an engine config file) to validated specs.
+
+The CLI names its training options after the `TrainingSpec` fields they set (`--zero` sets
+`zero_stage`, `--micro-batch` sets `micro_batch`); a value of None means "not given". Precedence,
+highest first: an explicit option, the `--config` file, the spec's default. Every failure is a
+`SpecError` with a one-line message naming the field, so the CLI only has to print it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zeroplan.errors import SpecError
+
+if TYPE_CHECKING:  # pydantic and the specs are imported when first needed, not at CLI start-up
+    from pydantic import ValidationError
+
+    from zeroplan.spec.model import ModelSpec
+    from zeroplan.spec.training import TrainingSpec
+
+_COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+_COUNT_PATTERN = re.compile(r"^\s*([0-9][0-9_,]*\.?[0-9]*(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
+
+
+def parse_count(text: str, field: str) -> int:
+    """A whole, positive count such as a parameter count: '6738415616', '6_738_415_616', '7.5e9',
+    '7B', '125M'. K/M/B/T are 10^3/10^6/10^9/10^12 (counts, not bytes). `field` names the option."""
+    match = _COUNT_PATTERN.match(str(text))
+    if not match:
+        raise SpecError(f"{field}: cannot read count {text!r}; write e.g. 6738415616, 7.5e9 or 7B")
+    try:
+        # Decimal keeps '6.738415616e9' exact, where float would round it.
+        number = Decimal(match.group(1).replace("_", "").replace(",", "")) * _COUNT_SUFFIX[match.group(2).upper()]
+    except InvalidOperation:
+        raise SpecError(f"{field}: cannot read count {text!r}; write e.g. 6738415616, 7.5e9 or 7B") from None
+    if number != number.to_integral_value():
+        raise SpecError(f"{field}: {text!r} is not a whole number")
+    if number < 1:
+        raise SpecError(f"{field}: must be at least 1, got {text!r}")
+    return int(number)
+
+
+def validation_message(error: ValidationError, source: str | None = None) -> str:
+    """One line for a pydantic ValidationError: each problem as `key.path: message (got value)`,
+    prefixed with where the values came from when known."""
+    problems = []
+    for item in error.errors(include_url=False):
+        message = str(item["msg"]).removeprefix("Value error, ")
+        path = ".".join(str(part) for part in item["loc"])
+        if path:
+            got = item.get("input")
+            if item["type"] != "missing" and not isinstance(got, (dict, list)):
+                message += f" (got {got!r})"
+            message = f"{path}: {message}"
+        problems.append(message)
+    count = f"{len(problems)} errors: " if len(problems) > 1 else ""
+    where = f"{source}: " if source else ""
+    return (where + count + "; ".join(problems)).replace("\n", " ")
+
+
+def training_fields() -> tuple[str, ...]:
+    """Names of the TrainingSpec fields an option may set."""
+    from zeroplan.spec.training import TrainingSpec
+
+    return tuple(TrainingSpec.model_fields)
+
+
+def training_spec_from_options(options: Mapping[str, Any], config_file: str | Path | None = None) -> TrainingSpec:
+    """The TrainingSpec for these options over the values read from `config_file`.
+
+    `options` maps TrainingSpec field names to values, None meaning "not given"; other keys (the
+    CLI passes all of its options) are ignored. `config_file` is a DeepSpeed JSON or a
+    ColossalAI-style Python config (`zeroplan.config_files.read_training_config`).
+    """
+    from pydantic import ValidationError
+
+    from zeroplan.spec.training import TrainingSpec
+
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        from zeroplan.config_files import read_training_config
+
+        values.update(read_training_config(config_file))
+    values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) is not None})
+    try:
+        return TrainingSpec.model_validate(values)
+    except ValidationError as error:
+        raise SpecError(validation_message(error)) from None
+
+
+def model_from_options(
+    model: str | None,
+    params: int | None = None,
+    largest_layer: int | None = None,
+    trainable_params: int | None = None,
+) -> ModelSpec:
+    """The model named by MODEL (a catalogue name, a spec file or a config.json), or one known only
+    by its parameter count (`--params`, with `--largest-layer` and `--trainable-params`)."""
+    if model is not None and params is not None:
+        raise SpecError(f"MODEL {model!r} and --params given together; give one: a model, or a parameter count")
+    if params is None:
+        if largest_layer is not None or trainable_params is not None:
+            raise SpecError("--largest-layer and --trainable-params describe a --params model; give --params too")
+        if model is None:
+            raise SpecError(
+                "missing MODEL: give a catalogue name (see `zeroplan models`), a spec file or a config.json, or --params N"
+            )
+        from zeroplan.catalog import resolve_model
+
+        return resolve_model(model)
+    from pydantic import ValidationError
+
+    from zeroplan.catalog import params_model
+
+    try:
+        return params_model(params, largest_layer, trainable_params)
+    except ValidationError as error:
+        raise SpecError(validation_message(error)) from None
