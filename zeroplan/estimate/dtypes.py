@@ -1,0 +1,60 @@
+"""Bytes per element of each model state, by precision and optimizer.
+
+Source: ZeRO paper (Rajbhandari et al. 2020), section 3.1: mixed-precision Adam keeps 2Ψ bytes of
+fp16 parameters, 2Ψ of fp16 gradients and KΨ = 12Ψ of optimizer states (fp32 master parameters,
+momentum and variance, 4 bytes each). Pure bf16 drops the master copy and keeps the states in bf16.
+8-bit Adam: bitsandbytes `Optimizer8bit.init_state` keeps each state as uint8 plus one fp32
+`absmax` per block of 256 elements (bitsandbytes/optim/optimizer.py, blocksize 256).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeroplan.spec.training import Optimizer, Precision
+
+FP32_BYTES = 4
+HALF_BYTES = 2  # fp16 and bf16
+ADAM_8BIT_BLOCK = 256  # bitsandbytes blockwise quantisation block (one fp32 absmax per block)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter element of each model state."""
+
+    param: int  # the working copy the forward pass reads
+    grad: int  # the gradient the backward pass writes (model precision)
+    master: int  # fp32 master copy kept by the optimizer (0 when none)
+    optimizer_states: float  # all optimizer states together (8-bit Adam has a fractional part)
+    activation: int  # element size of activations (the compute dtype)
+
+    @property
+    def k(self) -> float:
+        """The ZeRO paper's K: optimizer-held bytes per parameter (master + states)."""
+        return self.master + self.optimizer_states
+
+
+def optimizer_state_count(optimizer: Optimizer) -> int:
+    """States kept per parameter: Adam/AdamW two moments, SGD one momentum buffer."""
+    return 1 if optimizer == Optimizer.SGD else 2
+
+
+def state_bytes(precision: Precision, optimizer: Optimizer) -> StateBytes:
+    """Bytes per parameter for `precision` trained with `optimizer`."""
+    if precision == Precision.FP32:
+        param = grad = activation = FP32_BYTES
+        master = 0
+        state_element = FP32_BYTES
+    elif precision == Precision.PURE_BF16:
+        param = grad = activation = HALF_BYTES
+        master = 0
+        state_element = HALF_BYTES
+    else:  # fp16 / bf16 mixed precision: 16-bit working copy, fp32 master and states
+        param = grad = activation = HALF_BYTES
+        master = FP32_BYTES
+        state_element = FP32_BYTES
+    if optimizer == Optimizer.ADAM_8BIT:
+        states = 2 * (1 + FP32_BYTES / ADAM_8BIT_BLOCK)
+    else:
+        states = optimizer_state_count(optimizer) * state_element
+    return StateBytes(param=param, grad=grad, master=master, optimizer_states=states, activation=activation)

@@ -1,0 +1,78 @@
+"""PyTorch data parallelism: DDP (stage 0) and DDP + ZeroRedundancyOptimizer (stage 1).
+
+- DistributedDataParallel (torch/nn/parallel/distributed.py, csrc/distributed/c10d/reducer.cpp
+  `Reducer::initialize_buckets`): at construction the reducer allocates flat bucket tensors that
+  together hold one gradient per trainable parameter; with the default
+  gradient_as_bucket_view=False each .grad is a separate tensor copied into its bucket.
+- ZeroRedundancyOptimizer (torch/distributed/optim/zero_redundancy_optimizer.py
+  `_partition_parameters`): parameters sorted by size, largest first, each assigned to the rank
+  with the fewest elements so far; each rank's local optimizer holds states for its share only,
+  and `step()` broadcasts updated parameters in place.
+- Precision: fp32 and the 16-bit modes keep fp32 parameters (torch.autocast computes in 16-bit,
+  the optimizer sees fp32); pure-bf16 casts the model to bf16, states follow the parameter dtype.
+- Optimizer states are created lazily by the first `step()` (torch/optim/adam.py `_init_group`);
+  gradients are freed by `zero_grad(set_to_none=True)` after each step.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from zeroplan.estimate.activations import ActivationBytes
+from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_count
+from zeroplan.estimate.engines.common import EngineEstimate, activation_phases, phase, step_temporary_bytes
+from zeroplan.estimate.facts import ModelFacts
+from zeroplan.estimate.result import NodeBytes, Phase, Step
+from zeroplan.spec.training import Precision, TrainingSpec
+
+
+def zero_redundancy_shards(numels: list[int], world_size: int) -> list[list[int]]:
+    """The tensors each rank owns under ZeroRedundancyOptimizer's greedy partition."""
+    heap = [(0, rank) for rank in range(world_size)]
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for numel in sorted(numels, reverse=True):
+        size, rank = heapq.heappop(heap)
+        shards[rank].append(numel)
+        heapq.heappush(heap, (size + numel, rank))
+    return shards
+
+
+def estimate_torch(
+    facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None
+) -> EngineEstimate:
+    element = HALF_BYTES if training.precision == Precision.PURE_BF16 else FP32_BYTES
+    state_count = optimizer_state_count(training.optimizer)
+    trainable = [t.numel for t in facts.trainable_tensors] or [facts.trainable_params]
+    if training.zero_stage == 1:
+        local = max(zero_redundancy_shards(trainable, training.gpus), key=sum)
+    else:
+        local = trainable
+    params = facts.total_params * element
+    grads = facts.trainable_params * element
+    buckets = facts.trainable_params * element  # DDP reducer buckets, allocated at wrap time
+    states = sum(local) * state_count * element
+    temporaries = step_temporary_bytes(local, element, training)
+    fwd, bwd_start, recompute = activation_phases(acts)
+    accumulating = training.grad_accum > 1  # .grad survives between micro-batches
+
+    phases = []
+    for step, held_states in ((Step.FIRST, 0), (Step.STEADY, states)):
+        base = dict(params=params, buffers=buckets, optimizer_states=held_states)
+        if step == Step.FIRST:
+            phases.append(phase(step, Phase.INIT, **base))
+        grads_before = grads if accumulating else 0
+        phases.append(phase(step, Phase.FORWARD, **base, grads=grads_before, activations=fwd))
+        # Backward: its start holds every saved activation (and, accumulating, the gradients);
+        # its end holds all gradients; under full checkpointing one recomputed block is live.
+        start = dict(grads=grads_before, activations=bwd_start)
+        end = dict(grads=grads, activations=recompute)
+        worst = start if grads_before + bwd_start >= grads + recompute else end
+        phases.append(phase(step, Phase.BACKWARD, **base, **worst))
+        phases.append(
+            phase(step, Phase.OPTIMIZER_STEP, params=params, buffers=buckets, grads=grads,
+                  optimizer_states=states, temporaries=temporaries)
+        )
+    notes = []
+    if training.zero_stage == 1:
+        notes.append(f"ZeroRedundancyOptimizer: largest rank holds states for {sum(local):,} of {facts.trainable_params:,} elements")
+    return EngineEstimate(tuple(phases), NodeBytes(), tuple(notes))
