@@ -58,7 +58,7 @@ def _describe_config(data: dict[str, Any]) -> str:
     nodes = config["gpus"] // config["gpus_per_node"]
     parts = [
         f"{data['engine']} ZeRO-{config['zero_stage']}",
-        f"{config['gpus']} GPUs ({nodes} node{'s' if nodes > 1 else ''} x {config['gpus_per_node']})",
+        f"{config['gpus']} GPU{'s' if config['gpus'] > 1 else ''} ({nodes} node{'s' if nodes > 1 else ''} x {config['gpus_per_node']})",
         _PRECISION_LABELS.get(config["precision"], config["precision"]),
         config["optimizer"],
         f"micro-batch {config['micro_batch']} x {config['seq_len']} tokens",
