@@ -1,0 +1,68 @@
+"""Pictures of a comparison: one stacked bar per configuration, the bytes live at its peak by
+category, and the GPU memory as a line. matplotlib is an optional extra (`zeroplan[plot]`),
+imported only here and only when a picture is asked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zeroplan.compare import CATEGORIES, Comparison
+from zeroplan.errors import MissingDependencyError, SpecError
+from zeroplan.units import bytes_in_unit
+
+_LABELS = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer_states": "optimizer states",
+    "activations": "activations",
+    "buffers": "buffers",
+    "temporaries": "temporaries",
+    "overhead": "overhead",
+}
+_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#8C8C8C")
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependencyError("--plot needs matplotlib: pip install 'zeroplan[plot]'") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_comparison(comparison: Comparison, path: str | Path, units: str = "GiB") -> Path:
+    """Write a PNG (or any format matplotlib knows from the suffix) of `comparison` to `path`."""
+    if not comparison.rows:
+        raise SpecError("--plot: nothing to draw, every configuration of the grid was skipped")
+    plt = _pyplot()
+    rows = comparison.rows
+    labels = [f"{row.label.replace(' + ', chr(10) + '+ ')}\n{row.training.gpus} GPUs" for row in rows]
+    figure, axes = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 5.5))
+    bottoms = [0.0] * len(rows)
+    for category, colour in zip(CATEGORIES, _COLOURS):
+        heights = [bytes_in_unit(getattr(row.estimate.peak.categories, category), units) for row in rows]
+        if not any(heights):
+            continue
+        axes.bar(range(len(rows)), heights, bottom=bottoms, color=colour, label=_LABELS[category], width=0.7)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for index, row in enumerate(rows):
+        text = f"{bottoms[index]:,.1f}"
+        if row.saving_percent is not None and row.training.zero_stage > 0:
+            text += f"\n-{row.saving_percent:.0f}%" if row.saving_percent >= 0 else f"\n+{-row.saving_percent:.0f}%"
+        axes.annotate(text, (index, bottoms[index]), ha="center", va="bottom", fontsize=8)
+    if comparison.gpu_memory_bytes is not None:
+        memory = bytes_in_unit(comparison.gpu_memory_bytes, units)
+        axes.axhline(memory, color="black", linestyle="--", linewidth=1, label=f"GPU memory {memory:,.0f} {units}")
+    axes.set_xticks(range(len(rows)), labels, fontsize=8)
+    axes.set_ylabel(f"per-GPU memory at the peak ({units})")
+    axes.set_title(f"{comparison.model_name}: memory per GPU by ZeRO configuration")
+    axes.set_ylim(0, max(bottoms + [bytes_in_unit(comparison.gpu_memory_bytes or 0, units)]) * 1.15)
+    axes.legend(fontsize=8, loc="upper right")
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
