@@ -39,7 +39,7 @@ def _catalogue_dir() -> Path:
 
 def _catalogue_files() -> dict[str, Path]:
     folder = _catalogue_dir()
-    return {path.stem: path for path in sorted(folder.glob("*.toml"))}
+    return {path.stem: path for path in sorted(folder.glob("*.toml"), key=lambda path: path.stem)}
 
 
 def describe_validation_error(exc: ValidationError, where: str) -> str:

@@ -1,0 +1,143 @@
+"""Hugging Face config.json import: each family's keys and defaults, and the errors."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from zeroplan.architecture import param_layout
+from zeroplan.errors import SpecError
+from zeroplan.hf_config import SUPPORTED_MODEL_TYPES, spec_from_hf_config
+
+# Configs that leave out every key with a default, so the defaults decide the shapes. The head
+# counts fit each family's default num_key_value_heads (Mistral/Mixtral 8, Gemma 16, Qwen2 32).
+MINIMAL = {
+    "llama": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "mistral": {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 16},
+    "mixtral": {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 16},
+    "qwen2": {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 32},
+    "gemma": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 16},
+    "phi3": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "gpt2": {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4},
+    "gpt_neox": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4},
+}
+
+
+def _spec(model_type: str, **overrides):
+    return spec_from_hf_config({"model_type": model_type, **MINIMAL[model_type], **overrides}, "m")
+
+
+def test_minimal_configs_cover_every_supported_type():
+    assert set(MINIMAL) == set(SUPPORTED_MODEL_TYPES)
+
+
+def test_gpt2_keys_and_defaults():
+    spec = _spec("gpt2")
+    assert (spec.hidden_size, spec.num_layers, spec.num_heads) == (32, 2, 4)
+    assert spec.intermediate_size == 4 * 32  # n_inner None -> 4 * n_embd
+    assert spec.max_position_embeddings == 1024  # n_positions
+    assert spec.tie_word_embeddings and spec.position_embedding == "learned" and spec.norm == "layernorm"
+    assert spec.attention_bias and spec.attention_out_bias and spec.mlp_bias
+    assert _spec("gpt2", n_inner=100, n_positions=64).intermediate_size == 100
+    # GPT2Config.attribute_map: the generic names stand for n_embd etc.
+    aliased = spec_from_hf_config(
+        {"model_type": "gpt2", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}, "m"
+    )
+    assert aliased == spec
+
+
+def test_gpt_neox_biases_and_untied_head():
+    spec = _spec("gpt_neox")
+    assert not spec.tie_word_embeddings and spec.position_embedding == "rotary" and spec.norm == "layernorm"
+    assert spec.attention_bias and spec.attention_out_bias and spec.mlp_bias and spec.mlp == "gelu"
+    no_bias = _spec("gpt_neox", attention_bias=False)
+    assert not no_bias.attention_bias and not no_bias.attention_out_bias and no_bias.mlp_bias
+
+
+def test_llama_family_defaults():
+    llama = _spec("llama")
+    assert llama.kv_heads == 4 and not llama.tie_word_embeddings and llama.max_position_embeddings == 2048
+    assert not (llama.attention_bias or llama.attention_out_bias or llama.mlp_bias)
+    biased = _spec("llama", attention_bias=True, mlp_bias=True)
+    assert biased.attention_bias and biased.attention_out_bias and biased.mlp_bias
+    assert _spec("llama", num_key_value_heads=None).kv_heads == 4  # null means "as many as heads"
+    assert _spec("mistral").kv_heads == 8 and _spec("mistral").max_position_embeddings == 4096 * 32
+    mixtral = _spec("mixtral")
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.kv_heads) == (8, 2, 8)
+    fewer = _spec("mixtral", num_local_experts=4, num_experts_per_tok=1)
+    assert (fewer.num_experts, fewer.experts_per_token) == (4, 1)
+
+
+def test_qwen2_has_qkv_bias_only():
+    spec = _spec("qwen2")
+    assert spec.attention_bias and not spec.attention_out_bias and not spec.mlp_bias
+    assert spec.kv_heads == 32 and spec.max_position_embeddings == 32768
+
+
+def test_gemma_head_dim_and_tying():
+    spec = _spec("gemma")
+    assert spec.head_dim == 256 and spec.kv_heads == 16 and spec.tie_word_embeddings
+    assert spec.max_position_embeddings == 8192
+    assert _spec("gemma", head_dim=8).dim_per_head == 8
+
+
+def test_phi3_counts_as_separate_projections():
+    spec = _spec("phi3")
+    assert spec.mlp == "gated" and spec.kv_heads == 4 and not spec.tie_word_embeddings
+    assert not (spec.attention_bias or spec.attention_out_bias or spec.mlp_bias)
+
+
+def test_name_source_and_model_type_are_recorded():
+    spec = spec_from_hf_config({"model_type": "llama", **MINIMAL["llama"]}, "mine", source="cfg/config.json")
+    assert (spec.name, spec.source, spec.hf_model_type) == ("mine", "cfg/config.json", "llama")
+
+
+def test_unsupported_model_type_lists_the_supported_ones():
+    with pytest.raises(
+        SpecError,
+        match=r"^x/config\.json: model_type 'bert' is not supported; supported: gemma, gpt2, gpt_neox, llama, mistral, mixtral, phi3, qwen2$",
+    ):
+        spec_from_hf_config({"model_type": "bert", "hidden_size": 8}, "m", source="x/config.json")
+    with pytest.raises(SpecError, match=r"model_type None is not supported"):
+        spec_from_hf_config({"hidden_size": 8}, "m")
+
+
+@pytest.mark.parametrize("model_type, key", [("llama", "intermediate_size"), ("gpt2", "n_embd"), ("gpt_neox", "vocab_size")])
+def test_missing_required_key_is_named(model_type, key):
+    config = {"model_type": model_type, **MINIMAL[model_type]}
+    del config[key]
+    with pytest.raises(SpecError, match=rf"^config\.json of m: no '{key}', required for model_type '{model_type}'$"):
+        spec_from_hf_config(config, "m")
+
+
+def test_bad_values_name_the_spec_field():
+    with pytest.raises(SpecError, match=r"^c\.json: num_heads: Input should be greater than or equal to 1$"):
+        spec_from_hf_config({"model_type": "llama", **MINIMAL["llama"], "num_attention_heads": 0}, "m", source="c.json")
+    with pytest.raises(SpecError, match=r"^c\.json: num_kv_heads 3 does not divide num_heads 4$"):
+        spec_from_hf_config({"model_type": "llama", **MINIMAL["llama"], "num_key_value_heads": 3}, "m", source="c.json")
+    with pytest.raises(SpecError, match=r"add_cross_attention"):
+        _spec("gpt2", add_cross_attention=True)
+
+
+def test_code_references_are_not_followed():
+    config = {
+        "model_type": "llama",
+        **MINIMAL["llama"],
+        "auto_map": {"AutoModelForCausalLM": "zeroplan_test_remote_code.Model"},
+        "trust_remote_code": True,
+    }
+    spec_from_hf_config(config, "m")
+    assert not any(name.startswith("zeroplan_test_remote_code") for name in sys.modules)
+
+
+@pytest.mark.parametrize("model_type", sorted(MINIMAL))
+def test_defaults_agree_with_transformers(model_type):
+    # Build each minimal config with transformers itself: its defaults fill the same gaps.
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    token_ids = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}  # within the tiny vocabulary
+    config = transformers.AutoConfig.for_model(model_type, **MINIMAL[model_type], **token_ids)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == param_layout(_spec(model_type)).total_params

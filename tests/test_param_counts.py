@@ -1,0 +1,118 @@
+"""Parameter counts: the catalogue against published totals, and against transformers' own models.
+
+Published totals come from the Hugging Face Hub (safetensors metadata of the checkpoints) or the
+model card, as cited in each `model_specs/<name>.toml`. Where transformers is installed, each
+`tests/data/hf_configs/<name>.json` (a model's config.json) is built on the meta device (no
+memory, no weights) and its parameters are counted tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from zeroplan.architecture import param_layout
+from zeroplan.catalog import list_models, resolve_model
+from zeroplan.hf_config import SUPPORTED_MODEL_TYPES, spec_from_hf_config
+
+# Exact totals as published (Hugging Face Hub safetensors metadata; GPT-2: transformers'
+# GPT2LMHeadModel.num_parameters(), the head tied to the token embedding).
+PUBLISHED = {
+    "gpt2": 124_439_808,
+    "gpt2-xl": 1_557_611_200,
+    "llama-2-7b": 6_738_415_616,
+    "llama-2-70b": 68_976_648_192,
+    "llama-3-8b": 8_030_261_248,
+    "llama-3-70b": 70_553_706_496,
+    "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704,
+}
+
+HF_CONFIGS = sorted((Path(__file__).parent / "data" / "hf_configs").glob("*.json"))
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("name, total", PUBLISHED.items())
+def test_published_totals(name, total):
+    spec = resolve_model(name)
+    assert spec.published_params == total
+    assert param_layout(spec).total_params == total
+
+
+@pytest.mark.parametrize(
+    "spec", [s for s in list_models() if s.kind == "transformer" and s.published_params], ids=lambda s: s.name
+)
+def test_every_published_catalogue_total_is_met(spec):
+    assert param_layout(spec).total_params == spec.published_params
+
+
+def test_pythia_1b_non_embedding_params_match_model_card():
+    # EleutherAI/pythia-1b model card: 805,736,448 non-embedding parameters (embed_in and the
+    # untied embed_out excluded).
+    spec = resolve_model("pythia-1b")
+    embeddings = 2 * spec.vocab_size * spec.hidden_size
+    assert param_layout(spec).total_params - embeddings == 805_736_448
+
+
+def test_mixtral_active_params_per_token():
+    # Mistral AI's Mixtral announcement: 46.7B total, 12.9B used per token (2 of 8 experts).
+    spec = resolve_model("mixtral-8x7b")
+    layout = param_layout(spec)
+    expert = 3 * spec.hidden_size * spec.intermediate_size
+    active = layout.total_params - spec.num_layers * (spec.num_experts - spec.experts_per_token) * expert
+    assert round(active / 1e9, 1) == 12.9
+
+
+def test_hf_configs_cover_every_supported_model_type():
+    assert {_read(path)["model_type"] for path in HF_CONFIGS} == set(SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("path", HF_CONFIGS, ids=lambda p: p.stem)
+def test_config_json_and_catalogue_agree(path):
+    from_config = spec_from_hf_config(_read(path), path.stem)
+    from_catalogue = resolve_model(path.stem)
+    ignore = {"name", "source", "published_params"}
+    assert from_config.model_dump(exclude=ignore) == from_catalogue.model_dump(exclude=ignore)
+
+
+def _decoder_layers(model, num_layers: int):
+    """The ModuleList of transformer blocks, whatever the family calls it (h, layers)."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise LookupError("no ModuleList of the model's depth")
+
+
+# Families whose blocks hold q, k, v, o and the MLP as separate tensors, as param_layout lists
+# them; GPT-2 (c_attn), GPT-NeoX (query_key_value), Phi-3 (qkv_proj, gate_up_proj) and Mixtral
+# (experts stored as one 3-D tensor each) fuse some, so only their sums can agree.
+_UNFUSED = {"llama", "mistral", "qwen2", "gemma"}
+
+
+@pytest.mark.parametrize("path", HF_CONFIGS, ids=lambda p: p.stem)
+def test_transformers_meta_model_has_the_same_parameters(path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = _read(path)
+    spec = spec_from_hf_config(config, path.stem)
+    layout = param_layout(spec)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+
+    assert sum(p.numel() for p in model.parameters()) == layout.total_params  # tied weights once
+
+    # Per module group, the units ZeRO-3 and FSDP2 gather: embeddings, one block, the rest.
+    embeddings = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
+    block = _decoder_layers(model, spec.num_layers)[0]
+    assert embeddings == layout.embedding_params
+    assert sum(p.numel() for p in block.parameters()) == layout.block_params
+    if config["model_type"] in _UNFUSED:
+        assert Counter(p.numel() for p in block.parameters()) == Counter(t.numel for t in layout.block)
