@@ -1,0 +1,347 @@
+"""Live-tensor accounting: the bytes of every live tensor storage, per phase, by category at the peak.
+
+How it counts (the method of torch/distributed/_tools/mem_tracker.py, `MemTracker`):
+- a `TorchDispatchMode` sees the outputs of every aten op run while it is active; each storage
+  not seen before is recorded with its `nbytes()`, and a weak reference on the storage object
+  releases it when the storage is freed (torch keeps one Python object per storage while any
+  tensor uses it, so the callback fires when the memory is released);
+- `torch.UntypedStorage.resize_` is patched, because it is not an aten op: FSDP2 frees and
+  re-allocates its unsharded parameters by resizing their storages to 0 and back
+  (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `free_storage` / `alloc_storage`).
+Enter it before the model is built and before the engine wraps it, or the engine's buffers
+(DDP's buckets, DeepSpeed's reduce bucket) are missed. What it cannot see: memory a kernel uses
+internally without returning it as a tensor, and tensors created on threads other than the one
+that entered the mode (gloo's worker threads allocate none that outlive a collective).
+
+Categories at the peak. Only the engine runner knows which live tensors are parameters,
+gradients, optimizer states or engine buffers (`EngineRunner.tensors_by_category`), and that
+changes within a phase (a gradient appears, an unsharded parameter is freed). Asking it at
+every new peak would cost O(live tensors) per allocation. Instead the accounting keeps
+- a *base*: the live storages with their bytes and categories, classified by the runner at one
+  moment, and
+- a *log* of every allocation, free and resize since the base.
+The live set at the peak is the base replayed up to the peak's position in the log, so the
+total is exact. The base is re-taken (one classification) whenever the peak has grown by
+`granularity` since the last re-take, and when the log gets long; a re-take at a new peak
+records that peak's breakdown exactly. A storage born after the last re-take and freed before
+the phase ends cannot be asked about any more: it counts under the phase's default category
+(activations in forward/backward, temporaries otherwise). Those bytes are at most the growth
+since the last re-take, so the error of any category is below `granularity` bytes; the
+categories always sum to the peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from zeroplan.measure.engines import CATEGORIES, ENGINE_CATEGORIES
+
+Classifier = Callable[[], dict[str, list[torch.Tensor]]]
+
+_ACTIVE: list["TensorAccounting"] = []  # the accountings entered, innermost last
+
+
+@contextlib.contextmanager
+def births_as(category: str):
+    """For engine runners: storages born inside this block count as `category` in the active
+    accounting unless the runner names them. Does nothing when no accounting is active."""
+    if not _ACTIVE:
+        yield
+        return
+    with _ACTIVE[-1].births_as(category):
+        yield
+
+
+@dataclass
+class PhaseMemory:
+    """Bytes of one phase: live at its end, its peak, and the categories at that peak."""
+
+    name: str
+    live_bytes: int
+    peak_bytes: int
+    peak_categories: dict[str, int]
+    start_bytes: int = 0
+
+
+@dataclass
+class _Storage:
+    serial: int
+    key: int  # id() of the storage object
+    nbytes: int
+    ref: weakref.ref
+
+
+@dataclass
+class _Base:
+    """The live storages at one moment: serial -> bytes, and serial -> category (classified ones)."""
+
+    nbytes: dict[int, int]
+    category: dict[int, str]
+
+
+@dataclass
+class _Phase:
+    name: str
+    default_category: str
+    born_as: str | None  # category of storages born in this phase that the runner never names
+    start_bytes: int
+    peak_bytes: int
+    base: _Base
+    log: list[tuple[int, int]] = field(default_factory=list)  # (serial, nbytes after the event)
+    peak_log_len: int | None = 0  # the peak is base + log[:peak_log_len]; None: peak_storages holds it
+    peak_storages: dict[int, tuple[int, str | None]] | None = None
+    peak_at_retake_bytes: int = 0
+
+
+class TensorAccounting(TorchDispatchMode):
+    """Counts live tensor storage bytes while active; phases give peaks and categories at peaks.
+
+    Usage:
+        with TensorAccounting() as acc:
+            acc.begin_phase("model", default_category="temporaries")
+            model = build()
+            phase = acc.end_phase()
+            acc.set_classifier(runner.tensors_by_category)
+    """
+
+    def __init__(self, *, granularity_fraction: float = 1 / 256, min_granularity_bytes: int = 64 * 1024):
+        super().__init__()
+        self.granularity_fraction = granularity_fraction
+        self.min_granularity_bytes = min_granularity_bytes
+        self.current_bytes = 0
+        self._live: dict[int, _Storage] = {}  # id(storage object) -> record
+        self._by_serial: dict[int, _Storage] = {}
+        self._born_as: dict[int, str] = {}  # serial -> category given at birth (see begin_phase)
+        self._next_serial = 0
+        self._classifier: Classifier | None = None
+        self._phase: _Phase | None = None
+        self._lock = threading.Lock()  # not reentrant: a free seen while we hold it is queued
+        self._pending_frees: deque[int] = deque()
+        self._birth_category: str | None = None
+        self._orig_resize = None
+        self._active = False
+        self.classifications = 0  # how many times the runner was asked (the cost of the method)
+
+    # -- entering and leaving ---------------------------------------------------------------
+    def __enter__(self):
+        self._orig_resize = torch.UntypedStorage.resize_
+        orig_resize, accounting = self._orig_resize, self
+
+        def resize_(storage, size):  # not an aten op, so the mode does not see it
+            result = orig_resize(storage, size)
+            accounting._on_resize(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        self._active = True
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._active = False
+        _ACTIVE.remove(self)
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
+
+    # -- the dispatch hook ------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat, _ = tree_flatten(out)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if tensors:
+            with self._lock:
+                self._drain()
+                for t in tensors:
+                    for storage in get_untyped_storages(t):
+                        self._track(storage)
+                self._drain()
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        record = self._live.get(id(storage))
+        if record is not None and record.ref() is storage:
+            if record.nbytes != storage.nbytes():  # an in-place resize through an aten op
+                self._set_bytes(record, storage.nbytes())
+            return
+        serial = self._next_serial
+        self._next_serial += 1
+        key = id(storage)
+        ref = weakref.ref(storage, lambda _ref, serial=serial: self._on_free(serial))
+        record = _Storage(serial, key, 0, ref)
+        self._live[key] = record
+        born_as = self._birth_category or (self._phase.born_as if self._phase is not None else None)
+        if born_as is not None:
+            self._born_as[serial] = born_as
+        self._by_serial[serial] = record
+        self._set_bytes(record, storage.nbytes())
+
+    def _on_resize(self, storage: torch.UntypedStorage) -> None:
+        with self._lock:
+            self._drain()
+            record = self._live.get(id(storage))
+            if record is not None and record.ref() is storage:
+                self._set_bytes(record, storage.nbytes())
+            elif self._active:
+                self._track(storage)
+            self._drain()
+
+    def _on_free(self, serial: int) -> None:
+        # Called by the garbage collector, possibly on another thread (gloo drops the last
+        # reference to a collective's tensor on its own thread) or while we hold the lock.
+        self._pending_frees.append(serial)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        while self._pending_frees:
+            serial = self._pending_frees.popleft()
+            record = self._by_serial.pop(serial, None)
+            if record is None:
+                continue
+            self._set_bytes(record, 0)
+            # The id() of a dead storage can be reused: drop it only if it still maps to this one.
+            if self._live.get(record.key) is record:
+                del self._live[record.key]
+
+    def _set_bytes(self, record: _Storage, nbytes: int) -> None:
+        delta = nbytes - record.nbytes
+        if delta == 0:
+            return
+        record.nbytes = nbytes
+        self.current_bytes += delta
+        phase = self._phase
+        if phase is None:
+            return
+        phase.log.append((record.serial, nbytes))
+        if self.current_bytes > phase.peak_bytes:
+            phase.peak_bytes = self.current_bytes
+            phase.peak_log_len = len(phase.log)
+            phase.peak_storages = None
+            granularity = max(self.min_granularity_bytes, int(phase.peak_at_retake_bytes * self.granularity_fraction))
+            if self.current_bytes >= phase.peak_at_retake_bytes + granularity:
+                self._retake(phase, at_peak=True)
+        elif len(phase.log) > 4 * len(self._live) + 4096:
+            self._retake(phase, at_peak=False)
+
+    # -- classification ---------------------------------------------------------------------
+    def set_classifier(self, classifier: Classifier | None) -> None:
+        """Where the categories come from: usually `runner.tensors_by_category`."""
+        self._classifier = classifier
+
+    def _classify(self) -> dict[int, str]:
+        """serial -> category of every live storage the runner names (first category wins)."""
+        if self._classifier is None:
+            return {}
+        self.classifications += 1
+        categories: dict[int, str] = {}
+        by_category = self._classifier()
+        for name in ENGINE_CATEGORIES:
+            for tensor in by_category.get(name, ()):
+                if tensor is None:
+                    continue
+                for storage in get_untyped_storages(tensor):
+                    record = self._live.get(id(storage))
+                    if record is not None and record.ref() is storage:
+                        categories.setdefault(record.serial, name)
+        return categories
+
+    def _snapshot(self) -> _Base:
+        return _Base({r.serial: r.nbytes for r in self._by_serial.values() if r.nbytes}, self._classify())
+
+    @staticmethod
+    def _replay(base: _Base, log: list[tuple[int, int]], later: dict[int, str]) -> dict[int, tuple[int, str | None]]:
+        """serial -> (bytes, category the runner gave) of the storages live at base + log: a base
+        storage keeps the base's category, one born in the log takes `later`'s (None: unnamed)."""
+        nbytes = dict(base.nbytes)
+        for serial, size in log:
+            nbytes[serial] = size
+        return {
+            serial: (size, base.category.get(serial) if serial in base.nbytes else later.get(serial))
+            for serial, size in nbytes.items()
+            if size
+        }
+
+    def _totals(self, storages: dict[int, tuple[int, str | None]], at_end: dict[int, str], default: str) -> dict[str, int]:
+        """Bytes by category. A storage takes, in order: the runner's category at the peak; the
+        runner's category at the end of the phase (a gradient in the making at the peak is a
+        gradient by the end; optimizer states are named once step() returns); the category given
+        at its birth (`born_as`, `births_as`); the phase's default."""
+        totals = dict.fromkeys(CATEGORIES, 0)
+        for serial, (size, category) in storages.items():
+            totals[category or at_end.get(serial) or self._born_as.get(serial) or default] += size
+        return totals
+
+    def _retake(self, phase: _Phase, *, at_peak: bool) -> None:
+        base = self._snapshot()
+        if at_peak:
+            phase.peak_storages = self._replay(base, [], {})
+            phase.peak_log_len = None
+            phase.peak_at_retake_bytes = phase.peak_bytes
+        elif phase.peak_log_len is not None:  # keep the peak before its log goes away
+            phase.peak_storages = self._replay(phase.base, phase.log[: phase.peak_log_len], base.category)
+            phase.peak_log_len = None
+        phase.base = base
+        phase.log = []
+
+    # -- phases -----------------------------------------------------------------------------
+    def begin_phase(self, name: str, *, default_category: str, born_as: str | None = None) -> None:
+        """Start a phase: its peak starts at the bytes live now. Live storages the runner does not
+        name count as `default_category`; those born in this phase count as `born_as` (if given)
+        in this phase and every later one: the worker gives "buffers" while the engine wraps the
+        model, since what an engine allocates then and keeps is its own (DDP's reducer buckets,
+        which Python cannot reach)."""
+        for category in (default_category, born_as):
+            if category is not None and category not in CATEGORIES:
+                raise ValueError(f"category {category!r} is not one of {CATEGORIES}")
+        with self._lock:
+            self._drain()
+            phase = _Phase(name, default_category, born_as, self.current_bytes, self.current_bytes, _Base({}, {}))
+            phase.base = self._snapshot()
+            phase.peak_log_len = 0
+            phase.peak_at_retake_bytes = self.current_bytes
+            self._phase = phase
+
+    def end_phase(self) -> PhaseMemory:
+        """End the current phase; return its live bytes, peak and the categories at the peak."""
+        with self._lock:
+            self._drain()
+            phase = self._phase
+            if phase is None:
+                raise RuntimeError("end_phase() without begin_phase()")
+            at_end = self._classify()
+            if phase.peak_log_len is not None:
+                phase.peak_storages = self._replay(phase.base, phase.log[: phase.peak_log_len], at_end)
+            categories = self._totals(phase.peak_storages, at_end, phase.default_category)
+            self._phase = None
+            return PhaseMemory(phase.name, self.current_bytes, phase.peak_bytes, categories, phase.start_bytes)
+
+    @contextlib.contextmanager
+    def births_as(self, category: str):
+        """Storages born inside this block count as `category` unless the runner names them
+        (for engine buffers Python cannot reach, e.g. DDP's rebuilt reducer buckets)."""
+        if category not in CATEGORIES:
+            raise ValueError(f"category {category!r} is not one of {CATEGORIES}")
+        previous, self._birth_category = self._birth_category, category
+        try:
+            yield
+        finally:
+            self._birth_category = previous
+
+    def live_categories(self) -> dict[str, int]:
+        """Categories of everything live now (the runner's view; the rest as temporaries)."""
+        with self._lock:
+            self._drain()
+            return self._totals(self._replay(self._snapshot(), [], {}), {}, "temporaries")

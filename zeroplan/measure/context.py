@@ -1,0 +1,88 @@
+"""The CPU/GPU seam of the measure mode, and nothing else: device, backend, process group, memory probe.
+
+Everything outside this module runs the same on `gloo` (CPU worker processes), `nccl` (one
+process per CUDA GPU) and `fake` (one process simulating N ranks under FakeTensorMode).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.errors import MeasureError
+
+BACKENDS = ("gloo", "nccl", "fake")
+
+
+def default_backend() -> str:
+    """nccl where CUDA GPUs are visible, otherwise gloo."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """cuda:<local_rank> for nccl; cpu for gloo, and for fake (fake CUDA tensors abort on a CPU build)."""
+    if backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise MeasureError(f"nproc: local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(backend: str, rank: int, world_size: int, init_method: str | None) -> None:
+    """Join the process group: `init_method` (file:// or env://) for gloo/nccl; a FakeStore for fake."""
+    if backend == "fake":
+        # Registers the "fake" backend: torch/testing/_internal/distributed/fake_pg.py
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        return
+    if backend == "gloo":
+        # The default TCP rendezvous listens on every interface; a file store and the loopback
+        # interface keep a local run on this machine (NOTES: torch.distributed on CPU).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl":
+        torch.cuda.set_device(device_for(backend, int(os.environ.get("LOCAL_RANK", rank))))
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size)
+
+
+class MemoryProbe:
+    """The device allocator's view of a phase. On CPU there is none: the accounting is exact."""
+
+    def begin_phase(self) -> None:
+        pass
+
+    def end_phase(self) -> dict[str, int] | None:
+        return None
+
+
+class CudaProbe(MemoryProbe):
+    """`torch.cuda.memory_stats()` per phase: allocated and reserved, current and peak (peaks reset
+    at each phase), allocation retries and OOMs. Reserved minus allocated is the allocator's
+    overhead (cached blocks, 512-byte rounding) that the tensor accounting cannot see."""
+
+    KEYS = {
+        "allocated_bytes": "allocated_bytes.all.current",
+        "allocated_peak_bytes": "allocated_bytes.all.peak",
+        "reserved_bytes": "reserved_bytes.all.current",
+        "reserved_peak_bytes": "reserved_bytes.all.peak",
+        "num_alloc_retries": "num_alloc_retries",
+        "num_ooms": "num_ooms",
+    }
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def begin_phase(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def end_phase(self) -> dict[str, int]:
+        torch.cuda.synchronize(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        return {name: int(stats.get(key, 0)) for name, key in self.KEYS.items()}
+
+
+def make_probe(device: torch.device) -> MemoryProbe:
+    return CudaProbe(device) if device.type == "cuda" else MemoryProbe()

@@ -1,0 +1,112 @@
+"""Engine `fsdp2`: `fully_shard` on every transformer block, then on the root.
+
+Stage 2 is `reshard_after_forward=False` (parameters stay gathered from forward to backward,
+gradients and optimizer states are sharded), stage 3 is `True`; the root's setting is
+`training.fsdp2.reshard_root_after_forward` when given, else the blocks' (the estimator models
+the same choice). Offload is `CPUOffloadPolicy` (sharded parameters, gradients and the optimizer
+step on the host; pinned on CUDA, unpinned on a CPU-only machine, where pinning fails);
+fp16/bf16 is `MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)` over fp32 sharded
+parameters; pure-bf16 shards a bf16 model. Source: torch/distributed/fsdp/_fully_shard/.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from zeroplan.measure.engines import (
+    RunContext,
+    make_optimizer,
+    module_buffers,
+    optimizer_state_tensors,
+    transformer_blocks,
+)
+from zeroplan.spec.training import Offload, Precision, TrainingSpec
+
+_PARAM_DTYPE = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+def _policies(training: TrainingSpec, ctx: RunContext) -> dict:
+    dtype = _PARAM_DTYPE.get(training.precision)
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    offload = training.offload_optimizer == Offload.CPU or training.offload_params == Offload.CPU
+    offload_policy = CPUOffloadPolicy(pin_memory=ctx.is_cuda) if offload else OffloadPolicy()
+    return {"mp_policy": mp_policy, "offload_policy": offload_policy}
+
+
+class FSDP2Runner:
+    def __init__(self, model: torch.nn.Module, training: TrainingSpec, ctx: RunContext):
+        self.model = model
+        self.grad_accum = training.grad_accum
+        self._micro = 0
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        reshard = training.zero_stage == 3
+        root_reshard = training.fsdp2.reshard_root_after_forward
+        policies = _policies(training, ctx)
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard if root_reshard is None else root_reshard, **policies)
+        self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], training)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self._micro += 1
+        # Reduce-scatter only on the last micro-batch; before it FSDP2 accumulates unsharded
+        # gradients (FSDPModule.set_requires_gradient_sync).
+        self.model.set_requires_gradient_sync(self._micro == self.grad_accum)
+        return self.model(input_ids, labels)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.grad_accum).backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro = 0
+
+    def _param_groups(self):
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    yield group
+
+    def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
+        # Attribute names from torch/distributed/fsdp/_fully_shard/_fsdp_param.py (FSDPParam) and
+        # _fsdp_param_group.py (FSDPParamGroup, comm_ctx).
+        params, grads, buffers = [], [], module_buffers(self.model)
+        comm_ctx = None
+        for group in self._param_groups():
+            comm_ctx = group.comm_ctx
+            for fsdp_param in group.fsdp_params:
+                params.append(fsdp_param._sharded_param_data)
+                sharded = fsdp_param.sharded_param
+                if sharded.grad is not None:
+                    grads.append(sharded.grad)
+                if fsdp_param.unsharded_accumulated_grad is not None:
+                    grads.append(fsdp_param.unsharded_accumulated_grad)
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    if unsharded.grad is not None:
+                        grads.append(unsharded.grad)
+                    buffers.append(unsharded)
+                buffers.extend(getattr(fsdp_param, "all_gather_outputs", None) or ())
+            if group._all_gather_result is not None:
+                buffers.append(group._all_gather_result.all_gather_output)
+            if group._partial_reduce_output is not None:
+                buffers.append(group._partial_reduce_output)
+        if comm_ctx is not None:
+            if comm_ctx.all_gather_state is not None:
+                buffers.append(comm_ctx.all_gather_state.all_gather_result.all_gather_output)
+            if comm_ctx.reduce_scatter_state is not None:
+                buffers.append(comm_ctx.reduce_scatter_state.reduce_scatter_input)
+        return {
+            "params": params,
+            "grads": grads,
+            "optimizer_states": optimizer_state_tensors(self.optimizer),
+            "buffers": buffers,
+        }
+
+
+def build_runner(model: torch.nn.Module, training: TrainingSpec, ctx: RunContext) -> FSDP2Runner:
+    return FSDP2Runner(model, training, ctx)

@@ -1,0 +1,89 @@
+"""Engine `torch`: stage 0 is DistributedDataParallel, stage 1 is DDP + ZeroRedundancyOptimizer.
+
+Mixed precision (fp16/bf16) is `torch.autocast` over fp32 parameters, the usual DDP recipe: the
+fp32 parameters are the master copy, autocast keeps the low-precision casts of the weights that
+a forward uses (freed when the step's graph is), and there is no gradient scaler (it holds no
+memory worth counting; a memory measurement does not need fp16 loss scaling to converge).
+pure-bf16 is a bf16 model with a bf16 optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from zeroplan.errors import MeasureError
+from zeroplan.measure.accounting import births_as
+from zeroplan.measure.engines import (
+    RunContext,
+    gradients,
+    make_optimizer,
+    module_buffers,
+    optimizer_class_and_kwargs,
+    optimizer_state_tensors,
+)
+from zeroplan.spec.training import Precision, TrainingSpec
+
+_AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+class TorchRunner:
+    def __init__(self, model: torch.nn.Module, training: TrainingSpec, ctx: RunContext):
+        if ctx.is_fake:
+            raise MeasureError("engine torch cannot run under --simulate (DDP needs real tensors); use --engine fsdp2")
+        self.model = model
+        self.grad_accum = training.grad_accum
+        self._micro = 0
+        self.ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.is_cuda else None)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if training.zero_stage == 0:
+            self.optimizer = make_optimizer(self.params, training)
+            self._local_optimizer = self.optimizer
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            cls, kwargs = optimizer_class_and_kwargs(training)
+            self.optimizer = ZeroRedundancyOptimizer(self.params, optimizer_class=cls, **kwargs)
+            self._local_optimizer = self.optimizer.optim  # holds this rank's shard of the states
+        dtype = _AUTOCAST.get(training.precision)
+        self._autocast = (lambda: torch.autocast(ctx.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self._micro += 1
+        # DDP.no_sync() sets this flag (torch/nn/parallel/distributed.py): all-reduce only on the
+        # last micro-batch of the step.
+        self.ddp.require_backward_grad_sync = self._micro == self.grad_accum
+        with births_as("buffers"):
+            rebuilt = torch.is_grad_enabled() and self.ddp.reducer._rebuild_buckets()
+        if rebuilt:
+            # DDP re-allocates its buckets in the order gradients arrived, at the first forward
+            # after the first backward (DistributedDataParallel._pre_forward, which calls the
+            # same method first thing; it returns False from then on). Called here so that the
+            # new buckets are counted as the engine's buffers, not as activations.
+            self.ddp._has_rebuilt_buckets = True
+        with self._autocast():
+            return self.ddp(input_ids, labels)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.grad_accum).backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro = 0
+
+    def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
+        # DDP's reducer buckets are not reachable from Python; the worker counts the storages
+        # the engine allocated while wrapping the model, and not named here, as buffers.
+        return {
+            "params": self.params,
+            "grads": gradients(self.params),
+            "optimizer_states": optimizer_state_tensors(self._local_optimizer),
+            "buffers": module_buffers(self.model),
+        }
+
+
+def build_runner(model: torch.nn.Module, training: TrainingSpec, ctx: RunContext) -> TorchRunner:
+    return TorchRunner(model, training, ctx)

@@ -1,0 +1,219 @@
+"""Launch a local measurement: spawn one worker per rank, collect their results, leave nothing running.
+
+- gloo: `nproc` CPU worker processes joined through a file store (`init_method=file://`, no
+  listening socket) on the loopback interface;
+- nccl: one process per visible GPU, joined through env:// on 127.0.0.1 and a free port;
+- fake (`simulate=True`): one process simulating `nproc` ranks (FakeTensorMode + fake process
+  group), for worlds and models larger than the machine.
+Each worker runs in its own session, so that killing its process group also ends whatever it
+started (compilers, DeepSpeed's helpers). Any rank that fails ends the run at once with an error
+naming the rank; a timeout or Ctrl-C kills every worker; a rank that runs out of device memory
+makes the result "does not fit" with the peak it reached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from zeroplan.errors import MeasureError
+from zeroplan.measure.result import MeasureResult, RankResult
+from zeroplan.spec.model import ModelSpec, TransformerSpec
+from zeroplan.spec.training import TrainingSpec
+
+POLL_S = 0.05
+
+
+def write_job(path: Path, model: TransformerSpec, training: TrainingSpec, **fields) -> None:
+    """The job file a worker reads: both specs as JSON plus `fields` (backend, steps, init_method, ...)."""
+    job = {"model": model.model_dump(mode="json"), "training": training.model_dump(mode="json"), **fields}
+    path.write_text(json.dumps(job))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _package_root() -> str:
+    import zeroplan
+
+    return str(Path(zeroplan.__file__).resolve().parent.parent)
+
+
+def _worker_env(rank: int, world_size: int, nproc: int, backend: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(nproc))
+    if backend == "gloo":
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        # one intra-op thread per worker unless asked otherwise: nproc workers share the cores
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every worker's process group, then reap the workers."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the pid
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not wait on the process
+            pass
+    # A worker can exit before its children: end what is left of each group.
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
+
+
+def run_measurement(
+    model: ModelSpec,
+    training: TrainingSpec,
+    *,
+    nproc: int,
+    backend: str | None = None,
+    simulate: bool = False,
+    steps: int = 2,
+    timeout_s: float = 600.0,
+    implementation: str = "auto",
+    engine_config: dict | None = None,
+) -> MeasureResult:
+    """Run `steps` training steps of `model` under `training` on `nproc` local ranks and return
+    what every rank measured. `backend` None picks nccl where GPUs are visible, else gloo;
+    `simulate` runs one fake-backend process standing for `nproc` ranks.
+
+    Raises MeasureError when a rank fails (naming it and its exception) or the run times out."""
+    if not isinstance(model, TransformerSpec):
+        raise MeasureError(f"model: {model.name} is known by its parameter count only; measure needs a transformer spec")
+    if nproc < 1:
+        raise MeasureError(f"nproc: must be at least 1, got {nproc}")
+    if steps < 1:
+        raise MeasureError(f"steps: must be at least 1, got {steps}")
+    if timeout_s <= 0:
+        raise MeasureError(f"timeout: must be positive, got {timeout_s:g} s")
+    if simulate:
+        if backend not in (None, "fake"):
+            raise MeasureError(f"backend: --simulate runs the fake backend, not {backend}")
+        backend = "fake"
+    elif backend is None:
+        from zeroplan.measure.context import default_backend
+
+        backend = default_backend()
+    if backend not in ("gloo", "nccl", "fake"):
+        raise MeasureError(f"backend: {backend!r} is not one of gloo, nccl, fake")
+    if backend == "fake" and training.engine.value != "fsdp2":
+        raise MeasureError(f"engine: --simulate runs fsdp2 only (the fake backend needs fake tensors), not {training.engine.value}")
+
+    processes = 1 if backend == "fake" else nproc
+    workdir = Path(tempfile.mkdtemp(prefix="zeroplan-measure-"))
+    procs: list[subprocess.Popen] = []
+    try:
+        job_path = workdir / "job.json"
+        init_method = (workdir / "store").as_uri() if backend == "gloo" else None
+        write_job(
+            job_path, model, training, backend=backend, steps=steps, world_size=nproc,
+            init_method=init_method, implementation=implementation, engine_config=engine_config,
+        )
+        port = str(_free_port()) if backend == "nccl" else None
+        for rank in range(processes):
+            env = _worker_env(rank, nproc, processes, backend)
+            if port:
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            log = open(workdir / f"rank{rank}.log", "wb")
+            with log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "zeroplan.measure.worker", "--job", str(job_path),
+                         "--output", str(workdir / f"rank{rank}.json")],
+                        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        outcomes = _wait(procs, workdir, timeout_s, steps)
+    finally:
+        _kill(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return _assemble(outcomes, model, training, backend, nproc, steps)
+
+
+def _wait(procs: list[subprocess.Popen], workdir: Path, timeout_s: float, steps: int) -> list[dict]:
+    """Wait for every worker; the first failure or out-of-memory ends the run."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [proc.poll() for proc in procs]
+        for rank, code in enumerate(codes):
+            if code is None or code == 0:
+                continue
+            outcome = _read(workdir / f"rank{rank}.json")
+            if outcome is not None and outcome.get("ok"):  # out of memory: a result
+                return [outcome]
+            if outcome is not None:
+                raise MeasureError(f"rank {rank} failed: {outcome['error']}")
+            detail = _last_line(workdir / f"rank{rank}.log") or "no output"
+            raise MeasureError(f"rank {rank} exited with status {code}: {detail}")
+        if all(code == 0 for code in codes):
+            outcomes = [_read(workdir / f"rank{rank}.json") for rank in range(len(procs))]
+            missing = [rank for rank, outcome in enumerate(outcomes) if outcome is None]
+            if missing:
+                raise MeasureError(f"rank {missing[0]} exited without writing its result")
+            return outcomes
+        if time.monotonic() > deadline:
+            running = [rank for rank, code in enumerate(codes) if code is None]
+            raise MeasureError(
+                f"timed out after {timeout_s:g} s ({steps} steps); stopped ranks {', '.join(map(str, running))}"
+            )
+        time.sleep(POLL_S)
+
+
+def _assemble(outcomes: list[dict], model: TransformerSpec, training: TrainingSpec, backend: str, nproc: int, steps: int) -> MeasureResult:
+    ranks = sorted((RankResult.from_json_dict(o["result"]) for o in outcomes), key=lambda r: r.rank)
+    notes = list(outcomes[0].get("notes", []))
+    for rank in ranks:
+        if not rank.fits:
+            notes.append(f"rank {rank.rank} ran out of device memory ({rank.oom_message}); the other ranks were stopped")
+    offload = "cpu" in (training.offload_optimizer.value, training.offload_params.value)
+    if offload and backend != "nccl":
+        notes.append("CPU offload on a CPU run: host and device are one memory, offloaded bytes are in the same totals")
+    return MeasureResult(
+        backend=backend,
+        engine=training.engine.value,
+        zero_stage=training.zero_stage,
+        world_size=nproc,
+        implementation=outcomes[0].get("implementation", "unknown"),
+        model=model.name,
+        ranks=ranks,
+        steps=steps,
+        device="cuda" if backend == "nccl" else "cpu",
+        notes=notes,
+    )

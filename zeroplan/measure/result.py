@@ -1,0 +1,135 @@
+"""What a measurement returns: per rank, per step and phase, bytes by category; plain data and JSON.
+
+Phases, in the order a worker runs them (the names the estimate's `Phase` uses, plus the two
+set-up phases that together are its `init`):
+- `model`: the model built on the device (parameters and module buffers);
+- `engine`: the engine wraps it and creates the optimizer (DDP buckets, shards, ...);
+- `forward`, `backward`: every micro-batch of a step (with gradient accumulation the phase's
+  peak is the highest of its micro-batches, its live bytes those after the last one);
+- `optimizer_step`: the optimizer step and dropping the gradients.
+Step 1 is the first step (optimizer states are created in it); steps 2 and later are the
+steady state. Bytes are ints: exact tensor bytes from the accounting; on CUDA `device` adds the
+allocator's own counters (`torch.cuda.memory_stats()`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+SETUP_PHASES = ("model", "engine")
+STEP_PHASES = ("forward", "backward", "optimizer_step")
+
+
+@dataclass
+class PhaseResult:
+    """One phase of one step on one rank (step 0 holds the set-up phases)."""
+
+    step: int
+    phase: str
+    live_bytes: int  # live at the end of the phase
+    peak_bytes: int  # highest live bytes during the phase
+    categories: dict[str, int]  # at the peak; sums to peak_bytes
+    device: dict[str, int] | None = None  # CUDA allocator counters of the phase, None on CPU
+
+    @property
+    def stage(self) -> str:
+        """`init`, `first` or `steady`: the estimate's `Step` (init phases belong to the first step)."""
+        return "init" if self.step == 0 else "first" if self.step == 1 else "steady"
+
+
+@dataclass
+class RankResult:
+    """Everything one rank measured."""
+
+    rank: int
+    phases: list[PhaseResult]
+    step_times_s: list[float] = field(default_factory=list)
+    fits: bool = True  # False: the device ran out of memory (the phases say how far it got)
+    oom_message: str | None = None
+    classifications: int = 0  # how often the accounting asked the engine for its tensors
+
+    @property
+    def peak(self) -> PhaseResult:
+        """The phase with the highest peak; the first one wins a tie."""
+        return max(self.phases, key=lambda p: p.peak_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.peak_bytes
+
+    def peak_of(self, stage: str, phase: str) -> PhaseResult | None:
+        """The highest (stage, phase): stage `init`, `first` or `steady` (max over steps >= 2)."""
+        matching = [p for p in self.phases if p.stage == stage and p.phase == phase]
+        return max(matching, key=lambda p: p.peak_bytes) if matching else None
+
+    def to_json_dict(self) -> dict:
+        peak = self.peak
+        return {
+            "rank": self.rank,
+            "fits": self.fits,
+            "oom_message": self.oom_message,
+            "peak": peak.peak_bytes,
+            "peak_phase": peak.phase,
+            "peak_step": peak.step,
+            "peak_stage": peak.stage,
+            "categories": dict(peak.categories),
+            "phases": [asdict(p) | {"stage": p.stage} for p in self.phases],
+            "step_times_s": list(self.step_times_s),
+            "classifications": self.classifications,
+        }
+
+    @classmethod
+    def from_json_dict(cls, data: dict) -> "RankResult":
+        phases = [
+            PhaseResult(p["step"], p["phase"], p["live_bytes"], p["peak_bytes"], dict(p["categories"]), p.get("device"))
+            for p in data["phases"]
+        ]
+        return cls(
+            rank=data["rank"],
+            phases=phases,
+            step_times_s=list(data.get("step_times_s", [])),
+            fits=data.get("fits", True),
+            oom_message=data.get("oom_message"),
+            classifications=data.get("classifications", 0),
+        )
+
+
+@dataclass
+class MeasureResult:
+    """A measurement of one configuration on `world_size` ranks."""
+
+    backend: str  # gloo, nccl or fake
+    engine: str
+    zero_stage: int
+    world_size: int
+    implementation: str  # which model code ran, e.g. hf-transformers-5.23.0:LlamaForCausalLM/sdpa
+    model: str
+    ranks: list[RankResult]  # one per rank that reported (fake: rank 0 stands for every rank)
+    steps: int
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.ranks)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest peak of any rank."""
+        return max(r.peak_bytes for r in self.ranks)
+
+    def to_json_dict(self) -> dict:
+        return {
+            "backend": self.backend,
+            "engine": self.engine,
+            "zero_stage": self.zero_stage,
+            "world_size": self.world_size,
+            "implementation": self.implementation,
+            "model": self.model,
+            "device": self.device,
+            "steps": self.steps,
+            "fits": self.fits,
+            "peak": self.peak_bytes,
+            "ranks": [r.to_json_dict() for r in self.ranks],
+            "notes": list(self.notes),
+        }

@@ -1,0 +1,200 @@
+"""One rank of a measurement: `python -m zeroplan.measure.worker --job JOB.json --output OUT.json`.
+
+Started by `zeroplan.measure.launcher` for local runs, or by torchrun on several nodes (it reads
+RANK, WORLD_SIZE and LOCAL_RANK from the environment and joins with env://, MASTER_ADDR and
+MASTER_PORT; "{rank}" in --output is replaced by the rank). The job file holds the model and
+training specs, the backend, the steps and the rendezvous (`zeroplan.measure.launcher.write_job`).
+
+The rank builds the model under the accounting, lets the engine wrap it, runs `steps` training
+steps and records every phase (result.py); it writes one JSON object to --output, atomically:
+  {"ok": true, "result": {...RankResult...}, "implementation": "...", "notes": [...]}
+  {"ok": false, "rank": R, "error": "Type: message", "traceback": "..."}
+A device out-of-memory error is a result (`fits: false`, with the phases reached), not a failure.
+
+For tests, ZEROPLAN_MEASURE_FAULT="raise@R", "hang@R" or "oom@R" makes rank R raise, hang, or
+run out of memory at its first forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+
+FAULT_ENV = "ZEROPLAN_MEASURE_FAULT"
+EXIT_FAILED = 1
+EXIT_OOM = 3
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """Write `data` to `path` so that a reader sees the whole file or none: temp file, then rename."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _inject_fault(rank: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    kind, _, target = spec.partition("@")
+    if target and int(target) != rank:
+        return
+    import torch
+
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank}")
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "oom":
+        raise torch.OutOfMemoryError(f"injected out-of-memory on rank {rank}")
+
+
+class PhaseRecorder:
+    """Opens and closes accounting phases and keeps one PhaseResult per (step, phase)."""
+
+    def __init__(self, accounting, probe):
+        self.accounting, self.probe = accounting, probe
+        self.phases = {}  # (step, phase) -> PhaseResult, in the order first seen
+        self.open = None
+
+    @contextlib.contextmanager
+    def phase(self, step: int, name: str, *, default_category: str, born_as: str | None = None):
+        self.probe.begin_phase()
+        self.accounting.begin_phase(name, default_category=default_category, born_as=born_as)
+        self.open = (step, name)
+        try:
+            yield
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """End the open phase (also when it raised: an out-of-memory result keeps how far it got)."""
+        if self.open is None:
+            return
+        from zeroplan.measure.result import PhaseResult
+
+        step, name = self.open
+        self.open = None
+        memory = self.accounting.end_phase()
+        device = self.probe.end_phase()
+        new = PhaseResult(step, name, memory.live_bytes, memory.peak_bytes, memory.peak_categories, device)
+        old = self.phases.get((step, name))
+        if old is not None:  # another micro-batch of the same step: keep the higher peak
+            if old.peak_bytes >= new.peak_bytes:
+                new.peak_bytes, new.categories = old.peak_bytes, old.categories
+            if old.device and new.device:
+                new.device = {k: max(old.device.get(k, 0), v) if "peak" in k or k.startswith("num_") else v for k, v in new.device.items()}
+        self.phases[(step, name)] = new
+
+
+def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
+    """Run one rank's measurement; return the `ok` JSON object."""
+    import torch
+
+    from zeroplan.measure.accounting import TensorAccounting
+    from zeroplan.measure.context import device_for, init_process_group, make_probe
+    from zeroplan.measure.engines import RunContext, build_runner, module_buffers
+    from zeroplan.measure.result import RankResult
+    from zeroplan.measure.workload import build_workload, make_batch
+    from zeroplan.spec.model import TransformerSpec
+    from zeroplan.spec.training import TrainingSpec
+
+    spec = TransformerSpec.model_validate(job["model"])
+    training = TrainingSpec.model_validate(job["training"])
+    backend = job["backend"]
+    init_process_group(backend, rank, world_size, job.get("init_method"))
+    device = device_for(backend, local_rank)
+    ctx = RunContext(rank, world_size, local_rank, device, backend, job.get("engine_config"))
+    probe = make_probe(device)
+    torch.manual_seed(1234 + rank)
+
+    held: dict = {}  # what the classifier can see so far: the model, then the runner
+
+    def classify():
+        if "runner" in held:
+            return held["runner"].tensors_by_category()
+        if "model" in held:
+            return {"params": list(held["model"].parameters()), "buffers": module_buffers(held["model"])}
+        return {}
+
+    fake_mode = contextlib.nullcontext()
+    if backend == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode()
+    step_times: list[float] = []
+    fits, oom_message = True, None
+    # The accounting is entered inside the fake mode, so it sees the fake tensors it makes.
+    with fake_mode, TensorAccounting() as accounting:
+        accounting.set_classifier(classify)
+        recorder = PhaseRecorder(accounting, probe)
+        try:
+            with recorder.phase(0, "model", default_category="temporaries"):
+                workload = build_workload(spec, training, device, implementation=job.get("implementation", "auto"))
+                held["model"], held["model_name"] = workload.model, workload.implementation
+            with recorder.phase(0, "engine", default_category="temporaries", born_as="buffers"):
+                held["runner"] = runner = build_runner(workload.model, training, ctx)
+            for step in range(1, job["steps"] + 1):
+                started = time.perf_counter()
+                for _ in range(training.grad_accum):
+                    with recorder.phase(step, "forward", default_category="activations"):
+                        _inject_fault(rank)
+                        input_ids, labels = make_batch(spec, training, device)
+                        loss = runner.forward(input_ids, labels)
+                    with recorder.phase(step, "backward", default_category="activations"):
+                        runner.backward(loss)
+                        del loss, input_ids, labels
+                with recorder.phase(step, "optimizer_step", default_category="temporaries"):
+                    runner.step()
+                step_times.append(time.perf_counter() - started)
+        except torch.OutOfMemoryError as error:  # torch.cuda.OutOfMemoryError is one
+            recorder.close()
+            fits, oom_message = False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        classifications = accounting.classifications
+    result = RankResult(rank, list(recorder.phases.values()), step_times, fits, oom_message, classifications)
+    notes = []
+    if backend == "fake":
+        notes.append(f"simulated: one process under FakeTensorMode stands for rank 0 of {world_size}")
+    implementation = held["model_name"] if "model_name" in held else "unknown"
+    return {"ok": True, "result": result.to_json_dict(), "implementation": implementation, "notes": notes}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m zeroplan.measure.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", required=True, help="job JSON written by zeroplan.measure.launcher.write_job")
+    parser.add_argument("--output", required=True, help="where this rank writes its JSON; {rank} is replaced")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    output = args.output.replace("{rank}", str(rank))
+    try:
+        with open(args.job) as f:
+            job = json.load(f)
+        world_size = int(os.environ.get("WORLD_SIZE", job.get("world_size", 1)))
+        outcome = run_rank(job, rank, world_size, local_rank)
+    except BaseException as error:  # noqa: BLE001 - any failure is reported to the launcher
+        message = f"{type(error).__name__}: {error}".splitlines()[0]
+        write_json_atomic(output, {"ok": False, "rank": rank, "error": message, "traceback": traceback.format_exc()})
+        sys.stderr.write(traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)  # do not wait for peers stuck in a collective
+    write_json_atomic(output, outcome)
+    sys.stdout.flush()
+    if not outcome["result"]["fits"]:
+        os._exit(EXIT_OOM)  # peers may wait in a collective this rank will never join
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The workload of a measurement: the model of a spec, built for real, and its random batches.
+
+Where transformers is installed, the Hugging Face architecture of the spec, built from a config
+with random weights (`AutoModelForCausalLM.from_config`, no download), dropout 0, and the
+attention kernel of the training spec ("sdpa" for fused, "eager" for eager); otherwise
+`zeroplan.measure.reference_model`. Which one ran is `Workload.implementation`, e.g.
+"hf-transformers-5.23.0:LlamaForCausalLM/sdpa" or "zeroplan-reference:llama/sdpa".
+
+Checkpointing (the same for both implementations):
+- full: each block's forward runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False)`,
+  so a block keeps its input only and is recomputed in backward;
+- selective: the reference recomputes the attention core only (softmax(qk^T)v); for Hugging Face
+  models, whose attention core is not a separate module, the whole attention module (projections
+  and core) is recomputed, which saves q, k, v and the core and keeps the attention's input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zeroplan.errors import MeasureError
+from zeroplan.spec.model import TransformerSpec
+from zeroplan.spec.training import Precision, TrainingSpec
+
+IMPLEMENTATIONS = ("auto", "hf", "reference")
+
+
+class CausalLM(nn.Module):
+    """The model every engine wraps: `forward(input_ids, labels)` returns the mean causal-LM loss."""
+
+    def __init__(self, lm: nn.Module, blocks: nn.ModuleList, hf: bool):
+        super().__init__()
+        self.lm = lm
+        self.hf = hf
+        self.transformer_blocks = list(blocks)  # a plain list: not registered twice as submodules
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.hf:
+            return self.lm(input_ids=input_ids, labels=labels, use_cache=False).loss
+        return self.lm(input_ids, labels)
+
+
+@dataclass
+class Workload:
+    model: CausalLM
+    implementation: str
+
+
+def hf_config_kwargs(spec: TransformerSpec) -> tuple[str, dict]:
+    """The Hugging Face model_type and config fields of `spec` (dropout off)."""
+    model_type = spec.hf_model_type or _infer_model_type(spec)
+    common = {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_dropout": 0.0,
+    }
+    rotary = common | {"num_key_value_heads": spec.kv_heads, "head_dim": spec.dim_per_head}
+    if model_type == "gpt2":
+        return model_type, {
+            "vocab_size": spec.vocab_size,
+            "n_embd": spec.hidden_size,
+            "n_layer": spec.num_layers,
+            "n_head": spec.num_heads,
+            "n_inner": spec.intermediate_size,
+            "n_positions": spec.max_position_embeddings,
+            "tie_word_embeddings": spec.tie_word_embeddings,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        }
+    if model_type == "gpt_neox":
+        return model_type, common | {"hidden_dropout": 0.0, "attention_bias": spec.attention_bias}
+    if model_type == "llama":
+        return model_type, rotary | {"attention_bias": spec.attention_bias, "mlp_bias": spec.mlp_bias}
+    if model_type == "gemma":
+        return model_type, rotary | {"attention_bias": spec.attention_bias}
+    if model_type in ("mistral", "qwen2"):
+        return model_type, rotary | {"sliding_window": None}
+    if model_type == "mixtral":
+        return model_type, rotary | {
+            "sliding_window": None,
+            "num_local_experts": spec.num_experts,
+            "num_experts_per_tok": spec.experts_per_token,
+        }
+    if model_type == "phi3":
+        return model_type, common | {
+            "num_key_value_heads": spec.kv_heads,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "sliding_window": None,
+        }
+    raise MeasureError(
+        f"model: hf_model_type {model_type!r} has no Hugging Face mapping here; "
+        "use llama, mistral, mixtral, qwen2, gemma, phi3, gpt2 or gpt_neox"
+    )
+
+
+def _infer_model_type(spec: TransformerSpec) -> str:
+    if spec.position_embedding == "learned":
+        return "gpt2"
+    if spec.norm == "layernorm":
+        return "gpt_neox"
+    return "mixtral" if spec.is_moe else "llama"
+
+
+def _find_blocks(lm: nn.Module, num_layers: int) -> nn.ModuleList:
+    # model.model.layers (Llama family), transformer.h (GPT-2), gpt_neox.layers: the first
+    # ModuleList with one entry per layer.
+    for module in lm.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise MeasureError(f"model: cannot find the {num_layers} transformer blocks of {type(lm).__name__}")
+
+
+def _model_dtype(training: TrainingSpec) -> torch.dtype:
+    # Mixed precision keeps fp32 parameters (the engines cast); pure-bf16 builds them in bf16.
+    return torch.bfloat16 if training.precision == Precision.PURE_BF16 else torch.float32
+
+
+def _build_hf(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.Module, str]:
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, kwargs = hf_config_kwargs(spec)
+    attn = "eager" if training.attention.value == "eager" else "sdpa"
+    config = AutoConfig.for_model(model_type, **kwargs)
+    lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=_model_dtype(training))
+    lm.config.use_cache = False
+    return lm, f"hf-transformers-{transformers.__version__}:{type(lm).__name__}/{attn}"
+
+
+def _build_reference(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.Module, str]:
+    from zeroplan.measure.reference_model import ReferenceCausalLM, family
+
+    eager = training.attention.value == "eager"
+    lm = ReferenceCausalLM(spec, eager=eager, recompute_attention_core=training.checkpointing.value == "selective")
+    lm = lm.to(_model_dtype(training))
+    return lm, f"zeroplan-reference:{family(spec)}/{'eager' if eager else 'sdpa'}"
+
+
+def _checkpointed(module: nn.Module) -> None:
+    """Run `module`'s forward under non-reentrant activation checkpointing (torch.utils.checkpoint)."""
+    forward = module.forward
+
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed_forward
+
+
+def _attention_module(block: nn.Module) -> nn.Module:
+    for name in ("self_attn", "attn", "attention"):
+        if isinstance(getattr(block, name, None), nn.Module):
+            return getattr(block, name)
+    raise MeasureError(f"training.checkpointing: cannot find the attention module of {type(block).__name__}")
+
+
+def hf_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_workload(
+    spec: TransformerSpec, training: TrainingSpec, device: torch.device, *, implementation: str = "auto"
+) -> Workload:
+    """Build the model of `spec` on `device` (or under an active FakeTensorMode), ready to wrap."""
+    if not isinstance(spec, TransformerSpec):
+        raise MeasureError(f"model: {spec.name} is known by its parameter count only; measure needs a transformer spec")
+    if implementation not in IMPLEMENTATIONS:
+        raise MeasureError(f"implementation: {implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    use_hf = implementation == "hf" or (implementation == "auto" and hf_available())
+    if implementation == "hf" and not hf_available():
+        raise MeasureError("implementation: hf needs transformers; pip install 'zeroplan[hf]'")
+    with torch.device(device):
+        lm, name = _build_hf(spec, training) if use_hf else _build_reference(spec, training)
+    lm.train()
+    blocks = _find_blocks(lm, spec.num_layers)
+    if training.checkpointing.value == "full":
+        for block in blocks:
+            _checkpointed(block)
+    elif training.checkpointing.value == "selective" and use_hf:
+        for block in blocks:
+            _checkpointed(_attention_module(block))
+    return Workload(CausalLM(lm, blocks, hf=use_hf), name)
+
+
+def make_batch(spec: TransformerSpec, training: TrainingSpec, device: torch.device, generator: torch.Generator | None = None):
+    """Random tokens (micro_batch x seq_len) and their labels (the same ids: the loss shifts them)."""
+    input_ids = torch.randint(0, spec.vocab_size, (training.micro_batch, training.seq_len), device=device, generator=generator)
+    return input_ids, input_ids
