@@ -1,0 +1,351 @@
+"""DeepSpeed JSON config <-> zeroplan training settings.
+
+`settings_from_deepspeed` maps a parsed DeepSpeed config to a partial `TrainingSpec` mapping;
+`write_deepspeed_config` is its inverse. Names, aliases, defaults and limits follow DeepSpeed 0.19.8:
+deepspeed/runtime/zero/config.py (DeepSpeedZeroConfig), zero/offload_config.py, runtime/precision_config.py,
+runtime/config.py (batch sizes, optimizer names).
+
+Unknown keys: DeepSpeed's pydantic sections (zero_optimization, offload_*, fp16, bf16) forbid extra keys
+(config_utils.py, DeepSpeedConfigModel: extra="forbid"), so inside them we reject any key DeepSpeed does
+not know, with a did-you-mean hint, and ignore known keys that do not change memory. At the top level
+DeepSpeed ignores keys it does not read, and so do we, except a near miss of a key we map
+("train_micro_batch_size_per_gpus"), which would otherwise silently change the estimate.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from zeroplan.config_files._values import (
+    fail,
+    as_bool,
+    as_int,
+    as_section,
+    check_keys,
+    is_auto,
+    merge_pin_memory,
+    pick,
+    read_offload,
+    Where,
+)
+from zeroplan.errors import SpecError
+from zeroplan.spec.training import Offload, Optimizer, Precision, TrainingSpec
+
+ENGINE = "DeepSpeed"
+
+# DeepSpeedKnobs field -> (DeepSpeed names: field name first, then alias; minimum). DeepSpeed's own
+# limits: reduce_bucket_size gt=0, the others ge=0 (zero/config.py).
+_INT_KNOBS: dict[str, tuple[tuple[str, ...], int]] = {
+    "reduce_bucket_size": (("reduce_bucket_size",), 1),
+    "allgather_bucket_size": (("allgather_bucket_size",), 0),
+    "stage3_prefetch_bucket_size": (("stage3_prefetch_bucket_size", "prefetch_bucket_size"), 0),
+    "stage3_max_live_parameters": (("stage3_max_live_parameters", "max_live_parameters"), 0),
+    "stage3_max_reuse_distance": (("stage3_max_reuse_distance", "max_reuse_distance"), 0),
+    "stage3_param_persistence_threshold": (("stage3_param_persistence_threshold", "param_persistence_threshold"), 0),
+}
+_BOOL_KNOBS = ("overlap_comm", "contiguous_gradients")
+
+# Every other key DeepSpeedZeroConfig accepts (field names and aliases), which we read past: they change
+# speed or checkpointing, not the memory zeroplan models. The last group was accepted by older releases
+# (MiCS, ZeRO++ LoCo), kept so that older configs still read.
+_ZERO_OTHER_KEYS = frozenset({
+    "stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
+    "reduce_scatter", "use_multi_rank_bucket_allreduce", "allgather_partitions", "compute_grad_norm",
+    "load_from_fp32_weights", "elastic_checkpoint", "zenflow", "sub_group_size",
+    "model_persistence_threshold", "stage3_model_persistence_threshold",
+    "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+    "module_granularity_threshold", "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential", "stage3_allgather_sequential",
+    "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients", "parameter_alignment",
+    "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients", "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+    "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module",
+    "mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param",
+})
+ZERO_KEYS = _ZERO_OTHER_KEYS | {name for names, _ in _INT_KNOBS.values() for name in names} | set(_BOOL_KNOBS)
+
+# precision_config.py, DeepSpeedFP16Config / DeepSpeedBF16Config.
+FP16_KEYS = frozenset({"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                       "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"})
+BF16_KEYS = frozenset({"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+                       "bf16_optimizer_states"})
+
+# optimizer.type, lower-cased (DeepSpeed lower-cases its own names: config.py, DEEPSPEED_OPTIMIZERS; other
+# names are looked up in torch.optim by engine.py _configure_basic_optimizer, e.g. "SGD").
+_OPTIMIZERS = {"adam": Optimizer.ADAM, "adamw": Optimizer.ADAMW, "sgd": Optimizer.SGD}
+
+_TOP_LEVEL_MAPPED = ("zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "train_batch_size",
+                     "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# Real DeepSpeed top-level keys close to the ones above, never to be taken for typos.
+_TOP_LEVEL_KNOWN = frozenset({"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "amp",
+                              "gradient_clipping", "communication_data_type", "data_types"})
+
+
+def load_json(path: Path) -> dict[str, object]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise SpecError(f"{path}: cannot read DeepSpeed config: {error.strerror or error}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SpecError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
+    if not isinstance(config, dict):
+        raise SpecError(f"{path}: a DeepSpeed config must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+def settings_from_deepspeed(config: Mapping[str, object], where: Where, gpus: int | None = None) -> dict[str, object]:
+    """Partial TrainingSpec mapping for one DeepSpeed config (see the module docstring)."""
+    _check_top_level(config, where)
+    settings: dict[str, object] = {"engine": "deepspeed"}
+    settings.update(_zero_settings(config, where))
+    precision = _precision(config, where)
+    if precision is not None:
+        settings["precision"] = precision
+    optimizer = _optimizer(config, where)
+    if optimizer is not None:
+        settings["optimizer"] = optimizer
+    settings.update(_batch(config, where, gpus))
+    return settings
+
+
+def _check_top_level(config: Mapping[str, object], where: Where) -> None:
+    for key in config:
+        if key in _TOP_LEVEL_MAPPED or key in _TOP_LEVEL_KNOWN:
+            continue
+        close = difflib.get_close_matches(key, _TOP_LEVEL_MAPPED, n=1, cutoff=0.85)
+        if close:
+            raise fail(where, key, f"is not a DeepSpeed option (did you mean {close[0]!r}?)")
+    for key in ("torch_autocast", "amp"):
+        section = config.get(key)
+        if isinstance(section, Mapping) and section.get("enabled") is True:
+            raise fail(where, f"{key}.enabled", "is true: zeroplan does not model this precision mode; use fp16 or bf16")
+
+
+def _zero_settings(config: Mapping[str, object], where: Where) -> dict[str, object]:
+    zero = config.get("zero_optimization")
+    if zero is None:
+        return {"zero_stage": 0}  # DeepSpeedZeroConfig.stage defaults to 0
+    if isinstance(zero, bool):
+        # Deprecated form, read_zero_config_deprecated (zero/config.py): true = stage 1 with the
+        # top-level "allgather_size" as bucket.
+        if not zero:
+            return {"zero_stage": 0}
+        knobs = {}
+        if "allgather_size" in config:
+            knobs["allgather_bucket_size"] = as_int(config["allgather_size"], "allgather_size", where)
+        return {"zero_stage": 1, **({"deepspeed": knobs} if knobs else {})}
+    zero = as_section(zero, "zero_optimization", where)
+    check_keys(zero, ZERO_KEYS, "zero_optimization", where, ENGINE)
+
+    stage = 0
+    if "stage" in zero and not is_auto(zero["stage"]):
+        raw = zero["stage"]
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw not in (0, 1, 2, 3):
+            raise fail(where, "zero_optimization.stage", f"must be 0, 1, 2 or 3, got {raw!r}")
+        stage = int(raw)
+
+    knobs: dict[str, object] = {}
+    for knob, (names, minimum) in _INT_KNOBS.items():
+        found = pick(zero, names, "zero_optimization", where)
+        if found is not None:
+            name, value = found
+            knobs[knob] = as_int(value, f"zero_optimization.{name}", where, minimum)
+    for knob in _BOOL_KNOBS:
+        if knob in zero and not is_auto(zero[knob]):
+            knobs[knob] = as_bool(zero[knob], f"zero_optimization.{knob}", where)
+
+    opt_device, opt_pin, _ = read_offload(zero.get("offload_optimizer"), "zero_optimization.offload_optimizer",
+                                          where, ENGINE, param=False)
+    par_device, par_pin, par_knobs = read_offload(zero.get("offload_param"), "zero_optimization.offload_param",
+                                                  where, ENGINE, param=True)
+    # Deprecated booleans (zero/config.py, json_schema_extra new_param_fn): cpu_offload -> offload_optimizer
+    # {device: cpu}, cpu_offload_param -> offload_param {device: cpu}; cpu_offload_use_pin_memory sets
+    # nothing (set_new_param=False). DeepSpeed refuses a deprecated key next to its replacement.
+    for old, new, current in (("cpu_offload", "offload_optimizer", opt_device),
+                              ("cpu_offload_param", "offload_param", par_device)):
+        if old in zero and not is_auto(zero[old]) and as_bool(zero[old], f"zero_optimization.{old}", where):
+            if current is not None:
+                raise fail(where, f"zero_optimization.{old}", f"is deprecated and cannot be given with {new}; keep {new}")
+            if new == "offload_optimizer":
+                opt_device = "cpu"
+            else:
+                par_device = "cpu"
+    knobs.update(par_knobs)
+    pin = merge_pin_memory([("zero_optimization.offload_optimizer", opt_device, opt_pin),
+                            ("zero_optimization.offload_param", par_device, par_pin)], where)
+    if pin is not None:
+        knobs["offload_pin_memory"] = pin
+
+    settings: dict[str, object] = {"zero_stage": stage}
+    # Offload is read only where DeepSpeed reads it: the stage 1-2 optimizer (stage_1_and_2.py,
+    # offload_optimizer_config) and stage 3 (stage3.py, offload_optimizer_config and offload_param_config).
+    # At stage 0 no ZeRO optimizer is built and offload_optimizer is unused; below stage 3 offload_param
+    # is unused (engine.py _configure_zero_optimizer). Such settings are dropped, not reported.
+    if opt_device is not None and stage >= 1:
+        settings["offload_optimizer"] = opt_device
+    if par_device is not None and stage == 3:
+        settings["offload_params"] = par_device
+    if knobs:
+        settings["deepspeed"] = knobs
+    return settings
+
+
+def _precision(config: Mapping[str, object], where: Where) -> str | None:
+    fp16 = _enabled(config, "fp16", FP16_KEYS, where)
+    bf16_key = "bf16" if "bf16" in config else "bfloat16"  # "bfloat16" is the old name (precision_config.py)
+    bf16 = _enabled(config, bf16_key, BF16_KEYS, where)
+    if fp16 is True and bf16 is True:
+        raise fail(where, f"{bf16_key}.enabled", "and fp16.enabled are both true; DeepSpeed allows one of them")
+    if fp16 is True:
+        if _flag(config["fp16"], "fp16_master_weights_and_grads", "fp16", where):
+            raise fail(where, "fp16.fp16_master_weights_and_grads", "is true: fp16 master weights are not modelled")
+        return Precision.FP16.value
+    if bf16 is True:
+        section = config[bf16_key]
+        master = _flag(section, "bf16_master_weights_and_grads", bf16_key, where)
+        states = _flag(section, "bf16_optimizer_states", bf16_key, where)
+        if master and states:
+            # bf16 master weights, gradients and optimizer states: no fp32 copy anywhere (stage_1_and_2.py
+            # and stage3.py, bf16_master_weights_and_grads / bf16_optimizer_states).
+            return Precision.PURE_BF16.value
+        if master or states:
+            raise fail(where, f"{bf16_key}.bf16_master_weights_and_grads",
+                       "and bf16_optimizer_states must be set together to model pure bf16 (one alone is not modelled)")
+        return Precision.BF16.value
+    if fp16 is None or bf16 is None:  # "auto": the HF Trainer decides
+        return None
+    return Precision.FP32.value
+
+
+def _enabled(config: Mapping[str, object], key: str, known: frozenset[str], where: Where) -> bool | None:
+    """False when the section is absent or disabled, None when "auto"."""
+    if key not in config:
+        return False
+    section = as_section(config[key], key, where)
+    check_keys(section, known, key, where, ENGINE)
+    value = section.get("enabled", False)
+    if is_auto(value):
+        return None
+    return as_bool(value, f"{key}.enabled", where)
+
+
+def _flag(section: object, key: str, field: str, where: Where) -> bool:
+    value = section.get(key, False) if isinstance(section, Mapping) else False
+    return False if is_auto(value) else as_bool(value, f"{field}.{key}", where)
+
+
+def _optimizer(config: Mapping[str, object], where: Where) -> str | None:
+    if "optimizer" not in config or config["optimizer"] is None:
+        return None  # a client optimizer is passed to deepspeed.initialize
+    section = as_section(config["optimizer"], "optimizer", where)
+    name = section.get("type")
+    if name is None or is_auto(name):
+        return None
+    if not isinstance(name, str) or name.lower() not in _OPTIMIZERS:
+        raise fail(where, "optimizer.type", f"{name!r} is not modelled by zeroplan (supported: Adam, AdamW, SGD)")
+    # SGD keeps a momentum buffer only when momentum > 0; zeroplan's "sgd" counts one buffer, so a
+    # momentum-free SGD is over-estimated by one state per parameter.
+    return _OPTIMIZERS[name.lower()].value
+
+
+def _batch(config: Mapping[str, object], where: Where, gpus: int | None) -> dict[str, int]:
+    """Micro batch and accumulation as DeepSpeed derives them (config.py, _set_batch_related_parameters,
+    _batch_assertion): train_batch_size = micro * accumulation * world size."""
+
+    def get(key: str) -> int | None:
+        value = config.get(key)
+        return None if value is None or is_auto(value) else as_int(value, key, where, minimum=1)
+
+    total, micro, accum = get("train_batch_size"), get("train_micro_batch_size_per_gpu"), get("gradient_accumulation_steps")
+    out: dict[str, int] = {}
+    if total is None:
+        out.update({"micro_batch": micro} if micro is not None else {})
+        if accum is not None or micro is not None:
+            out["grad_accum"] = accum if accum is not None else 1
+        return out
+    if micro is not None and accum is not None:
+        if gpus is None:
+            if total % (micro * accum):
+                raise fail(where, "train_batch_size", f"{total} is not train_micro_batch_size_per_gpu {micro} x "
+                           f"gradient_accumulation_steps {accum} x a whole number of GPUs")
+            gpus = total // (micro * accum)
+            out["gpus"] = gpus  # DeepSpeed requires this world size: the three values fix it
+    elif gpus is None:
+        raise fail(where, "train_batch_size", "is given without both train_micro_batch_size_per_gpu and "
+                   "gradient_accumulation_steps: the split depends on the GPU count; give the GPU count or both values")
+    elif micro is not None:
+        accum = total // micro // gpus
+    elif accum is not None:
+        micro = total // gpus // accum
+    else:
+        micro, accum = total // gpus, 1
+    if micro < 1 or accum < 1 or total != micro * accum * gpus:
+        raise fail(where, "train_batch_size", f"{total} != train_micro_batch_size_per_gpu {micro} x "
+                   f"gradient_accumulation_steps {accum} x {gpus} GPUs")
+    out.update(micro_batch=micro, grad_accum=accum)
+    return out
+
+
+def write_deepspeed_config(training: TrainingSpec) -> dict[str, object]:
+    """A complete DeepSpeed config dict that runs the plan, and reads back to the same settings.
+
+    Only what zeroplan models is written; learning rate and other hyper-parameters are left to the user
+    (DeepSpeed then uses the optimizer's defaults).
+    """
+    knobs = training.deepspeed
+    stage = training.zero_stage
+    if training.precision == Precision.PURE_BF16 and stage == 0:
+        # precision_config / config.py _do_error_check: bf16_master_weights_and_grads needs ZeRO stage 1-3.
+        raise SpecError("precision pure-bf16 needs zero_stage 1, 2 or 3 in DeepSpeed (bf16_master_weights_and_grads)")
+    if training.optimizer not in _OPTIMIZERS.values():
+        raise SpecError(f"optimizer {training.optimizer.value} has no DeepSpeed optimizer.type; use adam, adamw or sgd")
+    zero: dict[str, object] = {
+        "stage": stage,
+        "reduce_bucket_size": knobs.reduce_bucket_size,
+        "allgather_bucket_size": knobs.allgather_bucket_size,
+        "contiguous_gradients": knobs.contiguous_gradients,
+        "stage3_prefetch_bucket_size": knobs.stage3_prefetch_bucket_size,
+        "stage3_max_live_parameters": knobs.stage3_max_live_parameters,
+        "stage3_max_reuse_distance": knobs.stage3_max_reuse_distance,
+        "stage3_param_persistence_threshold": knobs.stage3_param_persistence_threshold,
+        "offload_optimizer": _offload_section(training.offload_optimizer, knobs.offload_pin_memory),
+        "offload_param": {
+            **_offload_section(training.offload_params, knobs.offload_pin_memory),
+            "buffer_count": knobs.offload_buffer_count,
+            "buffer_size": knobs.offload_buffer_size,
+            "max_in_cpu": knobs.offload_max_in_cpu,
+        },
+    }
+    if knobs.overlap_comm is not None:  # None: DeepSpeed's stage-dependent default (overlap_comm_valid)
+        zero["overlap_comm"] = knobs.overlap_comm
+    bf16: dict[str, object] = {"enabled": training.precision in (Precision.BF16, Precision.PURE_BF16)}
+    if training.precision == Precision.PURE_BF16:
+        bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    optimizer: dict[str, object] = {"type": {Optimizer.ADAM: "Adam", Optimizer.ADAMW: "AdamW",
+                                             Optimizer.SGD: "SGD"}[training.optimizer]}
+    if training.optimizer == Optimizer.SGD:
+        # torch.optim.SGD keeps a momentum buffer only with momentum > 0, which zeroplan's "sgd" counts.
+        optimizer["params"] = {"lr": 0.01, "momentum": 0.9}
+    return {
+        "train_batch_size": training.micro_batch * training.grad_accum * training.gpus,
+        "train_micro_batch_size_per_gpu": training.micro_batch,
+        "gradient_accumulation_steps": training.grad_accum,
+        "optimizer": optimizer,
+        "fp16": {"enabled": training.precision == Precision.FP16},
+        "bf16": bf16,
+        "zero_optimization": zero,
+    }
+
+
+def _offload_section(device: Offload, pin_memory: bool) -> dict[str, object]:
+    section: dict[str, object] = {"device": device.value, "pin_memory": pin_memory}
+    if device == Offload.NVME:
+        section["nvme_path"] = "/local_nvme"  # placeholder: DeepSpeed needs a real NVMe mount here
+    return section

@@ -1,0 +1,69 @@
+"""A short PyTorch FSDP2 snippet (torch.distributed.fsdp.fully_shard) that applies a zeroplan plan.
+
+ZeRO stage 2 is `reshard_after_forward=False` (parameters stay gathered from forward to backward, only
+gradients and optimizer states are sharded), stage 3 is `True` (torch/distributed/fsdp/_fully_shard/
+_fully_shard.py, fully_shard docstring). Text generation only: no torch import here.
+"""
+
+from __future__ import annotations
+
+from zeroplan.errors import SpecError
+from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
+
+_PARAM_DTYPE = {  # MixedPrecisionPolicy: compute in param_dtype, reduce gradients in fp32
+    Precision.FP32: "MixedPrecisionPolicy()",
+    Precision.BF16: "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
+    Precision.FP16: "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)",
+    Precision.PURE_BF16: "MixedPrecisionPolicy()  # the model itself is bf16: no casts, no fp32 copy",
+}
+_OPTIMIZER = {
+    Optimizer.ADAMW: "torch.optim.AdamW(model.parameters(), lr=lr)",
+    Optimizer.ADAM: "torch.optim.Adam(model.parameters(), lr=lr)",
+    # zeroplan's "sgd" keeps one momentum buffer, which torch.optim.SGD allocates only with momentum > 0.
+    Optimizer.SGD: "torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)",
+    Optimizer.ADAM_8BIT: "bitsandbytes.optim.Adam8bit(model.parameters(), lr=lr)",
+}
+
+
+def write_fsdp2_snippet(training: TrainingSpec) -> str:
+    """Python source defining `apply_plan(model, blocks, lr)` -> (model, optimizer) for this plan."""
+    if training.zero_stage not in (2, 3):
+        raise SpecError(f"zero_stage {training.zero_stage} has no FSDP2 form: fully_shard covers stages 2 and 3")
+    if Offload.NVME in (training.offload_optimizer, training.offload_params):
+        raise SpecError("FSDP2 offloads to cpu only (CPUOffloadPolicy); nvme needs DeepSpeed")
+    reshard = training.zero_stage == 3
+    root = reshard if training.fsdp2.reshard_root_after_forward is None else training.fsdp2.reshard_root_after_forward
+    offload = Offload.CPU in (training.offload_optimizer, training.offload_params)
+    # CPUOffloadPolicy pins host memory, which fails on a machine without an accelerator (NOTES.md);
+    # pin on a GPU run only. It moves sharded parameters, gradients and the optimizer step together.
+    pin = training.device == Device.CUDA
+    lines = [
+        f"# zeroplan plan: FSDP2, ZeRO stage {training.zero_stage}, {training.precision.value}, "
+        f"{training.optimizer.value}, offload {'cpu' if offload else 'none'}, "
+        f"micro batch {training.micro_batch} x {training.grad_accum} accumulation x {training.gpus} GPUs",
+        "import torch",
+    ]
+    if training.optimizer == Optimizer.ADAM_8BIT:
+        lines.append("import bitsandbytes")
+    lines += [
+        "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard",
+        "",
+        "",
+        "def apply_plan(model, blocks, lr=1e-4):",
+        '    """Shard each block, then the root; call after init_process_group, before training."""',
+    ]
+    if training.precision == Precision.PURE_BF16:
+        lines.append("    model = model.to(torch.bfloat16)")
+    lines += [
+        f"    mp_policy = {_PARAM_DTYPE[training.precision]}",
+        f"    offload_policy = {f'CPUOffloadPolicy(pin_memory={pin})' if offload else 'OffloadPolicy()'}",
+        "    for block in blocks:",
+        f"        fully_shard(block, reshard_after_forward={reshard}, mp_policy=mp_policy, offload_policy=offload_policy)",
+        f"    fully_shard(model, reshard_after_forward={root}, mp_policy=mp_policy, offload_policy=offload_policy)",
+        f"    optimizer = {_OPTIMIZER[training.optimizer]}",
+        *(["    # fp16: scale the loss (torch.amp.GradScaler) so that small gradients do not underflow"]
+          if training.precision == Precision.FP16 else []),
+        "    return model, optimizer",
+        "",
+    ]
+    return "\n".join(lines)
