@@ -91,11 +91,6 @@ def _decoder_layers(model, num_layers: int):
     raise LookupError("no ModuleList of the model's depth")
 
 
-# Families whose blocks hold q, k, v, o and the MLP as separate tensors, as param_layout lists
-# them; GPT-2 (c_attn), GPT-NeoX (query_key_value), Phi-3 (qkv_proj, gate_up_proj) and Mixtral
-# (experts stored as one 3-D tensor each) fuse some, so only their sums can agree.
-_UNFUSED = {"llama", "mistral", "qwen2", "gemma"}
-
 
 @pytest.mark.parametrize("path", HF_CONFIGS, ids=lambda p: p.stem)
 def test_transformers_meta_model_has_the_same_parameters(path):
@@ -114,5 +109,8 @@ def test_transformers_meta_model_has_the_same_parameters(path):
     block = _decoder_layers(model, spec.num_layers)[0]
     assert embeddings == layout.embedding_params
     assert sum(p.numel() for p in block.parameters()) == layout.block_params
-    if config["model_type"] in _UNFUSED:
-        assert Counter(p.numel() for p in block.parameters()) == Counter(t.numel for t in layout.block)
+    # Tensor by tensor, with dim 0 (what FSDP2 pads and shards): fused projections included
+    # (GPT-2 c_attn, GPT-NeoX query_key_value, Phi-3 qkv_proj/gate_up_proj, Mixtral 3-D experts).
+    assert Counter((p.numel(), p.shape[0]) for p in block.parameters()) == Counter(
+        (t.numel, t.rows) for t in layout.block
+    )

@@ -55,11 +55,19 @@ class ParamLayout:
 
 
 def _linear(name: str, in_features: int, out_features: int, bias: bool) -> list[ParamTensor]:
-    # nn.Linear stores weight as (out, in); GPT-2's Conv1D stores (in, out), same count.
+    # nn.Linear stores weight as (out, in): dim 0 is the output width.
     tensors = [ParamTensor(f"{name}.weight", in_features * out_features, out_features)]
     if bias:
         tensors.append(ParamTensor(f"{name}.bias", out_features, out_features))
     return tensors
+
+
+def _conv1d(name: str, in_features: int, out_features: int) -> list[ParamTensor]:
+    # GPT-2's Conv1D (transformers/pytorch_utils.py) stores weight as (in, out): dim 0 is the input.
+    return [
+        ParamTensor(f"{name}.weight", in_features * out_features, in_features),
+        ParamTensor(f"{name}.bias", out_features, out_features),
+    ]
 
 
 def _norm(name: str, spec: TransformerSpec) -> list[ParamTensor]:
@@ -70,8 +78,38 @@ def _norm(name: str, spec: TransformerSpec) -> list[ParamTensor]:
     return tensors
 
 
+def _attention(spec: TransformerSpec) -> list[ParamTensor]:
+    h = spec.hidden_size
+    q_width = spec.num_heads * spec.dim_per_head
+    kv_width = spec.kv_heads * spec.dim_per_head
+    qkv_width = q_width + 2 * kv_width
+    if spec.hf_model_type == "gpt2":
+        # GPT2Attention: c_attn (h, 3h) and c_proj (h, h), both Conv1D with bias.
+        return _conv1d("attn.c_attn", h, qkv_width) + _conv1d("attn.c_proj", q_width, h)
+    if spec.hf_model_type in ("gpt_neox", "phi3"):
+        # GPTNeoXAttention.query_key_value / Phi3Attention.qkv_proj: one fused projection.
+        return _linear("attn.qkv_proj", h, qkv_width, spec.attention_bias) + _linear(
+            "attn.o_proj", q_width, h, spec.attention_out_bias
+        )
+    # LlamaAttention (and Mistral, Mixtral, Qwen2, Gemma): separate q, k, v and o projections.
+    return (
+        _linear("attn.q_proj", h, q_width, spec.attention_bias)
+        + _linear("attn.k_proj", h, kv_width, spec.attention_bias)
+        + _linear("attn.v_proj", h, kv_width, spec.attention_bias)
+        + _linear("attn.o_proj", q_width, h, spec.attention_out_bias)
+    )
+
+
 def _mlp(prefix: str, spec: TransformerSpec) -> list[ParamTensor]:
     h, inner = spec.hidden_size, spec.intermediate_size
+    if spec.hf_model_type == "gpt2":
+        # GPT2MLP: c_fc (h, i) and c_proj (i, h), Conv1D with bias.
+        return _conv1d(f"{prefix}.c_fc", h, inner) + _conv1d(f"{prefix}.c_proj", inner, h)
+    if spec.hf_model_type == "phi3":
+        # Phi3MLP: gate_up_proj (2i, h) fused, down_proj (h, i).
+        return _linear(f"{prefix}.gate_up_proj", h, 2 * inner, spec.mlp_bias) + _linear(
+            f"{prefix}.down_proj", inner, h, spec.mlp_bias
+        )
     if spec.mlp == "gated":
         # LlamaMLP: gate_proj and up_proj (h -> i), down_proj (i -> h).
         return (
@@ -79,30 +117,24 @@ def _mlp(prefix: str, spec: TransformerSpec) -> list[ParamTensor]:
             + _linear(f"{prefix}.up_proj", h, inner, spec.mlp_bias)
             + _linear(f"{prefix}.down_proj", inner, h, spec.mlp_bias)
         )
-    # GPT2MLP: c_fc (h -> i), c_proj (i -> h), both with bias when mlp_bias.
+    # GPTNeoXMLP: dense_h_to_4h and dense_4h_to_h.
     return _linear(f"{prefix}.fc_in", h, inner, spec.mlp_bias) + _linear(f"{prefix}.fc_out", inner, h, spec.mlp_bias)
 
 
+def _experts(spec: TransformerSpec) -> list[ParamTensor]:
+    h, inner, experts = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    # MixtralSparseMoeBlock (transformers 5): a bias-free router `gate` (E, h) and the experts
+    # stored as two 3-D tensors, gate_up_proj (E, 2i, h) and down_proj (E, h, i).
+    return [
+        ParamTensor("moe.gate.weight", experts * h, experts),
+        ParamTensor("moe.experts.gate_up_proj", experts * 2 * inner * h, experts),
+        ParamTensor("moe.experts.down_proj", experts * h * inner, experts),
+    ]
+
+
 def _block(spec: TransformerSpec) -> list[ParamTensor]:
-    h = spec.hidden_size
-    q_width = spec.num_heads * spec.dim_per_head
-    kv_width = spec.kv_heads * spec.dim_per_head
-    tensors = _norm("attn_norm", spec)
-    # Separate q, k, v projections (Llama); GPT-2's fused c_attn and Phi-3's qkv_proj hold the
-    # same elements: h x (q + 2 kv) plus the same bias.
-    tensors += _linear("attn.q_proj", h, q_width, spec.attention_bias)
-    tensors += _linear("attn.k_proj", h, kv_width, spec.attention_bias)
-    tensors += _linear("attn.v_proj", h, kv_width, spec.attention_bias)
-    tensors += _linear("attn.o_proj", q_width, h, spec.attention_out_bias)
-    tensors += _norm("mlp_norm", spec)
-    if spec.is_moe:
-        # MixtralSparseMoeBlock: a bias-free router gate (h -> experts) and num_experts gated MLPs.
-        tensors += _linear("moe.router", h, spec.num_experts, bias=False)
-        for expert in range(spec.num_experts):
-            tensors += _mlp(f"moe.experts.{expert}", spec)
-    else:
-        tensors += _mlp("mlp", spec)
-    return tensors
+    tensors = _norm("attn_norm", spec) + _attention(spec) + _norm("mlp_norm", spec)
+    return tensors + (_experts(spec) if spec.is_moe else _mlp("mlp", spec))
 
 
 def param_layout(spec: TransformerSpec) -> ParamLayout:
