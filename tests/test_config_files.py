@@ -78,7 +78,7 @@ def test_hf_zero2_auto_values_are_left_to_the_defaults():
     assert spec.precision.value == "bf16" and spec.micro_batch == 1  # "auto": zeroplan's defaults
 
 
-def test_hf_zero3_docs_style_auto():
+def test_hf_zero3_docs_style_auto(tmp_path):
     config = zero3(offload_optimizer={"device": "cpu", "pin_memory": True},
                    offload_param={"device": "cpu", "pin_memory": True}, overlap_comm=True,
                    contiguous_gradients=True, sub_group_size=1e9, reduce_bucket_size="auto",
@@ -87,7 +87,7 @@ def test_hf_zero3_docs_style_auto():
                    stage3_gather_16bit_weights_on_model_save=True)
     config.update({"bf16": {"enabled": True}, "fp16": {"enabled": "auto"}, "train_batch_size": "auto",
                    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"})
-    assert ds(Path(tempfile.mkdtemp()), config) == {
+    assert ds(tmp_path, config) == {
         "engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu",
         "precision": "bf16",
         "deepspeed": {"stage3_max_live_parameters": 10**9, "stage3_max_reuse_distance": 10**9,
@@ -135,6 +135,14 @@ def test_offload_param_knobs(tmp_path):
     assert got["offload_params"] == "nvme"
     assert got["deepspeed"] == {"offload_buffer_count": 6, "offload_buffer_size": 10**8,
                                 "offload_max_in_cpu": 2 * 10**9, "offload_pin_memory": False}
+
+
+def test_nvme_optimizer_offload_below_stage_3_is_cpu_memory(tmp_path):
+    # stage_1_and_2.py: any device but "none" sets cpu_offload; only stage 3 swaps to NVMe
+    got = ds(tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}})
+    assert got["offload_optimizer"] == "cpu"
+    with pytest.raises(SpecError, match=r"nvme only at zero_stage 3; at stage 2 they would stay in CPU memory"):
+        write_deepspeed_config(TrainingSpec(zero_stage=2, offload_optimizer="nvme"))
 
 
 def test_deprecated_cpu_offload(tmp_path):
@@ -196,7 +204,8 @@ def test_malformed_json_names_line_and_column(tmp_path):
     (zero3(stage3_max_live_parameters=True), r"zero_optimization\.stage3_max_live_parameters must be a whole number, got True"),
     (zero3(stage3_max_live_parameters=-1), r"zero_optimization\.stage3_max_live_parameters must be >= 0, got -1"),
     (zero3(overlap_comm="yes"), r"zero_optimization\.overlap_comm must be true or false, got 'yes'"),
-    (zero3(prefetch_bucket_size=1, stage3_prefetch_bucket_size=2), r"zero_optimization\.stage3_prefetch_bucket_size is given twice \(also as prefetch_bucket_size\)"),
+    (zero3(prefetch_bucket_size=1, stage3_prefetch_bucket_size=2),
+     r"zero_optimization\.stage3_prefetch_bucket_size is given twice \(also as prefetch_bucket_size\)"),
     (zero3(offload_optimizer={"device": "cpu", "pin_memory": True},
            offload_param={"device": "cpu", "pin_memory": False}),
      r"zero_optimization\.offload_optimizer\.pin_memory is true but zero_optimization\.offload_param\.pin_memory is false"),
@@ -426,12 +435,14 @@ _knobs = st.fixed_dictionaries({}, optional={
 @st.composite
 def deepspeed_specs(draw) -> TrainingSpec:
     stage = draw(st.integers(0, 3))
-    offload_optimizer = draw(st.sampled_from(["none", "cpu", "nvme"])) if stage else "none"
+    offload_optimizer = draw(st.sampled_from(["none", "cpu"] + (["nvme"] if stage == 3 else []))) if stage else "none"
     offload_params = draw(st.sampled_from(["none", "cpu", "nvme"])) if stage == 3 else "none"
     precisions = ["fp32", "fp16", "bf16"] + (["pure-bf16"] if stage else [])
     return TrainingSpec(engine="deepspeed", zero_stage=stage, offload_optimizer=offload_optimizer,
                         offload_params=offload_params, precision=draw(st.sampled_from(precisions)),
-                        optimizer=draw(st.sampled_from(["adam", "adamw", "sgd"])), gpus=draw(st.one_of(st.integers(1, 8), st.integers(1, 64).map(lambda n: 8 * n))),
+                        optimizer=draw(st.sampled_from(["adam", "adamw", "sgd"])),
+                        # gpus must divide into nodes of min(gpus, 8)
+                        gpus=draw(st.one_of(st.integers(1, 8), st.integers(1, 64).map(lambda n: 8 * n))),
                         micro_batch=draw(st.integers(1, 64)), grad_accum=draw(st.integers(1, 64)),
                         deepspeed=draw(_knobs))
 

@@ -189,7 +189,9 @@ def _zero_settings(config: Mapping[str, object], where: Where) -> dict[str, obje
     # At stage 0 no ZeRO optimizer is built and offload_optimizer is unused; below stage 3 offload_param
     # is unused (engine.py _configure_zero_optimizer). Such settings are dropped, not reported.
     if opt_device is not None and stage >= 1:
-        settings["offload_optimizer"] = opt_device
+        # Stages 1-2 offload whenever device != "none" and never swap to NVMe (stage_1_and_2.py __init__:
+        # `self.cpu_offload = True`; only stage3.py builds an optimizer swapper): "nvme" there means CPU memory.
+        settings["offload_optimizer"] = "cpu" if opt_device == "nvme" and stage < 3 else opt_device
     if par_device is not None and stage == 3:
         settings["offload_params"] = par_device
     if knobs:
@@ -304,6 +306,10 @@ def write_deepspeed_config(training: TrainingSpec) -> dict[str, object]:
     if training.precision == Precision.PURE_BF16 and stage == 0:
         # precision_config / config.py _do_error_check: bf16_master_weights_and_grads needs ZeRO stage 1-3.
         raise SpecError("precision pure-bf16 needs zero_stage 1, 2 or 3 in DeepSpeed (bf16_master_weights_and_grads)")
+    if training.offload_optimizer == Offload.NVME and stage < 3:
+        # stage_1_and_2.py offloads any device != "none" to CPU memory; NVMe swapping is stage 3 only.
+        raise SpecError(f"DeepSpeed offloads optimizer states to nvme only at zero_stage 3; at stage {stage} "
+                        "they would stay in CPU memory: use offload_optimizer cpu")
     if training.optimizer not in _OPTIMIZERS.values():
         raise SpecError(f"optimizer {training.optimizer.value} has no DeepSpeed optimizer.type; use adam, adamw or sgd")
     zero: dict[str, object] = {
