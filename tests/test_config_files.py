@@ -161,8 +161,9 @@ def test_precision_modes(tmp_path):
 
 
 def test_batch_sizes(tmp_path):
-    assert ds(tmp_path, {"train_micro_batch_size_per_gpu": 4}) | {} == {
+    assert ds(tmp_path, {"train_micro_batch_size_per_gpu": 4}) == {
         "engine": "deepspeed", "zero_stage": 0, "precision": "fp32", "micro_batch": 4, "grad_accum": 1}
+    assert "grad_accum" not in ds(tmp_path, {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"})
     three = {"train_batch_size": 256, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8}
     assert ds(tmp_path, three)["gpus"] == 8  # DeepSpeed asserts 256 == 4 * 8 * world size
     assert "gpus" not in ds(tmp_path, three, gpus=8)

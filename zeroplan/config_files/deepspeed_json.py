@@ -268,9 +268,12 @@ def _batch(config: Mapping[str, object], where: Where, gpus: int | None) -> dict
     total, micro, accum = get("train_batch_size"), get("train_micro_batch_size_per_gpu"), get("gradient_accumulation_steps")
     out: dict[str, int] = {}
     if total is None:
-        out.update({"micro_batch": micro} if micro is not None else {})
-        if accum is not None or micro is not None:
-            out["grad_accum"] = accum if accum is not None else 1
+        if micro is not None:
+            out["micro_batch"] = micro
+        if accum is not None:
+            out["grad_accum"] = accum
+        elif micro is not None and not is_auto(config.get("gradient_accumulation_steps")):
+            out["grad_accum"] = 1  # DeepSpeed's default when only the micro batch is given
         return out
     if micro is not None and accum is not None:
         if gpus is None:
