@@ -111,20 +111,49 @@ def test_params_makes_a_parameter_count_model(recorder):
     )
 
 
-def test_options_override_the_config_file(recorder, monkeypatch, tmp_path):
-    # The file reader is helper-2's; this checks only the precedence, with a stand-in reader.
-    import types
-
-    reader = types.ModuleType("zeroplan.config_files")
-    reader.read_training_config = lambda path: {"zero_stage": 2, "micro_batch": 8, "precision": "fp16", "deepspeed": {"reduce_bucket_size": 1000}}
-    monkeypatch.setitem(sys.modules, "zeroplan.config_files", reader)
+def test_options_override_the_config_file(recorder, tmp_path):
     config = tmp_path / "ds_config.json"
-    config.write_text("{}")
+    config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 8,
+        "fp16": {"enabled": True},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
+    }))
     result = run("estimate", "gpt2", "--config", str(config), "--micro-batch", "2", "--gpus", "2")
     assert result.exit_code == 0, result.output
     training = recorder.training
     assert (training.zero_stage, training.micro_batch, training.precision.value, training.gpus) == (2, 2, "fp16", 2)
     assert training.deepspeed.reduce_bucket_size == 1000
+
+
+COLOSSALAI_CONFIG = """OFFLOAD_PARAM_MAX_IN_CPU = 1000000000
+optimizer = dict(type='Adam', lr=0.001, weight_decay=0)
+zero = dict(
+    type='ZeroRedundancyOptimizer_Level_3',
+    dynamic_loss_scale=True,
+    clip_grad=1.0,
+    offload_optimizer_config=dict(device='cpu', pin_memory=True, fast_init=True),
+    offload_param_config=dict(device='nvme', pin_memory=True,
+                              max_in_cpu=OFFLOAD_PARAM_MAX_IN_CPU, nvme_path='/nvme_data'),
+)
+"""
+
+
+def test_colossalai_config_of_the_zero_docs_sets_the_spec_and_options_override_it(recorder, tmp_path):
+    # The config of the original ZeRO documentation (issue 2, section 3): Level_3, fp16 implied.
+    config = tmp_path / "zero_config.py"
+    config.write_text(COLOSSALAI_CONFIG)
+    assert run("estimate", "llama-2-7b", "--config", str(config), "--gpus", "16", "--precision", "bf16").exit_code == 0
+    training = recorder.training
+    assert (training.zero_stage, training.offload_optimizer.value, training.offload_params.value) == (3, "cpu", "nvme")
+    assert (training.optimizer.value, training.precision.value, training.gpus) == ("adam", "bf16", 16)
+    assert training.deepspeed.offload_max_in_cpu == 1_000_000_000
+
+
+def test_deepspeed_train_batch_size_is_split_over_the_gpus_given(recorder, tmp_path):
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"train_batch_size": 64, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}))
+    assert run("estimate", "gpt2", "--config", str(config), "--gpus", "8").exit_code == 0
+    assert (recorder.training.micro_batch, recorder.training.grad_accum, recorder.training.zero_stage) == (4, 2, 2)
 
 
 # --- outputs ---------------------------------------------------------------------------------
@@ -264,7 +293,7 @@ def test_bad_model_file_is_one_line_exit_2(recorder, tmp_path, name, text, patte
 
 CONFIG_FILES = {
     "DeepSpeed config with an invalid stage": ("ds.json", '{"zero_optimization": {"stage": 5}}', r"stage"),
-    "DeepSpeed config that is not JSON": ("ds.json", '{"zero_optimization": {"stage": 2,}}', r"line 1"),
+    "DeepSpeed config that is not JSON": ("ds.json", '{"zero_optimization": {"stage": 2,}}', r"ds.json:1:\d+: invalid JSON"),
     "ColossalAI-style config containing code": ("zero.py", "import os\nzero = dict(type='ZeroRedundancyOptimizer_Level_3')\n", r"import"),
     "ColossalAI-style config calling a function": ("zero.py", "zero = dict(type=print('x'))\n", r"print"),
 }
@@ -272,9 +301,6 @@ CONFIG_FILES = {
 
 @pytest.mark.parametrize("name, text, pattern", CONFIG_FILES.values(), ids=CONFIG_FILES.keys())
 def test_bad_config_file_is_one_line_exit_2(recorder, tmp_path, name, text, pattern):
-    config_files = pytest.importorskip("zeroplan.config_files", reason="config file reader not written yet")
-    if not hasattr(config_files, "read_training_config"):
-        pytest.skip("zeroplan.config_files.read_training_config not written yet")
     _assert_one_line_error(run("estimate", "gpt2", "--config", _write(tmp_path, name, text)), pattern)
     assert recorder.calls == []
 

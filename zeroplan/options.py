@@ -84,7 +84,8 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
     if config_file is not None:
         from zeroplan.config_files import read_training_config
 
-        values.update(read_training_config(config_file))
+        # --gpus lets a DeepSpeed train_batch_size be split into micro-batch and accumulation.
+        values.update(read_training_config(config_file, gpus=options.get("gpus")))
     values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) is not None})
     try:
         return TrainingSpec.model_validate(values)
