@@ -88,12 +88,13 @@ def test_every_training_option_sets_its_spec_field(recorder):
         "--offload-optimizer", "cpu", "--offload-params", "nvme", "--precision", "fp16",
         "--optimizer", "sgd", "--micro-batch", "4", "--seq-len", "4096", "--grad-accum", "8",
         "--checkpointing", "full", "--attention", "eager", "--engine", "deepspeed", "--device", "cpu",
+        "--freeze", "embeddings", "--freeze", "final",
     )
     assert result.exit_code == 0, result.output
     assert recorder.training == TrainingSpec(
         gpus=16, gpus_per_node=4, zero_stage=3, offload_optimizer="cpu", offload_params="nvme",
         precision="fp16", optimizer="sgd", micro_batch=4, seq_len=4096, grad_accum=8,
-        checkpointing="full", attention="eager", engine="deepspeed", device="cpu",
+        checkpointing="full", attention="eager", engine="deepspeed", device="cpu", freeze=("embeddings", "final"),
     )
     assert isinstance(recorder.model, TransformerSpec) and recorder.model.name == "llama-2-7b"
 
@@ -197,11 +198,20 @@ def test_models_lists_the_catalogue_with_published_counts():
     assert "6,738,415,616" in run("models").stdout
 
 
-@pytest.mark.parametrize("args", [["-h"], ["--help"], ["estimate", "-h"], ["estimate", "--help"], ["models", "-h"]])
-def test_help_carries_examples(args):
+@pytest.mark.parametrize(
+    "args, example",
+    [
+        (["-h"], "zeroplan estimate llama-2-7b --gpus 8 --zero 3"),
+        (["--help"], "zeroplan estimate llama-2-7b --gpus 8 --zero 3"),
+        (["estimate", "-h"], "zeroplan estimate llama-2-7b --gpus 8 --zero 3"),
+        (["estimate", "--help"], "zeroplan estimate --params 7.5e9 --gpus 64 --zero 3 --engine paper"),
+        (["models", "-h"], "zeroplan models --format json"),
+    ],
+)
+def test_help_carries_examples(args, example):
     result = run(*args)
     assert result.exit_code == 0
-    assert "Examples:" in result.stdout and "zeroplan estimate llama-2-7b --gpus 8 --zero 3" in result.stdout or args[0] == "models"
+    assert "Examples:" in result.stdout and example in result.stdout
 
 
 def test_python_dash_m_runs_the_cli():

@@ -72,8 +72,8 @@ def training_fields() -> tuple[str, ...]:
 def training_spec_from_options(options: Mapping[str, Any], config_file: str | Path | None = None) -> TrainingSpec:
     """The TrainingSpec for these options over the values read from `config_file`.
 
-    `options` maps TrainingSpec field names to values, None meaning "not given"; other keys (the
-    CLI passes all of its options) are ignored. `config_file` is a DeepSpeed JSON or a
+    `options` maps TrainingSpec field names to values, None (or an empty tuple, for a repeatable
+    option) meaning "not given"; other keys (the CLI passes all of its options) are ignored. `config_file` is a DeepSpeed JSON or a
     ColossalAI-style Python config (`zeroplan.config_files.read_training_config`).
     """
     from pydantic import ValidationError
@@ -86,7 +86,7 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
 
         # --gpus lets a DeepSpeed train_batch_size be split into micro-batch and accumulation.
         values.update(read_training_config(config_file, gpus=options.get("gpus")))
-    values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) is not None})
+    values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) not in (None, ())})
     try:
         return TrainingSpec.model_validate(values)
     except ValidationError as error:

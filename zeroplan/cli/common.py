@@ -8,7 +8,7 @@ over a `--config` file and the spec's defaults. Help texts are the spec's field 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import click
 
@@ -92,6 +92,13 @@ TRAINING_OPTIONS = [
     click.option("--attention", "attention", type=_choice(Attention), help=_help("attention")),
     click.option("--engine", "engine", type=_choice(Engine), help=_help("engine")),
     click.option("--device", "device", type=_choice(Device), help=_help("device")),
+    click.option(
+        "--freeze", "freeze", multiple=True, metavar="GROUP",
+        # tuple[Literal["embeddings", "blocks", "final"], ...] -> the literal's values
+        type=click.Choice(get_args(get_args(TrainingSpec.model_fields["freeze"].annotation)[0])),
+        help="Module group that does not train (no gradients, no optimizer states); repeat for several:"
+        " embeddings, blocks, final. [default: none]",
+    ),
     click.option(
         "--config", "config_file", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
         help="DeepSpeed JSON config or ColossalAI-style Python config (parsed, never run); options given here override it.",
