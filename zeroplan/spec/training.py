@@ -134,6 +134,9 @@ class TrainingSpec(BaseModel):
             raise ValueError("engine torch covers zero_stage 0 (DDP) and 1 (ZeroRedundancyOptimizer); use fsdp2 or deepspeed for 2-3")
         if self.engine == Engine.TORCH and self.offload_optimizer != Offload.NONE:
             raise ValueError("engine torch has no offload; use deepspeed or fsdp2")
+        if self.engine == Engine.DEEPSPEED and self.offload_optimizer == Offload.NVME and self.zero_stage < 3:
+            # stage_1_and_2.py has no optimizer swapper: "nvme" there runs as CPU offload.
+            raise ValueError("offload_optimizer nvme requires zero_stage 3 with deepspeed (stages 1-2 offload to cpu only)")
         if self.engine == Engine.FSDP2:
             if self.zero_stage in (0, 1):
                 raise ValueError("engine fsdp2 covers zero_stage 2 (reshard_after_forward=False) and 3 (True)")
