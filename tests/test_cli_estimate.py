@@ -180,6 +180,13 @@ def test_gpu_memory_in_gb_can_say_it_does_not_fit(recorder):
     assert f"Fits in 11.00 GB per GPU: no, {(11 * GIB - 11e9) / 1e9:.2f} GB over" in table
 
 
+def test_gpu_memory_takes_a_gpu_preset_name(recorder):
+    # "80GB HBM3" on the H100 datasheet is 80 GiB of DRAM (zeroplan/gpus.py).
+    result = run("estimate", "gpt2", "--gpu-memory", "H100-80GB", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["gpu_memory"] == 80 * GIB
+
+
 @pytest.mark.parametrize("output_format, marker", [("table", "Per GPU at the peak"), ("markdown", "### Per GPU"), ("csv", "step,phase,params_GiB")])
 def test_each_format_prints(recorder, output_format, marker):
     result = run("estimate", "gpt2", "--format", output_format)
@@ -251,6 +258,7 @@ BAD_INPUTS = {
     "wrong type: --params": (["estimate", "--params", "seven"], r"'--params': cannot read count 'seven'"),
     "fractional --params": (["estimate", "--params", "1.5"], r"'--params': '1.5' is not a whole number"),
     "bad --gpu-memory": (["estimate", "gpt2", "--gpu-memory", "80 apples"], r"'--gpu-memory': unknown unit 'apples'"),
+    "unknown GPU name": (["estimate", "gpt2", "--gpu-memory", "h100"], r"cannot read size 'h100'.*or name a GPU: .*h100-80gb"),
     "zero gpus": (["estimate", "gpt2", "--gpus", "0"], r"'--gpus': 0 is not in the range x>=1"),
     "negative micro-batch": (["estimate", "gpt2", "--micro-batch", "-1"], r"'--micro-batch': -1 is not in the range x>=1"),
     "zero seq-len": (["estimate", "gpt2", "--seq-len", "0"], r"'--seq-len': 0 is not in the range x>=1"),

@@ -44,6 +44,21 @@ def parse_count(text: str, field: str) -> int:
     return int(number)
 
 
+def gpu_memory_bytes(text: str, field: str = "--gpu-memory") -> int:
+    """The memory of one GPU: a size ('80GiB', '40GB', '24e9' bytes) or a GPU preset name
+    ('h100-80gb', `zeroplan.gpus`), whose datasheet capacity is used."""
+    from zeroplan.units import parse_size_bytes
+
+    try:
+        return parse_size_bytes(text, field)
+    except SpecError as size_error:
+        from zeroplan.gpus import gpu_names, get_gpu
+
+        if str(text).strip().lower() in gpu_names():
+            return get_gpu(text).memory_bytes
+        raise SpecError(f"{size_error}, or name a GPU: {', '.join(gpu_names())}") from None
+
+
 def validation_message(error: ValidationError, source: str | None = None) -> str:
     """One line for a pydantic ValidationError: each problem as `key.path: message (got value)`,
     prefixed with where the values came from when known."""

@@ -35,27 +35,29 @@ class CountType(click.ParamType):
             self.fail(str(error).split(": ", 1)[-1], param, ctx)
 
 
-class SizeType(click.ParamType):
-    """A memory size: 80GiB, 40GB, 24e9 (bytes)."""
+class GpuMemoryType(click.ParamType):
+    """A memory size (80GiB, 40GB, 24e9 bytes) or a GPU preset name (h100-80gb)."""
 
-    name = "SIZE"
+    name = "SIZE|GPU"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
-        from zeroplan.units import parse_size_bytes
+        from zeroplan.options import gpu_memory_bytes
 
         try:
-            return parse_size_bytes(value, param.opts[0] if param else "size")
+            return gpu_memory_bytes(value, param.opts[0] if param else "size")
         except ZeroplanError as error:
             self.fail(str(error).split(": ", 1)[-1], param, ctx)
 
 
-def _help(field: str, extra: str = "") -> str:
+def _help(field: str) -> str:
+    """The spec field's description, with its default where it has a fixed one."""
     info = TrainingSpec.model_fields[field]
+    if info.default is None:  # e.g. gpus_per_node: the description says what None means
+        return str(info.description)
     default = info.default.value if hasattr(info.default, "value") else info.default
-    shown = "min(gpus, 8)" if field == "gpus_per_node" else default
-    return f"{info.description}{extra} [default: {shown}]"
+    return f"{info.description} [default: {default}]"
 
 
 def _choice(enum: type) -> click.Choice:
@@ -103,8 +105,12 @@ TRAINING_OPTIONS = [
         "--config", "config_file", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
         help="DeepSpeed JSON config or ColossalAI-style Python config (parsed, never run); options given here override it.",
     ),
-    click.option("--gpu-memory", "gpu_memory", type=SizeType(), help="Memory of one GPU (e.g. 80GiB, 40GB); reports whether the peak fits."),
 ]
+
+GPU_MEMORY_OPTION = click.option(
+    "--gpu-memory", "gpu_memory", type=GpuMemoryType(),
+    help="Memory of one GPU, as a size (80GiB, 40GB) or a GPU name (h100-80gb, a100-40gb, ...); reports whether the peak fits.",
+)
 
 OUTPUT_OPTIONS = [
     click.option("--format", "output_format", type=click.Choice(FORMATS), default="table", show_default=True, help="Output format; json is a stable contract with sizes in bytes."),
@@ -112,9 +118,19 @@ OUTPUT_OPTIONS = [
 ]
 
 
+def model_options(function: F) -> F:
+    """[MODEL], --params, --largest-layer, --trainable-params (see `zeroplan.options.model_from_options`)."""
+    return _apply(MODEL_OPTIONS, function)
+
+
+def training_options(function: F) -> F:
+    """One option per TrainingSpec field, and --config (see `zeroplan.options.training_spec_from_options`)."""
+    return _apply(TRAINING_OPTIONS, function)
+
+
 def estimate_options(function: F) -> F:
-    """MODEL or --params, every training option, --config and --gpu-memory."""
-    return _apply(MODEL_OPTIONS + TRAINING_OPTIONS, function)
+    """Everything `zeroplan estimate` takes besides the output: model, training, --gpu-memory."""
+    return _apply(MODEL_OPTIONS + TRAINING_OPTIONS + [GPU_MEMORY_OPTION], function)
 
 
 def output_options(function: F) -> F:
