@@ -86,7 +86,7 @@ def test_fits_compares_the_peak_with_the_gpu_memory(gpu_memory, fits):
 
 def test_table_is_labelled_in_gib_by_default():
     text = render_estimate(estimate_to_dict(ESTIMATE, TRAINING, gpu_memory_bytes=80 * GIB))
-    assert "llama-2-7b: 6,738,415,616 parameters (6,738,415,616 trainable)" in text
+    assert "llama-2-7b: 6,738,415,616 parameters (6,738,415,616 trainable); activation model: transformers LlamaForCausalLM" in text
     assert "deepspeed ZeRO-3, 16 GPUs (2 nodes x 8), bf16 mixed, adamw" in text
     assert "Per GPU at the peak (steady step, backward)" in text
     lines = text.splitlines()

@@ -80,10 +80,12 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
     def heading(text: str) -> str:
         return f"### {text}" if markdown else text
 
+    # A model given by its count alone is named after it ("7,500,000,000 params"): no need to repeat.
+    name = "" if model["name"] == f"{model['params']:,} params" else f"{model['name']}: "
     out = [
         heading(
-            f"{model['name']}: {model['params']:,} parameters ({model['trainable_params']:,} trainable),"
-            f" activations of {model['implementation']}"
+            f"{name}{model['params']:,} parameters ({model['trainable_params']:,} trainable);"
+            f" activation model: {model['implementation']}"
         ),
         _describe_config(data),
         "",
