@@ -309,11 +309,40 @@ def test_bad_model_file_is_one_line_exit_2(recorder, tmp_path, name, text, patte
     assert recorder.calls == []
 
 
+def test_library_errors_raised_while_estimating_are_one_line_too(monkeypatch):
+    from zeroplan.errors import SpecError
+
+    def validation_error(model, training):
+        TrainingSpec(gpus=0, micro_batch="many")
+
+    def spec_error(model, training):
+        raise SpecError("zero_stage 3 with engine torch:\n use fsdp2 or deepspeed")
+
+    monkeypatch.setattr(zeroplan.estimate, "estimate", validation_error, raising=False)
+    _assert_one_line_error(
+        run("estimate", "gpt2"),
+        r"^Error: 2 errors: gpus: Input should be greater than or equal to 1 \(got 0\); micro_batch: Input should be a valid integer",
+    )
+    monkeypatch.setattr(zeroplan.estimate, "estimate", spec_error, raising=False)
+    _assert_one_line_error(run("estimate", "gpt2"), r"^Error: zero_stage 3 with engine torch: use fsdp2 or deepspeed$")
+
+
+def test_a_bug_is_not_disguised_as_a_user_error(monkeypatch):
+    def bug(model, training):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(zeroplan.estimate, "estimate", bug, raising=False)
+    result = run("estimate", "gpt2")
+    assert result.exit_code == 1 and isinstance(result.exception, ZeroDivisionError)
+
+
 CONFIG_FILES = {
-    "DeepSpeed config with an invalid stage": ("ds.json", '{"zero_optimization": {"stage": 5}}', r"stage"),
+    "DeepSpeed config with an invalid stage": ("ds.json", '{"zero_optimization": {"stage": 5}}', r"zero_optimization.stage must be 0, 1, 2 or 3, got 5"),
     "DeepSpeed config that is not JSON": ("ds.json", '{"zero_optimization": {"stage": 2,}}', r"ds.json:1:\d+: invalid JSON"),
-    "ColossalAI-style config containing code": ("zero.py", "import os\nzero = dict(type='ZeroRedundancyOptimizer_Level_3')\n", r"import"),
-    "ColossalAI-style config calling a function": ("zero.py", "zero = dict(type=print('x'))\n", r"print"),
+    "wrong type in a DeepSpeed config": ("ds.json", '{"train_micro_batch_size_per_gpu": "four"}', r"ds.json: train_micro_batch_size_per_gpu must be a whole number, got 'four'"),
+    "zero count in a DeepSpeed config": ("ds.json", '{"gradient_accumulation_steps": 0}', r"ds.json: gradient_accumulation_steps must be >= 1, got 0"),
+    "ColossalAI-style config containing code": ("zero.py", "import os\nzero = dict(type='ZeroRedundancyOptimizer_Level_3')\n", r"zero.py:1: .*found an import"),
+    "ColossalAI-style config calling a function": ("zero.py", "zero = dict(type=print('x'))\n", r"zero.py:1: .*found a call to print"),
 }
 
 
