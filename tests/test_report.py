@@ -150,4 +150,7 @@ def test_model_rows_give_the_published_parameter_counts():
     assert rows["7,500,000,000 params"]["layers"] is None
     table = render_models(list(rows.values()))
     assert "6,738,415,616" in table and "124,439,808" in table
-    assert json.loads(render_models(list(rows.values()), "json"))[0]["params"] == 6_738_415_616
+    listed = json.loads(render_models(model_rows([resolve_model("llama-2-7b"), resolve_model("gpt2-xl"), resolve_model("gpt2")]), "json"))
+    assert [(row["name"], row["params"]) for row in listed] == [  # by family, then size
+        ("gpt2", 124_439_808), ("gpt2-xl", 1_557_611_200), ("llama-2-7b", 6_738_415_616)
+    ]

@@ -159,7 +159,7 @@ MODEL_COLUMNS = ("name", "params", "family", "layers", "hidden", "heads", "kv_he
 
 def model_rows(specs: Iterable[Any]) -> list[dict[str, Any]]:
     """One row per catalogue model: its exact parameter count and shape (None where a model is
-    known only by its count)."""
+    known only by its count), by family, then by size."""
     from zeroplan.architecture import param_layout
 
     rows = []
@@ -181,7 +181,7 @@ def model_rows(specs: Iterable[Any]) -> list[dict[str, Any]]:
                 "source": spec.source,
             }
         )
-    return rows
+    return sorted(rows, key=lambda row: (row["family"] or "", row["params"]))
 
 
 def render_models(rows: Sequence[dict[str, Any]], output_format: str = "table") -> str:
