@@ -1,23 +1,23 @@
 """`zeroplan plan`: search ZeRO stage x offload x checkpointing x micro-batch (x GPU count) for the
 configurations that fit, and rank them by the step-cost model of `zeroplan.cost`.
 
-Speed comes from the estimator's structure, not from skipping it. For one choice of everything but
-the micro-batch, each phase's bytes are affine in the micro-batch (activations, logits and their
-temporaries scale with the sequences in flight; model states and engine buffers do not), so two
-estimates (micro-batch 1 and 2) give every phase as `base + slope * micro_batch`. That is only used
-where it is exact: a third full estimate at the largest micro-batch searched must agree byte for
-byte on every phase and on the per-node bytes, or the planner falls back to one full estimate per
-micro-batch for that choice. `tests/test_plan.py` checks the shortcut against full estimates over a
-grid. Gradient accumulation enters the estimate only through whether it is on (an accumulated
-gradient is kept), so the fit is made separately for grad_accum 1 and grad_accum > 1 and verified
-the same way.
+Speed comes from the estimator's structure, not from approximating it. For one choice of
+everything but the micro-batch, the memory never shrinks as the micro-batch grows (activations,
+logits and their temporaries scale with the sequences in flight; model states and engine buffers
+do not depend on them), and gradient accumulation changes it only by whether it is on (one
+accumulated gradient is kept: `grad_accum > 1` in the engine profiles). So whether a configuration
+fits is monotone along the sorted micro-batches of a choice, and a binary search with full
+estimates finds the largest that fits: about log2(n) + 2 estimates decide n configurations
+exactly. `tests/test_plan.py` checks the monotonicity, and every verdict against a full estimate,
+over a grid of models, engines and stages.
 """
 
 from __future__ import annotations
 
-import heapq
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 from pydantic import ValidationError
 
@@ -35,14 +35,16 @@ shows 79.1 GiB to PyTorch) and allocator fragmentation beyond the estimate's ove
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the planner may vary. Micro-batches are powers of two up to `max_micro_batch`, or,
-    with `global_batch`, the divisors of global_batch / gpus (grad_accum makes up the rest)."""
+    """What the planner may vary. Micro-batches are powers of two up to `max_micro_batch`
+    (`micro_batches="pow2"`) or every whole number up to it ("all"); with `global_batch`, only
+    those that divide global_batch / gpus (grad_accum makes up the rest)."""
 
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     offload_targets: tuple[Offload, ...] = (Offload.NONE, Offload.CPU)
     checkpointing: tuple[Checkpointing, ...] = (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
     gpu_counts: tuple[int, ...] = (8,)
     max_micro_batch: int = 1024
+    micro_batches: Literal["pow2", "all"] = "pow2"
     global_batch: int | None = None
 
 
@@ -113,25 +115,18 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
 
 
-class _MemoryFit:
-    """Per-phase bytes of one Choice as a function of the micro-batch: affine where verified,
-    otherwise one full estimate per micro-batch (cached)."""
+class Hit(NamedTuple):
+    """A configuration that fits, as the search keeps it; sorts cheapest first, then simplest."""
 
-    __slots__ = ("phases", "cpu", "nvme", "exact")
+    seconds_per_token: float
+    order: int  # position of the choice in the enumeration: lower stage, less offload, less recompute first
+    minus_micro_batch: int  # larger micro-batch first among equals
+    choice: Choice
+    grad_accum: int
 
-    def __init__(self, phases, cpu, nvme, exact=None):
-        self.phases = phases  # ((base, slope), ...) per phase total
-        self.cpu = cpu  # (base, slope) per node
-        self.nvme = nvme
-        self.exact = exact  # callable micro_batch -> Estimate, when not affine
-
-
-def _phase_totals(estimate: Estimate) -> tuple[int, ...]:
-    return tuple(phase.total_bytes for phase in estimate.phases)
-
-
-def _phase_keys(estimate: Estimate) -> tuple:
-    return tuple((phase.step, phase.phase) for phase in estimate.phases)
+    @property
+    def micro_batch(self) -> int:
+        return -self.minus_micro_batch
 
 
 class Planner:
@@ -147,7 +142,7 @@ class Planner:
         self._estimate = estimator
         self.estimate_calls = 0
         self._specs: dict[Choice, TrainingSpec | str] = {}
-        self._fits: dict[tuple[Choice, bool], _MemoryFit] = {}
+        self._estimates: dict[tuple[Choice, int, int], Estimate] = {}
         self._costs: dict[Choice, StepCostModel] = {}
         self._flops: ModelFlops | None = None
         self._base_dump = base.model_dump()
@@ -174,7 +169,8 @@ class Planner:
                 self._specs[choice] = TrainingSpec.model_validate(values)
             except ValidationError as error:
                 message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in error.errors())
-                self._specs[choice] = f"{choice.label()} on {choice.gpus} GPUs skipped: {message}"
+                offloads = Choice(choice.zero_stage, choice.offload_optimizer, choice.offload_params, Checkpointing.NONE, choice.gpus)
+                self._specs[choice] = f"{offloads.label()} on {choice.gpus} GPUs skipped: {message}"
         return self._specs[choice]
 
     def training(self, choice: Choice, micro_batch: int, grad_accum: int) -> TrainingSpec:
@@ -192,30 +188,99 @@ class Planner:
             self._costs[choice] = step_cost_model(self._flops, self.spec(choice), self.assumptions)
         return self._costs[choice]
 
-    def memory_fit(self, choice: Choice, accumulating: bool, largest_micro_batch: int, largest_accum: int) -> _MemoryFit:
-        key = (choice, accumulating)
-        fit = self._fits.get(key)
-        if fit is not None:
-            return fit
-        accum = 2 if accumulating else 1
-        one = self.estimate(self.training(choice, 1, accum))
-        two = self.estimate(self.training(choice, 2, accum))
-        fit = _affine(one, two)
-        if fit is not None and largest_micro_batch > 2:
-            check = self.estimate(self.training(choice, largest_micro_batch, largest_accum))
-            if not _agrees(fit, check, largest_micro_batch):
-                fit = None
-        if fit is None:  # not affine: a full estimate per micro-batch
-            cache: dict[int, Estimate] = {}
+    def estimate_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Estimate:
+        """The full estimate of one configuration, cached (the suggestions re-search with other limits)."""
+        key = (choice, micro_batch, grad_accum)
+        found = self._estimates.get(key)
+        if found is None:
+            found = self._estimates[key] = self.estimate(self.training(choice, micro_batch, grad_accum))
+        return found
 
-            def exact(micro_batch: int, grad_accum: int) -> Estimate:
-                if (micro_batch, grad_accum) not in cache:
-                    cache[(micro_batch, grad_accum)] = self.estimate(self.training(choice, micro_batch, grad_accum))
-                return cache[(micro_batch, grad_accum)]
+    def fitting_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits) -> int:
+        """How many of `pairs` (micro-batch ascending, all accumulating or none) fit on the GPU
+        and, per node, in host memory and on NVMe. Host bytes never shrink with the micro-batch
+        either, so the configurations that fit the host are a prefix too."""
+        count = self._gpu_prefix(choice, pairs, limits)
+        cpu_limit = limits.cpu_memory_bytes
+        nvme_limit = limits.nvme_bytes or 0
 
-            fit = _MemoryFit((), (0, 0), (0, 0), exact)
-        self._fits[key] = fit
-        return fit
+        def host_fits(index: int) -> bool:
+            node = self.estimate_at(choice, *pairs[index]).per_node
+            return (cpu_limit is None or node.cpu_bytes <= cpu_limit) and node.nvme_bytes <= nvme_limit
+
+        if count == 0 or host_fits(count - 1):
+            return count
+        low, high = -1, count - 1  # host fits pairs[:low + 1], not pairs[high:]
+        while high - low > 1:
+            middle = (low + high) // 2
+            if host_fits(middle):
+                low = middle
+            else:
+                high = middle
+        return low + 1
+
+    def _gpu_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits) -> int:
+        """How many of `pairs` have a peak within the GPU budget.
+
+        The excess over the budget, g(m) = peak - budget, is convex
+        and non-decreasing in the micro-batch m: every phase of an engine profile is the largest of
+        a few points whose bytes are affine in m (activations and logits are tokens x constants),
+        and a maximum of affine functions is convex. Hence (tested in tests/test_plan.py):
+        - the configurations that fit are a prefix of `pairs` (monotone);
+        - the line through g(m0) and g(m1) is below g beyond m1 (convex), so no m past the point
+          where that line crosses zero fits. Probing the last candidate before it settles the
+          common case in three estimates; otherwise a binary search finishes the job.
+        """
+        budget = limits.budget_bytes
+
+        def excess(index: int) -> int:
+            return self.estimate_at(choice, *pairs[index]).peak_bytes - budget
+
+        micros = [micro for micro, _ in pairs]
+        known: dict[int, int] = {}
+
+        def probe(index: int) -> bool:
+            known[index] = excess(index)
+            return known[index] <= 0
+
+        if not probe(0):
+            return 0
+        low, high = 0, len(pairs)  # pairs[:low + 1] fit; pairs[high:] do not
+        fitted = [0]  # probed indices that fit, ascending
+        rounds = 0
+        while high - low > 1:
+            rounds += 1
+            if len(fitted) < 2 or rounds > 4:  # plain binary search as the fallback
+                middle = low + 1 if len(fitted) < 2 else (low + high) // 2
+                if probe(middle):
+                    low = middle
+                    fitted.append(middle)
+                else:
+                    high = middle
+                continue
+            # Convexity, from the right: beyond the last fitting probe, g is above the secant of
+            # the last two, so nothing past its zero fits.
+            a, b = fitted[-2], fitted[-1]
+            slope = (known[b] - known[a]) / (micros[b] - micros[a])
+            if slope > 0:
+                high = min(high, bisect_right(micros, micros[b] - known[b] / slope))
+            if high - low <= 1:
+                break
+            if probe(high - 1):
+                return high
+            high -= 1
+            # ... and between a fitting and a failing probe, g is below their chord: up to its zero
+            # everything fits, no estimate needed.
+            chord_zero = micros[b] - known[b] * (micros[high] - micros[b]) / (known[high] - known[b])
+            low = max(low, bisect_right(micros, chord_zero) - 1)
+            if high - low <= 1:
+                break
+            if probe(low + 1):
+                low += 1
+                fitted.append(low)
+            else:
+                high = low + 1
+        return low + 1
 
     # -- search ----------------------------------------------------------------------------------
     def choices(self, space: SearchSpace, limits: Limits) -> tuple[list[Choice], list[str]]:
@@ -241,89 +306,43 @@ class Planner:
         return valid, notes
 
     def micro_batches(self, space: SearchSpace, gpus: int) -> list[tuple[int, int]]:
-        """(micro_batch, grad_accum) pairs searched on `gpus` GPUs; empty if the global batch does not split."""
+        """(micro_batch, grad_accum) pairs searched on `gpus` GPUs, micro-batch ascending; empty if
+        the global batch does not split over `gpus`."""
+        if space.micro_batches == "all":
+            micros = range(1, space.max_micro_batch + 1)
+        else:
+            micros = [2**power for power in range(space.max_micro_batch.bit_length()) if 2**power <= space.max_micro_batch]
         if space.global_batch is None:
-            pairs, micro = [], 1
-            while micro <= space.max_micro_batch:
-                pairs.append((micro, self.base.grad_accum))
-                micro *= 2
-            return pairs
+            return [(micro, self.base.grad_accum) for micro in micros]
         if space.global_batch % gpus:
             return []
         per_gpu = space.global_batch // gpus
-        return [(m, per_gpu // m) for m in range(1, min(per_gpu, space.max_micro_batch) + 1) if per_gpu % m == 0]
+        return [(micro, per_gpu // micro) for micro in micros if per_gpu % micro == 0]
 
-    def search(self, space: SearchSpace, limits: Limits) -> tuple[int, list[tuple[float, int, Choice, int, int]], list[str]]:
-        """Every configuration of `space`: returns (evaluated, fitting as (seconds per token, peak
-        bytes, choice, micro, accum) sorted cheapest first, the lower peak first on a tie, notes)."""
+    def search(self, space: SearchSpace, limits: Limits) -> tuple[int, list[Hit], list[str]]:
+        """Every configuration of `space`: (how many were evaluated, the ones that fit sorted
+        cheapest first, notes on what was skipped)."""
         choices, notes = self.choices(space, limits)
-        budget = limits.budget_bytes
-        cpu_limit = limits.cpu_memory_bytes
-        nvme_limit = limits.nvme_bytes if limits.nvme_bytes is not None else 0
         evaluated = 0
-        fitting: list[tuple[float, int, Choice, int, int]] = []
+        fitting: list[Hit] = []
         pairs_by_gpus = {gpus: self.micro_batches(space, gpus) for gpus in space.gpu_counts}
         for gpus, pairs in pairs_by_gpus.items():
             if not pairs:
                 notes.append(f"{gpus} GPUs skipped: global batch {space.global_batch} is not divisible by {gpus}")
-        for choice in choices:
+        for order, choice in enumerate(choices):
             pairs = pairs_by_gpus[choice.gpus]
             if not pairs:
                 continue
-            cost = self.cost_model(choice)
+            seconds_per_token = self.cost_model(choice).seconds_per_token
             for accumulating in (False, True):
-                group = [(m, a) for m, a in pairs if (a > 1) == accumulating]
+                group = [(micro, accum) for micro, accum in pairs if (accum > 1) == accumulating]
                 if not group:
                     continue
-                largest = group[-1]
-                fit = self.memory_fit(choice, accumulating, largest[0], largest[1])
                 evaluated += len(group)
-                if fit.exact is None:
-                    phases, (cpu_base, cpu_slope), (nvme_base, nvme_slope) = fit.phases, fit.cpu, fit.nvme
-                    for micro, accum in group:
-                        peak = max(base + slope * micro for base, slope in phases)
-                        if peak > budget:
-                            continue
-                        if cpu_limit is not None and cpu_base + cpu_slope * micro > cpu_limit:
-                            continue
-                        if nvme_base + nvme_slope * micro > nvme_limit:
-                            continue
-                        fitting.append((cost.seconds_per_token(micro, accum), peak, choice, micro, accum))
-                else:
-                    for micro, accum in group:
-                        estimate = fit.exact(micro, accum)
-                        if _fits(estimate, budget, cpu_limit, nvme_limit):
-                            fitting.append((cost.seconds_per_token(micro, accum), estimate.peak_bytes, choice, micro, accum))
-        fitting.sort(key=lambda item: item[:2])
+                for micro, accum in group[: self.fitting_prefix(choice, group, limits)]:
+                    fitting.append(Hit(seconds_per_token(micro, accum), order, -micro, choice, accum))
+        fitting.sort()
         return evaluated, fitting, notes
-
-
-def _affine(one: Estimate, two: Estimate) -> _MemoryFit | None:
-    if _phase_keys(one) != _phase_keys(two):
-        return None
-    ones, twos = _phase_totals(one), _phase_totals(two)
-    phases = tuple((2 * a - b, b - a) for a, b in zip(ones, twos))
-    cpu = (2 * one.per_node.cpu_bytes - two.per_node.cpu_bytes, two.per_node.cpu_bytes - one.per_node.cpu_bytes)
-    nvme = (2 * one.per_node.nvme_bytes - two.per_node.nvme_bytes, two.per_node.nvme_bytes - one.per_node.nvme_bytes)
-    return _MemoryFit(phases, cpu, nvme)
-
-
-def _agrees(fit: _MemoryFit, estimate: Estimate, micro_batch: int) -> bool:
-    totals = _phase_totals(estimate)
-    return (
-        len(totals) == len(fit.phases)
-        and all(base + slope * micro_batch == total for (base, slope), total in zip(fit.phases, totals))
-        and fit.cpu[0] + fit.cpu[1] * micro_batch == estimate.per_node.cpu_bytes
-        and fit.nvme[0] + fit.nvme[1] * micro_batch == estimate.per_node.nvme_bytes
-    )
-
-
-def _fits(estimate: Estimate, budget: int, cpu_limit: int | None, nvme_limit: int) -> bool:
-    return (
-        estimate.peak_bytes <= budget
-        and (cpu_limit is None or estimate.per_node.cpu_bytes <= cpu_limit)
-        and estimate.per_node.nvme_bytes <= nvme_limit
-    )
 
 
 # -- explaining the ranking ----------------------------------------------------------------------
@@ -354,7 +373,7 @@ def _reason(rank: int, cost: StepCost, best: StepCost, choice: Choice, micro_bat
     worst = max(extra, key=extra.get)
     slower = cost.gpu_seconds_per_token / best.gpu_seconds_per_token - 1
     if slower < 0.0005:
-        return f"same cost as #1 within 0.05% ({why['communication']}); ranked lower for a higher peak"
+        return f"same cost as #1 within 0.05% ({why['communication']}); the simpler config ranks first"
     return f"+{slower:.1%} vs #1, mostly {worst}: {why[worst]}"
 
 
@@ -377,13 +396,13 @@ def plan(
     planner = planner or Planner(model, base, assumptions, estimator)
     evaluated, fitting, notes = planner.search(space, limits)
     ranked = []
-    for _, _, choice, micro, accum in fitting[:top]:
-        ranked.append(_ranked(planner, len(ranked) + 1, choice, micro, accum, ranked[0].cost if ranked else None))
+    for hit in fitting[:top]:
+        ranked.append(_ranked(planner, len(ranked) + 1, hit, ranked[0].cost if ranked else None))
     largest = None
     if fitting:  # the most sequences per micro-batch; the cheapest of those
-        index = min(range(len(fitting)), key=lambda i: (-fitting[i][3], fitting[i][0]))
-        _, _, choice, micro, accum = fitting[index]
-        largest = _ranked(planner, index + 1, choice, micro, accum, ranked[0].cost)
+        index = min(range(len(fitting)), key=lambda i: (fitting[i].minus_micro_batch, i))
+        largest = _ranked(planner, index + 1, fitting[index], ranked[0].cost)
+    estimate_calls = planner.estimate_calls  # the search and the shown configs; not the suggestions
     suggestions = () if fitting else tuple(suggest(planner, space, limits))
     return Plan(
         model_name=getattr(model, "name", "model"),
@@ -391,7 +410,7 @@ def plan(
         assumptions=assumptions,
         evaluated=evaluated,
         fitting=len(fitting),
-        estimate_calls=planner.estimate_calls,
+        estimate_calls=estimate_calls,
         top=tuple(ranked),
         largest_micro_batch=largest,
         suggestions=suggestions,
@@ -399,14 +418,15 @@ def plan(
     )
 
 
-def _ranked(planner: Planner, rank: int, choice: Choice, micro: int, accum: int, best: StepCost | None) -> RankedConfig:
+def _ranked(planner: Planner, rank: int, hit: Hit, best: StepCost | None) -> RankedConfig:
+    choice, micro, accum = hit.choice, hit.micro_batch, hit.grad_accum
     training = planner.training(choice, micro, accum)
     cost = planner.cost_model(choice).step_cost(micro, accum)
     reason = _reason(rank, cost, best or cost, choice, micro, training)
-    return RankedConfig(rank, choice, micro, accum, training, planner.estimate(training), cost, reason)
+    return RankedConfig(rank, choice, micro, accum, training, planner.estimate_at(choice, micro, accum), cost, reason)
 
 
-def _best(planner: Planner, space: SearchSpace, limits: Limits):
+def _best(planner: Planner, space: SearchSpace, limits: Limits) -> Hit | None:
     _, fitting, _ = planner.search(space, limits)
     return fitting[0] if fitting else None
 
@@ -420,15 +440,15 @@ def suggest(planner: Planner, space: SearchSpace, limits: Limits, max_gpus: int 
 
     found = []
 
-    def describe(hit) -> str:
-        _, _, choice, micro, accum = hit
-        return f"{choice.label()}, micro-batch {micro}" + (f" x {accum} accumulation" if accum > 1 else "")
+    def describe(hit: Hit) -> str:
+        accumulation = f" x {hit.grad_accum} accumulation" if hit.grad_accum > 1 else ""
+        return f"{hit.choice.label()}, micro-batch {hit.micro_batch}{accumulation}"
 
     all_checkpointing = (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
     if set(space.checkpointing) != set(all_checkpointing):
         hit = _best(planner, replace(space, checkpointing=all_checkpointing), limits)
         if hit:
-            found.append(f"allow activation checkpointing (--checkpointing {hit[2].checkpointing.value}): {describe(hit)}")
+            found.append(f"allow activation checkpointing (--checkpointing {hit.choice.checkpointing.value}): {describe(hit)}")
     if Offload.CPU not in space.offload_targets:
         hit = _best(planner, replace(space, offload_targets=tuple(space.offload_targets) + (Offload.CPU,)), limits)
         if hit:
@@ -436,27 +456,37 @@ def suggest(planner: Planner, space: SearchSpace, limits: Limits, max_gpus: int 
     if limits.cpu_memory_bytes is not None:
         hit = _best(planner, space, replace(limits, cpu_memory_bytes=None))
         if hit:
-            training = planner.training(hit[2], hit[3], hit[4])
-            needed = planner.estimate(training).per_node.cpu_bytes
+            needed = planner.estimate_at(hit.choice, hit.micro_batch, hit.grad_accum).per_node.cpu_bytes
             found.append(f"more CPU memory per node ({format_bytes(needed, 'GiB')}): {describe(hit)}")
-    gpus = max(space.gpu_counts)
-    while gpus * 2 <= max_gpus:
-        gpus *= 2
-        if space.global_batch is not None and space.global_batch % gpus:
-            break
-        hit = _best(planner, replace(space, gpu_counts=(gpus,)), limits)
-        if hit:
-            found.append(f"use {gpus} GPUs (--gpus {gpus}): {describe(hit)}")
-            break
-    for gpu in all_gpus():
-        if gpu.memory_bytes <= limits.gpu_memory_bytes:
-            continue
-        hit = _best(planner, space, replace(limits, gpu_memory_bytes=gpu.memory_bytes))
-        if hit:
-            found.append(f"a GPU with more memory (--gpu {gpu.name}, {gpu.stated_memory}): {describe(hit)}")
+    relaxed_space = replace(space, checkpointing=all_checkpointing,
+                            offload_targets=tuple(dict.fromkeys((*space.offload_targets, Offload.CPU))))
+    relaxed_limits = replace(limits, cpu_memory_bytes=None)
+    # More GPUs or a bigger GPU: first as searched, then (if nothing smaller worked) together with
+    # checkpointing and unlimited CPU offload.
+    attempts = [(space, limits, "")]
+    if not found and (relaxed_space, relaxed_limits) != (space, limits):
+        attempts.append((relaxed_space, relaxed_limits, " with checkpointing and CPU offload allowed"))
+    for try_space, try_limits, extra in attempts:
+        gpus = max(space.gpu_counts)
+        while gpus * 2 <= max_gpus:
+            gpus *= 2
+            if space.global_batch is not None and space.global_batch % gpus:
+                break
+            hit = _best(planner, replace(try_space, gpu_counts=(gpus,)), try_limits)
+            if hit:
+                found.append(f"use {gpus} GPUs (--gpus {gpus}){extra}: {describe(hit)}")
+                break
+        for gpu in all_gpus():
+            if gpu.memory_bytes <= limits.gpu_memory_bytes:
+                continue
+            hit = _best(planner, try_space, replace(try_limits, gpu_memory_bytes=gpu.memory_bytes))
+            if hit:
+                found.append(f"a GPU with more memory (--gpu {gpu.name}, {gpu.stated_memory}){extra}: {describe(hit)}")
+                break
+        if found:
             break
     if not found:
-        found.append("nothing tried fits: the model needs more GPUs than searched, or a smaller sequence length")
+        found.append(f"nothing tried fits (up to {max_gpus} GPUs, every GPU preset): shorten the sequence or use model parallelism")
     return found
 
 

@@ -52,15 +52,21 @@ def plot_comparison(comparison: Comparison, path: str | Path, units: str = "GiB"
         text = f"{bottoms[index]:,.1f}"
         if row.saving_percent is not None and row.training.zero_stage > 0:
             text += f"\n-{row.saving_percent:.0f}%" if row.saving_percent >= 0 else f"\n+{-row.saving_percent:.0f}%"
-        axes.annotate(text, (index, bottoms[index]), ha="center", va="bottom", fontsize=8)
+        if row.fits is False:
+            text += "\ndoes not fit"
+        axes.annotate(text, (index, bottoms[index]), ha="center", va="bottom", fontsize=8,
+                      color="#B00000" if row.fits is False else "black")
+        if index and row.training.gpus != rows[index - 1].training.gpus:  # separate the GPU-count groups
+            axes.axvline(index - 0.5, color="grey", linestyle=":", linewidth=1)
     if comparison.gpu_memory_bytes is not None:
         memory = bytes_in_unit(comparison.gpu_memory_bytes, units)
         axes.axhline(memory, color="black", linestyle="--", linewidth=1, label=f"GPU memory {memory:,.0f} {units}")
     axes.set_xticks(range(len(rows)), labels, fontsize=8)
     axes.set_ylabel(f"per-GPU memory at the peak ({units})")
     axes.set_title(f"{comparison.model_name}: memory per GPU by ZeRO configuration")
-    axes.set_ylim(0, max(bottoms + [bytes_in_unit(comparison.gpu_memory_bytes or 0, units)]) * 1.15)
-    axes.legend(fontsize=8, loc="upper right")
+    axes.set_ylim(0, max(bottoms + [bytes_in_unit(comparison.gpu_memory_bytes or 0, units)]) * 1.2)
+    handles, names = axes.get_legend_handles_labels()
+    axes.legend(handles[::-1], names[::-1], fontsize=8, loc="upper right")  # same order as the stack
     figure.tight_layout()
     path = Path(path)
     figure.savefig(path, dpi=120)

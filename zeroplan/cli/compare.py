@@ -1,0 +1,54 @@
+"""`zeroplan compare`: the memory of a grid of ZeRO configurations, side by side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from zeroplan.cli.common import output_options
+from zeroplan.cli.grid_options import estimate_options_except, gpu_memory_options
+
+
+@click.command("compare")
+@estimate_options_except({"gpus", "zero_stage", "offload_optimizer", "offload_params", "gpu_memory"})
+@click.option("--zero", "zero_stages", default="0,1,2,3", show_default=True, metavar="LIST", help="ZeRO stages to compare, e.g. 0,1,2,3.")
+@click.option("--gpus", "gpu_counts", default="8", show_default=True, metavar="LIST", help="GPU counts to compare, e.g. 8,64.")
+@click.option("--offload", "offloads", default="none", show_default=True, metavar="LIST",
+              help="Offload choices: none, cpu, nvme (optimizer states at stages 1-2, optimizer states and parameters at "
+                   "stage 3), cpu-optimizer, nvme-optimizer (optimizer states only, any stage >= 1).")
+@gpu_memory_options
+@click.option("--headroom", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="Fraction of GPU memory to keep free when deciding whether a config fits.")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), metavar="FILE.png",
+              help="Also draw the per-GPU breakdown as stacked bars (needs matplotlib: pip install 'zeroplan[plot]').")
+@output_options
+def command(**options: Any) -> None:
+    """Compare the per-GPU memory of MODEL over ZeRO stages x GPU counts x offload targets: one
+    row per configuration with its breakdown at the peak, host memory per node, the saving against
+    ZeRO-0 on the same GPU count, and whether it fits. Combinations the engine cannot run are
+    skipped and listed.
+
+    \b
+    Examples:
+      zeroplan compare llama-2-7b --zero 0,1,2,3 --gpus 8,64 --offload none,cpu --gpu h100-80gb
+      zeroplan compare llama-2-13b --gpus 16 --offload none,cpu,cpu-optimizer --plot zero.png
+      zeroplan compare --params 7.5e9 --engine paper --gpus 64 --units GB --format markdown
+    """
+    from zeroplan.cli.grid_options import parse_choice_list, parse_int_list, resolve_gpu
+    from zeroplan.compare import OFFLOAD_CHOICES, compare, render_comparison
+    from zeroplan.options import model_from_options, training_spec_from_options
+
+    stages = parse_int_list(options["zero_stages"], "--zero", 0, 3)
+    gpu_counts = parse_int_list(options["gpu_counts"], "--gpus", 1)
+    offloads = parse_choice_list(options["offloads"], "--offload", OFFLOAD_CHOICES)
+    _, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
+    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
+    base = training_spec_from_options({**options, "gpus": gpu_counts[0]}, options["config_file"])
+    comparison = compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"])
+    click.echo(render_comparison(comparison, options["output_format"], options["units"]), nl=False)
+    if options["plot_file"]:
+        from zeroplan.plot import plot_comparison
+
+        path = plot_comparison(comparison, options["plot_file"], options["units"])
+        click.echo(f"wrote {path}", err=True)

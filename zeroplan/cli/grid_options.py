@@ -1,0 +1,87 @@
+"""Options shared by `compare` and `plan`, which search over lists where `estimate` takes one value.
+
+They reuse the estimate option group (zeroplan.cli.common) minus the options they turn into
+lists (--gpus 8,64, --zero 0,1,2,3, ...), and add the GPU preset and the headroom.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import click
+
+from zeroplan.cli.common import GPU_MEMORY_OPTION, MODEL_OPTIONS, TRAINING_OPTIONS
+from zeroplan.errors import SpecError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _option_name(decorator: Callable) -> str:
+    """The parameter name a click option decorator declares (applied to a throwaway function)."""
+
+    def probe() -> None: ...
+
+    decorator(probe)
+    return probe.__click_params__[-1].name  # type: ignore[attr-defined]
+
+
+def estimate_options_except(names: Iterable[str]) -> Callable[[F], F]:
+    """MODEL and the training options of `zeroplan estimate`, except those in `names`."""
+    excluded = set(names)
+    kept = [d for d in MODEL_OPTIONS + TRAINING_OPTIONS if _option_name(d) not in excluded]
+
+    def apply(function: F) -> F:
+        for decorator in reversed(kept):
+            function = decorator(function)
+        return function
+
+    return apply
+
+
+def gpu_memory_options(function: F) -> F:
+    """--gpu NAME (a preset: memory and, for plan, speeds) and --gpu-memory SIZE|NAME (memory only; wins over --gpu's)."""
+    for decorator in reversed([
+        click.option("--gpu", "gpu", metavar="NAME", help="GPU preset (memory, FLOP/s, bandwidths from its datasheet): "
+                     "a100-40gb, a100-80gb, h100-80gb, h200-141gb, l4-24gb, rtx4090-24gb, mi300x-192gb."),
+        GPU_MEMORY_OPTION,
+    ]):
+        function = decorator(function)
+    return function
+
+
+def parse_int_list(text: str, field: str, low: int = 0, high: int | None = None) -> tuple[int, ...]:
+    """'0,1,2,3' -> (0, 1, 2, 3), each checked against [low, high]."""
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise SpecError(f"{field}: cannot read {text!r}; write a comma-separated list such as 0,1,2,3") from None
+    if not values:
+        raise SpecError(f"{field}: empty list")
+    for value in values:
+        if value < low or (high is not None and value > high):
+            bound = f"{low}-{high}" if high is not None else f">= {low}"
+            raise SpecError(f"{field}: {value} is out of range ({bound})")
+    return values
+
+
+def parse_choice_list(text: str, field: str, choices: Iterable[str]) -> tuple[str, ...]:
+    """'none,cpu' -> ('none', 'cpu'), each one of `choices`."""
+    allowed = tuple(choices)
+    values = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not values:
+        raise SpecError(f"{field}: empty list")
+    for value in values:
+        if value not in allowed:
+            raise SpecError(f"{field}: unknown choice {value!r}; use {', '.join(allowed)}")
+    return values
+
+
+def resolve_gpu(name: str | None, memory_bytes: int | None):
+    """(preset or None, GPU memory in bytes or None) from --gpu and --gpu-memory."""
+    if name is None:
+        return None, memory_bytes
+    from zeroplan.gpus import get_gpu
+
+    preset = get_gpu(name)
+    return preset, memory_bytes if memory_bytes is not None else preset.memory_bytes

@@ -1,0 +1,144 @@
+"""`zeroplan plan`: the cheapest configurations that fit, ranked, and the engine config to launch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from zeroplan.cli.common import output_options
+from zeroplan.cli.grid_options import estimate_options_except, gpu_memory_options
+
+_GB = 10**9
+
+
+def _rate(name: str, field: str, unit: str, help_text: str):
+    return click.option(name, field, type=click.FloatRange(min=0, min_open=True), metavar=unit, help=help_text)
+
+
+@click.command("plan")
+@estimate_options_except({"gpus", "zero_stage", "offload_optimizer", "offload_params", "micro_batch", "checkpointing", "gpu_memory"})
+@click.option("--gpus", "gpu_counts", default="8", show_default=True, metavar="N|LIST|A-B",
+              help="GPU count, a list (8,16,64) or a doubling range (8-64 = 8,16,32,64).")
+@gpu_memory_options
+@click.option("--cpu-memory", "cpu_memory", metavar="SIZE", help="Host memory per node for offload (e.g. 1TiB); unlimited if not given.")
+@click.option("--nvme", "nvme", metavar="SIZE", help="NVMe space per node; NVMe offload is searched only when given.")
+@click.option("--headroom", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
+              help="Fraction of GPU memory kept free: a config fits when its peak <= (1 - headroom) x GPU memory.")
+@click.option("--global-batch", "global_batch", type=click.IntRange(min=1), metavar="N",
+              help="Sequences per optimizer step over all GPUs; grad accumulation = N / (micro-batch x GPUs).")
+@click.option("--zero", "zero_stages", default="0,1,2,3", show_default=True, metavar="LIST", help="ZeRO stages to search.")
+@click.option("--offload", "offloads", default="none,cpu", show_default=True, metavar="LIST",
+              help="Offload targets to search (none, cpu, nvme); nvme also needs --nvme.")
+@click.option("--checkpointing", "checkpointing_modes", default="none,selective,full", show_default=True, metavar="LIST",
+              help="Activation checkpointing modes to search.")
+@click.option("--micro-batches", "micro_batches", type=click.Choice(["pow2", "all"]), default="pow2", show_default=True,
+              help="Micro-batches searched: powers of two, or every whole number, up to --max-micro-batch.")
+@click.option("--max-micro-batch", "max_micro_batch", type=click.IntRange(min=1), default=1024, show_default=True, metavar="N")
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="How many configurations to show.")
+@_rate("--gpu-tflops", "gpu_tflops", "TFLOPS", "Override the GPU's dense BF16 peak.")
+@_rate("--gpu-link-bandwidth", "intra_node_gbps", "GB/s", "GPU-to-GPU bandwidth inside a node, one direction [default: half the preset's NVLink].")
+@_rate("--network-bandwidth", "inter_node_gbps", "GB/s", "Network bandwidth per GPU between nodes, one direction [default: 50].")
+@_rate("--pcie-bandwidth", "pcie_gbps", "GB/s", "GPU-host bandwidth, one direction [default: half the preset's PCIe].")
+@_rate("--cpu-memory-bandwidth", "cpu_memory_gbps", "GB/s", "CPU memory bandwidth per node for the offloaded optimizer [default: 300].")
+@_rate("--nvme-bandwidth", "nvme_gbps", "GB/s", "NVMe bandwidth per node [default: 7].")
+@click.option("--max-efficiency", type=click.FloatRange(0, 1, min_open=True), help="Best fraction of peak FLOP/s a step reaches [default: 0.5].")
+@click.option("--half-efficiency-tokens", type=click.IntRange(min=0), help="Tokens per micro-batch at half of --max-efficiency [default: 1024].")
+@click.option("--emit", nargs=2, type=(click.Choice(["deepspeed", "fsdp"]), click.Path(dir_okay=False)), metavar="deepspeed|fsdp FILE",
+              help="Write the best plan as a DeepSpeed JSON config, or as an FSDP2 Python snippet (with --engine fsdp2).")
+@output_options
+def command(**options: Any) -> None:
+    """Find the configurations of MODEL that fit the GPUs (ZeRO stage x offload x checkpointing x
+    micro-batch, and GPU counts when a range is given), rank them by an estimated step cost, and
+    say why each ranks where it does. If nothing fits, say the smallest change that would.
+
+    The cost model (zeroplan/cost.py) states its assumptions; override any of them with the
+    bandwidth and efficiency options.
+
+    \b
+    Examples:
+      zeroplan plan llama-2-7b --gpu h100-80gb --gpus 8
+      zeroplan plan llama-2-13b --gpu a100-40gb --gpus 8-64 --global-batch 512 --seq-len 4096
+      zeroplan plan llama-3-70b --gpu h100-80gb --gpus 16 --cpu-memory 2TiB --nvme 8TB --offload none,cpu,nvme
+      zeroplan plan llama-2-7b --gpu-memory 24GiB --gpus 4 --emit deepspeed ds_config.json
+    """
+    from zeroplan.cli.grid_options import parse_choice_list, parse_int_list, resolve_gpu
+    from zeroplan.cost import assumptions_for
+    from zeroplan.errors import SpecError
+    from zeroplan.gpus import get_gpu
+    from zeroplan.options import model_from_options, training_spec_from_options
+    from zeroplan.plan import Limits, SearchSpace, parse_gpu_counts, plan
+    from zeroplan.plan_report import render_plan
+    from zeroplan.spec.training import Checkpointing, Engine, Offload
+    from zeroplan.units import parse_size_bytes
+
+    preset, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
+    if gpu_memory is None:
+        raise click.UsageError("give the GPU: --gpu NAME (e.g. h100-80gb) or --gpu-memory SIZE (e.g. 80GiB)")
+    if options["global_batch"] is not None and options["grad_accum"] is not None:
+        raise click.UsageError("--global-batch sets the gradient accumulation; do not give --grad-accum too")
+    gpu_counts = parse_gpu_counts(options["gpu_counts"])
+    space = SearchSpace(
+        zero_stages=parse_int_list(options["zero_stages"], "--zero", 0, 3),
+        offload_targets=tuple(Offload(o) for o in parse_choice_list(options["offloads"], "--offload", [o.value for o in Offload])),
+        checkpointing=tuple(Checkpointing(c) for c in parse_choice_list(options["checkpointing_modes"], "--checkpointing", [c.value for c in Checkpointing])),
+        gpu_counts=gpu_counts,
+        max_micro_batch=options["max_micro_batch"],
+        micro_batches=options["micro_batches"],
+        global_batch=options["global_batch"],
+    )
+    limits = Limits(
+        gpu_memory_bytes=gpu_memory,
+        headroom=options["headroom"],
+        cpu_memory_bytes=None if options["cpu_memory"] is None else parse_size_bytes(options["cpu_memory"], "--cpu-memory"),
+        nvme_bytes=None if options["nvme"] is None else parse_size_bytes(options["nvme"], "--nvme"),
+    )
+    speeds = preset or get_gpu("h100-80gb")
+    overrides = {
+        "gpu_flops_per_s": None if options["gpu_tflops"] is None else options["gpu_tflops"] * 1e12,
+        "intra_node_bytes_per_s": _bytes_per_s(options["intra_node_gbps"]),
+        "inter_node_bytes_per_s": _bytes_per_s(options["inter_node_gbps"]),
+        "pcie_bytes_per_s": _bytes_per_s(options["pcie_gbps"]),
+        "cpu_memory_bytes_per_s": _bytes_per_s(options["cpu_memory_gbps"]),
+        "nvme_bytes_per_s": _bytes_per_s(options["nvme_gbps"]),
+        "max_efficiency": options["max_efficiency"],
+        "half_efficiency_tokens": options["half_efficiency_tokens"],
+    }
+    if preset is None:
+        overrides["source"] = f"no --gpu given: speeds of {speeds.label} assumed ({speeds.source})"
+    assumptions = assumptions_for(speeds, **overrides)
+
+    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
+    base = training_spec_from_options({**options, "gpus": max(gpu_counts)}, options["config_file"])
+    emit = options["emit"]
+    if emit and emit[0] == "fsdp" and base.engine != Engine.FSDP2:
+        raise SpecError("--emit fsdp: plan with --engine fsdp2, so that the plan models FSDP2's memory")
+    result = plan(model, base, space, limits, assumptions, top=options["top"])
+    click.echo(render_plan(result, options["output_format"], options["units"]), nl=False)
+    if emit:
+        if not result.top:
+            raise SpecError(f"--emit {emit[0]}: nothing fits, so there is no plan to write")
+        _emit(emit[0], emit[1], result.top[0].training)
+
+
+def _bytes_per_s(gbps: float | None) -> float | None:
+    return None if gbps is None else gbps * _GB
+
+
+def _emit(kind: str, path: str, training) -> None:
+    import json
+    from pathlib import Path
+
+    from zeroplan.config_files import write_deepspeed_config, write_fsdp2_snippet
+
+    if kind == "deepspeed":
+        text = json.dumps(write_deepspeed_config(training), indent=2) + "\n"
+    else:
+        text = write_fsdp2_snippet(training)
+    Path(path).write_text(text, encoding="utf-8")
+    extra = f" --checkpointing {training.checkpointing.value}" if training.checkpointing.value != "none" else ""
+    click.echo(
+        f"wrote {path} ({kind}, plan #1); check it with: zeroplan estimate MODEL --config {path} --gpus {training.gpus} "
+        f"--seq-len {training.seq_len}{extra}" if kind == "deepspeed" else f"wrote {path} ({kind}, plan #1)",
+        err=True,
+    )
