@@ -1,0 +1,329 @@
+"""Engine `deepspeed`: `deepspeed.initialize` with the stage, offload and precision of the
+training spec, or with the user's own DeepSpeed JSON (`--config`).
+
+What DeepSpeed allocates, tensor by tensor, and where this runner finds it, is written down in
+docs/engines/deepspeed.md (read from deepspeed/runtime/zero/stage_1_and_2.py, stage3.py,
+partition_parameters.py, runtime/fp16/*.py, runtime/bf16_optimizer.py). The runner names those
+tensors by walking the engine's optimizer objects; it never runs a tensor op while doing so,
+because the accounting asks for the categories from inside its dispatch hook.
+
+On a machine without CUDA, DeepSpeed runs on its CPU accelerator (`DS_ACCELERATOR=cpu`, gloo).
+It JIT-compiles C++ ops at first use: a shared-memory comm op at every `deepspeed.initialize`
+(about 35 s cold) and `cpu_adam` for optimizer offload (about 60 s, 2 GB of RAM). The build cache
+is kept in `extensions_dir()` so each builds once per machine.
+
+Choices that change memory, mirrored by the estimator (docs/engines/deepspeed.md):
+- Adam/AdamW is DeepSpeed's config optimizer: torch's AdamW (`torch_adam: true`) on CPU, where
+  DeepSpeed's FusedAdam would need another JIT build; FusedAdam on CUDA (DeepSpeed's default);
+  DeepSpeedCPUAdam with optimizer offload. SGD is a client `torch.optim.SGD`.
+- Gradient accumulation is DeepSpeed's own: `engine.step()` after every micro-batch, which only
+  steps the optimizer at the accumulation boundary (runtime/engine.py, `step`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeroplan.errors import MeasureError, MissingDependencyError
+from zeroplan.measure.engines import RunContext, module_buffers
+from zeroplan.spec.training import Offload, Optimizer, Precision, TrainingSpec
+
+EXTENSIONS_ENV = "ZEROPLAN_TORCH_EXTENSIONS_DIR"
+"""Where DeepSpeed's JIT-built ops are cached; else TORCH_EXTENSIONS_DIR; else ~/.cache/zeroplan."""
+
+_LR = 1e-4  # the learning rate of zeroplan.measure.engines.optimizer_class_and_kwargs
+
+
+def extensions_dir() -> Path:
+    """The kept build folder for DeepSpeed's JIT ops (torch.utils.cpp_extension reads TORCH_EXTENSIONS_DIR)."""
+    chosen = os.environ.get(EXTENSIONS_ENV) or os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(chosen).expanduser() if chosen else Path.home() / ".cache" / "zeroplan" / "torch_extensions"
+
+
+def _prepare_environment(ctx: RunContext) -> None:
+    """Must run before `import deepspeed`: it picks its accelerator when imported."""
+    if not ctx.is_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    folder = extensions_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as error:
+        raise MissingDependencyError(
+            f"engine deepspeed needs DeepSpeed ({error}); install it with: pip install 'zeroplan[deepspeed]'"
+        ) from None
+    import logging
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    return deepspeed
+
+
+def _offload_section(device: Offload, training: TrainingSpec, *, params: bool) -> dict:
+    if device == Offload.NVME:
+        raise MeasureError(
+            "offload: nvme needs an nvme_path and DeepSpeed's async_io op; pass your own DeepSpeed JSON with --config"
+        )
+    section = {"device": device.value, "pin_memory": training.deepspeed.offload_pin_memory}
+    if params:
+        knobs = training.deepspeed
+        section.update(buffer_count=knobs.offload_buffer_count, buffer_size=knobs.offload_buffer_size,
+                       max_in_cpu=knobs.offload_max_in_cpu)
+    return section
+
+
+def deepspeed_config(training: TrainingSpec, ctx: RunContext) -> dict:
+    """The DeepSpeed JSON that runs `training` on `ctx.world_size` ranks (keys: docs/config-json)."""
+    knobs = training.deepspeed
+    zero: dict[str, Any] = {
+        "stage": training.zero_stage,
+        "reduce_bucket_size": knobs.reduce_bucket_size,
+        "allgather_bucket_size": knobs.allgather_bucket_size,
+        "contiguous_gradients": knobs.contiguous_gradients,
+        "stage3_prefetch_bucket_size": knobs.stage3_prefetch_bucket_size,
+        "stage3_max_live_parameters": knobs.stage3_max_live_parameters,
+        "stage3_max_reuse_distance": knobs.stage3_max_reuse_distance,
+        "stage3_param_persistence_threshold": knobs.stage3_param_persistence_threshold,
+    }
+    if knobs.overlap_comm is not None:
+        zero["overlap_comm"] = knobs.overlap_comm
+    if training.offload_optimizer != Offload.NONE:
+        zero["offload_optimizer"] = _offload_section(training.offload_optimizer, training, params=False)
+    if training.offload_params != Offload.NONE:
+        zero["offload_param"] = _offload_section(training.offload_params, training, params=True)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": training.micro_batch,
+        "gradient_accumulation_steps": training.grad_accum,
+        "train_batch_size": training.micro_batch * training.grad_accum * ctx.world_size,
+        "zero_optimization": zero,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if training.precision == Precision.BF16:
+        config["bf16"] = {"enabled": True}
+    elif training.precision == Precision.FP16:
+        config["fp16"] = {"enabled": True}
+    elif training.precision == Precision.PURE_BF16:
+        raise MeasureError(
+            "precision: pure-bf16 has no DeepSpeed equivalent measured here (bf16 master weights need "
+            "optimizer offload); use bf16 or fp32, or pass your own DeepSpeed JSON with --config"
+        )
+    if training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW):
+        params: dict[str, Any] = {"lr": _LR}
+        if training.offload_optimizer == Offload.NONE and not ctx.is_cuda:
+            params["torch_adam"] = True  # torch.optim.AdamW: no JIT build of FusedAdam on CPU
+        config["optimizer"] = {"type": "AdamW" if training.optimizer == Optimizer.ADAMW else "Adam", "params": params}
+    elif training.optimizer == Optimizer.SGD:
+        if training.offload_optimizer != Offload.NONE:
+            raise MeasureError("optimizer: sgd cannot be offloaded by DeepSpeed (ZeRO-Offload runs CPU Adam); use adamw")
+        config["zero_allow_untested_optimizer"] = True  # torch SGD is not in ZERO_SUPPORTED_OPTIMIZERS
+    else:
+        raise MeasureError(f"optimizer: {training.optimizer.value} cannot be measured on deepspeed; use adamw, adam or sgd")
+    return config
+
+
+def user_config(config: dict, training: TrainingSpec, ctx: RunContext) -> dict:
+    """The user's DeepSpeed JSON, with batch sizes filled in where missing or "auto" (Hugging Face
+    style). A ZeRO stage that disagrees with the training spec is an error: the estimate beside
+    the measurement would describe another configuration."""
+    merged = dict(config)
+    defaults = {
+        "train_micro_batch_size_per_gpu": training.micro_batch,
+        "gradient_accumulation_steps": training.grad_accum,
+        "train_batch_size": training.micro_batch * training.grad_accum * ctx.world_size,
+    }
+    for key, value in defaults.items():
+        if merged.get(key, "auto") == "auto":
+            merged[key] = value
+    stage = merged.get("zero_optimization", {}).get("stage", 0)
+    if stage != training.zero_stage:
+        raise MeasureError(
+            f"config: zero_optimization.stage is {stage} but the training spec says zero_stage {training.zero_stage}"
+        )
+    if "optimizer" not in merged:
+        raise MeasureError("config: the DeepSpeed JSON has no optimizer section; add one (e.g. AdamW)")
+    return merged
+
+
+class DeepSpeedRunner:
+    def __init__(self, model: torch.nn.Module, training: TrainingSpec, ctx: RunContext):
+        if ctx.is_fake:
+            raise MeasureError("engine deepspeed cannot run under --simulate (it needs real tensors); use --engine fsdp2")
+        _prepare_environment(ctx)
+        deepspeed = _import_deepspeed()
+        if ctx.engine_config is not None:
+            config = user_config(ctx.engine_config, training, ctx)
+        else:
+            config = deepspeed_config(training, ctx)
+        client_optimizer = None
+        if "optimizer" not in config:  # SGD: a client optimizer (DeepSpeed's config has no SGD)
+            client_optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        self.model = model
+        self.config = config
+        self.grad_accum = int(config["gradient_accumulation_steps"])
+        self._micro = 0
+        # torch.distributed is already initialised by the worker: DeepSpeed wraps that group
+        # (deepspeed/comm/comm.py, init_distributed: "The user initialized torch.dist themselves").
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=client_optimizer, config=config,
+        )
+        self.params = list(model.parameters())
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.engine(input_ids, labels)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed divides the loss by gradient_accumulation_steps itself (engine.backward,
+        # scale_wrt_gas) and reduces only where its stage says so.
+        self.engine.backward(loss)
+        self._micro += 1
+        if self._micro < self.grad_accum:
+            self.engine.step()  # not a boundary: only advances DeepSpeed's micro-step counter
+
+    def step(self) -> None:
+        self.engine.step()  # the boundary: optimizer step, then zero_grad (engine._take_model_step)
+        self._micro = 0
+
+    def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
+        return deepspeed_tensors(self.engine, self.model)
+
+
+# -- finding DeepSpeed's tensors (no tensor ops in here: see the module docstring) ------------
+
+# Attribute names of DeepSpeed optimizer wrappers, by category (docs/engines/deepspeed.md).
+_PARAMS = (
+    "bit16_groups_flat",  # stage 1-2 flat module parameters (stage_1_and_2.py)
+    "lp_param_buffer",  # stage 3 defragmented parameter partitions (stage3.py)
+    "fp16_partitioned_groups_flat",  # stage 3 views into lp_param_buffer / the offload buffer
+    "param_groups_fp16_flat_cpu_memory",  # stage 3 offload_param partitions
+    "fp16_groups_flat",  # stage 0 FP16_Optimizer
+    "bf16_groups_flat",  # BF16_Optimizer
+)
+_GRADS = (
+    "grads_in_partition",  # stage 1-2 owned reduced gradients
+    "averaged_gradients",  # stage 1-2 and 3: views and compact fp32 partitions
+    "all_grad_tensors",
+    "grad_partitions_flat_buffer",  # stage 3 gradient partitions
+    "accumulated_grads_in_cpu",  # stage 1-2 offload with gradient accumulation
+    "fp32_groups_gradients_flat",  # BF16_Optimizer
+)
+_MASTER = (
+    "single_partition_of_fp32_groups",  # stage 1-2 fp32 master partition
+    "fp32_partitioned_groups_flat",  # stage 3 fp32 master partition
+    "fp32_groups_flat",  # stage 0 FP16_Optimizer
+    "fp32_groups",  # stage 0 FP16_UnfusedOptimizer
+    "fp32_groups_flat_partition",  # BF16_Optimizer
+)
+_BUFFERS = (
+    "temp_grad_buffer_for_cpu_offload",
+    "temp_grad_buffer_for_gpu_offload",
+    "param_buffer_of_bit16_for_cpu_offload_groups",
+)
+
+
+def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors held in `value`: a tensor, or lists/tuples/dicts of them (dict values)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.device.type != "meta" else []
+    if depth > 3:
+        return []
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v, depth + 1)]
+    if isinstance(value, (list, tuple)):  # GradPartitionBufferGroup is a list with .flat_partition
+        found = [t for v in value for t in _tensors_in(v, depth + 1)]
+        flat = getattr(value, "flat_partition", None)
+        return found + ([flat] if isinstance(flat, torch.Tensor) else [])
+    return []
+
+
+def _attrs(obj: Any, names: tuple[str, ...]) -> list[torch.Tensor]:
+    found = []
+    for name in names:
+        found.extend(_tensors_in(getattr(obj, name, None)))
+    return found
+
+
+def _private(obj: Any, name: str) -> Any:
+    """A name-mangled attribute (`self.__x` inside class C is `_C__x`), whichever class set it."""
+    for cls in type(obj).__mro__:
+        value = getattr(obj, f"_{cls.__name__}{name}", None)
+        if value is not None:
+            return value
+    return None
+
+
+def _optimizer_states(optimizer: Any) -> list[torch.Tensor]:
+    """Tensors in the state of the innermost torch optimizer (Adam moments, step counters)."""
+    found = []
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        state = getattr(optimizer, "state", None)
+        if isinstance(state, dict):  # a torch optimizer's defaultdict; wrappers expose a property
+            for entry in state.values():
+                if isinstance(entry, dict):
+                    found.extend(_tensors_in(entry))
+        optimizer = getattr(optimizer, "optimizer", None)
+    return found
+
+
+def _buckets(optimizer: Any) -> list[torch.Tensor]:
+    """Reduce buckets: `ipg_buckets[dtype].buffer` (a list in stages 1-2, a tensor in stage 3)."""
+    found = []
+    for bucket in (getattr(optimizer, "ipg_buckets", None) or {}).values():
+        found.extend(_tensors_in(getattr(bucket, "buffer", None)))
+    return found
+
+
+def _swap_buffers(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """NVMe parameter swapper buffers (swap_tensor/partitioned_param_swapper.py), held once per run."""
+    for param in params:
+        swapper = getattr(param, "nvme_swapper", None)
+        if swapper is not None:
+            return _tensors_in(getattr(swapper, "buffers", None))
+    return []
+
+
+def deepspeed_tensors(engine: Any, model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
+    """The tensors a DeepSpeed engine holds now, by category (docs/engines/deepspeed.md)."""
+    optimizer = engine.optimizer
+    params = list(model.parameters())
+    zero3 = any(hasattr(p, "ds_tensor") for p in params)
+    module_params, gathered = [], []
+    for p in params:
+        if not zero3 or getattr(p, "ds_persist", False):
+            module_params.append(p)  # stages 0-2: the parameter; stage 3: persistent, kept whole
+        else:
+            gathered.append(p)  # stage 3: empty, or a view into an all-gather buffer
+        if zero3 and p.ds_tensor is not None:
+            module_params.append(p.ds_tensor)
+    grads = [p.grad for p in params if p.grad is not None]
+    grads += [g for g in (getattr(p, "grad_accum", None) for p in params) if isinstance(g, torch.Tensor)]
+    masters = _attrs(optimizer, _MASTER)
+    grads += [m.grad for m in masters if m.grad is not None]  # fp32 gradient partitions (offload, step)
+    grads += _attrs(optimizer, _GRADS)
+    grads += _tensors_in(_private(optimizer, "__param_id_to_grad_partition"))  # stage 3 views
+    buckets = _buckets(optimizer)
+    # A gradient copied into the reduce bucket becomes a view of it (stage_1_and_2.py,
+    # reduce_independent_p_g_buckets_and_remove_grads; stage3.py, __add_grad_to_ipg_bucket):
+    # the bucket is a buffer, whatever views it. storage.data_ptr() is not a tensor op.
+    in_bucket = {b.untyped_storage().data_ptr() for b in buckets}
+    grads = [g for g in grads if g.untyped_storage().data_ptr() not in in_bucket]
+    return {
+        "params": module_params + _attrs(optimizer, _PARAMS),
+        "grads": grads,
+        "optimizer_states": masters + _optimizer_states(optimizer),
+        "buffers": gathered + buckets + _attrs(optimizer, _BUFFERS) + _swap_buffers(params) + module_buffers(model),
+    }
+
+
+def build_runner(model: torch.nn.Module, training: TrainingSpec, ctx: RunContext) -> DeepSpeedRunner:
+    return DeepSpeedRunner(model, training, ctx)
