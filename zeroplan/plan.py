@@ -222,64 +222,42 @@ class Planner:
     def _gpu_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits) -> int:
         """How many of `pairs` have a peak within the GPU budget.
 
-        The excess over the budget, g(m) = peak - budget, is convex
-        and non-decreasing in the micro-batch m: every phase of an engine profile is the largest of
-        a few points whose bytes are affine in m (activations and logits are tokens x constants),
-        and a maximum of affine functions is convex. Hence (tested in tests/test_plan.py):
-        - the configurations that fit are a prefix of `pairs` (monotone);
-        - the line through g(m0) and g(m1) is below g beyond m1 (convex), so no m past the point
-          where that line crosses zero fits. Probing the last candidate before it settles the
-          common case in three estimates; otherwise a binary search finishes the job.
+        Correctness needs one property: the peak never shrinks as the micro-batch grows, so the
+        pairs that fit are a prefix, and the answer is k once pairs[k - 1] is seen to fit and
+        pairs[k] is seen not to (or k is the end). Speed comes from a second one: the excess over
+        the budget, g(m) = peak(m) - budget, is convex in the micro-batch m, since every phase of
+        an engine profile is the largest of a few points whose bytes are affine in m (activations
+        and logits are tokens x constants). For a convex g the line through the last two fitting
+        probes meets zero at or after the last fitting m, and the chord between a fitting and a
+        failing probe meets zero at or before it; probing there usually settles a choice in three
+        or four full estimates whatever the number of micro-batches. Both properties are checked
+        against full estimates in tests/test_plan.py.
         """
         budget = limits.budget_bytes
-
-        def excess(index: int) -> int:
-            return self.estimate_at(choice, *pairs[index]).peak_bytes - budget
-
         micros = [micro for micro, _ in pairs]
-        known: dict[int, int] = {}
+        excess: dict[int, int] = {}
 
-        def probe(index: int) -> bool:
-            known[index] = excess(index)
-            return known[index] <= 0
+        def fits(index: int) -> bool:
+            excess[index] = self.estimate_at(choice, *pairs[index]).peak_bytes - budget
+            return excess[index] <= 0
 
-        if not probe(0):
+        if not fits(0):
             return 0
-        low, high = 0, len(pairs)  # pairs[:low + 1] fit; pairs[high:] do not
-        fitted = [0]  # probed indices that fit, ascending
-        rounds = 0
+        low, high = 0, len(pairs)  # pairs[low] fits and pairs[high] does not (or high is the end), both seen
+        previous = None  # the fitting probe before `low`
         while high - low > 1:
-            rounds += 1
-            if len(fitted) < 2 or rounds > 4:  # plain binary search as the fallback
-                middle = low + 1 if len(fitted) < 2 else (low + high) // 2
-                if probe(middle):
-                    low = middle
-                    fitted.append(middle)
-                else:
-                    high = middle
-                continue
-            # Convexity, from the right: beyond the last fitting probe, g is above the secant of
-            # the last two, so nothing past its zero fits.
-            a, b = fitted[-2], fitted[-1]
-            slope = (known[b] - known[a]) / (micros[b] - micros[a])
-            if slope > 0:
-                high = min(high, bisect_right(micros, micros[b] - known[b] / slope))
-            if high - low <= 1:
-                break
-            if probe(high - 1):
-                return high
-            high -= 1
-            # ... and between a fitting and a failing probe, g is below their chord: up to its zero
-            # everything fits, no estimate needed.
-            chord_zero = micros[b] - known[b] * (micros[high] - micros[b]) / (known[high] - known[b])
-            low = max(low, bisect_right(micros, chord_zero) - 1)
-            if high - low <= 1:
-                break
-            if probe(low + 1):
-                low += 1
-                fitted.append(low)
+            guess = low + 1
+            if high < len(pairs):  # chord between the bracket's ends: its zero is a fitting m if g is convex
+                zero = micros[low] - excess[low] * (micros[high] - micros[low]) / (excess[high] - excess[low])
+                guess = bisect_right(micros, zero) - 1
+            elif previous is not None:  # secant through the last two fitting probes: nothing fits past its zero
+                slope = (excess[low] - excess[previous]) / (micros[low] - micros[previous])
+                guess = len(pairs) - 1 if slope <= 0 else bisect_right(micros, micros[low] - excess[low] / slope) - 1
+            guess = min(max(guess, low + 1), high - 1)
+            if fits(guess):
+                previous, low = low, guess
             else:
-                high = low + 1
+                high = guess
         return low + 1
 
     # -- search ----------------------------------------------------------------------------------

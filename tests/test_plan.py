@@ -1,0 +1,253 @@
+"""zeroplan plan: the search decides every configuration exactly as a full estimate would, the
+cost model follows the ZeRO paper's communication volumes, and the emitted DeepSpeed config reads
+back to the same estimate."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from zeroplan.catalog import resolve_model
+from zeroplan.cli.group import LazyGroup
+from zeroplan.cost import assumptions_for, model_flops, step_cost_model
+from zeroplan.errors import SpecError
+from zeroplan.estimate import estimate
+from zeroplan.gpus import get_gpu
+from zeroplan.options import training_spec_from_options
+from zeroplan.plan import Limits, Planner, SearchSpace, parse_gpu_counts, plan
+from zeroplan.spec.model import ParamCountSpec
+from zeroplan.spec.training import Checkpointing, Engine, Offload, TrainingSpec
+
+GIB = 2**30
+H100 = get_gpu("h100-80gb")
+ASSUMPTIONS = assumptions_for(H100)
+
+
+def _cli():
+    @click.group(cls=LazyGroup, commands={"plan": "plan", "estimate": "estimate"})
+    def group() -> None: ...
+
+    return group
+
+
+def _grid():
+    """(model, training) pairs across engines, stages, offload and checkpointing, micro-batch 1."""
+    for name in ("gpt2", "llama-2-7b"):
+        model = resolve_model(name)
+        for engine, stages in ((Engine.DEEPSPEED, (0, 1, 2, 3)), (Engine.FSDP2, (2, 3)), (Engine.TORCH, (0, 1))):
+            for stage in stages:
+                offloads = [(Offload.NONE, Offload.NONE)]
+                if stage >= 1 and engine != Engine.TORCH:
+                    offloads.append((Offload.CPU, Offload.NONE))
+                if stage == 3:
+                    offloads.append((Offload.CPU, Offload.CPU))
+                for opt, params in offloads:
+                    for checkpointing in Checkpointing:
+                        yield model, TrainingSpec(engine=engine, zero_stage=stage, gpus=8, offload_optimizer=opt,
+                                                  offload_params=params, checkpointing=checkpointing, seq_len=1024)
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_peak_is_monotone_and_convex_in_micro_batch(accum):
+    """The two properties the search relies on, against full estimates: the peak never shrinks as
+    the micro-batch grows (so what fits is a prefix), and its second difference is >= 0 (convex,
+    so secants and chords bracket the last micro-batch that fits)."""
+    for model, training in _grid():
+        peaks = [estimate(model, training.model_copy(update={"micro_batch": m, "grad_accum": accum})).peak_bytes
+                 for m in range(1, 10)]
+        assert all(a <= b for a, b in zip(peaks, peaks[1:])), (model.name, training)
+        assert all(peaks[i - 1] + peaks[i + 1] >= 2 * peaks[i] for i in range(1, len(peaks) - 1)), (model.name, training)
+
+
+def test_grad_accum_matters_only_by_being_on():
+    """The search groups micro-batches by accumulation on/off; any accumulation count above 1
+    must give the same estimate."""
+    for model, training in _grid():
+        two = estimate(model, training.model_copy(update={"grad_accum": 2}))
+        for accum in (3, 16):
+            assert estimate(model, training.model_copy(update={"grad_accum": accum})) == two
+
+
+@pytest.mark.parametrize("micro_batches,max_micro", [("pow2", 256), ("all", 48)])
+@pytest.mark.parametrize("budget_gib", [6, 20, 40, 76])
+def test_every_verdict_equals_a_full_estimate(micro_batches, max_micro, budget_gib):
+    model = resolve_model("llama-2-7b")
+    base = TrainingSpec(gpus=8, seq_len=1024)
+    space = SearchSpace(gpu_counts=(8, 16), micro_batches=micro_batches, max_micro_batch=max_micro)
+    limits = Limits(gpu_memory_bytes=budget_gib * GIB, headroom=0.0)
+    planner = Planner(model, base, ASSUMPTIONS)
+    evaluated, fitting, _ = planner.search(space, limits)
+    found = {(hit.choice, hit.micro_batch) for hit in fitting}
+
+    brute, total = set(), 0
+    for choice in planner.choices(space, limits)[0]:
+        for micro, accum in planner.micro_batches(space, choice.gpus):
+            total += 1
+            if estimate(model, planner.training(choice, micro, accum)).peak_bytes <= limits.budget_bytes:
+                brute.add((choice, micro))
+    assert evaluated == total
+    assert found == brute
+    assert planner.estimate_calls < total / 2  # the shortcut: far fewer full estimates than configurations
+
+
+def test_host_memory_limit_is_applied():
+    model = resolve_model("llama-2-7b")
+    planner = Planner(model, TrainingSpec(gpus=8), ASSUMPTIONS)
+    space = SearchSpace(gpu_counts=(8,), max_micro_batch=16)
+    limits = Limits(gpu_memory_bytes=H100.memory_bytes, cpu_memory_bytes=50 * GIB)
+    _, fitting, _ = planner.search(space, limits)
+    assert fitting
+    for hit in fitting:
+        node = planner.estimate_at(hit.choice, hit.micro_batch, hit.grad_accum).per_node
+        assert node.cpu_bytes <= 50 * GIB
+    # llama-2-7b's optimizer states alone are 7e9 x 12 bytes = 78 GiB per node: CPU offload cannot fit in 50 GiB
+    assert all(hit.choice.offload_optimizer == Offload.NONE for hit in fitting)
+
+
+def test_plan_ranks_cheapest_first_and_reports_the_largest_micro_batch():
+    model = resolve_model("llama-2-7b")
+    result = plan(model, TrainingSpec(gpus=8), SearchSpace(gpu_counts=(8,)), Limits(H100.memory_bytes), ASSUMPTIONS, top=5)
+    costs = [config.cost.gpu_seconds_per_token for config in result.top]
+    assert costs == sorted(costs)
+    assert result.top[0].reason.startswith("cheapest")
+    assert all(config.reason.startswith(("+", "same cost")) for config in result.top[1:])
+    for config in result.top:
+        assert config.estimate == estimate(model, config.training)
+        assert config.estimate.peak_bytes <= result.limits.budget_bytes
+    # the largest micro-batch, checked by brute force over powers of two for every valid choice
+    planner = Planner(model, TrainingSpec(gpus=8), ASSUMPTIONS)
+    largest = max(
+        micro
+        for choice in planner.choices(SearchSpace(gpu_counts=(8,)), result.limits)[0]
+        for micro in (2**p for p in range(11))
+        if estimate(model, planner.training(choice, micro, 1)).peak_bytes <= result.limits.budget_bytes
+    )
+    assert result.largest_micro_batch.micro_batch == largest
+
+
+def test_global_batch_sets_accumulation():
+    model = resolve_model("gpt2")
+    result = plan(model, TrainingSpec(gpus=8, seq_len=1024), SearchSpace(gpu_counts=(8,), global_batch=256),
+                  Limits(24 * GIB), ASSUMPTIONS)
+    for config in result.top:
+        assert config.micro_batch * config.grad_accum * config.choice.gpus == 256
+    with pytest.raises(SpecError, match="global-batch: 100 is not divisible by the GPU count"):
+        plan(model, TrainingSpec(gpus=8), SearchSpace(gpu_counts=(8,), global_batch=100), Limits(24 * GIB), ASSUMPTIONS)
+
+
+def test_nothing_fits_suggests_changes_that_fit():
+    """llama-2-7b on 4 x 24 GiB without offload or checkpointing does not fit; each suggestion is
+    checked by planning with that change, and the GPU count is the smallest doubling that fits."""
+    model = resolve_model("llama-2-7b")
+    base = TrainingSpec(gpus=4)
+    space = SearchSpace(gpu_counts=(4,), offload_targets=(Offload.NONE,), checkpointing=(Checkpointing.NONE,))
+    limits = Limits(24 * GIB)
+    result = plan(model, base, space, limits, ASSUMPTIONS)
+    assert result.fitting == 0 and not result.top
+
+    def fits(space=space, limits=limits) -> bool:
+        return plan(model, base, space, limits, ASSUMPTIONS).fitting > 0
+
+    assert any(s.startswith("allow CPU offload (--offload cpu)") for s in result.suggestions)
+    assert fits(space=replace(space, offload_targets=(Offload.NONE, Offload.CPU)))
+    count = int(next(s for s in result.suggestions if s.startswith("use ")).split()[1])
+    assert fits(space=replace(space, gpu_counts=(count,)))
+    assert not fits(space=replace(space, gpu_counts=(count // 2,)))
+    name = next(s for s in result.suggestions if s.startswith("a GPU with more memory")).split("--gpu ")[1].split(",")[0]
+    assert fits(limits=replace(limits, gpu_memory_bytes=get_gpu(name).memory_bytes))
+
+
+def test_communication_volume_follows_the_zero_paper():
+    """ZeRO paper section 7: stages 0-2 move 2Ψ per step, stage 3 moves 3Ψ (one micro-batch)."""
+    flops = model_flops(ParamCountSpec(params=7_000_000_000), 7_000_000_000, 7_000_000_000)
+
+    def communication(stage: int, accum: int = 1) -> float:
+        training = TrainingSpec(gpus=8, zero_stage=stage)
+        return step_cost_model(flops, training, ASSUMPTIONS).step_cost(1, accum).communication_s
+
+    link = ASSUMPTIONS.intra_node_bytes_per_s
+    ring = 7 / 8  # ring collectives send (N-1)/N of the data
+    assert communication(0) == pytest.approx(2 * ring * 7e9 * 2 / link)  # 2Ψ of 2-byte gradients
+    assert communication(1) == pytest.approx(communication(0))
+    assert communication(2) == pytest.approx(communication(0))
+    assert communication(3) == pytest.approx(1.5 * communication(0))
+    # under accumulation stage 3 gathers and reduces every micro-batch; stage 0 reduces once
+    assert communication(3, accum=4) == pytest.approx(4 * communication(3))
+    assert communication(0, accum=4) == pytest.approx(communication(0))
+
+
+def test_checkpointing_and_micro_batch_costs():
+    model = resolve_model("llama-2-7b")
+    flops = model_flops(model, 6_738_415_616, 6_738_415_616)
+    base = TrainingSpec(gpus=8)
+    none = step_cost_model(flops, base, ASSUMPTIONS).step_cost(4, 1)
+    full = step_cost_model(flops, base.model_copy(update={"checkpointing": Checkpointing.FULL}), ASSUMPTIONS).step_cost(4, 1)
+    # full recomputation runs the forward again: one third more than forward + backward
+    assert full.recompute_s == pytest.approx(none.compute_s / 3)
+    assert full.compute_s == pytest.approx(none.compute_s)
+    # throughput lost to small micro-batches: GPU time per token falls as the micro-batch grows
+    model_cost = step_cost_model(flops, base, ASSUMPTIONS)
+    per_token = [model_cost.seconds_per_token(micro, 1) for micro in (1, 2, 4, 8, 16)]
+    assert per_token == sorted(per_token, reverse=True)
+    assert model_cost.seconds_per_token(4, 1) == pytest.approx(model_cost.step_cost(4, 1).gpu_seconds_per_token)
+
+
+def test_parse_gpu_counts():
+    assert parse_gpu_counts("8") == (8,)
+    assert parse_gpu_counts("8,16,64") == (8, 16, 64)
+    assert parse_gpu_counts("8-64") == (8, 16, 32, 64)
+    with pytest.raises(SpecError, match="--gpus: cannot read 'eight'"):
+        parse_gpu_counts("eight")
+    with pytest.raises(SpecError, match="--gpus: cannot read '64-8'"):
+        parse_gpu_counts("64-8")
+
+
+def test_emitted_deepspeed_config_reads_back_to_the_same_estimate(tmp_path):
+    path = tmp_path / "ds_config.json"
+    runner = CliRunner()
+    result = runner.invoke(_cli(), ["plan", "llama-2-7b", "--gpu", "a100-40gb", "--gpus", "8", "--seq-len", "4096",
+                                    "--global-batch", "256", "--format", "json", "--emit", "deepspeed", str(path)])
+    assert result.exit_code == 0, result.output
+    planned = json.loads(result.stdout)["top"][0]
+    config = json.loads(path.read_text())
+    assert config["zero_optimization"]["stage"] == planned["zero_stage"]
+    assert config["train_micro_batch_size_per_gpu"] == planned["micro_batch"]
+    assert config["gradient_accumulation_steps"] == planned["grad_accum"]
+    # what a DeepSpeed config does not hold (sequence length, checkpointing) comes from the command line
+    options = {"gpus": 8, "seq_len": 4096, "checkpointing": planned["checkpointing"]}
+    training = training_spec_from_options(options, path)
+    again = estimate(resolve_model("llama-2-7b"), training)
+    assert again.peak_bytes == planned["per_gpu"]["peak"]
+    # and through the estimate command, as a user would check it
+    checked = runner.invoke(_cli(), ["estimate", "llama-2-7b", "--config", str(path), "--gpus", "8", "--seq-len", "4096",
+                                     "--checkpointing", planned["checkpointing"], "--format", "json"])
+    assert checked.exit_code == 0, checked.output
+    assert json.loads(checked.stdout)["per_gpu"]["peak"] == planned["per_gpu"]["peak"]
+
+
+def test_cli_plan_errors_are_one_line():
+    runner = CliRunner()
+    result = runner.invoke(_cli(), ["plan", "llama-2-7b", "--gpus", "8"])
+    assert result.exit_code == 2
+    assert "give the GPU: --gpu NAME (e.g. h100-80gb) or --gpu-memory SIZE" in result.output
+    result = runner.invoke(_cli(), ["plan", "llama-2-7b", "--gpu", "h100-80g"])
+    assert result.exit_code == 2
+    assert "Error: --gpu: unknown GPU 'h100-80g'; did you mean h100-80gb" in result.output
+    result = runner.invoke(_cli(), ["plan", "llama-2-7b", "--gpu", "h100-80gb", "--global-batch", "64", "--grad-accum", "2"])
+    assert result.exit_code == 2
+    assert "--global-batch sets the gradient accumulation; do not give --grad-accum too" in result.output
+    result = runner.invoke(_cli(), ["plan", "llama-2-7b", "--gpu", "h100-80gb", "--emit", "fsdp", "x.py"])
+    assert result.exit_code == 2
+    assert "--emit fsdp: plan with --engine fsdp2" in result.output
+
+
+def test_cli_plan_table_states_assumptions():
+    result = CliRunner().invoke(_cli(), ["plan", "gpt2", "--gpu", "l4-24gb", "--gpus", "2", "--network-bandwidth", "25"])
+    assert result.exit_code == 0, result.output
+    assert "largest micro-batch that fits:" in result.output
+    assert "121 TFLOP/s dense bf16" in result.output  # the L4 datasheet's dense BF16 figure
+    assert "25 GB/s between nodes" in result.output  # the override
