@@ -1,0 +1,158 @@
+"""How many configurations per second `zeroplan plan` evaluates, in-process, with cold caches.
+
+A configuration is one (ZeRO stage, offload, checkpointing, GPU count, micro-batch, accumulation)
+point of the search: the planner decides whether it fits (exactly, as a full estimate would) and
+computes its step cost. Each timed run builds a new Planner, so every full estimate it needs is
+made inside the timing; the shown configurations' estimates and the report are included, the
+"nothing fits" suggestions are not needed in these scenarios. For scale, the same work done the
+naive way, one full `estimate()` per configuration, is timed too.
+
+    python bench/plan_speed.py             # 7 runs per scenario, writes bench/results/plan_speed.md
+    python bench/plan_speed.py --runs 3 --no-write
+
+Target (issue 5, section 5): at least 100,000 configurations per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from zeroplan.catalog import resolve_model  # noqa: E402
+from zeroplan.cost import assumptions_for  # noqa: E402
+from zeroplan.estimate import estimate  # noqa: E402
+from zeroplan.gpus import get_gpu  # noqa: E402
+from zeroplan.plan import Limits, Planner, SearchSpace, parse_gpu_counts, plan  # noqa: E402
+from zeroplan.spec.training import TrainingSpec  # noqa: E402
+
+TARGET = 100_000
+
+# (label, model, GPU, CLI-equivalent search)
+SCENARIOS = [
+    ("default search, one GPU count", "llama-2-7b", "h100-80gb",
+     dict(gpus="8"), "zeroplan plan llama-2-7b --gpu h100-80gb --gpus 8"),
+    ("GPU range 8-1024", "llama-2-7b", "h100-80gb",
+     dict(gpus="8-1024"), "zeroplan plan llama-2-7b --gpu h100-80gb --gpus 8-1024"),
+    ("global batch 1024 over 8-256 GPUs, every divisor", "llama-3-70b", "h100-80gb",
+     dict(gpus="8-256", global_batch=1024, micro_batches="all"),
+     "zeroplan plan llama-3-70b --gpu h100-80gb --gpus 8-256 --global-batch 1024 --micro-batches all"),
+    ("every micro-batch 1-1024, GPUs 8-64", "llama-2-7b", "h100-80gb",
+     dict(gpus="8-64", micro_batches="all"),
+     "zeroplan plan llama-2-7b --gpu h100-80gb --gpus 8-64 --micro-batches all"),
+    ("every micro-batch 1-1024, GPUs 8-64", "llama-3-70b", "a100-80gb",
+     dict(gpus="8-64", micro_batches="all"),
+     "zeroplan plan llama-3-70b --gpu a100-80gb --gpus 8-64 --micro-batches all"),
+]
+
+
+def run_scenario(model_name: str, gpu_name: str, search: dict, runs: int) -> dict:
+    model = resolve_model(model_name)
+    gpu = get_gpu(gpu_name)
+    assumptions = assumptions_for(gpu)
+    counts = parse_gpu_counts(search["gpus"])
+    space = SearchSpace(gpu_counts=counts, micro_batches=search.get("micro_batches", "pow2"),
+                        global_batch=search.get("global_batch"))
+    limits = Limits(gpu.memory_bytes)
+    base = TrainingSpec(gpus=max(counts))
+    times, result = [], None
+    for _ in range(runs):
+        start = time.perf_counter()
+        result = plan(model, base, space, limits, assumptions)
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    return {
+        "evaluated": result.evaluated,
+        "fitting": result.fitting,
+        "estimate_calls": result.estimate_calls,
+        "median_s": median,
+        "rate": result.evaluated / median,
+        "best": f"{result.top[0].choice.label()}, {result.top[0].choice.gpus} GPUs, micro-batch {result.top[0].micro_batch}"
+        if result.top else "nothing fits",
+        "space": space,
+        "base": base,
+        "model": model,
+        "planner_args": (model, base, assumptions),
+    }
+
+
+def naive_rate(model, base: TrainingSpec, space: SearchSpace, assumptions, sample: int = 2000) -> float:
+    """Configurations per second with one full estimate per configuration (a sample of the grid)."""
+    planner = Planner(model, base, assumptions)
+    points = []
+    for choice in planner.choices(space, Limits(1))[0]:
+        points.extend((choice, micro, accum) for micro, accum in planner.micro_batches(space, choice.gpus))
+    points = points[:: max(1, len(points) // sample)][:sample]
+    trainings = [planner.training(choice, micro, accum) for choice, micro, accum in points]
+    start = time.perf_counter()
+    for training in trainings:
+        estimate(model, training)
+    return len(trainings) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+
+    rows = []
+    for label, model_name, gpu_name, search, command in SCENARIOS:
+        measured = run_scenario(model_name, gpu_name, search, args.runs)
+        naive = naive_rate(measured["model"], measured["base"], measured["space"], measured["planner_args"][2])
+        rows.append((label, model_name, gpu_name, command, measured, naive))
+        print(f"{label} [{model_name}, {gpu_name}]: {measured['evaluated']:,} configs in {measured['median_s'] * 1e3:.1f} ms "
+              f"({measured['estimate_calls']:,} full estimates) = {measured['rate']:,.0f} configs/s; "
+              f"one estimate per config: {naive:,.0f} configs/s")
+
+    lines = [
+        "# Planner speed",
+        "",
+        f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC with `python bench/plan_speed.py --runs {args.runs}` on "
+        f"{platform.machine()} ({os.cpu_count()} cores), Python {platform.python_version()}; median of {args.runs} runs, "
+        "each with a new planner (cold caches). A configuration is a (stage, offload, checkpointing, GPU count, "
+        "micro-batch, accumulation) point whose fit is decided exactly and whose step cost is computed.",
+        "",
+        f"Target (issue 5): at least {TARGET:,} configurations per second.",
+        "",
+        "| scenario | model, GPU | configurations | full estimates | median time | configs/s | one estimate per config | best config |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for label, model_name, gpu_name, command, m, naive in rows:
+        lines.append(f"| {label} | {model_name}, {gpu_name} | {m['evaluated']:,} | {m['estimate_calls']:,} | "
+                     f"{m['median_s'] * 1e3:.1f} ms | {m['rate']:,.0f} | {naive:,.0f} | {m['best']} |")
+    lines += ["", "Commands (CLI equivalents of the scenarios):", ""]
+    lines += [f"- `{command}`" for *_, command, _m, _n in [(r[0], r[3], r[4], r[5]) for r in rows]]
+    lines += [
+        "",
+        "How: memory never shrinks with the micro-batch and is convex in it (tested against full estimates in",
+        "tests/test_plan.py), so for each (stage, offload, checkpointing, GPU count) a bracketing search finds the",
+        "last micro-batch that fits with three or four full estimates, whatever the number of micro-batches; the",
+        "verdict is exact (a fitting and a failing neighbour are both estimated). The cost of the rest is a few",
+        "float operations per configuration.",
+        "",
+        "Reading the numbers: the rate grows with the micro-batches per choice, because the full estimates per",
+        "choice stay at three or four. Searches over every micro-batch pass the target by 5-10x. The default search",
+        "(powers of two, 11 micro-batches per choice) and a global batch with few divisors do not: each choice needs",
+        "at least one full estimate (0.2-0.3 ms each here, see the last column), so even one estimate per choice",
+        "would cap the default search near 50,000 configurations/s. Reaching the target there needs a cheaper",
+        "estimate() or an estimator that returns each phase as bytes = base + per-sequence x micro-batch.",
+        "This machine's 2 cores were shared with other work while measuring; times vary by about 2x run to run.",
+    ]
+    text = "\n".join(lines) + "\n"
+    if not args.no_write:
+        out = REPO / "bench" / "results" / "plan_speed.md"
+        out.write_text(text, encoding="utf-8")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
