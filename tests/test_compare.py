@@ -132,3 +132,16 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     comparison = compare(resolve_model("gpt2"), TrainingSpec(), gpu_counts=(2,), stages=(0,))
     with pytest.raises(MissingDependencyError, match=r"pip install 'zeroplan\[plot\]'"):
         plot_comparison(comparison, tmp_path / "x.png")
+
+
+def test_fsdp2_is_compared_with_ddp():
+    """FSDP2 has no stage 0; its savings are against DDP (engine torch, stage 0) on the same GPUs."""
+    model = resolve_model("gpt2")
+    result = CliRunner().invoke(_cli(), ["compare", "gpt2", "--engine", "fsdp2", "--zero", "2,3", "--gpus", "4",
+                                         "--format", "json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    ddp = estimate(model, TrainingSpec(engine="torch", zero_stage=0, gpus=4))
+    for row in data["rows"]:
+        assert row["saving_vs_stage0_percent"] == round(100 * (1 - row["per_gpu"]["peak"] / ddp.peak_bytes), 2)
+    assert "baseline on 4 GPUs: DDP (engine torch, stage 0), as fsdp2 has no stage 0" in data["skipped"]

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate.result import Estimate
-from zeroplan.spec.training import Offload, TrainingSpec
+from zeroplan.spec.training import Engine, Offload, TrainingSpec
 from zeroplan.units import bytes_in_unit
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme", "cpu-optimizer", "nvme-optimizer")
@@ -70,7 +70,7 @@ class CompareRow:
 class Comparison:
     model_name: str
     rows: tuple[CompareRow, ...]
-    skipped: tuple[str, ...]  # grid points that were not estimated, with the reason
+    skipped: tuple[str, ...]  # grid points that were not estimated, with the reason (and baseline notes)
     gpu_memory_bytes: int | None
     budget_bytes: int | None  # gpu memory less the headroom; a row fits when its peak <= this
 
@@ -130,6 +130,12 @@ def compare(
     rows, skipped = [], []
     for gpus in gpu_counts or (base.gpus,):
         baseline = _spec(base, zero_stage=0, gpus=gpus, offload_optimizer=Offload.NONE, offload_params=Offload.NONE)
+        if isinstance(baseline, str) and base.engine == Engine.FSDP2:
+            # FSDP2 has no stage 0: the unsharded baseline of a PyTorch user is DDP.
+            baseline = _spec(base, engine=Engine.TORCH, zero_stage=0, gpus=gpus, offload_optimizer=Offload.NONE,
+                             offload_params=Offload.NONE)
+            if isinstance(baseline, TrainingSpec):
+                skipped.append(f"baseline on {gpus} GPUs: DDP (engine torch, stage 0), as fsdp2 has no stage 0")
         baseline_estimate = estimator(model, baseline) if isinstance(baseline, TrainingSpec) else None
         if baseline_estimate is None:
             skipped.append(f"no stage-0 baseline on {gpus} GPUs ({baseline}): savings not shown")
@@ -142,7 +148,7 @@ def compare(
                 seen.add((offload_optimizer, offload_params))
                 training = _spec(base, zero_stage=stage, gpus=gpus, offload_optimizer=offload_optimizer, offload_params=offload_params)
                 if isinstance(training, str):
-                    skipped.append(f"ZeRO-{stage} offload {choice} on {gpus} GPUs: {training}")
+                    skipped.append(f"skipped ZeRO-{stage} offload {choice} on {gpus} GPUs: {training}")
                     continue
                 if training == baseline and baseline_estimate is not None:
                     estimate = baseline_estimate
@@ -221,5 +227,5 @@ def render_comparison(comparison: Comparison, fmt: str = "table", units: str = "
              "saving = peak below the ZeRO-0 baseline on the same GPU count", text]
     if comparison.budget_bytes is not None:
         lines.append(f"fits = peak <= {bytes_in_unit(comparison.budget_bytes, units):,.2f} {units}")
-    lines.extend(f"skipped: {note}" for note in comparison.skipped)
+    lines.extend(f"note: {note}" for note in comparison.skipped)
     return "\n".join(lines) + "\n"

@@ -380,6 +380,8 @@ def plan(
     if fitting:  # the most sequences per micro-batch; the cheapest of those
         index = min(range(len(fitting)), key=lambda i: (fitting[i].minus_micro_batch, i))
         largest = _ranked(planner, index + 1, fitting[index], ranked[0].cost)
+    for config in ranked[:1]:  # e.g. "model given by parameter count: activations are not estimated"
+        notes.extend(note for note in config.estimate.notes if note not in notes)
     estimate_calls = planner.estimate_calls  # the search and the shown configs; not the suggestions
     suggestions = () if fitting else tuple(suggest(planner, space, limits))
     return Plan(

@@ -35,16 +35,16 @@ def command(**options: Any) -> None:
       zeroplan compare llama-2-13b --gpus 16 --offload none,cpu,cpu-optimizer --plot zero.png
       zeroplan compare --params 7.5e9 --engine paper --gpus 64 --units GB --format markdown
     """
-    from zeroplan.cli.grid_options import parse_choice_list, parse_int_list, resolve_gpu
+    from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.compare import OFFLOAD_CHOICES, compare, render_comparison
-    from zeroplan.options import model_from_options, training_spec_from_options
+    from zeroplan.options import model_from_options
 
     stages = parse_int_list(options["zero_stages"], "--zero", 0, 3)
     gpu_counts = parse_int_list(options["gpu_counts"], "--gpus", 1)
     offloads = parse_choice_list(options["offloads"], "--offload", OFFLOAD_CHOICES)
     _, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
-    base = training_spec_from_options({**options, "gpus": gpu_counts[0]}, options["config_file"])
+    base = base_training(options, stages, max(gpu_counts))
     comparison = compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"])
     click.echo(render_comparison(comparison, options["output_format"], options["units"]), nl=False)
     if options["plot_file"]:

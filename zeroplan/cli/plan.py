@@ -62,11 +62,11 @@ def command(**options: Any) -> None:
       zeroplan plan llama-3-70b --gpu h100-80gb --gpus 16 --cpu-memory 2TiB --nvme 8TB --offload none,cpu,nvme
       zeroplan plan llama-2-7b --gpu-memory 24GiB --gpus 4 --emit deepspeed ds_config.json
     """
-    from zeroplan.cli.grid_options import parse_choice_list, parse_int_list, resolve_gpu
+    from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.cost import assumptions_for
     from zeroplan.errors import SpecError
     from zeroplan.gpus import get_gpu
-    from zeroplan.options import model_from_options, training_spec_from_options
+    from zeroplan.options import model_from_options
     from zeroplan.plan import Limits, SearchSpace, parse_gpu_counts, plan
     from zeroplan.plan_report import render_plan
     from zeroplan.spec.training import Checkpointing, Engine, Offload
@@ -109,7 +109,7 @@ def command(**options: Any) -> None:
     assumptions = assumptions_for(speeds, **overrides)
 
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
-    base = training_spec_from_options({**options, "gpus": max(gpu_counts)}, options["config_file"])
+    base = base_training(options, space.zero_stages, max(gpu_counts))
     emit = options["emit"]
     if emit and emit[0] == "fsdp" and base.engine != Engine.FSDP2:
         raise SpecError("--emit fsdp: plan with --engine fsdp2, so that the plan models FSDP2's memory")
