@@ -124,7 +124,8 @@ def main() -> None:
         "source checkout on this machine runs).",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
-        f" 1-minute load average {load_before:.2f} before and {load_after:.2f} after (other work shares the 2 cores);"
+        f" 1-minute load average {load_before:.2f} before and {load_after:.2f} after (other work shares the"
+        f" {os.cpu_count()} cores), benchmark niceness {os.nice(0)};"
         f" {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. Commands run round-robin, {args.runs} timed runs each.",
         "",
         "| command | wall median (s) | wall p90 (s) | wall min (s) | wall max (s) | CPU median (s) |",

@@ -221,6 +221,11 @@ def test_help_carries_examples(args, example):
     assert "Examples:" in result.stdout and example in result.stdout
 
 
+def test_zeroplan_alone_prints_the_help():
+    result = run()
+    assert result.exit_code == 0 and result.stdout.startswith("Usage: zeroplan") and result.stderr == ""
+
+
 def test_python_dash_m_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "zeroplan", "--help"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert done.returncode == 0 and "estimate" in done.stdout

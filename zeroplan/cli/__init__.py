@@ -21,6 +21,7 @@ COMMANDS = {
 
 
 @click.group(
+    "zeroplan",
     cls=LazyGroup,
     commands=COMMANDS,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},

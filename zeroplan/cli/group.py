@@ -47,6 +47,9 @@ class LazyGroup(click.Group):
         try:
             status = super().main(args, prog_name, standalone_mode=False, **extra)
         except click.UsageError as error:
+            if type(error).__name__ == "NoArgsIsHelpError":  # `zeroplan` alone (click >= 8.2)
+                click.echo(error.ctx.get_help())
+                sys.exit(0)
             hint = f" (see '{error.ctx.command_path} -h')" if error.ctx is not None else ""
             fail(error.format_message() + hint)
         except click.ClickException as error:
