@@ -22,12 +22,14 @@ every new peak would cost O(live tensors) per allocation. Instead the accounting
 - a *log* of every allocation, free and resize since the base.
 The live set at the peak is the base replayed up to the peak's position in the log, so the
 total is exact. The base is re-taken (one classification) whenever the peak has grown by
-`granularity` since the last re-take, and when the log gets long; a re-take at a new peak
-records that peak's breakdown exactly. A storage born after the last re-take and freed before
-the phase ends cannot be asked about any more: it counts under the phase's default category
-(activations in forward/backward, temporaries otherwise). Those bytes are at most the growth
-since the last re-take, so the error of any category is below `granularity` bytes; the
-categories always sum to the peak.
+`granularity` (1/256 of the peak, at least 64 KiB) since the last re-take, and when the log gets
+long; a re-take at a new peak names that peak's storages as the runner sees them then. The
+number of classifications per phase is therefore about 256 x ln(peak / start) at most, whatever
+the number of allocations. A storage the runner did not name at the peak takes, in order, its
+name at the end of the phase, the category given at its birth (engine set-up allocations are
+"buffers"), "buffers" if a collective used it, else the phase's default (activations in forward
+and backward, temporaries otherwise). The categories always sum to the peak; which category a
+short-lived storage lands in is as good as those rules.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class TensorAccounting(TorchDispatchMode):
         self._live: dict[int, _Storage] = {}  # id(storage object) -> record
         self._by_serial: dict[int, _Storage] = {}
         self._born_as: dict[int, str] = {}  # serial -> category given at birth (see begin_phase)
+        self._communicated: set[int] = set()  # serials of storages a collective (c10d op) used
         self._next_serial = 0
         self._classifier: Classifier | None = None
         self._phase: _Phase | None = None
@@ -157,22 +160,27 @@ class TensorAccounting(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         flat, _ = tree_flatten(out)
+        if func.namespace == "c10d":  # a collective: its inputs are communication buffers too
+            flat += tree_flatten((args, kwargs))[0]
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         if tensors:
             with self._lock:
                 self._drain()
                 for t in tensors:
                     for storage in get_untyped_storages(t):
-                        self._track(storage)
+                        serial = self._track(storage)
+                        if func.namespace == "c10d":
+                            self._communicated.add(serial)
                 self._drain()
         return out
 
-    def _track(self, storage: torch.UntypedStorage) -> None:
+    def _track(self, storage: torch.UntypedStorage) -> int:
+        """Record `storage` if it is new, or its new size; return its serial number."""
         record = self._live.get(id(storage))
         if record is not None and record.ref() is storage:
             if record.nbytes != storage.nbytes():  # an in-place resize through an aten op
                 self._set_bytes(record, storage.nbytes())
-            return
+            return record.serial
         serial = self._next_serial
         self._next_serial += 1
         key = id(storage)
@@ -184,6 +192,7 @@ class TensorAccounting(TorchDispatchMode):
             self._born_as[serial] = born_as
         self._by_serial[serial] = record
         self._set_bytes(record, storage.nbytes())
+        return serial
 
     def _on_resize(self, storage: torch.UntypedStorage) -> None:
         with self._lock:
@@ -278,10 +287,15 @@ class TensorAccounting(TorchDispatchMode):
         """Bytes by category. A storage takes, in order: the runner's category at the peak; the
         runner's category at the end of the phase (a gradient in the making at the peak is a
         gradient by the end; optimizer states are named once step() returns); the category given
-        at its birth (`born_as`, `births_as`); the phase's default."""
+        at its birth (`born_as`, `births_as`); "buffers" if a collective used it (an all-gather
+        output or reduce-scatter input the engine no longer references, but the process group
+        still holds); the phase's default."""
         totals = dict.fromkeys(CATEGORIES, 0)
         for serial, (size, category) in storages.items():
-            totals[category or at_end.get(serial) or self._born_as.get(serial) or default] += size
+            category = category or at_end.get(serial) or self._born_as.get(serial)
+            if category is None and serial in self._communicated:
+                category = "buffers"
+            totals[category or default] += size
         return totals
 
     def _retake(self, phase: _Phase, *, at_peak: bool) -> None:

@@ -179,7 +179,9 @@ def _wait(procs: list[subprocess.Popen], workdir: Path, timeout_s: float, steps:
             if outcome is not None and outcome.get("ok"):  # out of memory: a result
                 return [outcome]
             if outcome is not None:
-                raise MeasureError(f"rank {rank} failed: {outcome['error']}")
+                error = MeasureError(f"rank {rank} failed: {outcome['error']}")
+                error.worker_traceback = outcome.get("traceback", "")  # for --verbose output
+                raise error
             detail = _last_line(workdir / f"rank{rank}.log") or "no output"
             raise MeasureError(f"rank {rank} exited with status {code}: {detail}")
         if all(code == 0 for code in codes):

@@ -35,12 +35,23 @@ def _policies(training: TrainingSpec, ctx: RunContext) -> dict:
     return {"mp_policy": mp_policy, "offload_policy": offload_policy}
 
 
+def _device_mesh(ctx: RunContext):
+    if not ctx.is_fake:
+        return init_device_mesh(ctx.device.type, (ctx.world_size,))
+    # DeviceMesh reads its rank layout back from a tensor (.tolist()), which a fake tensor
+    # cannot give: build the mesh from real tensors.
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return init_device_mesh(ctx.device.type, (ctx.world_size,))
+
+
 class FSDP2Runner:
     def __init__(self, model: torch.nn.Module, training: TrainingSpec, ctx: RunContext):
         self.model = model
         self.grad_accum = training.grad_accum
         self._micro = 0
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        mesh = _device_mesh(ctx)
         reshard = training.zero_stage == 3
         root_reshard = training.fsdp2.reshard_root_after_forward
         policies = _policies(training, ctx)
@@ -95,11 +106,12 @@ class FSDP2Runner:
                 buffers.append(group._all_gather_result.all_gather_output)
             if group._partial_reduce_output is not None:
                 buffers.append(group._partial_reduce_output)
-        if comm_ctx is not None:
-            if comm_ctx.all_gather_state is not None:
-                buffers.append(comm_ctx.all_gather_state.all_gather_result.all_gather_output)
-            if comm_ctx.reduce_scatter_state is not None:
-                buffers.append(comm_ctx.reduce_scatter_state.reduce_scatter_input)
+        if comm_ctx is not None:  # attributes set in FSDPCommContext.lazy_init (first forward)
+            all_gather_state = getattr(comm_ctx, "all_gather_state", None)
+            if all_gather_state is not None:
+                buffers.append(all_gather_state.all_gather_result.all_gather_output)
+            for state in getattr(comm_ctx, "reduce_scatter_states", ()):
+                buffers.append(state.reduce_scatter_input)
         return {
             "params": params,
             "grads": grads,

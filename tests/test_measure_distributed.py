@@ -1,0 +1,259 @@
+"""Real distributed steps: 2 gloo ranks on CPU (and the fake backend for 2, 8 and 64 ranks).
+
+The assertions are physics that a wrong engine set-up or a wrong accounting breaks: ZeRO-1
+halves the optimizer states of each rank, ZeRO-3 halves the parameters, FSDP2 stage 2 keeps the
+gathered parameters after forward, a simulated run matches a real one, and every phase's
+categories add up to its peak. Each run is 2 steps of tiny-llama or tiny-gpt2 (a few MB), made
+once per module and shared by the tests that read it.
+"""
+
+import functools
+import os
+import subprocess
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from zeroplan.architecture import param_layout  # noqa: E402
+from zeroplan.catalog import resolve_model  # noqa: E402
+from zeroplan.errors import MeasureError  # noqa: E402
+from zeroplan.measure import launcher  # noqa: E402
+from zeroplan.measure.worker import FAULT_ENV  # noqa: E402
+from zeroplan.spec.training import TrainingSpec  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT_S = 120  # per run; a healthy run of these takes a few seconds
+MIB = 2**20
+SPAWNED: list[subprocess.Popen] = []  # every worker any test started
+
+
+class _RecordingPopen(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        SPAWNED.append(self)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _record_workers():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launcher.subprocess, "Popen", _RecordingPopen)
+        yield
+    assert SPAWNED, "no worker was started"
+    assert [p.pid for p in SPAWNED if _alive(p.pid)] == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _training(engine: str, stage: int, **fields) -> TrainingSpec:
+    defaults = dict(precision="fp32", micro_batch=2, seq_len=64, device="cpu", gpus=2)
+    return TrainingSpec(engine=engine, zero_stage=stage, **(defaults | fields))
+
+
+@functools.lru_cache(maxsize=None)
+def _run(model: str, engine: str, stage: int, nproc: int = 2, simulate: bool = False, implementation: str = "auto", **fields):
+    training = _training(engine, stage, **(dict(fields) | {"gpus": nproc}))
+    return launcher.run_measurement(
+        resolve_model(model), training, nproc=nproc, simulate=simulate, steps=2, timeout_s=TIMEOUT_S,
+        implementation=implementation,
+    )
+
+
+def _category(result, category: str, rank: int = 0, step: int = 2, phase: str = "optimizer_step") -> int:
+    """A category live at the end of a phase is in its peak too: read it at the peak of the phase."""
+    (found,) = [p for p in result.ranks[rank].phases if p.step == step and p.phase == phase]
+    return found.categories[category]
+
+
+def _param_bytes(model: str) -> int:
+    return param_layout(resolve_model(model)).total_params * 4
+
+
+CONFIGS = [
+    ("tiny-llama", "torch", 0, {}),
+    ("tiny-llama", "torch", 1, {}),
+    ("tiny-llama", "fsdp2", 2, {}),
+    ("tiny-llama", "fsdp2", 3, {}),
+    ("tiny-llama", "fsdp2", 3, {"offload_optimizer": "cpu", "offload_params": "cpu"}),
+    ("tiny-llama", "fsdp2", 3, {"precision": "bf16"}),
+    ("tiny-gpt2", "torch", 0, {"implementation": "reference"}),
+]
+
+
+@pytest.mark.parametrize("model,engine,stage,fields", CONFIGS, ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(map(str, v.values())))
+def test_every_phase_of_every_rank_adds_up_to_its_peak(model, engine, stage, fields):
+    result = _run(model, engine, stage, **fields)
+    assert [r.rank for r in result.ranks] == [0, 1]
+    assert result.world_size == 2 and result.backend == "gloo" and result.fits
+    for rank in result.ranks:
+        assert [(p.step, p.phase) for p in rank.phases] == [
+            (0, "model"), (0, "engine"),
+            (1, "forward"), (1, "backward"), (1, "optimizer_step"),
+            (2, "forward"), (2, "backward"), (2, "optimizer_step"),
+        ]
+        for phase in rank.phases:
+            assert sum(phase.categories.values()) == phase.peak_bytes
+            assert phase.peak_bytes >= phase.live_bytes
+        assert len(rank.step_times_s) == 2
+        # the whole model was built on every rank before the engine touched it
+        assert rank.phases[0].categories["params"] == _param_bytes(model)
+
+
+def test_zero1_halves_each_ranks_optimizer_states():
+    ddp, zero1 = _run("tiny-llama", "torch", 0), _run("tiny-llama", "torch", 1)
+    full = _category(ddp, "optimizer_states")
+    # AdamW: exp_avg and exp_avg_sq in fp32 (2 x 4 bytes per parameter), a 4-byte step per tensor
+    assert full == 2 * _param_bytes("tiny-llama") + 4 * len(param_layout(resolve_model("tiny-llama")).all_tensors)
+    shards = [_category(zero1, "optimizer_states", rank) for rank in (0, 1)]
+    assert sum(shards) == full  # ZeroRedundancyOptimizer partitions whole tensors, unevenly
+    assert all(shard <= 0.6 * full for shard in shards)
+    # the parameters and gradients stay whole on every rank
+    assert _category(zero1, "params") == _category(ddp, "params") == _param_bytes("tiny-llama")
+    assert _category(zero1, "grads") == _param_bytes("tiny-llama")
+
+
+def test_fsdp2_stage3_halves_each_ranks_parameters_and_gradients():
+    ddp, zero3 = _run("tiny-llama", "torch", 0), _run("tiny-llama", "fsdp2", 3)
+    full = _param_bytes("tiny-llama")
+    for rank in (0, 1):
+        # dim-0 shards, padded to a multiple of the world size (here every dim 0 is even)
+        assert _category(zero3, "params", rank) == full // 2
+        assert _category(zero3, "grads", rank) == full // 2
+        assert _category(zero3, "optimizer_states", rank) < 0.55 * _category(ddp, "optimizer_states", rank)
+    assert zero3.peak_bytes < ddp.peak_bytes
+
+
+def test_fsdp2_stage2_keeps_the_gathered_blocks_after_forward():
+    zero2, zero3 = _run("tiny-llama", "fsdp2", 2), _run("tiny-llama", "fsdp2", 3)
+    layout = param_layout(resolve_model("tiny-llama"))
+
+    def after_forward(result):
+        return result.ranks[0].phases[5].live_bytes  # step 2 forward
+
+    # reshard_after_forward=False keeps every block's full parameters from forward to backward
+    blocks_bytes = layout.num_blocks * layout.block_params * 4
+    assert after_forward(zero2) - after_forward(zero3) >= blocks_bytes
+
+
+def test_cpu_offload_on_a_cpu_machine_holds_the_same_model_states():
+    # Host and device are one memory here: offload moves bytes, it does not remove them.
+    plain = _run("tiny-llama", "fsdp2", 3)
+    offload = _run("tiny-llama", "fsdp2", 3, offload_optimizer="cpu", offload_params="cpu")
+    for category in ("params", "grads", "optimizer_states"):
+        assert _category(offload, category) == _category(plain, category)
+    assert any("host and device are one memory" in note for note in offload.notes)
+
+
+def test_bf16_mixed_precision_keeps_fp32_shards_and_smaller_activations():
+    fp32 = _run("tiny-llama", "fsdp2", 3)
+    bf16 = _run("tiny-llama", "fsdp2", 3, precision="bf16")
+    # MixedPrecisionPolicy(param_dtype=bf16): the sharded parameters stay fp32 (the master copy)
+    assert _category(bf16, "params") == _category(fp32, "params")
+    # activations are computed in bf16; the fp32 logits and loss are kept either way
+    assert _category(bf16, "activations", phase="forward") < 0.85 * _category(fp32, "activations", phase="forward")
+
+
+def test_reference_implementation_runs_under_the_engines():
+    result = _run("tiny-gpt2", "torch", 0, implementation="reference")
+    assert result.implementation == "zeroplan-reference:gpt2/sdpa"
+
+
+def test_simulated_two_ranks_match_a_real_two_rank_run():
+    real = _run("tiny-llama", "fsdp2", 3)
+    fake = _run("tiny-llama", "fsdp2", 3, simulate=True)
+    assert fake.backend == "fake" and fake.world_size == 2 and len(fake.ranks) == 1
+    for category in ("params", "grads", "optimizer_states"):
+        assert _category(fake, category) == _category(real, category)
+    # the peaks agree within the run-to-run jitter of gloo on a real run (NOTES: a few MiB)
+    assert abs(fake.peak_bytes - real.ranks[0].peak_bytes) <= 1 * MIB
+
+
+@pytest.mark.parametrize("world_size", [8, 64])
+def test_simulated_large_worlds_shard_the_model_states(world_size):
+    result = _run("tiny-llama", "fsdp2", 3, nproc=world_size, simulate=True)
+    assert result.world_size == world_size
+    layout = param_layout(resolve_model("tiny-llama"))
+    params = _category(result, "params")
+    # each tensor's dim 0 is padded up to a multiple of the world size before it is split
+    padded = sum(-(-t.rows // world_size) * (t.numel // t.rows) for t in layout.all_tensors)
+    assert params == padded * 4
+    assert params < 1.2 * _param_bytes("tiny-llama") / world_size or world_size == 64
+    for phase in result.ranks[0].phases:
+        assert sum(phase.categories.values()) == phase.peak_bytes
+
+
+# -- faults -----------------------------------------------------------------------------------
+
+
+def _fault_run(monkeypatch, fault: str, timeout_s: float = TIMEOUT_S):
+    monkeypatch.setenv(FAULT_ENV, fault)
+    before = len(SPAWNED)
+    try:
+        return launcher.run_measurement(
+            resolve_model("tiny-llama"), _training("torch", 0), nproc=2, steps=2, timeout_s=timeout_s,
+            implementation="reference",
+        )
+    finally:
+        spawned = SPAWNED[before:]
+        assert len(spawned) == 2
+        assert [p.pid for p in spawned if _alive(p.pid)] == []
+
+
+def test_a_rank_that_raises_ends_the_run_naming_the_rank_and_its_exception(monkeypatch):
+    with pytest.raises(MeasureError, match=r"^rank 1 failed: RuntimeError: injected fault on rank 1$"):
+        _fault_run(monkeypatch, "raise@1")
+
+
+def test_a_timeout_kills_every_worker(monkeypatch):
+    with pytest.raises(MeasureError, match=r"^timed out after 3 s \(2 steps\); stopped ranks 0, 1$"):
+        _fault_run(monkeypatch, "hang@0", timeout_s=3)
+
+
+def test_out_of_memory_is_a_result_that_does_not_fit(monkeypatch):
+    result = _fault_run(monkeypatch, "oom@1")
+    assert not result.fits
+    assert [r.rank for r in result.ranks] == [1]
+    rank = result.ranks[0]
+    assert rank.oom_message == "OutOfMemoryError: injected out-of-memory on rank 1"
+    # the peak reached: the model and the engine were built, the forward pass began
+    assert rank.peak_bytes >= 2 * _param_bytes("tiny-llama")  # parameters + DDP buckets
+    assert rank.phases[-1].phase == "forward"
+    assert any("rank 1 ran out of device memory" in note for note in result.notes)
+
+
+def test_ctrl_c_leaves_no_worker_running(monkeypatch):
+    class InterruptedClock:  # Ctrl-C arrives while the launcher polls its workers
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(_seconds):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "time", InterruptedClock)
+    with pytest.raises(KeyboardInterrupt):
+        _fault_run(monkeypatch, "")
+
+
+def test_a_failed_run_leaves_no_files_behind(monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(MeasureError, match="rank 0 failed"):
+        _fault_run(monkeypatch, "raise@0")
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_requests_are_refused_before_any_worker_starts():
+    spec, training = resolve_model("tiny-llama"), _training("torch", 0)
+    with pytest.raises(MeasureError, match="steps: must be at least 1, got 0"):
+        launcher.run_measurement(spec, training, nproc=2, steps=0)
+    with pytest.raises(MeasureError, match="engine: --simulate runs fsdp2 only"):
+        launcher.run_measurement(spec, training, nproc=8, simulate=True)
+    with pytest.raises(MeasureError, match="backend: 'mpi' is not one of gloo, nccl, fake"):
+        launcher.run_measurement(spec, training, nproc=2, backend="mpi")
