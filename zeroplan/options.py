@@ -77,13 +77,6 @@ def validation_message(error: ValidationError, source: str | None = None) -> str
     return (where + count + "; ".join(problems)).replace("\n", " ")
 
 
-def training_fields() -> tuple[str, ...]:
-    """Names of the TrainingSpec fields an option may set."""
-    from zeroplan.spec.training import TrainingSpec
-
-    return tuple(TrainingSpec.model_fields)
-
-
 def training_spec_from_options(options: Mapping[str, Any], config_file: str | Path | None = None) -> TrainingSpec:
     """The TrainingSpec for these options over the values read from `config_file`.
 
