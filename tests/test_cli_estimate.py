@@ -112,6 +112,17 @@ def test_params_makes_a_parameter_count_model(recorder):
     )
 
 
+@pytest.mark.parametrize(
+    "text, count",
+    [("6738415616", 6_738_415_616), ("6.738415616e9", 6_738_415_616), ("6_738_415_616", 6_738_415_616),
+     ("6,738,415,616", 6_738_415_616), ("7B", 7 * 10**9), ("1.5t", 1_500_000_000_000), ("125M", 125 * 10**6)],
+)
+def test_counts_are_read_exactly(text, count):
+    from zeroplan.options import parse_count
+
+    assert parse_count(text, "--params") == count
+
+
 def test_options_override_the_config_file(recorder, tmp_path):
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({
