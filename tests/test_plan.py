@@ -251,3 +251,34 @@ def test_cli_plan_table_states_assumptions():
     assert "largest micro-batch that fits:" in result.output
     assert "121 TFLOP/s dense bf16" in result.output  # the L4 datasheet's dense BF16 figure
     assert "25 GB/s between nodes" in result.output  # the override
+
+
+def _concave_standin(model, training):
+    """A stand-in estimator whose peak grows with the micro-batch but is not convex (a square root
+    and a staircase): the search must stay exact when its convexity-guided probes are wrong."""
+    from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, NodeBytes, Phase, PhaseBytes, Step
+
+    shard = {0: 1, 1: 2, 2: 3, 3: 4}[training.zero_stage]
+    activations = int(3 * GIB * training.micro_batch**0.5) + GIB * (training.micro_batch // 7)
+    phases = (
+        PhaseBytes(Step.STEADY, Phase.FORWARD, CategoryBytes(params=40 * GIB // shard, activations=activations)),
+        PhaseBytes(Step.STEADY, Phase.OPTIMIZER_STEP, CategoryBytes(params=40 * GIB // shard, optimizer_states=8 * GIB)),
+    )
+    return Estimate(ModelSummary("standin", 10**9, 10**9, "standin"), "deepspeed", phases, NodeBytes())
+
+
+@pytest.mark.parametrize("budget_gib", [15, 25, 47, 60])
+def test_search_is_exact_without_convexity(budget_gib):
+    base = TrainingSpec(gpus=8)
+    space = SearchSpace(gpu_counts=(8,), micro_batches="all", max_micro_batch=200, checkpointing=(Checkpointing.NONE,))
+    limits = Limits(gpu_memory_bytes=budget_gib * GIB, headroom=0.0)
+    planner = Planner(ParamCountSpec(params=10**9), base, ASSUMPTIONS, estimator=_concave_standin)
+    _, fitting, _ = planner.search(space, limits)
+    found = {(hit.choice, hit.micro_batch) for hit in fitting}
+    brute = {
+        (choice, micro)
+        for choice in planner.choices(space, limits)[0]
+        for micro, accum in planner.micro_batches(space, 8)
+        if _concave_standin(None, planner.training(choice, micro, accum)).peak_bytes <= limits.budget_bytes
+    }
+    assert found == brute

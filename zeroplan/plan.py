@@ -196,11 +196,12 @@ class Planner:
             found = self._estimates[key] = self.estimate(self.training(choice, micro_batch, grad_accum))
         return found
 
-    def fitting_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits) -> int:
+    def fitting_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits, hint: int | None = None) -> int:
         """How many of `pairs` (micro-batch ascending, all accumulating or none) fit on the GPU
         and, per node, in host memory and on NVMe. Host bytes never shrink with the micro-batch
-        either, so the configurations that fit the host are a prefix too."""
-        count = self._gpu_prefix(choice, pairs, limits)
+        either, so the configurations that fit the host are a prefix too. `hint`, a guess of the
+        answer (the previous choice's), only changes how many estimates it takes."""
+        count = self._gpu_prefix(choice, pairs, limits, hint)
         cpu_limit = limits.cpu_memory_bytes
         nvme_limit = limits.nvme_bytes or 0
 
@@ -219,19 +220,19 @@ class Planner:
                 high = middle
         return low + 1
 
-    def _gpu_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits) -> int:
+    def _gpu_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits, hint: int | None = None) -> int:
         """How many of `pairs` have a peak within the GPU budget.
 
         Correctness needs one property: the peak never shrinks as the micro-batch grows, so the
         pairs that fit are a prefix, and the answer is k once pairs[k - 1] is seen to fit and
-        pairs[k] is seen not to (or k is the end). Speed comes from a second one: the excess over
-        the budget, g(m) = peak(m) - budget, is convex in the micro-batch m, since every phase of
-        an engine profile is the largest of a few points whose bytes are affine in m (activations
+        pairs[k] is seen not to (or k is 0 or the end). Speed comes from good first probes: the
+        hint (neighbouring choices often share their answer, settling it in two estimates), then
+        the convexity of g(m) = peak(m) - budget in the micro-batch m, since every phase of an
+        engine profile is the largest of a few points whose bytes are affine in m (activations
         and logits are tokens x constants). For a convex g the line through the last two fitting
         probes meets zero at or after the last fitting m, and the chord between a fitting and a
-        failing probe meets zero at or before it; probing there usually settles a choice in three
-        or four full estimates whatever the number of micro-batches. Both properties are checked
-        against full estimates in tests/test_plan.py.
+        failing probe meets zero at or before it. Both properties are checked against full
+        estimates in tests/test_plan.py; if convexity failed, only the number of probes would grow.
         """
         budget = limits.budget_bytes
         micros = [micro for micro, _ in pairs]
@@ -241,21 +242,25 @@ class Planner:
             excess[index] = self.estimate_at(choice, *pairs[index]).peak_bytes - budget
             return excess[index] <= 0
 
-        if not fits(0):
-            return 0
-        low, high = 0, len(pairs)  # pairs[low] fits and pairs[high] does not (or high is the end), both seen
+        low, high = -1, len(pairs)  # pairs[:low + 1] fit and pairs[high:] do not; low and high seen (or bounds)
         previous = None  # the fitting probe before `low`
+        first = hint - 1 if hint is not None and 0 < hint <= len(pairs) else 0
         while high - low > 1:
-            guess = low + 1
-            if high < len(pairs):  # chord between the bracket's ends: its zero is a fitting m if g is convex
+            if first is not None:
+                guess, first = first, None
+            elif low < 0:
+                guess = 0
+            elif high < len(pairs):  # chord between the bracket's ends: its zero is a fitting m if g is convex
                 zero = micros[low] - excess[low] * (micros[high] - micros[low]) / (excess[high] - excess[low])
                 guess = bisect_right(micros, zero) - 1
             elif previous is not None:  # secant through the last two fitting probes: nothing fits past its zero
                 slope = (excess[low] - excess[previous]) / (micros[low] - micros[previous])
                 guess = len(pairs) - 1 if slope <= 0 else bisect_right(micros, micros[low] - excess[low] / slope) - 1
+            else:
+                guess = low + 1
             guess = min(max(guess, low + 1), high - 1)
             if fits(guess):
-                previous, low = low, guess
+                previous, low = (low if low >= 0 else None), guess
             else:
                 high = guess
         return low + 1
@@ -307,6 +312,10 @@ class Planner:
         for gpus, pairs in pairs_by_gpus.items():
             if not pairs:
                 notes.append(f"{gpus} GPUs skipped: global batch {space.global_batch} is not divisible by {gpus}")
+        # Answers so far (the largest fitting micro-batch, 0 for none) as hints for the next choice:
+        # the same choice on another GPU count, else the last one with the same checkpointing (which
+        # moves the answer most) on this GPU count, else the last one on this GPU count.
+        hints: dict[tuple, int] = {}
         for order, choice in enumerate(choices):
             pairs = pairs_by_gpus[choice.gpus]
             if not pairs:
@@ -317,7 +326,14 @@ class Planner:
                 if not group:
                     continue
                 evaluated += len(group)
-                for micro, accum in group[: self.fitting_prefix(choice, group, limits)]:
+                same = (choice.zero_stage, choice.offload_optimizer, choice.offload_params, choice.checkpointing, accumulating)
+                near, last = (choice.gpus, accumulating, choice.checkpointing), (choice.gpus, accumulating)
+                hint = hints.get(same, hints.get(near, hints.get(last)))
+                if hint is not None:
+                    hint = bisect_right([micro for micro, _ in group], hint)
+                count = self.fitting_prefix(choice, group, limits, hint)
+                hints[same] = hints[near] = hints[last] = group[count - 1][0] if count else 0
+                for micro, accum in group[:count]:
                     fitting.append(Hit(seconds_per_token(micro, accum), order, -micro, choice, accum))
         fitting.sort()
         return evaluated, fitting, notes
