@@ -57,9 +57,11 @@ def test_peak_is_monotone_and_convex_in_micro_batch(accum):
     the micro-batch grows (so what fits is a prefix), and its second difference is >= 0 (convex,
     so secants and chords bracket the last micro-batch that fits)."""
     for model, training in _grid():
-        peaks = [estimate(model, training.model_copy(update={"micro_batch": m, "grad_accum": accum})).peak_bytes
-                 for m in range(1, 10)]
+        estimates = [estimate(model, training.model_copy(update={"micro_batch": m, "grad_accum": accum})) for m in range(1, 10)]
+        peaks = [e.peak_bytes for e in estimates]
         assert all(a <= b for a, b in zip(peaks, peaks[1:])), (model.name, training)
+        hosts = [(e.per_node.cpu_bytes, e.per_node.nvme_bytes) for e in estimates]  # host limits are searched the same way
+        assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(hosts, hosts[1:])), (model.name, training)
         assert all(peaks[i - 1] + peaks[i + 1] >= 2 * peaks[i] for i in range(1, len(peaks) - 1)), (model.name, training)
 
 

@@ -5,11 +5,13 @@ Speed comes from the estimator's structure, not from approximating it. For one c
 everything but the micro-batch, the memory never shrinks as the micro-batch grows (activations,
 logits and their temporaries scale with the sequences in flight; model states and engine buffers
 do not depend on them), and gradient accumulation changes it only by whether it is on (one
-accumulated gradient is kept: `grad_accum > 1` in the engine profiles). So whether a configuration
-fits is monotone along the sorted micro-batches of a choice, and a binary search with full
-estimates finds the largest that fits: about log2(n) + 2 estimates decide n configurations
-exactly. `tests/test_plan.py` checks the monotonicity, and every verdict against a full estimate,
-over a grid of models, engines and stages.
+accumulated gradient is kept: `grad_accum > 1` in the engine profiles). So the configurations of a
+choice that fit are a prefix of its sorted micro-batches, and the answer is known exactly once the
+last that fits and the first that does not have each had a full estimate. Where to look first comes
+from neighbouring choices and from the convexity of the peak in the micro-batch
+(`Planner._gpu_prefix`): about two full estimates per choice, whatever the number of micro-batches.
+`tests/test_plan.py` checks monotonicity and convexity over a grid of models, engines and stages,
+and every verdict of the search against a full estimate.
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ class Planner:
     def cost_model(self, choice: Choice) -> StepCostModel:
         if choice not in self._costs:
             if self._flops is None:
-                summary = self.estimate(self.training(choice, 1, 1)).model
+                summary = self.estimate_at(choice, 1, 1).model  # parameter counts, the same for every choice
                 self._flops = model_flops(self.model, summary.params, summary.trainable_params)
             self._costs[choice] = step_cost_model(self._flops, self.spec(choice), self.assumptions)
         return self._costs[choice]
