@@ -284,3 +284,16 @@ def test_search_is_exact_without_convexity(budget_gib):
         if _concave_standin(None, planner.training(choice, micro, accum)).peak_bytes <= limits.budget_bytes
     }
     assert found == brute
+
+
+def test_engine_communication_differences():
+    """FSDP2 stage 2 re-gathers at every forward; DDP + ZeroRedundancyOptimizer moves 3Ψ."""
+    flops = model_flops(ParamCountSpec(params=10**9), 10**9, 10**9)
+
+    def communication(accum: int, **fields) -> float:
+        return step_cost_model(flops, TrainingSpec(gpus=8, **fields), ASSUMPTIONS).step_cost(1, accum).communication_s
+
+    deepspeed_2 = communication(4, zero_stage=2)
+    fsdp2_2 = communication(4, zero_stage=2, engine="fsdp2")
+    assert fsdp2_2 == pytest.approx(deepspeed_2 * 8 / 5)  # (4 + 4) Ψ against (4 + 1) Ψ
+    assert communication(1, zero_stage=1, engine="torch") == pytest.approx(1.5 * communication(1, zero_stage=1))

@@ -19,7 +19,9 @@ Terms, per GPU and per optimizer step of `grad_accum` micro-batches:
   (N-1)/N of that (NCCL ring algorithm). Under gradient accumulation stage 2 reduce-scatters at
   every micro-batch (DeepSpeed stage_1_and_2.py, reduce_ready_partitions_and_remove_grads runs in
   every backward when gradients are partitioned) and stage 3 gathers and reduces at every
-  micro-batch (stage3.py); stages 0-1 reduce once per step.
+  micro-batch (stage3.py); stages 0-1 reduce once per step. Engine differences: FSDP2's stage 2
+  gathers at every forward too; DDP + ZeroRedundancyOptimizer (torch, stage 1) all-reduces the
+  gradients and broadcasts the updated shards, 3 Psi.
 - offload: ZeRO-Offload (Ren et al. 2021, section 4.1): 16-bit gradients go GPU->CPU and 16-bit
   parameters come back CPU->GPU, each rank its partition of Psi/N; with parameter offload
   (ZeRO-Infinity, Rajbhandari et al. 2021) each rank fetches its parameter partition in forward
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from zeroplan.spec.model import TransformerSpec
-from zeroplan.spec.training import Checkpointing, Offload, Optimizer, Precision
+from zeroplan.spec.training import Checkpointing, Engine, Offload, Optimizer, Precision
 
 _GB = 10**9
 
@@ -202,8 +204,16 @@ def step_cost_model(flops: ModelFlops, training, assumptions: Assumptions) -> St
     stage = training.zero_stage
     if stage == 0:
         comm_step, comm_micro = 2 * reduce_bytes, 0.0  # all-reduce at the accumulation boundary
+    elif stage == 1 and training.engine == Engine.TORCH:
+        # DDP all-reduces the whole gradient, then ZeroRedundancyOptimizer broadcasts each updated
+        # shard from its owner (torch/distributed/optim/zero_redundancy_optimizer.py, _sync_params).
+        comm_step, comm_micro = 2 * reduce_bytes + gather_bytes, 0.0
     elif stage == 1:
         comm_step, comm_micro = reduce_bytes + gather_bytes, 0.0
+    elif stage == 2 and training.engine == Engine.FSDP2:
+        # fully_shard(reshard_after_forward=False) still reshards after backward, so every forward
+        # all-gathers again, and every backward reduce-scatters.
+        comm_step, comm_micro = 0.0, gather_bytes + reduce_bytes
     elif stage == 2:
         comm_step, comm_micro = gather_bytes, reduce_bytes
     else:
