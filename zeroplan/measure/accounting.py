@@ -42,13 +42,26 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from zeroplan.measure.engines import CATEGORIES, ENGINE_CATEGORIES
 
 Classifier = Callable[[], dict[str, list[torch.Tensor]]]
+
+def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind a tensor: its own, or for a wrapper subclass (DTensor, a
+    float8 tensor) those of the tensors it wraps (`__tensor_flatten__`)."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor.untyped_storage()]
+    inner_names, _ = tensor.__tensor_flatten__()
+    found = []
+    for name in inner_names:
+        inner = getattr(tensor, name)
+        if isinstance(inner, torch.Tensor):
+            found.extend(storages_of(inner))
+    return found
+
 
 _ACTIVE: list["TensorAccounting"] = []  # the accountings entered, innermost last
 
@@ -167,7 +180,7 @@ class TensorAccounting(TorchDispatchMode):
             with self._lock:
                 self._drain()
                 for t in tensors:
-                    for storage in get_untyped_storages(t):
+                    for storage in storages_of(t):
                         serial = self._track(storage)
                         if func.namespace == "c10d":
                             self._communicated.add(serial)
@@ -261,7 +274,7 @@ class TensorAccounting(TorchDispatchMode):
             for tensor in by_category.get(name, ()):
                 if tensor is None:
                     continue
-                for storage in get_untyped_storages(tensor):
+                for storage in storages_of(tensor):
                     record = self._live.get(id(storage))
                     if record is not None and record.ref() is storage:
                         categories.setdefault(record.serial, name)

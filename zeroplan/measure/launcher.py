@@ -172,18 +172,9 @@ def _wait(procs: list[subprocess.Popen], workdir: Path, timeout_s: float, steps:
     deadline = time.monotonic() + timeout_s
     while True:
         codes = [proc.poll() for proc in procs]
-        for rank, code in enumerate(codes):
-            if code is None or code == 0:
-                continue
-            outcome = _read(workdir / f"rank{rank}.json")
-            if outcome is not None and outcome.get("ok"):  # out of memory: a result
-                return [outcome]
-            if outcome is not None:
-                error = MeasureError(f"rank {rank} failed: {outcome['error']}")
-                error.worker_traceback = outcome.get("traceback", "")  # for --verbose output
-                raise error
-            detail = _last_line(workdir / f"rank{rank}.log") or "no output"
-            raise MeasureError(f"rank {rank} exited with status {code}: {detail}")
+        if any(code not in (None, 0) for code in codes):
+            _raise_first_failure(codes, workdir)
+            return [o for o in (_read(workdir / f"rank{r}.json") for r in range(len(procs))) if _out_of_memory(o)]
         if all(code == 0 for code in codes):
             outcomes = [_read(workdir / f"rank{rank}.json") for rank in range(len(procs))]
             missing = [rank for rank, outcome in enumerate(outcomes) if outcome is None]
@@ -196,6 +187,30 @@ def _wait(procs: list[subprocess.Popen], workdir: Path, timeout_s: float, steps:
                 f"timed out after {timeout_s:g} s ({steps} steps); stopped ranks {', '.join(map(str, running))}"
             )
         time.sleep(POLL_S)
+
+
+def _out_of_memory(outcome: dict | None) -> bool:
+    return outcome is not None and outcome.get("ok") and not outcome["result"]["fits"]
+
+
+def _raise_first_failure(codes: list[int | None], workdir: Path) -> None:
+    """Raise for the rank that failed first, unless a rank ran out of memory (a result).
+
+    When one rank dies its peers fail too ("connection closed" in their next collective): the
+    root cause is the failure written first, or the out-of-memory that stopped a rank."""
+    # every rank's file: a rank writes its failure before it exits (atomically, so a file is whole)
+    outcomes = {rank: _read(workdir / f"rank{rank}.json") for rank in range(len(codes))}
+    if any(_out_of_memory(o) for o in outcomes.values()):
+        return
+    written = [(o.get("time", 0.0), rank, o) for rank, o in outcomes.items() if o is not None and not o.get("ok")]
+    if written:
+        _, rank, outcome = min(written)
+        error = MeasureError(f"rank {rank} failed: {outcome['error']}")
+        error.worker_traceback = outcome.get("traceback", "")  # for --verbose output
+        raise error
+    rank = min(rank for rank, code in enumerate(codes) if code not in (None, 0))
+    detail = _last_line(workdir / f"rank{rank}.log") or "no output"
+    raise MeasureError(f"rank {rank} exited with status {codes[rank]}: {detail}")
 
 
 def _assemble(outcomes: list[dict], model: TransformerSpec, training: TrainingSpec, backend: str, nproc: int, steps: int) -> MeasureResult:

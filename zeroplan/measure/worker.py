@@ -186,11 +186,12 @@ def main(argv: list[str] | None = None) -> None:
         outcome = run_rank(job, rank, world_size, local_rank)
     except BaseException as error:  # noqa: BLE001 - any failure is reported to the launcher
         message = f"{type(error).__name__}: {error}".splitlines()[0]
-        write_json_atomic(output, {"ok": False, "rank": rank, "error": message, "traceback": traceback.format_exc()})
+        failure = {"ok": False, "rank": rank, "error": message, "traceback": traceback.format_exc(), "time": time.time()}
+        write_json_atomic(output, failure)
         sys.stderr.write(traceback.format_exc())
         sys.stderr.flush()
         os._exit(EXIT_FAILED)  # do not wait for peers stuck in a collective
-    write_json_atomic(output, outcome)
+    write_json_atomic(output, outcome | {"time": time.time()})
     sys.stdout.flush()
     if not outcome["result"]["fits"]:
         os._exit(EXIT_OOM)  # peers may wait in a collective this rank will never join
