@@ -9,7 +9,9 @@ once per module and shared by the tests that read it.
 
 import functools
 import os
+import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -257,3 +259,40 @@ def test_bad_requests_are_refused_before_any_worker_starts():
         launcher.run_measurement(spec, training, nproc=8, simulate=True)
     with pytest.raises(MeasureError, match="backend: 'mpi' is not one of gloo, nccl, fake"):
         launcher.run_measurement(spec, training, nproc=2, backend="mpi")
+
+
+_LAUNCH_AND_HANG = """
+import os, sys
+os.environ[{fault_env!r}] = "hang@0"
+from zeroplan.catalog import resolve_model
+from zeroplan.measure import launcher
+from zeroplan.spec.training import TrainingSpec
+training = TrainingSpec(engine="torch", zero_stage=0, gpus=2, precision="fp32", micro_batch=2, seq_len=64, device="cpu")
+launcher.run_measurement(resolve_model("tiny-llama"), training, nproc=2, steps=1, timeout_s=120, implementation="reference")
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killing_the_launcher_leaves_no_worker_running(signum):
+    psutil = pytest.importorskip("psutil")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(launcher.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(root))
+    parent = subprocess.Popen([sys.executable, "-c", _LAUNCH_AND_HANG.format(fault_env=FAULT_ENV)], env=env)
+    try:
+        workers = []
+        for _ in range(600):  # the launcher starts its two workers within seconds
+            workers = psutil.Process(parent.pid).children()
+            if len(workers) == 2:
+                break
+            time.sleep(0.05)
+        assert len(workers) == 2
+        os.kill(parent.pid, signum)
+        parent.wait(timeout=30)
+        for _ in range(300):  # SIGKILL reaches the workers through PR_SET_PDEATHSIG
+            if not any(_alive(w.pid) for w in workers):
+                break
+            time.sleep(0.05)
+        assert [w.pid for w in workers if _alive(w.pid)] == []
+    finally:
+        parent.kill()
+        parent.wait()

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +60,19 @@ def _worker_env(rank: int, world_size: int, nproc: int, backend: str) -> dict[st
         # one intra-op thread per worker unless asked otherwise: nproc workers share the cores
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return env
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: SIGKILL this worker if the launcher dies without cleaning up (itself SIGKILLed)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1  # linux/prctl.h
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _terminate_as_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
@@ -138,6 +152,9 @@ def run_measurement(
     processes = 1 if backend == "fake" else nproc
     workdir = Path(tempfile.mkdtemp(prefix="zeroplan-measure-"))
     procs: list[subprocess.Popen] = []
+    # SIGTERM ends the launcher like Ctrl-C: through the `finally` that kills the workers.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous_sigterm = signal.signal(signal.SIGTERM, _terminate_as_interrupt) if main_thread else None
     try:
         job_path = workdir / "job.json"
         init_method = (workdir / "store").as_uri() if backend == "gloo" else None
@@ -157,14 +174,16 @@ def run_measurement(
                         [sys.executable, "-m", "zeroplan.measure.worker", "--job", str(job_path),
                          "--output", str(workdir / f"rank{rank}.json")],
                         env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                        start_new_session=True,
+                        start_new_session=True, preexec_fn=_die_with_parent,
                     )
                 )
         outcomes = _wait(procs, workdir, timeout_s, steps)
     finally:
         _kill(procs)
         shutil.rmtree(workdir, ignore_errors=True)
-    return _assemble(outcomes, model, training, backend, nproc, steps)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+    return assemble_result(outcomes, model, training, backend, nproc, steps)
 
 
 def _wait(procs: list[subprocess.Popen], workdir: Path, timeout_s: float, steps: int) -> list[dict]:
@@ -213,7 +232,24 @@ def _raise_first_failure(codes: list[int | None], workdir: Path) -> None:
     raise MeasureError(f"rank {rank} exited with status {codes[rank]}: {detail}")
 
 
-def _assemble(outcomes: list[dict], model: TransformerSpec, training: TrainingSpec, backend: str, nproc: int, steps: int) -> MeasureResult:
+def load_outputs(paths: list[Path]) -> list[dict]:
+    """The worker outputs of a torchrun launch (one file per rank): raises MeasureError for a
+    missing file or a rank that failed, like a local run."""
+    outcomes = []
+    for path in paths:
+        outcome = _read(Path(path))
+        if outcome is None:
+            raise MeasureError(f"output: {path} is missing or not a worker result")
+        if not outcome.get("ok"):
+            raise MeasureError(f"rank {outcome.get('rank')} failed: {outcome.get('error')}")
+        outcomes.append(outcome)
+    return outcomes
+
+
+def assemble_result(
+    outcomes: list[dict], model: TransformerSpec, training: TrainingSpec, backend: str, nproc: int, steps: int
+) -> MeasureResult:
+    """One MeasureResult from the workers' `ok` outputs."""
     ranks = sorted((RankResult.from_json_dict(o["result"]) for o in outcomes), key=lambda r: r.rank)
     notes = list(outcomes[0].get("notes", []))
     for rank in ranks:

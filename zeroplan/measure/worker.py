@@ -5,6 +5,12 @@ RANK, WORLD_SIZE and LOCAL_RANK from the environment and joins with env://, MAST
 MASTER_PORT; "{rank}" in --output is replaced by the rank). The job file holds the model and
 training specs, the backend, the steps and the rendezvous (`zeroplan.measure.launcher.write_job`).
 
+On several nodes, write the job once with `zeroplan.measure.launcher.write_job(path, model,
+training, backend="nccl", steps=K, world_size=N, init_method=None)`, run on every node
+  torchrun --nnodes M --nproc-per-node G --rdzv-endpoint HOST:PORT -m zeroplan.measure.worker
+      --job job.json --output out/rank{rank}.json
+and read the outputs with `launcher.load_outputs` and `launcher.assemble_result`.
+
 The rank builds the model under the accounting, lets the engine wrap it, runs `steps` training
 steps and records every phase (result.py); it writes one JSON object to --output, atomically:
   {"ok": true, "result": {...RankResult...}, "implementation": "...", "notes": [...]}
@@ -167,6 +173,10 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     notes = []
     if backend == "fake":
         notes.append(f"simulated: one process under FakeTensorMode stands for rank 0 of {world_size}")
+        if spec.kv_heads != spec.num_heads and training.attention.value == "fused":
+            # Seen on tiny-llama with transformers' sdpa: 2 x 64 KiB per layer more than a real run.
+            notes.append("simulated grouped-query SDPA keeps the repeated keys and values (torch's math path); "
+                         "a real CPU run does not, so activations read a little high")
     implementation = held["model_name"] if "model_name" in held else "unknown"
     return {"ok": True, "result": result.to_json_dict(), "implementation": implementation, "notes": notes}
 

@@ -142,8 +142,13 @@ def _build_reference(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.
     from zeroplan.measure.reference_model import ReferenceCausalLM, family
 
     eager = training.attention.value == "eager"
-    lm = ReferenceCausalLM(spec, eager=eager, recompute_attention_core=training.checkpointing.value == "selective")
-    lm = lm.to(_model_dtype(training))
+    # Built in its dtype (not converted after: .to() cannot swap fake tensors under --simulate).
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(_model_dtype(training))
+    try:
+        lm = ReferenceCausalLM(spec, eager=eager, recompute_attention_core=training.checkpointing.value == "selective")
+    finally:
+        torch.set_default_dtype(default)
     return lm, f"zeroplan-reference:{family(spec)}/{'eager' if eager else 'sdpa'}"
 
 
