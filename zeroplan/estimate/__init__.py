@@ -7,8 +7,6 @@ sizes (dtypes.py) are shared. The peak is the largest phase, not a sum of maxima
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from zeroplan.estimate.activations import activation_bytes
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.deepspeed import estimate_deepspeed
@@ -17,7 +15,7 @@ from zeroplan.estimate.engines.paper import estimate_paper
 from zeroplan.estimate.engines.torch_ddp import estimate_torch
 from zeroplan.estimate.facts import model_facts
 from zeroplan.estimate.overhead import overhead_bytes
-from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, PhaseBytes
+from zeroplan.estimate.result import Estimate, ModelSummary, PhaseBytes
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Engine, TrainingSpec
 
@@ -25,8 +23,9 @@ IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, trai
 
 
 def _with_overhead(phases: tuple[PhaseBytes, ...], overhead: int) -> tuple[PhaseBytes, ...]:
-    extra = CategoryBytes(overhead=overhead)
-    return tuple(replace(p, categories=p.categories + extra) for p in phases)
+    if not overhead:
+        return phases
+    return tuple(PhaseBytes(p.step, p.phase, p.categories.with_overhead(overhead)) for p in phases)
 
 
 def estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:

@@ -3,8 +3,10 @@
 Source: ZeRO paper (Rajbhandari et al. 2020), section 3.1: mixed-precision Adam keeps 2Ψ bytes of
 fp16 parameters, 2Ψ of fp16 gradients and KΨ = 12Ψ of optimizer states (fp32 master parameters,
 momentum and variance, 4 bytes each). Pure bf16 drops the master copy and keeps the states in bf16.
-8-bit Adam: bitsandbytes `Optimizer8bit.init_state` keeps each state as uint8 plus one fp32
-`absmax` per block of 256 elements (bitsandbytes/optim/optimizer.py, blocksize 256).
+8-bit Adam: bitsandbytes `Optimizer2State.init_state` (bitsandbytes/optim/optimizer.py) keeps
+each state as uint8 plus one fp32 `absmax` per block of 2048 elements (block_wise, the default);
+tensors under `min_8bit_size` = 4096 elements keep fp32 states. zeroplan applies the 8-bit rate to
+every element: the small tensors (norm weights, biases) are under 0.1% of any catalogue model.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from zeroplan.spec.training import Optimizer, Precision
 
 FP32_BYTES = 4
 HALF_BYTES = 2  # fp16 and bf16
-ADAM_8BIT_BLOCK = 256  # bitsandbytes blockwise quantisation block (one fp32 absmax per block)
+ADAM_8BIT_BLOCK = 2048  # bitsandbytes blockwise quantisation block (one fp32 absmax per block)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,17 @@ class StateBytes:
 def optimizer_state_count(optimizer: Optimizer) -> int:
     """States kept per parameter: Adam/AdamW two moments, SGD one momentum buffer."""
     return 1 if optimizer == Optimizer.SGD else 2
+
+
+def optimizer_state_bytes(numel: int, optimizer: Optimizer, element_bytes: int) -> int:
+    """Bytes of the optimizer states for `numel` parameters whose states are `element_bytes` wide.
+
+    8-bit Adam: two uint8 states plus one fp32 absmax per block of 2048 for each
+    (bitsandbytes Optimizer2State.init_state, block_wise).
+    """
+    if optimizer == Optimizer.ADAM_8BIT:
+        return 2 * (numel + FP32_BYTES * -(-numel // ADAM_8BIT_BLOCK))
+    return optimizer_state_count(optimizer) * numel * element_bytes
 
 
 def state_bytes(precision: Precision, optimizer: Optimizer) -> StateBytes:

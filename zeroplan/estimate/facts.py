@@ -1,16 +1,29 @@
-"""What the engines need to know about a model, derived once from its spec.
+"""What the engines need to know about a model, derived once from its spec (and cached: the
+planner asks for the same model thousands of times).
 
-Engines see parameter counts and module groups, not the spec: a `ParamCountSpec` (count only)
-becomes one group of `largest_layer_params` repeated, and has no activation model.
+Parameters are grouped into the module groups ZeRO-3 and FSDP2 gather one at a time: the
+embeddings, each transformer block, and the final norm with the output head. Identical blocks are
+one `ModuleGroup` with a count, so engines sum over three groups, not over every tensor.
+A `ParamCountSpec` (count only) becomes layers of `largest_layer_params` and has no activations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-from zeroplan.architecture import ParamLayout, ParamTensor, param_layout
+from zeroplan.architecture import ParamTensor, param_layout
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
+
+
+@dataclass(frozen=True)
+class ModuleGroup:
+    role: str  # "embedding", "block", "final" (FSDP2's root unit is embedding + final)
+    tensors: tuple[ParamTensor, ...]
+    count: int  # identical copies of this group (the transformer blocks)
+    frozen: bool  # does not train: no gradients, no optimizer states
+    params: int  # elements in one copy
 
 
 @dataclass(frozen=True)
@@ -18,46 +31,53 @@ class ModelFacts:
     name: str
     total_params: int
     trainable_params: int
-    groups: tuple[tuple[ParamTensor, ...], ...]  # module groups in forward order (FSDP units, ZeRO-3 fetch order)
-    frozen_groups: tuple[bool, ...]  # per group: True when it does not train
+    groups: tuple[ModuleGroup, ...]  # in forward order
+    largest_group_params: int
+    largest_tensor_numel: int
 
-    @property
-    def largest_group_params(self) -> int:
-        return max(sum(t.numel for t in g) for g in self.groups)
-
-    @property
-    def largest_tensor_numel(self) -> int:
-        return max(t.numel for g in self.groups for t in g)
-
-    @property
-    def trainable_tensors(self) -> tuple[ParamTensor, ...]:
-        return tuple(t for g, frozen in zip(self.groups, self.frozen_groups) if not frozen for t in g)
+    def trainable_numels(self) -> list[int]:
+        """Every trainable tensor's element count (blocks repeated)."""
+        return [t.numel for g in self.groups if not g.frozen for t in g.tensors for _ in range(g.count)]
 
 
-def _transformer_facts(spec: TransformerSpec, training: TrainingSpec) -> ModelFacts:
-    layout: ParamLayout = param_layout(spec)
-    groups = (layout.embedding,) + (layout.block,) * layout.num_blocks + (layout.final,)
-    kinds = ("embeddings",) + ("blocks",) * layout.num_blocks + ("final",)
-    frozen = tuple(kind in training.freeze for kind in kinds)
-    trainable = sum(sum(t.numel for t in g) for g, f in zip(groups, frozen) if not f)
-    return ModelFacts(spec.name, layout.total_params, trainable, groups, frozen)
+def _group(role: str, tensors: tuple[ParamTensor, ...], count: int, frozen: bool) -> ModuleGroup:
+    return ModuleGroup(role, tensors, count, frozen, sum(t.numel for t in tensors))
 
 
+def _facts(name: str, groups: tuple[ModuleGroup, ...], trainable: int | None = None) -> ModelFacts:
+    total = sum(g.params * g.count for g in groups)
+    if trainable is None:
+        trainable = sum(g.params * g.count for g in groups if not g.frozen)
+    largest_group = max(g.params for g in groups)
+    largest_tensor = max(t.numel for g in groups for t in g.tensors)
+    return ModelFacts(name, total, trainable, groups, largest_group, largest_tensor)
+
+
+@lru_cache(maxsize=256)
+def _transformer_facts(spec: TransformerSpec, freeze: tuple[str, ...]) -> ModelFacts:
+    layout = param_layout(spec)
+    groups = (
+        _group("embedding", layout.embedding, 1, "embeddings" in freeze),
+        _group("block", layout.block, layout.num_blocks, "blocks" in freeze),
+        _group("final", layout.final, 1, "final" in freeze),
+    )
+    return _facts(spec.name, groups)
+
+
+@lru_cache(maxsize=256)
 def _count_facts(spec: ParamCountSpec) -> ModelFacts:
     # Without a layout, split the count into layers of `largest_layer_params` (DeepSpeed's
     # estimate_zero3_model_states_mem_needs takes the same two numbers).
     largest = spec.largest_layer_params or spec.params
     full_layers, rest = divmod(spec.params, largest)
-    groups = tuple((ParamTensor("layer.weight", largest, largest),) for _ in range(full_layers))
+    groups = (_group("block", (ParamTensor("layer.weight", largest, largest),), full_layers, False),)
     if rest:
-        groups += ((ParamTensor("layer.weight", rest, rest),),)
+        groups += (_group("block", (ParamTensor("layer.weight", rest, rest),), 1, False),)
     trainable = spec.params if spec.trainable_params is None else spec.trainable_params
-    # Frozen parameters are taken from the end; only the total trainable count matters here.
-    frozen = tuple(False for _ in groups)
-    return ModelFacts(spec.name, spec.params, trainable, groups, frozen)
+    return _facts(spec.name, groups, trainable)
 
 
 def model_facts(spec: TransformerSpec | ParamCountSpec, training: TrainingSpec) -> ModelFacts:
     if isinstance(spec, TransformerSpec):
-        return _transformer_facts(spec, training)
+        return _transformer_facts(spec, tuple(sorted(training.freeze)))
     return _count_facts(spec)

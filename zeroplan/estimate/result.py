@@ -48,13 +48,21 @@ class CategoryBytes:
 
     @property
     def total_bytes(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return (self.params + self.grads + self.optimizer_states + self.activations + self.buffers
+                + self.temporaries + self.overhead)
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in CATEGORY_NAMES}
+
+    def with_overhead(self, overhead: int) -> "CategoryBytes":
+        return CategoryBytes(self.params, self.grads, self.optimizer_states, self.activations, self.buffers,
+                             self.temporaries, self.overhead + overhead)
 
     def __add__(self, other: "CategoryBytes") -> "CategoryBytes":
-        return CategoryBytes(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        return CategoryBytes(*(getattr(self, name) + getattr(other, name) for name in CATEGORY_NAMES))
+
+
+CATEGORY_NAMES = tuple(f.name for f in fields(CategoryBytes))
 
 
 @dataclass(frozen=True)

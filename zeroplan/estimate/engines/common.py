@@ -21,8 +21,8 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def step_temporary_bytes(tensor_numels: list[int], state_element_bytes: int, training: TrainingSpec) -> int:
-    """Peak temporaries of one torch optimizer step over the given local tensors.
+def step_temporary_bytes(largest_numel: int, total_numel: int, state_element_bytes: int, training: TrainingSpec) -> int:
+    """Peak temporaries of one torch optimizer step over a rank's local tensors.
 
     torch/optim/adam.py `_single_tensor_adam` (the CPU default: `_default_to_fused_or_foreach`
     picks foreach only for CUDA tensors) computes
@@ -31,11 +31,11 @@ def step_temporary_bytes(tensor_numels: list[int], state_element_bytes: int, tra
     `exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)` for the whole group: one
     temporary the size of all local parameters. SGD with momentum updates in place.
     """
-    if not tensor_numels or training.optimizer == Optimizer.SGD:
+    if training.optimizer == Optimizer.SGD:
         return 0
     if training.device == Device.CPU:
-        return 2 * max(tensor_numels) * state_element_bytes
-    return sum(tensor_numels) * state_element_bytes
+        return 2 * largest_numel * state_element_bytes
+    return total_numel * state_element_bytes
 
 
 def activation_phases(
@@ -48,4 +48,5 @@ def activation_phases(
 
 
 def phase(step: Step, name: Phase, **categories: int) -> PhaseBytes:
-    return PhaseBytes(step, name, CategoryBytes(**{k: int(v) for k, v in categories.items()}))
+    """The bytes live at the peak of one phase; categories not given are zero."""
+    return PhaseBytes(step, name, CategoryBytes(**categories))

@@ -33,7 +33,7 @@ docs/engines/deepspeed.md and docs/accuracy.md.
 from __future__ import annotations
 
 from zeroplan.estimate.activations import ActivationBytes
-from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_count
+from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, activation_phases, ceil_div, phase, step_temporary_bytes
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
@@ -60,24 +60,23 @@ def estimate_deepspeed(facts: ModelFacts, training: TrainingSpec, acts: Activati
     # Stage 0 is not ZeRO: runtime/bf16_optimizer.py (and fp16/fused_optimizer.py) keep the fp32
     # master and states for every parameter on every rank.
     partition = trainable // (n if stage >= 1 else 1)
-    state_count = optimizer_state_count(training.optimizer)
     state_element = HALF_BYTES if training.precision == Precision.PURE_BF16 else FP32_BYTES
     master = 0 if training.precision == Precision.PURE_BF16 else partition * FP32_BYTES
     offload_opt = training.offload_optimizer != Offload.NONE
     offload_par = training.offload_params != Offload.NONE
     cpu_run = training.device == Device.CPU
 
-    states = partition * state_count * state_element
+    states = optimizer_state_bytes(partition, training.optimizer, state_element)
     reduce_bucket = min(knobs.reduce_bucket_size, trainable) * model_bytes * (2 if overlap else 1)
     fp32_grad_partition = partition * FP32_BYTES
-    temporaries = step_temporary_bytes([partition], state_element, training)
+    temporaries = step_temporary_bytes(partition, partition, state_element, training)
     if stage == 0:
         # BF16_Optimizer.step flattens the fp32 gradients and unscales them: measured on 2 gloo
         # ranks (shared/NOTES.md), about twice the fp32 model size of temporaries.
         temporaries = 2 * trainable * FP32_BYTES
 
     if stage == 3:
-        persistent = sum(t.numel for g in facts.groups for t in g if t.numel < knobs.stage3_param_persistence_threshold)
+        persistent = sum(g.count * t.numel for g in facts.groups for t in g.tensors if t.numel < knobs.stage3_param_persistence_threshold)
         sharded = ceil_div(facts.total_params - persistent, alignment) * alignment // n
         params = (sharded + persistent) * model_bytes
         live_limit = knobs.stage3_max_live_parameters + knobs.stage3_prefetch_bucket_size

@@ -25,8 +25,10 @@ until the root's post-backward at the very end.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from zeroplan.estimate.activations import ActivationBytes
-from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_count
+from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, activation_phases, ceil_div, phase, step_temporary_bytes
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
@@ -35,6 +37,22 @@ from zeroplan.spec.training import Device, Offload, Precision, TrainingSpec
 
 def _padded_shard(numel: int, rows: int, world: int) -> int:
     return ceil_div(rows, world) * (numel // rows)
+
+
+@lru_cache(maxsize=4096)
+def _shards(facts: ModelFacts, n: int) -> tuple[int, int, int, int, int]:
+    """Per-rank padded elements: root unit, largest block, all, trainable, largest trainable tensor."""
+
+    def shard_elems(group) -> int:
+        return sum(_padded_shard(t.numel, t.rows, n) for t in group.tensors)
+
+    # The root unit holds every non-block group (embeddings, final norm, output head).
+    root = sum(shard_elems(g) for g in facts.groups if g.role != "block")
+    block = max((shard_elems(g) for g in facts.groups if g.role == "block"), default=0)
+    total = sum(shard_elems(g) * g.count for g in facts.groups)
+    trainable = sum(shard_elems(g) * g.count for g in facts.groups if not g.frozen)
+    largest = max((_padded_shard(t.numel, t.rows, n) for g in facts.groups if not g.frozen for t in g.tensors), default=0)
+    return root, block, total, trainable, largest
 
 
 def _largest(*points: dict[str, int]) -> dict[str, int]:
@@ -49,31 +67,20 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     offloaded = training.offload_optimizer == Offload.CPU
     on_device = not offloaded or training.device == Device.CPU  # a CPU run has one memory
 
-    root = facts.groups[0] + facts.groups[-1]
-    blocks = facts.groups[1:-1]
-
-    def shard_elems(group) -> int:
-        return sum(_padded_shard(t.numel, t.rows, n) for t in group)
-
-    def unsharded_elems(group) -> int:
-        return shard_elems(group) * n
-
-    shard_total = sum(shard_elems(g) for g in facts.groups)
-    trainable_shard = sum(shard_elems(g) for g, frozen in zip(facts.groups, facts.frozen_groups) if not frozen)
-    local_tensors = [_padded_shard(t.numel, t.rows, n) for t in facts.trainable_tensors]
+    root_shard, block_shard, shard_total, trainable_shard, largest_local = _shards(facts, n)
 
     sharded_params = shard_total * storage if on_device else 0
     sharded_grads = trainable_shard * reduce if on_device else 0
-    states = trainable_shard * optimizer_state_count(training.optimizer) * storage if on_device else 0
-    temporaries = step_temporary_bytes(local_tensors, storage, training) if on_device else 0
-    root_gathered = unsharded_elems(root) * gathered
-    block_gathered = max((unsharded_elems(b) for b in blocks), default=0) * gathered
-    all_gathered = sum(unsharded_elems(g) for g in facts.groups) * gathered
-    root_grads = unsharded_elems(root) * gathered
-    block_grads = max((unsharded_elems(b) for b in blocks), default=0) * gathered
-    root_reduce_in = unsharded_elems(root) * reduce
-    block_reduce_in = max((unsharded_elems(b) for b in blocks), default=0) * reduce
-    h2d_copy = 0 if on_device else max(shard_elems(g) for g in facts.groups) * storage
+    states = optimizer_state_bytes(trainable_shard, training.optimizer, storage) if on_device else 0
+    temporaries = step_temporary_bytes(largest_local, trainable_shard, storage, training) if on_device else 0
+    root_gathered = root_shard * n * gathered
+    block_gathered = block_shard * n * gathered
+    all_gathered = shard_total * n * gathered
+    root_grads = root_shard * n * gathered
+    block_grads = block_shard * n * gathered
+    root_reduce_in = root_shard * n * reduce
+    block_reduce_in = block_shard * n * reduce
+    h2d_copy = 0 if on_device else max(root_shard, block_shard) * storage
 
     reshard = training.zero_stage == 3
     root_reshards = reshard if training.fsdp2.reshard_root_after_forward is None else training.fsdp2.reshard_root_after_forward
@@ -115,7 +122,7 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     notes = []
     if offloaded:
         host_bytes = (shard_total * storage + trainable_shard * reduce
-                      + trainable_shard * optimizer_state_count(training.optimizer) * storage)
+                      + optimizer_state_bytes(trainable_shard, training.optimizer, storage))
         host = host_bytes * training.node_gpus
         if training.device == Device.CPU:
             notes.append(f"CPU run: the {host_bytes:,} offloaded bytes per rank share the one memory; on GPUs they sit on the host")

@@ -42,7 +42,7 @@ def estimate_paper(facts: ModelFacts, training: TrainingSpec, dtypes: StateBytes
             nvme += params
         params = 0
     gpus_per_node = training.node_gpus
-    only = phase(Step.STEADY, Phase.OPTIMIZER_STEP, params=params, grads=grads, optimizer_states=states)
+    only = phase(Step.STEADY, Phase.OPTIMIZER_STEP, params=int(params), grads=int(grads), optimizer_states=int(states))
     per_node = NodeBytes(cpu_bytes=int(host * gpus_per_node), pinned_bytes=0, nvme_bytes=int(nvme * gpus_per_node))
     note = "paper engine: model states only (ZeRO paper Table 1 accounting); no activations, buffers or overhead"
     return EngineEstimate((only,), per_node, (note,))

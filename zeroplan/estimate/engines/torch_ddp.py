@@ -17,9 +17,10 @@
 from __future__ import annotations
 
 import heapq
+from functools import lru_cache
 
 from zeroplan.estimate.activations import ActivationBytes
-from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_count
+from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, activation_phases, phase, step_temporary_bytes
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, Step
@@ -37,21 +38,25 @@ def zero_redundancy_shards(numels: list[int], world_size: int) -> list[list[int]
     return shards
 
 
+@lru_cache(maxsize=1024)
+def _largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[int, ...]:
+    """The trainable tensors of the rank with the most elements (all of them without sharding)."""
+    numels = facts.trainable_numels() or [facts.trainable_params]
+    if world_size == 1:
+        return tuple(numels)
+    return tuple(max(zero_redundancy_shards(numels, world_size), key=sum))
+
+
 def estimate_torch(
     facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None
 ) -> EngineEstimate:
     element = HALF_BYTES if training.precision == Precision.PURE_BF16 else FP32_BYTES
-    state_count = optimizer_state_count(training.optimizer)
-    trainable = [t.numel for t in facts.trainable_tensors] or [facts.trainable_params]
-    if training.zero_stage == 1:
-        local = max(zero_redundancy_shards(trainable, training.gpus), key=sum)
-    else:
-        local = trainable
+    local = _largest_local_shard(facts, training.gpus if training.zero_stage == 1 else 1)
     params = facts.total_params * element
     grads = facts.trainable_params * element
     buckets = facts.trainable_params * element  # DDP reducer buckets, allocated at wrap time
-    states = sum(local) * state_count * element
-    temporaries = step_temporary_bytes(local, element, training)
+    states = optimizer_state_bytes(sum(local), training.optimizer, element)
+    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, training)
     fwd, bwd_start, recompute = activation_phases(acts)
     accumulating = training.grad_accum > 1  # .grad survives between micro-batches
 
