@@ -59,6 +59,45 @@ def run_once(command: list[str], env: dict[str, str]) -> tuple[float, float]:
     return wall, cpu
 
 
+def import_times(command: list[str], env: dict[str, str], runs: int = 5) -> dict[str, float]:
+    """Median cumulative import time in ms of each top-level import (`python -X importtime`) and of
+    its direct imports (as 'parent > child'), for imports of at least 2 ms. The top-level entries do
+    not overlap, so they add up; their children are part of them."""
+    samples: dict[str, list[float]] = {}
+    for _ in range(runs):
+        done = subprocess.run(
+            [command[0], "-X", "importtime", *command[1:]], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True,
+        )
+        children: list[tuple[str, int]] = []  # importtime prints the imports of a module before it
+        for line in done.stderr.splitlines():
+            if not line.startswith("import time:"):
+                continue
+            _, cumulative_us, name = line.split("|")
+            if not cumulative_us.strip().isdigit():
+                continue
+            depth = (len(name) - len(name.lstrip()) - 1) // 2
+            if depth == 1:
+                children.append((name.strip(), int(cumulative_us)))
+            elif depth == 0:
+                samples.setdefault(name.strip(), []).append(int(cumulative_us) / 1000)
+                for child, child_us in children:
+                    samples.setdefault(f"{name.strip()} > {child}", []).append(child_us / 1000)
+                children = []
+    # A module imported in one run only (e.g. by a child that moved) still gets its median.
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    order = sorted((name for name in medians if " > " not in name), key=lambda name: -medians[name])
+    ranked = {}
+    for parent in order:
+        if medians[parent] < 2:
+            continue
+        ranked[parent] = medians[parent]
+        for name in sorted(medians, key=lambda name: -medians[name]):
+            if name.startswith(f"{parent} > ") and medians[name] >= 2:
+                ranked[name] = medians[name]
+    return ranked
+
+
 def percentile(values: list[float], fraction: float) -> float:
     """The `fraction` quantile by the nearest-rank method."""
     ordered = sorted(values)
@@ -110,6 +149,9 @@ def main() -> None:
             f" max {stats['max']:.3f} s, CPU median {stats['cpu_median']:.3f} s"
         )
 
+    imports = import_times(estimate, child_env(True))
+    for name, ms in imports.items():
+        print(f"  import {name}: {ms:.1f} ms")
     median = rows[0][1]["median"]
     verdict = "meets" if median <= TARGET_MEDIAN_S else "misses"
     print(f"target median <= {TARGET_MEDIAN_S} s: {verdict}")
@@ -137,6 +179,16 @@ def main() -> None:
             f" | {stats['cpu_median']:.3f} |"
         )
     lines += ["", f"Target: median at most {TARGET_MEDIAN_S} s (issue 2, section 7): **{verdict}** ({median:.3f} s).", ""]
+    lines += [
+        "Where the start-up goes: top-level imports of the estimate command and, after `>`, what they",
+        "import directly; cumulative, median of 5 `python -X importtime -m zeroplan"
+        f" {' '.join(ESTIMATE_ARGS)}` runs (imports of 2 ms or more):",
+        "",
+        "| import | ms |",
+        "|---|---:|",
+        *(f"| `{name}` | {ms:.1f} |" for name, ms in imports.items()),
+        "",
+    ]
     out = REPO / "bench" / "results" / "estimate_speed.md"
     out.write_text("\n".join(lines))
     print(f"wrote {out.relative_to(REPO)}")
