@@ -76,6 +76,7 @@ def test_extensions_dir_is_kept_and_can_be_overridden(monkeypatch, tmp_path):
     ("fields", "message"),
     [
         ({"zero_stage": 2, "precision": "pure-bf16"}, "precision: pure-bf16"),
+        ({"zero_stage": 1, "precision": "fp16"}, "precision: fp16 needs a GPU"),
         ({"zero_stage": 3, "offload_optimizer": "nvme"}, "offload: nvme needs an nvme_path"),
         ({"zero_stage": 2, "offload_optimizer": "cpu", "optimizer": "sgd"}, "optimizer: sgd cannot be offloaded"),
         ({"zero_stage": 2, "optimizer": "adam8bit"}, "optimizer: adam8bit cannot be measured"),

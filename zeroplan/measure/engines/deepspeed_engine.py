@@ -29,13 +29,11 @@ from typing import Any
 import torch
 
 from zeroplan.errors import MeasureError, MissingDependencyError
-from zeroplan.measure.engines import RunContext, module_buffers
+from zeroplan.measure.engines import RunContext, make_optimizer, module_buffers, optimizer_class_and_kwargs
 from zeroplan.spec.training import Offload, Optimizer, Precision, TrainingSpec
 
 EXTENSIONS_ENV = "ZEROPLAN_TORCH_EXTENSIONS_DIR"
 """Where DeepSpeed's JIT-built ops are cached; else TORCH_EXTENSIONS_DIR; else ~/.cache/zeroplan."""
-
-_LR = 1e-4  # the learning rate of zeroplan.measure.engines.optimizer_class_and_kwargs
 
 
 def extensions_dir() -> Path:
@@ -109,23 +107,24 @@ def deepspeed_config(training: TrainingSpec, ctx: RunContext) -> dict:
     if training.precision == Precision.BF16:
         config["bf16"] = {"enabled": True}
     elif training.precision == Precision.FP16:
+        if not ctx.is_cuda:  # accelerator/cpu_accelerator.py: is_fp16_supported() is falsy
+            raise MeasureError("precision: fp16 needs a GPU with DeepSpeed (its CPU accelerator has no fp16); use bf16")
         config["fp16"] = {"enabled": True}
     elif training.precision == Precision.PURE_BF16:
         raise MeasureError(
             "precision: pure-bf16 has no DeepSpeed equivalent measured here (bf16 master weights need "
             "optimizer offload); use bf16 or fp32, or pass your own DeepSpeed JSON with --config"
         )
-    if training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW):
-        params: dict[str, Any] = {"lr": _LR}
-        if training.offload_optimizer == Offload.NONE and not ctx.is_cuda:
-            params["torch_adam"] = True  # torch.optim.AdamW: no JIT build of FusedAdam on CPU
-        config["optimizer"] = {"type": "AdamW" if training.optimizer == Optimizer.ADAMW else "Adam", "params": params}
-    elif training.optimizer == Optimizer.SGD:
+    if training.optimizer == Optimizer.SGD:
         if training.offload_optimizer != Offload.NONE:
             raise MeasureError("optimizer: sgd cannot be offloaded by DeepSpeed (ZeRO-Offload runs CPU Adam); use adamw")
         config["zero_allow_untested_optimizer"] = True  # torch SGD is not in ZERO_SUPPORTED_OPTIMIZERS
-    else:
-        raise MeasureError(f"optimizer: {training.optimizer.value} cannot be measured on deepspeed; use adamw, adam or sgd")
+        return config  # the runner passes a client torch.optim.SGD: DeepSpeed's config has no SGD
+    _, kwargs = optimizer_class_and_kwargs(training)  # the other engines' settings; raises for adam8bit
+    params: dict[str, Any] = {"lr": kwargs["lr"]}
+    if training.offload_optimizer == Offload.NONE and not ctx.is_cuda:
+        params["torch_adam"] = True  # torch.optim.AdamW: no JIT build of FusedAdam on CPU
+    config["optimizer"] = {"type": "AdamW" if training.optimizer == Optimizer.ADAMW else "Adam", "params": params}
     return config
 
 
@@ -162,9 +161,10 @@ class DeepSpeedRunner:
             config = user_config(ctx.engine_config, training, ctx)
         else:
             config = deepspeed_config(training, ctx)
+        trainable = [p for p in model.parameters() if p.requires_grad]
         client_optimizer = None
         if "optimizer" not in config:  # SGD: a client optimizer (DeepSpeed's config has no SGD)
-            client_optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+            client_optimizer = make_optimizer(trainable, training)
         self.model = model
         self.config = config
         self.grad_accum = int(config["gradient_accumulation_steps"])
@@ -172,8 +172,7 @@ class DeepSpeedRunner:
         # torch.distributed is already initialised by the worker: DeepSpeed wraps that group
         # (deepspeed/comm/comm.py, init_distributed: "The user initialized torch.dist themselves").
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=client_optimizer, config=config,
+            model=model, model_parameters=trainable, optimizer=client_optimizer, config=config,
         )
         self.params = list(model.parameters())
 
