@@ -53,9 +53,9 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eager: bool) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal mask) v; q is (B, a, T, d), k and v (B, a, T, d)."""
-    if not eager:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """softmax(q k^T / sqrt(d) + causal mask) v; q is (B, a, T, d), k and v (B, kv heads, T, d)."""
+    if not eager:  # grouped-query k, v are broadcast by the kernel (transformers' sdpa_attention does the same)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     seq = q.shape[-2]
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, a, T, T)
     mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
@@ -81,7 +81,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = _rotary(q, *rope), _rotary(k, *rope)
-        if self.kv_heads != self.heads:  # grouped-query attention: repeat_kv in modeling_llama
+        if self.kv_heads != self.heads and self.eager:  # grouped-query attention: repeat_kv in modeling_llama
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         if self.recompute_core:
@@ -162,4 +162,6 @@ class ReferenceCausalLM(nn.Module):
             x = block(x, rope)
         logits = self.lm_head(self.final_norm(x))  # (B, T, vocab)
         # ForCausalLMLoss (transformers/loss/loss_utils.py): fp32 logits, predict token t+1 from t
-        return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        # by shifting the labels (padded with the ignored index), not by slicing the logits
+        shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
