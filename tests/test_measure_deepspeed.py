@@ -95,6 +95,8 @@ def test_user_json_must_agree_with_the_training_spec():
     config = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}}
     with pytest.raises(MeasureError, match="zero_optimization.stage is 3 but the training spec says zero_stage 2"):
         user_config(config, _training(zero_stage=2), _ctx())
+    with pytest.raises(MeasureError, match="gradient_accumulation_steps is 4 but the training spec says grad_accum 1"):
+        user_config({**config, "gradient_accumulation_steps": 4}, _training(zero_stage=3), _ctx())
     with pytest.raises(MeasureError, match="no optimizer section"):
         user_config({"zero_optimization": {"stage": 2}}, _training(zero_stage=2), _ctx())
     # Hugging Face style "auto" batch sizes take the training spec's values (2 x 1 micro-batches x N ranks).
@@ -194,3 +196,27 @@ def test_stage2_optimizer_offload_keeps_an_fp32_gradient_partition_and_staging_b
         assert engine["buffers"] >= P12 * FP32 + 2 * N_MAX * FP32
         # DeepSpeedCPUAdam's moments at the first step; its step counter is not a tensor
         assert _phase(rank, 1, "optimizer_step").categories["optimizer_states"] == 3 * P12 * FP32
+
+
+@pytest.mark.distributed
+def test_user_json_bf16_with_fp32_accumulation_runs_bf16_optimizer():
+    """The user's JSON is what runs: bf16 with data_types.grad_accum_dtype fp32 at stage 1 is
+    DeepSpeed's BF16_Optimizer (engine.py, _do_optimizer_sanity_check), which keeps an fp32
+    gradient accumulator for the whole model from init (bf16_optimizer.py, fp32_groups_gradients_flat)
+    where DeepSpeedZeroOptimizer would keep none."""
+    pytest.importorskip("deepspeed")
+    from zeroplan.measure.launcher import run_measurement
+
+    config = {
+        "train_batch_size": "auto", "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 50_000},
+    }
+    training = _training(zero_stage=1, precision="bf16")
+    result = run_measurement(TINY, training, nproc=N, backend="gloo", steps=1, timeout_s=400, engine_config=config)
+    flat = P12 * N  # the flat group, padded to a multiple of 2N
+    for rank in result.ranks:
+        forward = _phase(rank, 1, "forward").categories
+        assert forward["grads"] == flat * FP32
+        assert forward["params"] == flat * 2
+        assert forward["optimizer_states"] == P12 * FP32

@@ -130,8 +130,8 @@ def deepspeed_config(training: TrainingSpec, ctx: RunContext) -> dict:
 
 def user_config(config: dict, training: TrainingSpec, ctx: RunContext) -> dict:
     """The user's DeepSpeed JSON, with batch sizes filled in where missing or "auto" (Hugging Face
-    style). A ZeRO stage that disagrees with the training spec is an error: the estimate beside
-    the measurement would describe another configuration."""
+    style). A ZeRO stage, micro-batch or accumulation count that disagrees with the training spec
+    is an error: the estimate beside the measurement would describe another configuration."""
     merged = dict(config)
     defaults = {
         "train_micro_batch_size_per_gpu": training.micro_batch,
@@ -141,11 +141,15 @@ def user_config(config: dict, training: TrainingSpec, ctx: RunContext) -> dict:
     for key, value in defaults.items():
         if merged.get(key, "auto") == "auto":
             merged[key] = value
-    stage = merged.get("zero_optimization", {}).get("stage", 0)
-    if stage != training.zero_stage:
-        raise MeasureError(
-            f"config: zero_optimization.stage is {stage} but the training spec says zero_stage {training.zero_stage}"
-        )
+    agree = {
+        "zero_optimization.stage": (merged.get("zero_optimization", {}).get("stage", 0), "zero_stage", training.zero_stage),
+        # the worker runs training.micro_batch sequences and training.grad_accum backwards per step
+        "train_micro_batch_size_per_gpu": (merged["train_micro_batch_size_per_gpu"], "micro_batch", training.micro_batch),
+        "gradient_accumulation_steps": (merged["gradient_accumulation_steps"], "grad_accum", training.grad_accum),
+    }
+    for key, (theirs, field, ours) in agree.items():
+        if theirs != ours:
+            raise MeasureError(f"config: {key} is {theirs} but the training spec says {field} {ours}")
     if "optimizer" not in merged:
         raise MeasureError("config: the DeepSpeed JSON has no optimizer section; add one (e.g. AdamW)")
     return merged
@@ -174,7 +178,6 @@ class DeepSpeedRunner:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=trainable, optimizer=client_optimizer, config=config,
         )
-        self.params = list(model.parameters())
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.engine(input_ids, labels)
