@@ -127,3 +127,31 @@ def test_atomic_json_write_leaves_no_partial_file(tmp_path):
     write_json_atomic(str(path), {"rank": 0})
     assert json.loads(path.read_text()) == {"rank": 0}
     assert os.listdir(tmp_path) == ["out.json"]
+
+
+def test_a_classifier_that_runs_ops_during_a_resize_does_not_deadlock():
+    # A runner may compute its tensors (a DTensor's local view, a flattened buffer) while the
+    # accounting classifies after a storage resize, outside any dispatch.
+    with TensorAccounting(min_granularity_bytes=1) as acc:
+        weight = torch.zeros(64)
+        acc.set_classifier(lambda: {"params": [weight.view(8, 8) + 0]})
+        acc.begin_phase("forward", default_category="activations")
+        t = torch.empty(1)
+        t.untyped_storage().resize_(4096)  # a new peak: classify, which runs an add
+        phase = acc.end_phase()
+    assert phase.peak_bytes == 64 * FLOAT32 + 4096
+
+
+def test_a_buffer_named_after_the_op_that_made_it_counts_under_its_name():
+    # DeepSpeed stores its 2 GB reduce bucket in an attribute after torch.empty returns, and
+    # frees it before backward ends: it must not count as an activation.
+    with TensorAccounting() as acc:
+        engine = {}
+        acc.set_classifier(lambda: {"buffers": list(engine.values())})
+        acc.begin_phase("backward", default_category="activations")
+        engine["bucket"] = torch.empty(100_000)
+        engine["bucket"].zero_()  # the engine's next op
+        del engine["bucket"]
+        phase = acc.end_phase()
+    assert phase.peak_categories["buffers"] == 100_000 * FLOAT32
+    assert phase.peak_categories["activations"] == 0

@@ -23,7 +23,9 @@ every new peak would cost O(live tensors) per allocation. Instead the accounting
 The live set at the peak is the base replayed up to the peak's position in the log, so the
 total is exact. The base is re-taken (one classification) whenever the peak has grown by
 `granularity` (1/256 of the peak, at least 64 KiB) since the last re-take, and when the log gets
-long; a re-take at a new peak names that peak's storages as the runner sees them then. The
+long; a re-take for a new peak happens at the first event after it (the next op, resize or the
+end of the phase: by then the engine has stored the tensor the peak's op returned, so the
+runner can name it) and undoes the events since the peak. The
 number of classifications per phase is therefore about 256 x ln(peak / start) at most, whatever
 the number of allocations. A storage the runner did not name at the peak takes, in order, its
 name at the end of the phase, the category given at its birth (engine set-up allocations are
@@ -112,10 +114,11 @@ class _Phase:
     start_bytes: int
     peak_bytes: int
     base: _Base
-    log: list[tuple[int, int]] = field(default_factory=list)  # (serial, nbytes after the event)
+    log: list[tuple[int, int, int]] = field(default_factory=list)  # (serial, bytes before, bytes after)
     peak_log_len: int | None = 0  # the peak is base + log[:peak_log_len]; None: peak_storages holds it
     peak_storages: dict[int, tuple[int, str | None]] | None = None
     peak_at_retake_bytes: int = 0
+    retake_due: bool = False  # the peak grew enough: classify at the next event (see _settle)
 
 
 class TensorAccounting(TorchDispatchMode):
@@ -143,6 +146,7 @@ class TensorAccounting(TorchDispatchMode):
         self._phase: _Phase | None = None
         self._lock = threading.Lock()  # not reentrant: a free seen while we hold it is queued
         self._pending_frees: deque[int] = deque()
+        self._bookkeeping = threading.local()
         self._birth_category: str | None = None
         self._orig_resize = None
         self._active = False
@@ -154,6 +158,7 @@ class TensorAccounting(TorchDispatchMode):
         orig_resize, accounting = self._orig_resize, self
 
         def resize_(storage, size):  # not an aten op, so the mode does not see it
+            accounting._before_resize()
             result = orig_resize(storage, size)
             accounting._on_resize(storage)
             return result
@@ -171,6 +176,12 @@ class TensorAccounting(TorchDispatchMode):
 
     # -- the dispatch hook ------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(self._bookkeeping, "on", False):  # an op run by the runner while we classify
+            return func(*args, **(kwargs or {}))
+        if self._phase is not None and self._phase.retake_due:
+            with self._lock:
+                self._drain()
+                self._settle()
         out = func(*args, **(kwargs or {}))
         flat, _ = tree_flatten(out)
         if func.namespace == "c10d":  # a collective: its inputs are communication buffers too
@@ -207,7 +218,17 @@ class TensorAccounting(TorchDispatchMode):
         self._set_bytes(record, storage.nbytes())
         return serial
 
+    def _before_resize(self) -> None:
+        if getattr(self._bookkeeping, "on", False):
+            return
+        if self._active and self._phase is not None and self._phase.retake_due:
+            with self._lock:
+                self._drain()
+                self._settle()
+
     def _on_resize(self, storage: torch.UntypedStorage) -> None:
+        if getattr(self._bookkeeping, "on", False):  # a resize by the runner while we classify
+            return
         with self._lock:
             self._drain()
             record = self._live.get(id(storage))
@@ -247,16 +268,15 @@ class TensorAccounting(TorchDispatchMode):
         phase = self._phase
         if phase is None:
             return
-        phase.log.append((record.serial, nbytes))
+        phase.log.append((record.serial, nbytes - delta, nbytes))
         if self.current_bytes > phase.peak_bytes:
             phase.peak_bytes = self.current_bytes
             phase.peak_log_len = len(phase.log)
             phase.peak_storages = None
             granularity = max(self.min_granularity_bytes, int(phase.peak_at_retake_bytes * self.granularity_fraction))
-            if self.current_bytes >= phase.peak_at_retake_bytes + granularity:
-                self._retake(phase, at_peak=True)
+            phase.retake_due = self.current_bytes >= phase.peak_at_retake_bytes + granularity
         elif len(phase.log) > 4 * len(self._live) + 4096:
-            self._retake(phase, at_peak=False)
+            self._retake(phase)
 
     # -- classification ---------------------------------------------------------------------
     def set_classifier(self, classifier: Classifier | None) -> None:
@@ -269,7 +289,11 @@ class TensorAccounting(TorchDispatchMode):
             return {}
         self.classifications += 1
         categories: dict[int, str] = {}
-        by_category = self._classifier()
+        self._bookkeeping.on = True  # we hold the lock: the runner's own ops must not take it
+        try:
+            by_category = self._classifier()
+        finally:
+            self._bookkeeping.on = False
         for name in ENGINE_CATEGORIES:
             for tensor in by_category.get(name, ()):
                 if tensor is None:
@@ -288,7 +312,7 @@ class TensorAccounting(TorchDispatchMode):
         """serial -> (bytes, category the runner gave) of the storages live at base + log: a base
         storage keeps the base's category, one born in the log takes `later`'s (None: unnamed)."""
         nbytes = dict(base.nbytes)
-        for serial, size in log:
+        for serial, _, size in log:
             nbytes[serial] = size
         return {
             serial: (size, base.category.get(serial) if serial in base.nbytes else later.get(serial))
@@ -311,17 +335,37 @@ class TensorAccounting(TorchDispatchMode):
             totals[category or default] += size
         return totals
 
-    def _retake(self, phase: _Phase, *, at_peak: bool) -> None:
+    def _retake(self, phase: _Phase) -> None:
+        """New base now; materialise the peak first if it lives in the log that goes away."""
         base = self._snapshot()
-        if at_peak:
-            phase.peak_storages = self._replay(base, [], {})
-            phase.peak_log_len = None
-            phase.peak_at_retake_bytes = phase.peak_bytes
-        elif phase.peak_log_len is not None:  # keep the peak before its log goes away
+        if phase.peak_log_len is not None:
             phase.peak_storages = self._replay(phase.base, phase.log[: phase.peak_log_len], base.category)
             phase.peak_log_len = None
-        phase.base = base
-        phase.log = []
+        phase.base, phase.log = base, []
+
+    def _settle(self) -> None:
+        """Classify a peak that grew by `granularity`, at the first event after it.
+
+        Not at the allocation that made the peak: the runner cannot name a tensor before the
+        op that made it has returned and the engine has stored it (DeepSpeed's reduce bucket,
+        an all-gather output). At the next op, or the end of the phase, it can; the storages
+        live at the peak are those live now with the events since the peak undone."""
+        phase = self._phase
+        if phase is None or not phase.retake_due:
+            return
+        phase.retake_due = False
+        base = self._snapshot()
+        nbytes = dict(base.nbytes)
+        for serial, before, _ in reversed(phase.log[phase.peak_log_len :]):
+            nbytes[serial] = before
+        phase.peak_storages = {
+            serial: (size, base.category.get(serial) or phase.base.category.get(serial))
+            for serial, size in nbytes.items()
+            if size
+        }
+        phase.peak_log_len = None
+        phase.peak_at_retake_bytes = phase.peak_bytes
+        phase.base, phase.log = base, []
 
     # -- phases -----------------------------------------------------------------------------
     def begin_phase(self, name: str, *, default_category: str, born_as: str | None = None) -> None:
@@ -348,6 +392,7 @@ class TensorAccounting(TorchDispatchMode):
             phase = self._phase
             if phase is None:
                 raise RuntimeError("end_phase() without begin_phase()")
+            self._settle()
             at_end = self._classify()
             if phase.peak_log_len is not None:
                 phase.peak_storages = self._replay(phase.base, phase.log[: phase.peak_log_len], at_end)
