@@ -62,6 +62,22 @@ class RankResult:
         matching = [p for p in self.phases if p.stage == stage and p.phase == phase]
         return max(matching, key=lambda p: p.peak_bytes) if matching else None
 
+    def summary(self) -> list[dict]:
+        """The phases as the estimate has them (`zeroplan.estimate.result.PhaseBytes`): step
+        "first" or "steady", phase "init" (model and engine set-up, first step only),
+        "forward", "backward" or "optimizer_step"; the steady state is the highest of steps >= 2."""
+        rows = []
+        for step in ("first", "steady"):
+            for phase in ("init",) + STEP_PHASES:
+                if phase == "init":
+                    found = [p for p in self.phases if p.step == 0] if step == "first" else []
+                else:
+                    found = [p for p in self.phases if p.stage == step and p.phase == phase]
+                if found:
+                    best = max(found, key=lambda p: p.peak_bytes)
+                    rows.append({"step": step, "phase": phase, "peak_bytes": best.peak_bytes, "categories": dict(best.categories)})
+        return rows
+
     def to_json_dict(self) -> dict:
         peak = self.peak
         return {
@@ -74,6 +90,7 @@ class RankResult:
             "peak_stage": peak.stage,
             "categories": dict(peak.categories),
             "phases": [asdict(p) | {"stage": p.stage} for p in self.phases],
+            "summary": self.summary(),
             "step_times_s": list(self.step_times_s),
             "classifications": self.classifications,
         }
