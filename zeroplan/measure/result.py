@@ -43,7 +43,7 @@ class RankResult:
 
     rank: int
     phases: list[PhaseResult]
-    step_times_s: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)  # wall time per step, accounting on (slower than a plain run)
     fits: bool = True  # False: the device ran out of memory (the phases say how far it got)
     oom_message: str | None = None
     classifications: int = 0  # how often the accounting asked the engine for its tensors

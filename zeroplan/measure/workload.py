@@ -201,7 +201,7 @@ def build_workload(
     return Workload(CausalLM(lm, blocks, hf=use_hf), name)
 
 
-def make_batch(spec: TransformerSpec, training: TrainingSpec, device: torch.device, generator: torch.Generator | None = None):
+def make_batch(spec: TransformerSpec, training: TrainingSpec, device: torch.device):
     """Random tokens (micro_batch x seq_len) and their labels (the same ids: the loss shifts them)."""
-    input_ids = torch.randint(0, spec.vocab_size, (training.micro_batch, training.seq_len), device=device, generator=generator)
+    input_ids = torch.randint(0, spec.vocab_size, (training.micro_batch, training.seq_len), device=device)
     return input_ids, input_ids
