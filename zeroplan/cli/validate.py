@@ -1,0 +1,111 @@
+"""`zeroplan validate`: estimate and measure the accuracy grid, and write docs/accuracy.md and .json."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from zeroplan.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S, MEASURE_MODES
+
+
+@click.command("validate")
+@click.option("--rows", "patterns", metavar="PATTERN[,PATTERN]",
+              help="Only the rows whose id matches: a glob (tiny-llama/fsdp2-*) or a substring (deepspeed-3). "
+                   "The other rows keep their cached measurements in the report.")
+@click.option("--quick", is_flag=True, help="Only the CI slice (a few fast rows; tests/test_accuracy_slice.py).")
+@click.option("--skip-deepspeed-offload", is_flag=True,
+              help="Leave out the DeepSpeed optimizer-offload rows (they need the cpu_adam JIT build: ~1 min, 2 GB RAM).")
+@click.option("--backend", type=click.Choice(BACKENDS), default="gloo", show_default=True,
+              help="gloo: CPU worker processes; nccl: one process per GPU (simulated rows always run the fake backend).")
+@click.option("--measure", "measure", type=click.Choice(MEASURE_MODES), default="all", show_default=True,
+              help="Measure all selected rows, only those missing from the cache (the JSON), or none (re-estimate "
+                   "every row against the cached measurements).")
+@click.option("--steps", type=click.IntRange(min=2), default=DEFAULT_STEPS, show_default=True,
+              help="Training steps per measurement (step 1 is the first step, later ones the steady state).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=DEFAULT_TIMEOUT_S, show_default=True,
+              help="Seconds allowed per row.")
+@click.option("--output-md", type=click.Path(dir_okay=False, path_type=Path),
+              help="Markdown report [default: docs/accuracy.md; docs/accuracy_gpu.md with --backend nccl].")
+@click.option("--output-json", type=click.Path(dir_okay=False, path_type=Path),
+              help="JSON report, also the measurement cache [default: docs/accuracy.json; docs/accuracy_gpu.json with nccl].")
+@click.option("--reasons", type=click.Path(dir_okay=False, path_type=Path), default=Path("docs/accuracy_reasons.toml"),
+              show_default=True, help="Why rows miss the targets: \"row id or glob\" = \"reason\".")
+def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, timeout_s, output_md, output_json, reasons):
+    """Estimate and measure a grid of configurations (models x engines x stages x precision x offload x
+    checkpointing x batch x world size), one row at a time, and report the estimate's error per row
+    and category with its distribution. Measurements are cached by row id in the JSON report.
+
+    \b
+    Examples:
+      zeroplan validate                              # the whole grid (about an hour on 2 cores)
+      zeroplan validate --quick                      # the CI slice, a couple of minutes
+      zeroplan validate --rows 'tiny-llama/fsdp2-*'  # re-measure some rows, keep the rest
+      zeroplan validate --measure none               # re-estimate against cached measurements
+      zeroplan validate --backend nccl               # the same grid on 2 GPUs
+    """
+    from zeroplan import validate as v
+
+    default_md, default_json = v.default_outputs(backend)
+    output_md, output_json = output_md or default_md, output_json or default_json
+    selected = v.select_rows(v.GRID, patterns, quick=quick, skip_deepspeed_offload=skip_deepspeed_offload)
+    options = v.RunOptions(backend=backend, steps=steps, timeout_s=timeout_s, measure=measure)
+    reason_map = v.load_reasons(reasons)
+    records = v.load_records(output_json)
+    command_text = "zeroplan validate" + (" --backend nccl" if backend == "nccl" else "")
+    started = time.monotonic()
+    done = {"n": 0}
+
+    def save(current):
+        report = v.build_report(v.GRID, current, reason_map, backend=backend, steps=steps, command=command_text)
+        v.write_report(report, output_md, output_json)
+
+    def on_row(row, record):
+        tty = sys.stderr.isatty()
+        if record is None:
+            if tty:
+                click.echo(f"\r\033[K{_bar(done['n'], len(selected))} {row.id} ...", nl=False, err=True)
+            return
+        done["n"] += 1
+        records[row.id] = record
+        save(records)
+        one = v.build_report([row], {row.id: record}, reason_map, backend=backend, steps=steps, command=command_text)
+        seconds = f" [{record.get('seconds', 0):.0f} s]" if measure != "none" else ""
+        prefix = "\r\033[K" if tty else ""
+        click.echo(f"{prefix}{_bar(done['n'], len(selected))} {v.row_line(one.rows[0])}{seconds}", err=True)
+
+    records.update(v.run_rows(selected, records, options, on_row=on_row))
+    whole = measure == "all" and len(selected) == len(v.GRID)
+    report = v.build_report(v.GRID, records, reason_map, backend=backend, steps=steps, command=command_text,
+                            wall_seconds=time.monotonic() - started if whole else None)
+    v.write_report(report, output_md, output_json)
+    shown = v.Report([r for r in report.rows if r.row in selected], backend, command_text, steps)
+    click.echo(_table(shown))
+    for name, d in report.distributions().items():
+        if d["rows"]:
+            click.echo(f"{name}: {d['rows']} rows, |error| median {d['median']:.2%}, 90th percentile {d['p90']:.2%}, "
+                       f"worst {d['worst']:+.2%} ({d['worst_row']})")
+    click.echo(f"wrote {output_md} and {output_json}", err=True)
+
+
+def _bar(done: int, total: int, width: int = 20) -> str:
+    filled = width * done // total if total else width
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
+
+
+def _table(report) -> str:
+    from tabulate import tabulate
+
+    from zeroplan.validate import TABLE_HEADERS, table_rows
+
+    # the terminal table: without the columns the row id already spells out
+    keep = [0, 9, 10, 11, 12, *range(13, len(TABLE_HEADERS))]
+    rows = [[_flag(cells[i]) for i in keep] for cells in table_rows(report)]
+    return tabulate(rows, headers=[TABLE_HEADERS[i] for i in keep], tablefmt="simple", disable_numparse=True)
+
+
+def _flag(cell: str) -> str:
+    """Markdown bold (a miss) as a trailing `!` in the terminal."""
+    return f"{cell[2:-2]}!" if cell.startswith("**") and cell.endswith("**") else cell
