@@ -17,6 +17,7 @@ COMMANDS = {
     # command name -> module under zeroplan.cli holding `command`
     "estimate": "estimate",
     "models": "models",
+    "validate": "validate",
 }
 
 
