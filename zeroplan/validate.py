@@ -434,22 +434,23 @@ def run_rows(
     records: dict[str, dict[str, Any]],
     options: RunOptions,
     *,
-    on_row: Callable[[Row, dict[str, Any] | None], None] | None = None,
+    on_start: Callable[[Row], None] | None = None,
+    on_done: Callable[[Row, dict[str, Any] | None], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Measure `rows` one after another (each uses every core) into a copy of `records`.
+    """Measure `rows` one after another (each run uses every core) into a copy of `records`.
 
-    `on_row(row, None)` is called before a row starts, `on_row(row, record)` after it (with the
-    record reused from the cache when it was not measured again)."""
+    `on_start(row)` is called before a row, `on_done(row, record)` after it, with the record
+    measured now, or the cached one when it was not measured again (None when there is none)."""
     records = dict(records)
     for row in rows:
-        if on_row:
-            on_row(row, None)
+        if on_start:
+            on_start(row)
         cached = records.get(row.id)
         fresh = cached is not None and cached.get("fingerprint") == fingerprint(row, options.backend, options.steps)
         if options.measure == "all" or (options.measure == "missing" and not (fresh and "measurement" in cached)):
             records[row.id] = measure_row(row, options)
-        if on_row:
-            on_row(row, records.get(row.id))
+        if on_done:
+            on_done(row, records.get(row.id))
     return records
 
 
@@ -583,7 +584,7 @@ def render_markdown(report: Report) -> str:
         f"Regenerate: `{report.command}` "
         f"({len(report.rows)} rows; measuring them took {measured_s / 60:.1f} min of wall time in all, "
         f"rows one after another on a 2-core machine"
-        + (f"; this run took {report.wall_seconds / 60:.1f} min" if report.wall_seconds is not None else "") + "). "
+        + (f"; the last whole run took {report.wall_seconds / 60:.1f} min" if report.wall_seconds is not None else "") + "). "
         "`--rows PATTERN` re-measures only the matching rows and keeps the others' cached measurements; "
         "`--measure none` re-estimates every row against the cached measurements (seconds).",
         "",
@@ -602,7 +603,7 @@ def render_markdown(report: Report) -> str:
             dist_rows.append([name.replace("_", " "), d["rows"], f"{d['median']:.2%}", f"{d['p90']:.2%}",
                               f"{d['worst']:+.2%} ({d['worst_row']})"])
     if dist_rows:
-        lines += [tabulate(dist_rows, headers=["|error| of", "rows", "median", "90th percentile", "worst"], tablefmt="github"), ""]
+        lines += [tabulate(dist_rows, headers=["error (absolute) of", "rows", "median", "90th percentile", "worst"], tablefmt="github"), ""]
     lines += [
         "## Definitions",
         "",
@@ -730,6 +731,27 @@ def write_report(report: Report, markdown_path: Path | None, json_path: Path | N
         write_atomic(json_path, json.dumps(report_json(report), indent=1) + "\n")
     if markdown_path is not None:
         write_atomic(markdown_path, render_markdown(report))
+
+
+def update_report(
+    grid: Sequence[Row], new_records: dict[str, dict[str, Any]], reasons: dict[str, str], *, backend: str, steps: int,
+    command: str, markdown_path: Path, json_path: Path, wall_seconds: float | None = None,
+) -> Report:
+    """Merge `new_records` into the cache on disk and rewrite both reports, under a lock file, so
+    that two `zeroplan validate` runs sharing the JSON (say one re-measuring a few rows while the
+    whole grid runs) keep each other's measurements."""
+    import fcntl
+
+    lock_path = Path(json_path).with_name(f".{Path(json_path).name}.lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        records = load_records(json_path) | new_records
+        if wall_seconds is None and Path(json_path).exists():  # a partial run keeps the last whole run's time
+            wall_seconds = json.loads(Path(json_path).read_text()).get("wall_seconds")
+        report = build_report(grid, records, reasons, backend=backend, steps=steps, command=command, wall_seconds=wall_seconds)
+        write_report(report, markdown_path, json_path)
+    return report
 
 
 def default_outputs(backend: str) -> tuple[Path, Path]:

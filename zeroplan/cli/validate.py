@@ -53,34 +53,35 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
     selected = v.select_rows(v.GRID, patterns, quick=quick, skip_deepspeed_offload=skip_deepspeed_offload)
     options = v.RunOptions(backend=backend, steps=steps, timeout_s=timeout_s, measure=measure)
     reason_map = v.load_reasons(reasons)
-    records = v.load_records(output_json)
     command_text = "zeroplan validate" + (" --backend nccl" if backend == "nccl" else "")
     started = time.monotonic()
-    done = {"n": 0}
+    measured: dict = {}  # this run's records, merged into the JSON after every row
 
-    def save(current):
-        report = v.build_report(v.GRID, current, reason_map, backend=backend, steps=steps, command=command_text)
-        v.write_report(report, output_md, output_json)
+    def update(wall_seconds=None):
+        return v.update_report(v.GRID, measured, reason_map, backend=backend, steps=steps, command=command_text,
+                               markdown_path=output_md, json_path=output_json, wall_seconds=wall_seconds)
 
-    def on_row(row, record):
-        tty = sys.stderr.isatty()
-        if record is None:
-            if tty:
-                click.echo(f"\r\033[K{_bar(done['n'], len(selected))} {row.id} ...", nl=False, err=True)
-            return
-        done["n"] += 1
-        records[row.id] = record
-        save(records)
-        one = v.build_report([row], {row.id: record}, reason_map, backend=backend, steps=steps, command=command_text)
-        seconds = f" [{record.get('seconds', 0):.0f} s]" if measure != "none" else ""
+    tty = sys.stderr.isatty()
+    finished = {"rows": 0}
+
+    def on_start(row):
+        if tty:
+            click.echo(f"\r\033[K{_bar(finished['rows'], len(selected))} {row.id} ...", nl=False, err=True)
+
+    def on_done(row, record):
+        finished["rows"] += 1
+        if record is not None and measure != "none":
+            measured[row.id] = record
+            update()
+        one = v.build_report([row], {row.id: record} if record else {}, reason_map, backend=backend, steps=steps,
+                             command=command_text)
+        seconds = f" [{record.get('seconds', 0):.0f} s]" if record and measure != "none" else ""
         prefix = "\r\033[K" if tty else ""
-        click.echo(f"{prefix}{_bar(done['n'], len(selected))} {v.row_line(one.rows[0])}{seconds}", err=True)
+        click.echo(f"{prefix}{_bar(finished['rows'], len(selected))} {v.row_line(one.rows[0])}{seconds}", err=True)
 
-    records.update(v.run_rows(selected, records, options, on_row=on_row))
+    v.run_rows(selected, v.load_records(output_json), options, on_start=on_start, on_done=on_done)
     whole = measure == "all" and len(selected) == len(v.GRID)
-    report = v.build_report(v.GRID, records, reason_map, backend=backend, steps=steps, command=command_text,
-                            wall_seconds=time.monotonic() - started if whole else None)
-    v.write_report(report, output_md, output_json)
+    report = update(time.monotonic() - started if whole else None)
     shown = v.Report([r for r in report.rows if r.row in selected], backend, command_text, steps)
     click.echo(_table(shown))
     for name, d in report.distributions().items():
