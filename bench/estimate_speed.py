@@ -50,7 +50,7 @@ def run_once(command: list[str], env: dict[str, str]) -> tuple[float, float]:
     """Wall-clock and CPU (user + system) seconds of one fresh process of `command`."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
@@ -67,7 +67,7 @@ def import_times(command: list[str], env: dict[str, str], runs: int = 5) -> dict
     for _ in range(runs):
         done = subprocess.run(
             [command[0], "-X", "importtime", *command[1:]], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True,
+            stderr=subprocess.PIPE, text=True, check=False,
         )
         children: list[tuple[str, int]] = []  # importtime prints the imports of a module before it
         for line in done.stderr.splitlines():
@@ -165,10 +165,12 @@ def main() -> None:
         "cached as for an installed package, except in the last row (PYTHONDONTWRITEBYTECODE=1, as a",
         "source checkout on this machine runs).",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
-        f" 1-minute load average {load_before:.2f} before and {load_after:.2f} after (other work shares the"
-        f" {os.cpu_count()} cores), benchmark niceness {os.nice(0)};"
-        f" {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. Commands run round-robin, {args.runs} timed runs each.",
+        (
+            f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+            f" 1-minute load average {load_before:.2f} before and {load_after:.2f} after (other work shares the"
+            f" {os.cpu_count()} cores), benchmark niceness {os.nice(0)};"
+            f" {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. Commands run round-robin, {args.runs} timed runs each."
+        ),
         "",
         "| command | wall median (s) | wall p90 (s) | wall min (s) | wall max (s) | CPU median (s) |",
         "|---|---:|---:|---:|---:|---:|",
@@ -188,8 +190,10 @@ def main() -> None:
         ]
     lines += [
         "Where the start-up goes: top-level imports of the estimate command and, after `>`, what they",
-        "import directly; cumulative, median of 5 `python -X importtime -m zeroplan"
-        f" {' '.join(ESTIMATE_ARGS)}` runs (imports of 2 ms or more):",
+        (
+            "import directly; cumulative, median of 5 `python -X importtime -m zeroplan"
+            f" {' '.join(ESTIMATE_ARGS)}` runs (imports of 2 ms or more):"
+        ),
         "",
         "| import | ms |",
         "|---|---:|",

@@ -12,7 +12,15 @@ import json
 
 import pytest
 
-from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.estimate.result import (
+    CategoryBytes,
+    Estimate,
+    ModelSummary,
+    NodeBytes,
+    Phase,
+    PhaseBytes,
+    Step,
+)
 from zeroplan.estimate.serialize import CATEGORIES, estimate_to_dict
 from zeroplan.report import CATEGORY_LABELS, model_rows, render_estimate, render_models
 from zeroplan.spec.training import TrainingSpec

@@ -52,7 +52,7 @@ def gpu_memory_bytes(text: str, field: str = "--gpu-memory") -> int:
     try:
         return parse_size_bytes(text, field)
     except SpecError as size_error:
-        from zeroplan.gpus import gpu_names, get_gpu
+        from zeroplan.gpus import get_gpu, gpu_names
 
         if str(text).strip().lower() in gpu_names():
             return get_gpu(text).memory_bytes

@@ -110,8 +110,10 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
         ),
         "",
         heading("Per node"),
-        f"CPU RAM {_amount(per_node['cpu'], units)} {units} (pinned {_amount(per_node['pinned'], units)} {units}),"
-        f" NVMe {_amount(per_node['nvme'], units)} {units}",
+        (
+            f"CPU RAM {_amount(per_node['cpu'], units)} {units} (pinned {_amount(per_node['pinned'], units)} {units}),"
+            f" NVMe {_amount(per_node['nvme'], units)} {units}"
+        ),
     ]
     if "fits" in data:
         free = data["gpu_memory"] - per_gpu["peak"]

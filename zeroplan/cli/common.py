@@ -14,7 +14,16 @@ import click
 
 from zeroplan.errors import ZeroplanError
 from zeroplan.report import FORMATS, UNITS
-from zeroplan.spec.training import Attention, Checkpointing, Device, Engine, Offload, Optimizer, Precision, TrainingSpec
+from zeroplan.spec.training import (
+    Attention,
+    Checkpointing,
+    Device,
+    Engine,
+    Offload,
+    Optimizer,
+    Precision,
+    TrainingSpec,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
