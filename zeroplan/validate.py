@@ -529,7 +529,7 @@ def _world(row: Row, backend: str) -> str:
 
 
 TABLE_HEADERS = ["row", "model", "engine", "stage", "precision", "offload", "ckpt", "mb x seq", "ranks",
-                 "est. peak MiB", "meas. peak MiB", "error", "first-step error", *CATEGORIES]
+                 "est. peak MiB", "meas. peak MiB", "error", "first-step error", "peak phase est/meas", *CATEGORIES]
 
 
 def table_rows(report: Report) -> list[list[str]]:
@@ -545,11 +545,12 @@ def table_rows(report: Report) -> list[list[str]]:
         c = r.comparison
         if c is None:
             status = r.status if r.record is None else f"failed: {r.record['failure']}"
-            body.append(cells + ["", "", status, ""] + [""] * len(CATEGORIES))
+            body.append(cells + ["", "", status, "", ""] + [""] * len(CATEGORIES))
             continue
         cells += [_mib(c.estimated_steady_bytes), _mib(c.measured_steady_bytes),
                   _mark(_pct(c.steady_error), abs(c.steady_error) > STEADY_TOLERANCE),
-                  _mark(_pct(c.first_error), abs(c.first_error) > FIRST_TOLERANCE)]
+                  _mark(_pct(c.first_error), abs(c.first_error) > FIRST_TOLERANCE),
+                  f"{c.estimated_steady_phase}/{c.measured_steady_phase}".replace("optimizer_step", "step")]
         cells += [_mark(_category_text(c.categories[name]), not c.categories[name].ok) for name in CATEGORIES]
         body.append(cells)
     return body

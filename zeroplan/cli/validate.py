@@ -102,7 +102,7 @@ def _table(report) -> str:
     from zeroplan.validate import TABLE_HEADERS, table_rows
 
     # the terminal table: without the columns the row id already spells out
-    keep = [0, 9, 10, 11, 12, *range(13, len(TABLE_HEADERS))]
+    keep = [0, *range(9, len(TABLE_HEADERS))]
     rows = [[_flag(cells[i]) for i in keep] for cells in table_rows(report)]
     return tabulate(rows, headers=[TABLE_HEADERS[i] for i in keep], tablefmt="simple", disable_numparse=True)
 
