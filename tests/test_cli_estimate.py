@@ -240,6 +240,15 @@ def test_help_carries_examples(args, example):
     assert "Examples:" in result.stdout and example in result.stdout
 
 
+def test_every_registered_command_loads_and_has_help():
+    from zeroplan.cli import COMMANDS
+
+    for name in COMMANDS:
+        result = run(name, "-h")
+        assert result.exit_code == 0, (name, result.output)
+        assert result.stdout.startswith(f"Usage: zeroplan {name}"), name
+
+
 def test_zeroplan_alone_prints_the_help():
     result = run()
     assert result.exit_code == 0 and result.stdout.startswith("Usage: zeroplan") and result.stderr == ""
