@@ -1,140 +1,458 @@
-"""DeepSpeed ZeRO (deepspeed 0.19, deepspeed/runtime/zero/), as `deepspeed.initialize` builds it.
+"""DeepSpeed 0.19.8 ZeRO, as `deepspeed.initialize` builds it: what each rank allocates, per phase.
 
-Stages 1-2, `stage_1_and_2.py` DeepSpeedZeroOptimizer:
-- `bit16_groups_flat`: the model parameters flattened into one buffer per group, whole on every
-  rank (Ψ elements in the model dtype; an fp32 run flattens fp32);
-- `single_partition_of_fp32_groups`: the rank's fp32 master partition, Ψ/N elements, kept even in
-  an fp32 run;
-- the reduce bucket (`ipg_buffer`, `reduce_bucket_size` elements in the model dtype; two when
-  overlap_comm), allocated at the first backward;
-- stage 2 `grads_in_partition`: the rank's gradient partition in the model dtype (contiguous
-  gradients), allocated at the first backward and kept; stage 1 keeps full gradients in .grad
-  until the step;
-- at the step, the partition's gradients are flattened to fp32 (`single_grad_partition`, Ψ/N) and
-  the wrapped torch optimizer creates its states lazily on the fp32 partition (the first step).
-Stage 3, `stage3.py` DeepSpeedZeroOptimizer_Stage3 with `partition_parameters.py`:
-- each parameter's partition (`ds_tensor`, Ψ/N in the model dtype); parameters with fewer than
-  `stage3_param_persistence_threshold` elements stay whole on every rank;
-- gathered parameters: the coordinator (`partitioned_param_coordinator.py`) keeps up to
-  `stage3_max_live_parameters` gathered elements and prefetches `stage3_prefetch_bucket_size`;
-  in the first step (no trace yet) each module is released after use;
-- the fp32 master partition and the gradient partitions (`grad_partitions_flat_buffer`, Ψ/N in
-  the model dtype) and the reduce bucket (`__ipg_bucket_flat_buffer`, reduce_bucket_size
-  elements), all allocated in `deepspeed.initialize`;
-- with offload_optimizer an fp32 gradient partition is kept for the CPU Adam step
-  (`fp32_partitioned_groups_flat` grads).
-Defaults from `runtime/zero/config.py`: reduce_bucket_size 5e8, allgather_bucket_size 5e8,
-overlap_comm False for stages 1-2 and True for stage 3, prefetch 5e7, max_live 1e9,
-persistence threshold 1e5.
-Details that differ from this model, measured with `zeroplan measure`, are listed in
-docs/engines/deepspeed.md and docs/accuracy.md.
+Every term below is read from DeepSpeed's source (paths relative to `deepspeed/runtime/`) and was
+checked by counting live tensors on 2 gloo ranks; the tensor-by-tensor table, with measurements,
+is docs/engines/deepspeed.md. Notation: Ψ trainable elements, N ranks, b bytes of the model dtype.
+
+Which optimizer wrapper runs (engine.py `_configure_optimizer`):
+- stage 0, fp32: none, the basic optimizer steps the module parameters;
+- stage 0, bf16/fp16: `FP16_UnfusedOptimizer` (torch AdamW, the CPU runs) or `FP16_Optimizer`
+  (DeepSpeed's FusedAdam, the CUDA default); stage 0 never uses BF16_Optimizer;
+- stages 1-2: `DeepSpeedZeroOptimizer` (zero/stage_1_and_2.py);
+- stage 3: `DeepSpeedZeroOptimizer_Stage3` (zero/stage3.py, zero/partition_parameters.py).
+The basic optimizer for Adam/AdamW is torch's AdamW on a CPU run (the measure runner sets
+`torch_adam`), DeepSpeed's FusedAdam on CUDA and DeepSpeedCPUAdam with optimizer offload.
+The measure runner builds the model in fp32 before `deepspeed.initialize` casts it.
 """
 
 from __future__ import annotations
 
+import bisect
+from dataclasses import dataclass
+
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
-from zeroplan.estimate.engines.common import EngineEstimate, activation_phases, ceil_div, phase, step_temporary_bytes
+from zeroplan.estimate.engines.common import EngineEstimate, ceil_div, phase
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.training import Device, Offload, Precision, TrainingSpec
+from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
 
-# DeepSpeed pads each flat group to a multiple of `nccl_start_alignment_factor` (2) x world size
-# (stage_1_and_2.py: alignment = self.nccl_start_alignment_factor * dp_size).
+# stage_1_and_2.py `__init__`: the flat group is padded to `nccl_start_alignment_factor` (2) x N.
 NCCL_START_ALIGNMENT_FACTOR = 2
+# engine.py `allreduce_no_retain` / `buffered_allreduce_fallback`: stage 0 all-reduces the
+# gradients through flat copies of up to MEMORY_OPT_ALLREDUCE_SIZE elements (a chunk closes once
+# it exceeds the limit, so it can be one tensor larger).
+MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
+# zero/config.py: sub_group_size default; stage 3 steps the fp32 partition sub-group by sub-group.
+SUB_GROUP_SIZE = 1_000_000_000
+
+Point = dict[str, int]
 
 
-def _largest(*points: dict[str, int]) -> dict[str, int]:
+def _largest(*points: Point) -> Point:
     return max(points, key=lambda p: sum(p.values()))
 
 
-def estimate_deepspeed(facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None) -> EngineEstimate:
-    n = training.gpus
-    knobs = training.deepspeed
-    model_bytes = FP32_BYTES if training.precision == Precision.FP32 else HALF_BYTES
-    stage = training.zero_stage
-    overlap = knobs.overlap_comm if knobs.overlap_comm is not None else stage == 3
-    alignment = NCCL_START_ALIGNMENT_FACTOR * n
-    psi = ceil_div(facts.total_params, alignment) * alignment
-    trainable = ceil_div(facts.trainable_params, alignment) * alignment
-    # Stage 0 is not ZeRO: runtime/bf16_optimizer.py (and fp16/fused_optimizer.py) keep the fp32
-    # master and states for every parameter on every rank.
-    partition = trainable // (n if stage >= 1 else 1)
-    state_element = HALF_BYTES if training.precision == Precision.PURE_BF16 else FP32_BYTES
-    master = 0 if training.precision == Precision.PURE_BF16 else partition * FP32_BYTES
+def _plus(base: Point, **more: int) -> Point:
+    out = dict(base)
+    for name, value in more.items():
+        out[name] = out.get(name, 0) + value
+    return out
+
+
+@dataclass(frozen=True)
+class _Run:
+    """The sizes every stage needs, derived once from the model facts and the training spec."""
+
+    n: int
+    b: int  # model dtype (params, gradients; DeepSpeed's communication and accumulation default)
+    total: int  # all parameter elements
+    trainable: int
+    numels: tuple[int, ...]  # trainable tensors in parameter order (embedding first)
+    groups_backward: tuple[tuple[int, ...], ...]  # trainable tensors per module, in backward order
+    largest: int  # largest trainable tensor
+    adam_temporary_rate: int  # bytes of step temporaries per element of the tensor stepped at once
+    cpu_run: bool
+    offload_opt: bool
+    offload_par: bool
+    training: TrainingSpec
+
+
+def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
+    b = FP32_BYTES if training.precision == Precision.FP32 else HALF_BYTES
+    trainable_groups = [g for g in facts.groups if not g.frozen]
+    numels = tuple(facts.trainable_numels())
+    backward: list[tuple[int, ...]] = []
+    for g in reversed(trainable_groups):
+        backward.extend([tuple(reversed([t.numel for t in g.tensors]))] * g.count)
     offload_opt = training.offload_optimizer != Offload.NONE
-    offload_par = training.offload_params != Offload.NONE
-    cpu_run = training.device == Device.CPU
+    # Optimizer step temporaries. torch AdamW on CPU is the single-tensor path
+    # (torch/optim/adam.py `_single_tensor_adam`: `denom = (exp_avg_sq.sqrt() / c).add_(eps)`,
+    # two fp32 temporaries of the tensor being stepped). FusedAdam (ops/adam/fused_adam.py,
+    # multi_tensor_applier) and DeepSpeedCPUAdam (ops/adam/cpu_adam.py) update in place; SGD
+    # updates in place.
+    adamish = training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW)
+    rate = 2 * FP32_BYTES if (adamish and training.device == Device.CPU and not offload_opt) else 0
+    return _Run(
+        n=training.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, numels=numels,
+        groups_backward=tuple(backward), largest=max(numels, default=0), adam_temporary_rate=rate,
+        cpu_run=training.device == Device.CPU, offload_opt=offload_opt,
+        offload_par=training.offload_params != Offload.NONE, training=training,
+    )
 
-    states = optimizer_state_bytes(partition, training.optimizer, state_element)
-    reduce_bucket = min(knobs.reduce_bucket_size, trainable) * model_bytes * (2 if overlap else 1)
-    fp32_grad_partition = partition * FP32_BYTES
-    temporaries = step_temporary_bytes(partition, partition, state_element, training)
-    if stage == 0:
-        # BF16_Optimizer.step flattens the fp32 gradients and unscales them: measured on 2 gloo
-        # ranks (shared/NOTES.md), about twice the fp32 model size of temporaries.
-        temporaries = 2 * trainable * FP32_BYTES
 
-    if stage == 3:
-        persistent = sum(g.count * t.numel for g in facts.groups for t in g.tensors if t.numel < knobs.stage3_param_persistence_threshold)
-        sharded = ceil_div(facts.total_params - persistent, alignment) * alignment // n
-        params = (sharded + persistent) * model_bytes
-        live_limit = knobs.stage3_max_live_parameters + knobs.stage3_prefetch_bucket_size
-        steady_gathered = min(facts.total_params - persistent, live_limit) * model_bytes
-        first_gathered = facts.largest_group_params * model_bytes
-        grads_held = partition * model_bytes  # grad_partitions_flat_buffer
-        init_buffers = reduce_bucket  # stage 3 allocates it in deepspeed.initialize
+def _states(run: _Run, numel: int) -> int:
+    """Adam moments (fp32, lazily at the first step) or SGD momentum of `numel` master elements."""
+    return optimizer_state_bytes(numel, run.training.optimizer, FP32_BYTES)
+
+
+# -- activations along backward ----------------------------------------------------------------
+
+
+def _backward_activations(acts: ActivationBytes | None, groups: int) -> list[int]:
+    """Activation bytes while backward computes each module group's gradients, in backward order
+    (final norm and head, blocks from the last, embedding), from activations.py's terms. The
+    loss's own backward comes before any parameter gradient: `_backward_start`."""
+    if acts is None:
+        return [0] * groups
+    points = [acts.block_backward_peak(acts.num_blocks)]  # the head: the blocks' saved tensors
+    for left in range(acts.num_blocks, 0, -1):
+        points.append(acts.block_backward_peak(left))
+    points.append(acts.embedding)
+    if len(points) != groups:  # frozen groups have no hooks; keep the largest points
+        points = sorted(points, reverse=True)[:groups] + [0] * max(0, groups - len(points))
+    return points
+
+
+def _backward_start(acts: ActivationBytes | None) -> int:
+    """log_softmax's backward, before the first parameter gradient (and its hook) exists."""
+    return acts.backward_start_peak if acts is not None else 0
+
+
+def _activations_before_head(acts: ActivationBytes | None) -> int:
+    """When the head's forward starts: the blocks' saved tensors and the final norm's."""
+    return acts.blocks_saved + acts.final_norm if acts is not None else 0
+
+
+def _forward_activations(acts: ActivationBytes | None) -> int:
+    return acts.forward_peak if acts is not None else 0
+
+
+# -- stage 0 --------------------------------------------------------------------------------------
+
+
+def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
+    b, psi = run.b, run.trainable
+    params = run.total * b
+    grads = psi * b
+    # engine.py `allreduce_gradients` -> `buffered_allreduce_fallback` -> `allreduce_no_retain`:
+    # a flat copy of the gradients (chunks of MEMORY_OPT_ALLREDUCE_SIZE) at the end of backward.
+    flat_allreduce = min(psi, MEMORY_OPT_ALLREDUCE_SIZE + run.largest) * b
+    states = _states(run, psi)
+    fwd = _forward_activations(acts)
+    bwd = _backward_start(acts)
+    phases = []
+    if run.training.precision == Precision.FP32:
+        # No wrapper: torch AdamW/FusedAdam on the module parameters, states at the first step;
+        # per-tensor step temporaries.
+        temps = run.adam_temporary_rate * run.largest
+        for step in (Step.FIRST, Step.STEADY):
+            held = states if step == Step.STEADY else 0
+            if step == Step.FIRST:
+                phases.append(phase(step, Phase.INIT, params=params))
+            phases.append(phase(step, Phase.FORWARD, params=params, optimizer_states=held, activations=fwd))
+            end = dict(params=params, optimizer_states=held, grads=grads, buffers=flat_allreduce)
+            start = dict(params=params, optimizer_states=held, activations=bwd)
+            phases.append(phase(step, Phase.BACKWARD, **_largest(start, end)))
+            phases.append(phase(step, Phase.OPTIMIZER_STEP, params=params, grads=grads, optimizer_states=states,
+                                temporaries=temps))
+        return phases
+    # bf16/fp16: fp32 master of every parameter and the states exist from init:
+    # `initialize_optimizer_states` steps the optimizer on zero gradients (fp16/unfused_optimizer.py,
+    # fp16/fused_optimizer.py).
+    master = psi * FP32_BYTES
+    if run.training.device == Device.CPU:
+        # FP16_UnfusedOptimizer: per-parameter fp32 clones; step: `fp32.grad = fp16.grad.to(fp32)`
+        # per parameter, the 16-bit gradients still alive; torch AdamW per tensor.
+        step_grads = grads + psi * FP32_BYTES
+        step_temps = run.adam_temporary_rate * run.largest
+        init_extra = dict(grads=grads + psi * FP32_BYTES, temporaries=step_temps)  # the zero-gradient step
     else:
-        params = psi * model_bytes  # bit16_groups_flat, whole on every rank
-        grads_held = partition * model_bytes if stage == 2 else 0
-        init_buffers = 0
-    full_grads = trainable * model_bytes  # stage 1: .grad of every parameter until the step
-
-    # Offload: the fp32 master, states and the fp32 gradient partition go to the host (ZeRO-Offload).
-    host_opt = master + states + fp32_grad_partition if offload_opt else 0
-    host_params = params if offload_par else 0
-    if offload_opt and not cpu_run:
-        master_dev, states_dev, temps_dev, fp32_grad_dev = 0, 0, 0, 0
-    else:
-        master_dev, states_dev, temps_dev, fp32_grad_dev = master, states, temporaries, fp32_grad_partition
-    params_dev = 0 if (offload_par and not cpu_run) else params
-
-    fwd_acts, bwd_acts, recompute = activation_phases(acts)
-    phases: list[PhaseBytes] = []
+        # FP16_Optimizer.step: `p.grad.to(fp32)` per parameter, then `_flatten_dense_tensors` of
+        # them (both Ψ x 4 alive while flattening), the 16-bit grads freed after.
+        step_grads = grads + psi * FP32_BYTES
+        step_temps = psi * FP32_BYTES
+        init_extra = dict(grads=psi * FP32_BYTES)  # zero fp32 flat gradient for the init step
+    base = dict(params=params, optimizer_states=master + states)
     for step in (Step.FIRST, Step.STEADY):
-        # Optimizer states appear at the first step(); stage 0's BF16_Optimizer creates them at
-        # construction.
-        held_states = states_dev if (step == Step.STEADY or stage == 0) else 0
-        gathered = (steady_gathered if step == Step.STEADY else first_gathered) if stage == 3 else 0
-        bucket = init_buffers if step == Step.FIRST else reduce_bucket
-        grads_kept = grads_held if step == Step.STEADY or stage == 3 else 0
-        base = dict(params=params_dev, optimizer_states=master_dev + held_states)
         if step == Step.FIRST:
-            phases.append(phase(step, Phase.INIT, **base, buffers=init_buffers, grads=grads_held if stage == 3 else 0))
-        phases.append(phase(step, Phase.FORWARD, **base, buffers=bucket + gathered, grads=grads_kept, activations=fwd_acts))
-        end_grads = grads_held + (full_grads if stage < 2 else 0)
-        backward = _largest(
-            dict(buffers=bucket + gathered, grads=grads_kept, activations=bwd_acts),
-            dict(buffers=reduce_bucket + gathered, grads=end_grads, activations=recompute),
-        )
-        phases.append(phase(step, Phase.BACKWARD, **base, **backward))
-        step_grads = grads_held + (full_grads if stage < 2 else 0) + fp32_grad_dev
-        phases.append(phase(step, Phase.OPTIMIZER_STEP, params=params_dev, optimizer_states=master_dev + states_dev,
-                            buffers=reduce_bucket + gathered, grads=step_grads, temporaries=temps_dev))
-    nvme = 0
-    cpu = 0
+            phases.append(phase(step, Phase.INIT, **base, **init_extra))
+        phases.append(phase(step, Phase.FORWARD, **base, activations=fwd))
+        end = dict(grads=grads, buffers=flat_allreduce)
+        phases.append(phase(step, Phase.BACKWARD, **base, **_largest(dict(activations=bwd), end)))
+        phases.append(phase(step, Phase.OPTIMIZER_STEP, **base, grads=step_grads, temporaries=step_temps))
+    return phases
+
+
+# -- stages 1 and 2 -------------------------------------------------------------------------------
+
+
+def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> int:
+    """Largest `grads_in_partition` over ranks: stage_1_and_2.py `copy_grads_in_partition` sizes it
+    as the sum of the whole tensors that intersect the rank's [r·P, (r+1)·P) slice."""
+    if len(numels) <= 1:
+        # A model given by a parameter count has no tensor boundaries: partitions are exact, as
+        # in DeepSpeed's own estimate_zero2_model_states_mem_needs.
+        return partition
+    owned = [0] * n
+    start = 0
+    for numel in numels:
+        end = start + numel
+        first, last = start // partition, min((end - 1) // partition, n - 1)
+        for rank in range(first, last + 1):
+            owned[rank] += numel
+        start = end
+    return max(owned)
+
+
+def _first_reduction(run: _Run, bucket_elements: int) -> tuple[int, int]:
+    """(backward module index, elements already in the bucket) when the reduce bucket first
+    overflows: `reduce_independent_p_g_buckets_and_remove_grads` reduces the bucket when the next
+    gradient does not fit; without an overflow the epilogue reduces it after the last module."""
+    filled = 0
+    for index, group in enumerate(run.groups_backward):
+        for numel in group:
+            if filled and filled + numel > bucket_elements:
+                return index, filled
+            filled += numel
+    return len(run.groups_backward), filled
+
+
+def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], int, int]:
+    training, knobs = run.training, run.training.deepspeed
+    b, n = run.b, run.n
+    stage = training.zero_stage
+    overlap = bool(knobs.overlap_comm)  # zero/config.py: overlap_comm defaults to False for 1-2
+    alignment = NCCL_START_ALIGNMENT_FACTOR * n
+    flat = ceil_div(run.trainable, alignment) * alignment
+    partition = flat // n  # P12: `partition_size`, the padding sits in the last rank's slice
+    params = (flat + run.total - run.trainable) * b  # `bit16_groups_flat` + frozen module params
+    master = partition * FP32_BYTES  # `single_partition_of_fp32_groups`, also in an fp32 run
+    states = _states(run, partition)
+    owned = _owned_elements(run.numels, partition, n) * b
+    # `setup_buckets`: `reduce_bucket_size` elements, always (not capped by the model), two with
+    # overlap_comm; at the first gradient hook of every backward, freed by
+    # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
+    bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
+    first_index, first_filled = _first_reduction(run, knobs.reduce_bucket_size)
+    acts_bwd = _backward_activations(acts, len(run.groups_backward))
+    acts_at_first = acts_bwd[first_index] if first_index < len(acts_bwd) else 0
+    fwd = _forward_activations(acts)
+
+    # Optimizer offload (stage_1_and_2.py `__init__`, `initialize_optimizer_states`): the fp32
+    # master, its fp32 gradient (kept from init), a P12 x b copy of the partition
+    # (`param_buffer_of_bit16_for_cpu_offload_groups`) and `temp_grad_buffer_for_cpu_offload` live
+    # on the host; `temp_grad_buffer_for_gpu_offload` (largest tensor) on the device. Gradients go
+    # straight into the host fp32 gradient (`async_inplace_copy_grad_to_fp32_buffer_from_gpu`).
+    host_grads = host_buffers = 0
+    device_buffers = 0
+    if run.offload_opt:
+        host_grads = partition * FP32_BYTES
+        host_buffers = partition * b + run.largest * b
+        device_buffers = run.largest * b
+        if training.grad_accum > 1:  # `accumulated_grads_in_cpu`: owned slices, model dtype
+            host_grads += partition * b
+    on_device = not run.offload_opt or run.cpu_run  # a CPU run has one memory
+
+    def host(value: int) -> int:
+        return value if on_device else 0
+
+    ga = training.grad_accum
+    phases = []
+    for step in (Step.FIRST, Step.STEADY):
+        held = states if step == Step.STEADY else 0
+        base = dict(params=params, optimizer_states=host(master + held), grads=host(host_grads),
+                    buffers=host(host_buffers) + device_buffers)
+        if step == Step.FIRST:
+            # `flatten_dense_tensors_aligned`: the old per-parameter storages and the flat copy.
+            flatten = dict(params=params + run.trainable * b)
+            after = dict(params=params, optimizer_states=host(master), grads=host(host_grads),
+                         buffers=host(host_buffers) + device_buffers)
+            phases.append(phase(step, Phase.INIT, **_largest(flatten, after)))
+        # Between micro-batches (grad_accum > 1): stage 1 keeps every .grad and the bucket
+        # (allocated at the first micro-batch's first hook, released by the boundary's epilogue,
+        # since only the boundary reduces); stage 2 keeps the owned partition (`all_grad_tensors`)
+        # or, offloaded, `accumulated_grads_in_cpu` (in host_grads).
+        carried: Point = {}
+        if ga > 1 and stage == 1:
+            carried = dict(grads=run.trainable * b, buffers=bucket)
+        elif ga > 1 and not run.offload_opt:
+            carried = dict(grads=owned)
+        during = _plus(base, **carried)
+        phases.append(phase(step, Phase.FORWARD, **_plus(during, activations=fwd)))
+
+        bucket_now = 0 if stage == 1 and ga > 1 else bucket  # already carried
+        kept = 0 if run.offload_opt else owned  # offload copies straight to the host gradient
+        # The bucket appears at the first parameter's gradient hook, after the loss's backward.
+        points = [_plus(during, activations=_backward_start(acts))]
+        if stage == 2:
+            # The rank owning the last parameters allocates its `grads_in_partition` at the first
+            # reduction; a later micro-batch fills a second one, added into the first at its end.
+            points += [_plus(during, activations=a, buffers=bucket_now) for a in acts_bwd[:first_index]]
+            points.append(_plus(during, activations=acts_at_first, buffers=bucket_now, grads=kept))
+            points.append(_plus(during, buffers=bucket_now, grads=kept))
+        else:
+            # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
+            # boundary's `reduce_gradients` walks them through the bucket, freeing each .grad as
+            # it is copied in and filling the owned partition (the last micro-batch accumulates
+            # into the kept .grad).
+            done = 0
+            for index, group in enumerate(run.groups_backward):
+                done += sum(group)
+                grads_now = 0 if carried else done * b
+                points.append(_plus(during, activations=acts_bwd[index], buffers=bucket_now, grads=grads_now))
+            points.append(_plus(base, buffers=bucket, grads=(run.trainable - first_filled) * b + kept))
+        phases.append(phase(step, Phase.BACKWARD, **_largest(*points)))
+
+        # `step`: `flatten(averaged_gradients)` (P12 x b) then `.to(fp32)` becomes the master's
+        # .grad (P12 x 4, a second copy only when b != 4) while `grads_in_partition` is alive;
+        # then it is freed and the optimizer steps (states created at the first step).
+        if run.offload_opt:
+            step_point = dict(base, optimizer_states=host(master + states))
+        else:
+            convert = dict(base, grads=owned + partition * FP32_BYTES,
+                           temporaries=partition * b if b != FP32_BYTES else 0)
+            stepping = dict(base, optimizer_states=master + states, grads=partition * FP32_BYTES,
+                            temporaries=run.adam_temporary_rate * partition)
+            step_point = _largest(convert, stepping)
+        phases.append(phase(step, Phase.OPTIMIZER_STEP, **step_point))
+    host_bytes = (master + states + host_grads + host_buffers) if run.offload_opt and not run.cpu_run else 0
+    return phases, host_bytes, 0
+
+
+# -- stage 3 --------------------------------------------------------------------------------------
+
+
+def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], int, int]:
+    training, knobs = run.training, run.training.deepspeed
+    b, n = run.b, run.n
+    all_numels = [t.numel for g in facts.groups for t in g.tensors for _ in range(g.count)]
+    # partition_parameters.py `_partition_param`: each tensor padded to a multiple of N and split.
+    p3_all = sum(ceil_div(x, n) for x in all_numels)
+    p3 = sum(ceil_div(x, n) for x in run.numels)
+    # `ds_persist` for n_t <= stage3_param_persistence_threshold (partition_parameters.py
+    # `_convert_to_deepspeed_param` / parameter_offload.py `mark_persistent_parameters`): gathered
+    # once, never released, on top of their partition.
+    threshold = knobs.stage3_param_persistence_threshold
+    persistent = sum(x for x in all_numels if x <= threshold)
+    gatherable = sum(ceil_div(x, n) * n for x in all_numels if x > threshold)
+    partitions = p3_all * b  # `lp_param_buffer` (or the offload_param host buffer)
+    master = p3 * FP32_BYTES  # `fp32_partitioned_groups_flat`, a separate copy even in fp32
+    states = _states(run, p3)
+    grad_partitions = p3 * b  # `grad_partitions_flat_buffer`, init (host with optimizer offload)
+    # `_setup_for_real_optimizer`: one bucket in the communication dtype, not doubled by overlap.
+    bucket = knobs.reduce_bucket_size * b
+    fp32_grad = p3 * FP32_BYTES  # offload: `subgroup_gradient_buffer` from init; else at step
+    # Gathered, non-persistent parameters (partitioned_param_coordinator.py): the first step
+    # releases each module after use; once the trace is recorded, parameters reused within
+    # `stage3_max_reuse_distance` stay gathered, up to `stage3_max_live_parameters`.
+    largest_module = max((sum(ceil_div(x, n) * n for x in grp if x > threshold) for grp in run.groups_backward),
+                         default=0)  # elements
+    if knobs.stage3_max_reuse_distance >= gatherable:
+        steady_gathered = min(gatherable, knobs.stage3_max_live_parameters + largest_module)
+    else:
+        steady_gathered = min(gatherable, knobs.stage3_max_reuse_distance + largest_module)
+    steady_gathered = max(steady_gathered, largest_module)
+    # A coalesced fetch (`_all_gather_dtype`) holds its flat buffer until `wait()` has copied each
+    # parameter out (`AllGatherCoalescedHandle.wait`): a prefetch of up to
+    # `stage3_prefetch_bucket_size` elements is alive twice for a moment.
+    prefetch = min(gatherable, knobs.stage3_prefetch_bucket_size + largest_module)
+
+    on_device_opt = not run.offload_opt or run.cpu_run
+    on_device_par = not run.offload_par or run.cpu_run
+
+    def opt(value: int) -> int:
+        return value if on_device_opt else 0
+
+    fwd = _forward_activations(acts)
+    acts_bwd = _backward_activations(acts, len(run.groups_backward))
+    partitions_dev = partitions if on_device_par else 0
+    offload_grads = fp32_grad if run.offload_opt else 0
+    phases = []
+    for step in (Step.FIRST, Step.STEADY):
+        held = states if step == Step.STEADY else 0
+        persist = persistent * b if step == Step.STEADY else 0  # gathered at the first forward
+        base = dict(params=partitions_dev + persist, optimizer_states=opt(master + held),
+                    grads=opt(grad_partitions + offload_grads), buffers=bucket)
+        if step == Step.FIRST:
+            # The model is built whole, partitioned in `deepspeed.initialize`; then
+            # `_create_fp16_partitions_with_defragmentation` copies the partitions into one buffer,
+            # `_create_fp32_partitions`, and `initialize_optimizer_states` makes a P3 x 4 zero
+            # gradient (temporary without offload) before the bucket and gradient partitions.
+            built = dict(params=run.total * b)
+            defrag = dict(params=2 * partitions)
+            opt_init = dict(params=partitions, optimizer_states=opt(master),
+                            temporaries=0 if run.offload_opt else opt(fp32_grad), grads=opt(offload_grads))
+            phases.append(phase(step, Phase.INIT, **_largest(built, defrag, opt_init, dict(base, params=partitions))))
+            # No trace yet: each module is gathered at its pre-forward hook and released after it
+            # (`release_sub_module`), persistent parameters too (measured: a run with every
+            # tensor persistent peaks as one with none in its first step); a module's coalesced
+            # fetch holds its flat buffer and the per-parameter copies at once.
+            module_all = [sum(ceil_div(x, n) * n for x in grp) * b for grp in run.groups_backward]
+            fetch = max(module_all, default=0)
+            forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=2 * fetch))
+            backward = [_plus(base, activations=_backward_start(acts))]
+            backward += [_plus(base, buffers=g, activations=a) for g, a in zip(module_all, acts_bwd)]
+        else:
+            # With the trace, parameters reused within `stage3_max_reuse_distance` stay gathered
+            # (`__params_to_release`); the forward's coalesced prefetch keeps its flat buffer
+            # (up to `stage3_prefetch_bucket_size`) beside the per-parameter copies until the
+            # head's forward has consumed the last of them.
+            forward = _largest(_plus(base, buffers=(steady_gathered + prefetch) * b, activations=_activations_before_head(acts)),
+                               _plus(base, buffers=steady_gathered * b, activations=fwd))
+            backward = [_plus(base, buffers=steady_gathered * b, activations=_backward_start(acts))]
+            backward += [_plus(base, buffers=steady_gathered * b, activations=a) for a in acts_bwd]
+        phases.append(phase(step, Phase.FORWARD, **forward))
+        phases.append(phase(step, Phase.BACKWARD, **_largest(*backward)))
+        # `step`: all parameters are released, persistent ones included, and re-gathered after
+        # the update. `_prepare_fp32_grad_for_sub_group`: flatten(averaged_gradients).to(fp32)
+        # as the sub-group's .grad (an extra P3 x b flatten when b != 4), then the optimizer
+        # steps the sub-group (torch AdamW: two temporaries of the sub-group).
+        sub_group = min(p3, SUB_GROUP_SIZE)
+        stepping_base = dict(base, params=partitions_dev)
+        if run.offload_opt:
+            stepping = dict(stepping_base, optimizer_states=opt(master + states))
+        else:
+            convert = dict(stepping_base, grads=grad_partitions + fp32_grad, temporaries=p3 * b if b != FP32_BYTES else 0)
+            update = dict(stepping_base, optimizer_states=master + states, grads=grad_partitions + fp32_grad,
+                          temporaries=run.adam_temporary_rate * sub_group)
+            stepping = _largest(convert, update)
+        after = dict(base, params=partitions_dev + persistent * b, optimizer_states=opt(master + states))
+        phases.append(phase(step, Phase.OPTIMIZER_STEP, **_largest(stepping, after)))
+    host_opt = (master + states + grad_partitions + fp32_grad) if run.offload_opt and not run.cpu_run else 0
+    host_par = partitions if run.offload_par and not run.cpu_run else 0
+    return phases, host_opt, host_par
+
+
+# -- entry point ----------------------------------------------------------------------------------
+
+
+def estimate_deepspeed(facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None) -> EngineEstimate:
+    run = _run(facts, training)
+    notes = []
+    if training.precision == Precision.PURE_BF16:
+        notes.append("pure-bf16: DeepSpeed keeps an fp32 master and fp32 states; estimated as bf16 mixed precision")
+    host_opt = host_par = 0
+    if training.zero_stage == 0:
+        phases = _stage0(run, acts)
+    elif training.zero_stage in (1, 2):
+        phases, host_opt, host_par = _stage12(run, acts)
+    else:
+        phases, host_opt, host_par = _stage3(run, facts, acts)
+    nvme = cpu = 0
     if training.offload_optimizer == Offload.NVME:
         nvme += host_opt
     else:
         cpu += host_opt
     if training.offload_params == Offload.NVME:
-        nvme += host_params
+        nvme += host_par
     else:
-        cpu += host_params
+        cpu += host_par
     per_node = NodeBytes(cpu_bytes=cpu * training.node_gpus,
-                         pinned_bytes=(cpu * training.node_gpus) if knobs.offload_pin_memory and not cpu_run else 0,
+                         pinned_bytes=cpu * training.node_gpus if training.deepspeed.offload_pin_memory else 0,
                          nvme_bytes=nvme * training.node_gpus)
-    notes = []
-    if reduce_bucket >= 2**30:
-        notes.append(f"reduce bucket of {reduce_bucket:,} bytes (reduce_bucket_size {knobs.reduce_bucket_size:,}); lower it to save memory")
+    bucket = training.deepspeed.reduce_bucket_size * run.b
+    if training.zero_stage >= 1 and bucket >= 2**30:
+        notes.append(f"reduce bucket of {bucket:,} bytes (reduce_bucket_size {training.deepspeed.reduce_bucket_size:,} "
+                     "elements, allocated whole whatever the model size); lower it to save memory")
     return EngineEstimate(tuple(phases), per_node, tuple(notes))
