@@ -42,29 +42,42 @@ FP32_BYTES = 4
 class ActivationBytes:
     """Activation bytes of one micro-batch on one rank."""
 
-    saved_per_block: int  # kept by one block until its backward
-    recompute_block: int  # one block's full activations, rebuilt in backward under checkpointing
-    embedding: int  # kept by the embedding (GPT-2's positions add; none for Llama)
-    final_norm: int  # kept by the final norm
-    logits: int  # lm_head output held by the model output, in the compute dtype
+    saved_per_block: int  # kept by one block until its backward (its input only under full checkpointing)
+    recompute_block: int  # one block's activations rebuilt in backward under full checkpointing
+    block_backward_transient: int  # gradients in flight at the peak of one block's backward
+    embedding: int  # kept outside the blocks for the whole step (token ids, shifted labels)
+    final_norm: int  # kept by the final norm, its output (lm_head's input) included
+    logits: int  # lm_head output in the compute dtype, alive until the loss is computed
     loss_saved: int  # log_softmax's fp32 output kept for backward
-    loss_transient: int  # fp32 upcast alive while the loss is computed
-    logits_grad: int  # gradients of the logits alive at the start of backward
+    loss_transient: int  # fp32 upcast of the logits alive while the loss is computed (16-bit only)
+    logits_grad: int  # nll_loss's and log_softmax's fp32 gradients, alive together
     num_blocks: int
 
     @property
+    def blocks_saved(self) -> int:
+        return self.embedding + self.num_blocks * self.saved_per_block
+
+    @property
     def forward_end(self) -> int:
-        """Bytes held when the forward pass ends (loss computed)."""
-        return self.embedding + self.num_blocks * self.saved_per_block + self.final_norm + self.logits + self.loss_saved
+        """Bytes held when the forward pass has returned the loss (the logits are freed then:
+        log_softmax keeps its output, not its input)."""
+        return self.blocks_saved + self.final_norm + self.loss_saved
 
     @property
     def forward_peak(self) -> int:
-        return self.forward_end + self.loss_transient
+        """While the loss is computed: every saved tensor, the logits, their fp32 upcast and
+        log_softmax's output."""
+        return self.blocks_saved + self.final_norm + self.logits + self.loss_transient + self.loss_saved
 
     @property
     def backward_start_peak(self) -> int:
-        """Start of backward: all saved tensors plus the gradients of the logits."""
+        """log_softmax's backward: its saved output plus the gradients of nll_loss and of log_softmax."""
         return self.forward_end + self.logits_grad
+
+    def block_backward_peak(self, blocks_left: int) -> int:
+        """Inside the backward of a block when `blocks_left` blocks (itself included) still hold
+        their saved tensors: the final norm and the loss are gone by then."""
+        return self.embedding + blocks_left * self.saved_per_block + self.recompute_block + self.block_backward_transient
 
 
 def _norm_saved_per_token(spec: TransformerSpec, act_bytes: int) -> int:
@@ -109,6 +122,31 @@ def _mlp_saved_per_token(spec: TransformerSpec, act_bytes: int) -> int:
     return norm_out + router + gathered_inputs + k * dense
 
 
+def _block_backward_transient_per_token(spec: TransformerSpec, act_bytes: int) -> int:
+    """Gradients in flight at the peak of a block's backward, beyond its saved tensors.
+
+    The block's backward starts with the gradient of its output (width h, kept until the residual
+    add sums it). The MLP's last product (silu(gate) * up, or gelu_new's 0.5x * (1 + tanh)) is
+    read by down_proj / c_proj, whose backward frees it and returns the product's gradient
+    (intermediate width); the product's backward (aten mul) then returns two more gradients of
+    intermediate width while that one is alive (torch/csrc/autograd/FunctionsManual.cpp
+    mul_tensor_backward, one per factor). Net: h + 3 x inner - inner. Seen on tiny-llama and
+    tiny-gpt2 (fsdp2, gloo): the peak of the last block's backward sits exactly there.
+    """
+    k = spec.experts_per_token if spec.is_moe else 1
+    return act_bytes * (spec.hidden_size + 2 * k * spec.intermediate_size)
+
+
+def _block_input_shared_bytes(spec: TransformerSpec, act_bytes: int) -> int:
+    """Per token: the part of a recomputed block that is the checkpoint's own saved input.
+
+    LayerNorm saves its input tensor itself; RMSNorm saves `hidden_states.to(torch.float32)`,
+    which is the input itself when the input already is fp32 (modeling_llama.LlamaRMSNorm)."""
+    if spec.norm != "rmsnorm" or act_bytes == FP32_BYTES:
+        return act_bytes * spec.hidden_size
+    return 0
+
+
 def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
     """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens."""
     tokens = training.micro_batch * training.seq_len
@@ -119,26 +157,36 @@ def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: i
         + _mlp_saved_per_token(spec, act_bytes)
     )
     full_block = tokens * block_per_token
+    recompute = 0
     if training.checkpointing == Checkpointing.FULL:
-        # torch.utils.checkpoint keeps the block input only (Korthikanti section 5: 2sbh in 16-bit).
+        # torch.utils.checkpoint keeps the block input only (Korthikanti section 5: 2sbh in 16-bit),
+        # and rebuilds the block's saved tensors in its backward, the input excepted when the
+        # first norm saves that very tensor.
         saved_block = tokens * act_bytes * spec.hidden_size
+        recompute = full_block - tokens * _block_input_shared_bytes(spec, act_bytes)
     else:
         saved_block = full_block
-    embedding = 0
-    if spec.position_embedding == "learned":
-        embedding = 0  # token + position embedding add keeps nothing; its output is the block input
+    # Kept outside the blocks: the token ids (int64, embedding's backward reads them) and the
+    # shifted labels nll_loss saves (loss_utils.ForCausalLMLoss pads and shifts them: int64).
+    # (Llama's rotary cos/sin, 2 x seq x head_dim in the compute dtype, are shared by the batch
+    # and left out: under 0.5% of the activations of the smallest catalogue model.)
+    int64_bytes = 8
+    embedding = 2 * tokens * int64_bytes
     vocab = spec.vocab_size
     logits = tokens * act_bytes * vocab
     loss_saved = tokens * FP32_BYTES * vocab
     upcast = tokens * FP32_BYTES * vocab if act_bytes != FP32_BYTES else 0
-    # Backward of nll_loss then log_softmax: two fp32 vocab-wide gradients, then the cast to the
-    # compute dtype for lm_head's backward.
+    # Backward of nll_loss (a zero-filled fp32 gradient, aten nll_loss_backward) and of
+    # log_softmax (_log_softmax_backward_data): both alive with log_softmax's saved output.
     logits_grad = 2 * tokens * FP32_BYTES * vocab
+    # The final norm keeps what a block's norm keeps, and its output is saved by lm_head.
+    final_norm = tokens * (_norm_saved_per_token(spec, act_bytes) + act_bytes * spec.hidden_size)
     return ActivationBytes(
         saved_per_block=saved_block,
-        recompute_block=full_block if training.checkpointing == Checkpointing.FULL else 0,
+        recompute_block=recompute,
+        block_backward_transient=tokens * _block_backward_transient_per_token(spec, act_bytes),
         embedding=embedding,
-        final_norm=tokens * _norm_saved_per_token(spec, act_bytes),
+        final_norm=final_norm,
         logits=logits,
         loss_saved=loss_saved,
         loss_transient=upcast,

@@ -40,8 +40,9 @@ def _padded_shard(numel: int, rows: int, world: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _shards(facts: ModelFacts, n: int) -> tuple[int, int, int, int, int]:
-    """Per-rank padded elements: root unit, largest block, all, trainable, largest trainable tensor."""
+def _shards(facts: ModelFacts, n: int) -> tuple[int, int, int, int, int, int, int]:
+    """Per-rank padded elements: root unit, largest block, all, trainable, largest trainable
+    tensor, one block's trainable, the root's trainable."""
 
     def shard_elems(group) -> int:
         return sum(_padded_shard(t.numel, t.rows, n) for t in group.tensors)
@@ -52,7 +53,29 @@ def _shards(facts: ModelFacts, n: int) -> tuple[int, int, int, int, int]:
     total = sum(shard_elems(g) * g.count for g in facts.groups)
     trainable = sum(shard_elems(g) * g.count for g in facts.groups if not g.frozen)
     largest = max((_padded_shard(t.numel, t.rows, n) for g in facts.groups if not g.frozen for t in g.tensors), default=0)
-    return root, block, total, trainable, largest
+    block_trainable = max((shard_elems(g) for g in facts.groups if g.role == "block" and not g.frozen), default=0)
+    root_trainable = sum(shard_elems(g) for g in facts.groups if g.role != "block" and not g.frozen)
+    return root, block, total, trainable, largest, block_trainable, root_trainable
+
+
+@lru_cache(maxsize=4096)
+def _early_grads(facts: ModelFacts) -> tuple[int, int]:
+    """Unsharded gradient elements alive early in backward: the output head's (lm_head, or the
+    tied embedding it reads, and the final norm) and a block's output projection's (the first
+    gradient of a block's backward: down_proj / c_proj, weight and bias)."""
+    head = 0
+    final = [g for g in facts.groups if g.role == "final" and not g.frozen]
+    if final:
+        head = final[0].params
+        if not any(t.name.startswith("lm_head") for t in final[0].tensors):  # tied: the embedding's gradient
+            head += max((t.numel for g in facts.groups if g.role == "embedding" and not g.frozen for t in g.tensors), default=0)
+    blocks = [g for g in facts.groups if g.role == "block" and not g.frozen]
+    first = 0
+    if blocks and blocks[0].tensors:
+        last = blocks[0].tensors[-1].name
+        module = last.rsplit(".", 1)[0] + "."
+        first = sum(t.numel for t in blocks[0].tensors if t.name.startswith(module))
+    return head, first
 
 
 def _largest(*points: dict[str, int]) -> dict[str, int]:
@@ -67,26 +90,34 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     offloaded = training.offload_optimizer == Offload.CPU
     on_device = not offloaded or training.device == Device.CPU  # a CPU run has one memory
 
-    root_shard, block_shard, shard_total, trainable_shard, largest_local = _shards(facts, n)
+    root_shard, block_shard, shard_total, trainable_shard, largest_local, block_train, root_train = _shards(facts, n)
+    head_numel, first_numel = _early_grads(facts)
+    num_blocks = sum(g.count for g in facts.groups if g.role == "block")
 
     sharded_params = shard_total * storage if on_device else 0
-    sharded_grads = trainable_shard * reduce if on_device else 0
+    # foreach_reduce: the reduce-scatter output (padded shard, reduce dtype, cast to the
+    # parameter dtype) is the storage of the sharded .grad views.
+    sharded_grads = trainable_shard * storage if on_device else 0
+    block_shard_grads = block_train * storage if on_device else 0
+    root_shard_grads = root_train * storage if on_device else 0
     states = optimizer_state_bytes(trainable_shard, training.optimizer, storage) if on_device else 0
     temporaries = step_temporary_bytes(largest_local, trainable_shard, storage, training) if on_device else 0
-    root_gathered = root_shard * n * gathered
+    root_gathered = root_shard * n * gathered  # the root's all-gather output, or its unsharded parameters
     block_gathered = block_shard * n * gathered
-    all_gathered = shard_total * n * gathered
-    root_grads = root_shard * n * gathered
-    block_grads = block_shard * n * gathered
-    root_reduce_in = root_shard * n * reduce
-    block_reduce_in = block_shard * n * reduce
+    # Autograd writes unsharded gradients in the unsharded parameters' dtype (param_dtype).
+    head_grads = head_numel * gathered
+    first_grads = first_numel * gathered
+    root_grads = root_train * n * gathered
+    block_reduce_in = block_train * n * reduce  # foreach_reduce's reduce_scatter_input (reduce dtype)
+    root_reduce_in = root_train * n * reduce
     h2d_copy = 0 if on_device else max(root_shard, block_shard) * storage
 
     reshard = training.zero_stage == 3
     root_reshards = reshard if training.fsdp2.reshard_root_after_forward is None else training.fsdp2.reshard_root_after_forward
-    fwd_acts, bwd_acts, recompute = activation_phases(acts)
-    block_acts = acts.num_blocks * acts.saved_per_block if acts else 0
     accumulating = training.grad_accum > 1
+    # Blocks whose unsharded parameters are held while block `i` runs: itself under ZeRO-3; under
+    # ZeRO-2 (reshard_after_forward=False) every block from the forward until its post-backward.
+    held_blocks = 1 if reshard else num_blocks
 
     phases: list[PhaseBytes] = []
     for step, held_states in ((Step.FIRST, 0), (Step.STEADY, states)):
@@ -94,28 +125,27 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
         held_grads = sharded_grads if accumulating else 0
         if step == Step.FIRST:
             phases.append(phase(step, Phase.INIT, **base))
-        # Forward: gathering the root (2 x unit while copying out), then the last block with
-        # every block's activations saved, then the logits and loss.
-        gathered_in_forward = all_gathered if not reshard else root_gathered + block_gathered
-        forward = _largest(
-            dict(buffers=2 * root_gathered + h2d_copy, grads=held_grads),
-            dict(buffers=gathered_in_forward + (block_gathered if reshard else 0) + h2d_copy,
-                 grads=held_grads, activations=block_acts),
-            dict(buffers=(all_gathered if not reshard else root_gathered), grads=held_grads, activations=fwd_acts),
-        )
+        if acts is None:
+            forward = dict(buffers=root_gathered + (held_blocks + 1) * block_gathered + h2d_copy, grads=held_grads)
+        else:
+            # _fsdp_param_group.py wait_for_unshard: in forward the flat all-gather output of the
+            # last unit gathered is kept (comm_ctx.all_gather_state) until the next unit's
+            # copy-out, and the root's post-forward frees the last one (_fsdp_state._post_forward):
+            # the root's unsharded parameters, the last block's all-gather output and, while it
+            # runs, its unsharded parameters, are all live at the end of the last block; the
+            # loss is computed with the root and that all-gather output only.
+            blocks_end = acts.blocks_saved
+            forward = _largest(
+                dict(buffers=root_gathered + (held_blocks + 1) * block_gathered + h2d_copy, grads=held_grads,
+                     activations=blocks_end),
+                dict(buffers=root_gathered + (held_blocks - (1 if reshard else 0) + 1) * block_gathered,
+                     grads=held_grads, activations=acts.forward_peak),
+            )
         phases.append(phase(step, Phase.FORWARD, **base, **forward))
-        # Backward: its start (logits' gradients, root re-gathered if it resharded), the first
-        # block processed (its gather, gradients and reduce-scatter input), and its end (root
-        # gradients reduce-scattered, every sharded gradient present).
-        held_gathered = all_gathered if not reshard else root_gathered
-        regather = 2 * root_gathered if (root_reshards and reshard) else held_gathered
-        backward = _largest(
-            dict(buffers=regather + h2d_copy, grads=held_grads, activations=bwd_acts),
-            dict(buffers=held_gathered + (block_gathered if reshard else 0) + block_reduce_in,
-                 grads=held_grads + root_grads + block_grads, activations=block_acts + recompute),
-            dict(buffers=root_gathered + root_reduce_in, grads=sharded_grads + held_grads + root_grads),
-        )
-        phases.append(phase(step, Phase.BACKWARD, **base, **backward))
+        phases.append(phase(step, Phase.BACKWARD, **base, **_backward(
+            acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
+            head_grads, first_grads, root_grads, block_shard_grads, root_shard_grads, block_reduce_in,
+            root_reduce_in, h2d_copy)))
         phases.append(phase(step, Phase.OPTIMIZER_STEP, params=sharded_params, grads=sharded_grads,
                             optimizer_states=states, temporaries=temporaries))
     host = 0
@@ -127,3 +157,45 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
         if training.device == Device.CPU:
             notes.append(f"CPU run: the {host_bytes:,} offloaded bytes per rank share the one memory; on GPUs they sit on the host")
     return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if training.device == Device.CPU else host), tuple(notes))
+
+
+def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
+              head_grads, first_grads, root_grads, block_shard_grads, root_shard_grads, block_reduce_in,
+              root_reduce_in, h2d_copy) -> dict[str, int]:
+    """The largest moment of the backward pass (torch/distributed/fsdp/_fully_shard/).
+
+    - Start: the root's pre-backward re-gathers it if it resharded (all-gather output and
+      unsharded parameters both live during the copy-out), then prefetches the last block
+      (`_backward_prefetch`: its all-gather output is held until that block's pre-backward).
+    - Loss backward: the root and the prefetched all-gather output, no gradient yet.
+    - Block j processed (the (j+1)-th from the end): the root's unsharded parameters, the block's
+      own, the next block's prefetched all-gather output (none for the first block), the previous
+      block's reduce-scatter input (kept in comm_ctx.reduce_scatter_states until this block's
+      post-backward pops it: reduce_scatter_max_input_buffers = 1), the sharded gradients of the
+      j blocks done, the root's unsharded head gradients and this block's first gradient.
+      The terms are linear in j between the ends, so j in {0, 1, L-2, L-1} covers the maximum.
+    - End (the root's post_backward, after the embedding's backward): the root's reduce-scatter
+      input next to its unsharded gradients and every block's sharded gradients.
+    """
+    points = []
+    acts_start = acts.forward_end if acts else 0
+    if root_reshards and reshard:
+        points.append(dict(buffers=2 * root_gathered + h2d_copy, grads=held_grads, activations=acts_start))
+    if acts is not None:
+        points.append(dict(buffers=root_gathered + block_gathered * (held_blocks if not reshard else 1) + h2d_copy,
+                           grads=held_grads, activations=acts.backward_start_peak))
+    for j in sorted({0, 1, num_blocks - 2, num_blocks - 1}):
+        if not 0 <= j < num_blocks:
+            continue
+        blocks_held = 1 if reshard else num_blocks - j
+        prefetch = block_gathered if reshard and j < num_blocks - 1 else 0
+        points.append(dict(
+            buffers=root_gathered + blocks_held * block_gathered + prefetch + (block_reduce_in if j else 0) + h2d_copy,
+            grads=held_grads + head_grads + first_grads + j * block_shard_grads,
+            activations=acts.block_backward_peak(num_blocks - j) if acts else 0,
+        ))
+    blocks_done = num_blocks * block_shard_grads
+    points.append(dict(buffers=root_gathered + (block_reduce_in if num_blocks else 0),
+                       grads=held_grads + root_grads + blocks_done))
+    points.append(dict(buffers=root_reduce_in, grads=held_grads + root_grads + blocks_done + root_shard_grads))
+    return _largest(*points)
