@@ -4,8 +4,10 @@ and the per-phase record."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from zeroplan.estimate.activations import ActivationBytes
+from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.spec.training import Device, Optimizer, TrainingSpec
 
@@ -36,6 +38,31 @@ def step_temporary_bytes(largest_numel: int, total_numel: int, state_element_byt
     if training.device == Device.CPU:
         return 2 * largest_numel * state_element_bytes
     return total_numel * state_element_bytes
+
+
+@lru_cache(maxsize=4096)
+def early_gradients(facts: ModelFacts) -> tuple[int, int, int]:
+    """Gradient elements alive early in backward: the output head's .grad (lm_head and the final
+    norm), the tied head's gradient, and a block's output projection's .grad (the first gradient
+    of a block's backward: down_proj / c_proj, weight and bias).
+
+    A tied head's gradient is not a .grad yet: autograd sums the contributions to a leaf used
+    twice in its input buffer and calls AccumulateGrad once, after the embedding's backward
+    (torch/csrc/autograd/input_buffer.cpp). Until then it is held by autograd like an
+    activation, and `zeroplan measure` counts it so."""
+    head = tied = 0
+    final = [g for g in facts.groups if g.role == "final" and not g.frozen]
+    if final:
+        head = final[0].params
+        if not any(t.name.startswith("lm_head") for t in final[0].tensors):
+            tied = max((t.numel for g in facts.groups if g.role == "embedding" and not g.frozen for t in g.tensors), default=0)
+    blocks = [g for g in facts.groups if g.role == "block" and not g.frozen]
+    first = 0
+    if blocks and blocks[0].tensors:
+        last = blocks[0].tensors[-1].name
+        module = last.rsplit(".", 1)[0] + "."
+        first = sum(t.numel for t in blocks[0].tensors if t.name.startswith(module))
+    return head, tied, first
 
 
 def activation_phases(

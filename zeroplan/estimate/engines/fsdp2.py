@@ -29,7 +29,7 @@ from functools import lru_cache
 
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
-from zeroplan.estimate.engines.common import EngineEstimate, activation_phases, ceil_div, phase, step_temporary_bytes
+from zeroplan.estimate.engines.common import EngineEstimate, ceil_div, early_gradients, phase, step_temporary_bytes
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.spec.training import Device, Offload, Precision, TrainingSpec
@@ -58,26 +58,6 @@ def _shards(facts: ModelFacts, n: int) -> tuple[int, int, int, int, int, int, in
     return root, block, total, trainable, largest, block_trainable, root_trainable
 
 
-@lru_cache(maxsize=4096)
-def _early_grads(facts: ModelFacts) -> tuple[int, int]:
-    """Unsharded gradient elements alive early in backward: the output head's (lm_head, or the
-    tied embedding it reads, and the final norm) and a block's output projection's (the first
-    gradient of a block's backward: down_proj / c_proj, weight and bias)."""
-    head = 0
-    final = [g for g in facts.groups if g.role == "final" and not g.frozen]
-    if final:
-        head = final[0].params
-        if not any(t.name.startswith("lm_head") for t in final[0].tensors):  # tied: the embedding's gradient
-            head += max((t.numel for g in facts.groups if g.role == "embedding" and not g.frozen for t in g.tensors), default=0)
-    blocks = [g for g in facts.groups if g.role == "block" and not g.frozen]
-    first = 0
-    if blocks and blocks[0].tensors:
-        last = blocks[0].tensors[-1].name
-        module = last.rsplit(".", 1)[0] + "."
-        first = sum(t.numel for t in blocks[0].tensors if t.name.startswith(module))
-    return head, first
-
-
 def _largest(*points: dict[str, int]) -> dict[str, int]:
     return max(points, key=lambda p: sum(p.values()))
 
@@ -91,7 +71,7 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     on_device = not offloaded or training.device == Device.CPU  # a CPU run has one memory
 
     root_shard, block_shard, shard_total, trainable_shard, largest_local, block_train, root_train = _shards(facts, n)
-    head_numel, first_numel = _early_grads(facts)
+    head_numel, tied_numel, first_numel = early_gradients(facts)
     num_blocks = sum(g.count for g in facts.groups if g.role == "block")
 
     sharded_params = shard_total * storage if on_device else 0
@@ -106,6 +86,7 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     block_gathered = block_shard * n * gathered
     # Autograd writes unsharded gradients in the unsharded parameters' dtype (param_dtype).
     head_grads = head_numel * gathered
+    tied_grad = tied_numel * gathered
     first_grads = first_numel * gathered
     root_grads = root_train * n * gathered
     block_reduce_in = block_train * n * reduce  # foreach_reduce's reduce_scatter_input (reduce dtype)
@@ -144,7 +125,7 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
         phases.append(phase(step, Phase.FORWARD, **base, **forward))
         phases.append(phase(step, Phase.BACKWARD, **base, **_backward(
             acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
-            head_grads, first_grads, root_grads, block_shard_grads, root_shard_grads, block_reduce_in,
+            head_grads, tied_grad, first_grads, root_grads, block_shard_grads, root_shard_grads, block_reduce_in,
             root_reduce_in, h2d_copy)))
         phases.append(phase(step, Phase.OPTIMIZER_STEP, params=sharded_params, grads=sharded_grads,
                             optimizer_states=states, temporaries=temporaries))
@@ -160,7 +141,7 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
 
 
 def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
-              head_grads, first_grads, root_grads, block_shard_grads, root_shard_grads, block_reduce_in,
+              head_grads, tied_grad, first_grads, root_grads, block_shard_grads, root_shard_grads, block_reduce_in,
               root_reduce_in, h2d_copy) -> dict[str, int]:
     """The largest moment of the backward pass (torch/distributed/fsdp/_fully_shard/).
 
@@ -192,7 +173,7 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
         points.append(dict(
             buffers=root_gathered + blocks_held * block_gathered + prefetch + (block_reduce_in if j else 0) + h2d_copy,
             grads=held_grads + head_grads + first_grads + j * block_shard_grads,
-            activations=acts.block_backward_peak(num_blocks - j) if acts else 0,
+            activations=(acts.block_backward_peak(num_blocks - j) if acts else 0) + tied_grad,
         ))
     blocks_done = num_blocks * block_shard_grads
     points.append(dict(buffers=root_gathered + (block_reduce_in if num_blocks else 0),

@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
-from zeroplan.estimate.engines.common import EngineEstimate, activation_phases, phase, step_temporary_bytes
+from zeroplan.estimate.engines.common import EngineEstimate, early_gradients, phase, step_temporary_bytes
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, Step
 from zeroplan.spec.training import Precision, TrainingSpec
@@ -57,8 +57,10 @@ def estimate_torch(
     buckets = facts.trainable_params * element  # DDP reducer buckets, allocated at wrap time
     states = optimizer_state_bytes(sum(local), training.optimizer, element)
     temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, training)
-    fwd, bwd_start, recompute = activation_phases(acts)
     accumulating = training.grad_accum > 1  # .grad survives between micro-batches
+    head_numel, tied_numel, first_numel = early_gradients(facts)
+    block_numel = max((g.params for g in facts.groups if g.role == "block" and not g.frozen), default=0)
+    num_blocks = acts.num_blocks if acts else 0
 
     phases = []
     for step, held_states in ((Step.FIRST, 0), (Step.STEADY, states)):
@@ -66,12 +68,21 @@ def estimate_torch(
         if step == Step.FIRST:
             phases.append(phase(step, Phase.INIT, **base))
         grads_before = grads if accumulating else 0
-        phases.append(phase(step, Phase.FORWARD, **base, grads=grads_before, activations=fwd))
-        # Backward: its start holds every saved activation (and, accumulating, the gradients);
-        # its end holds all gradients; under full checkpointing one recomputed block is live.
-        start = dict(grads=grads_before, activations=bwd_start)
-        end = dict(grads=grads, activations=recompute)
-        worst = start if grads_before + bwd_start >= grads + recompute else end
+        phases.append(phase(step, Phase.FORWARD, **base, grads=grads_before, activations=acts.forward_peak if acts else 0))
+        # Backward: the loss's backward (every saved tensor, the fp32 gradients of the logits),
+        # then each block's (activations.py block_backward_peak) with the .grad of the head, of
+        # the blocks done and of this block's output projection (AccumulateGrad stores each as it
+        # comes; a tied head's gradient waits in autograd until the embedding's backward), then
+        # the end, every .grad present. Linear in the blocks done between the ends.
+        points = [dict(grads=grads)]
+        if acts is not None:
+            points.append(dict(grads=grads_before, activations=acts.backward_start_peak))
+            for j in sorted({0, 1, num_blocks - 2, num_blocks - 1}):
+                if 0 <= j < num_blocks:
+                    done = (head_numel + first_numel + j * block_numel) * element
+                    points.append(dict(grads=max(grads_before, done),
+                                       activations=acts.block_backward_peak(num_blocks - j) + tied_numel * element))
+        worst = max(points, key=lambda p: sum(p.values()))
         phases.append(phase(step, Phase.BACKWARD, **base, **worst))
         phases.append(
             phase(step, Phase.OPTIMIZER_STEP, params=params, buffers=buckets, grads=grads,
