@@ -618,7 +618,8 @@ def render_markdown(report: Report) -> str:
         f"bytes and a floor of {CATEGORY_FLOOR_BYTES // 1024} KiB or {CATEGORY_FLOOR_FRACTION:.0%} of the "
         "measured peak, whichever is larger; `·` means both sides are below that floor. Misses are in bold.",
         "- offloaded bytes: on a CPU run host and device are one memory, so an offload row's measured "
-        "total includes the offloaded states; the estimate counts them the same way for `device=cpu`.",
+        "total includes the offloaded states; every row is estimated with `device=cpu`, which tells the "
+        "estimator to count them in the same total.",
         "",
         "## Rows",
         "",
