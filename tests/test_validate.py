@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from zeroplan import validate as v
 from zeroplan.cli import cli
-from zeroplan.errors import SpecError
+from zeroplan.errors import MeasureError, SpecError
 from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, NodeBytes, Phase, PhaseBytes, Step
 
 MIB = 2**20
@@ -211,3 +211,23 @@ def test_cli_unknown_rows_is_a_one_line_error(tmp_path):
     result = CliRunner().invoke(cli, ["validate", "--rows", "nope", "--output-json", str(tmp_path / "r.json")])
     assert result.exit_code == 2
     assert result.output == "Error: rows: no row of the grid matches 'nope'\n"
+
+
+def test_summary_takes_steady_and_first_peaks_per_rank_and_the_gpu_counters():
+    from zeroplan.measure.result import MeasureResult, PhaseResult, RankResult
+
+    def phase(step, name, peak, device=None):
+        return PhaseResult(step, name, peak, peak, {"params": peak}, device)
+
+    gpu = lambda a, r: {"allocated_peak_bytes": a, "reserved_peak_bytes": r}  # noqa: E731
+    rank = RankResult(0, [phase(0, "engine", 5), phase(1, "backward", 9, gpu(10, 12)), phase(1, "optimizer_step", 8, gpu(9, 16)),
+                          phase(2, "backward", 11, gpu(12, 16)), phase(3, "backward", 12, gpu(13, 14)), phase(3, "optimizer_step", 7, gpu(8, 20))])
+    result = MeasureResult("nccl", "torch", 0, 1, "impl", "m", [rank], steps=3)
+    summary = v.summarize_measurement(result)
+    (entry,) = summary["ranks"]
+    assert (entry["steady"]["step"], entry["steady"]["phase"], entry["steady"]["peak_bytes"]) == (3, "backward", 12)
+    assert (entry["first"]["step"], entry["first"]["phase"], entry["first"]["peak_bytes"]) == (1, "backward", 9)
+    assert entry["device"]["steady"] == gpu(13, 20) and entry["device"]["first"] == gpu(10, 16)
+    one_step = MeasureResult("gloo", "torch", 0, 1, "impl", "m", [RankResult(0, [phase(1, "backward", 9)])], steps=1)
+    with pytest.raises(MeasureError, match="rank 0 has no steady-state step"):
+        v.summarize_measurement(one_step)
