@@ -186,7 +186,8 @@ class TensorAccounting(TorchDispatchMode):
         flat, _ = tree_flatten(out)
         if func.namespace == "c10d":  # a collective: its inputs are communication buffers too
             flat += tree_flatten((args, kwargs))[0]
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        # meta tensors hold no memory (a fake tensor reports the device it stands for)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.device.type != "meta"]
         if tensors:
             with self._lock:
                 self._drain()

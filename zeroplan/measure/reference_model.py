@@ -136,13 +136,22 @@ class ReferenceCausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.dim_per_head = spec.dim_per_head
         if spec.position_embedding == "rotary":
-            d = spec.dim_per_head
-            inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # rope_theta 1e4
-            self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         for module in self.modules():  # GPT-2 / Llama initializer_range 0.02
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
+
+    def _inv_freq(self) -> torch.Tensor:
+        d = self.dim_per_head
+        return 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # rope_theta 1e4
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the rotary frequencies (after `to_empty` on a model built on meta)."""
+        if self.embed_positions is None:
+            self.inv_freq.copy_(self._inv_freq())
 
     def _rope(self, seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.embed_positions is not None:

@@ -111,7 +111,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
 
     from zeroplan.measure.accounting import TensorAccounting
     from zeroplan.measure.context import device_for, init_process_group, make_probe
-    from zeroplan.measure.engines import RunContext, build_runner, module_buffers
+    from zeroplan.measure.engines import RunContext, build_runner, model_device, module_buffers
     from zeroplan.measure.result import RankResult
     from zeroplan.measure.workload import build_workload, make_batch
     from zeroplan.spec.model import TransformerSpec
@@ -148,7 +148,9 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
         recorder = PhaseRecorder(accounting, probe)
         try:
             with recorder.phase(0, "model", default_category="temporaries"):
-                workload = build_workload(spec, training, device, implementation=job.get("implementation", "auto"))
+                workload = build_workload(
+                    spec, training, model_device(training, ctx), implementation=job.get("implementation", "auto")
+                )
                 held["model"], held["model_name"] = workload.model, workload.implementation
             with recorder.phase(0, "engine", default_category="temporaries", born_as="buffers"):
                 held["runner"] = runner = build_runner(workload.model, training, ctx)

@@ -38,6 +38,22 @@ class CausalLM(nn.Module):
         self.hf = hf
         self.transformer_blocks = list(blocks)  # a plain list: not registered twice as submodules
 
+    @torch.no_grad()
+    def init_materialized(self) -> None:
+        """Fill a model built on the meta device once its (sharded) storage exists (`to_empty`):
+        parameters drawn from N(0, 0.02) shard by shard (values do not change memory), rotary
+        frequency buffers recomputed (Hugging Face: its own `_init_weights` for rotary modules;
+        reference: `reset_buffers`). Other buffers keep what `to_empty` left."""
+        for param in self.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param  # a DTensor's shard
+            local.normal_(0.0, 0.02)
+        if not self.hf:
+            self.lm.reset_buffers()
+            return
+        for module in self.lm.modules():
+            if "RotaryEmbedding" in type(module).__name__:
+                self.lm._init_weights(module)
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.hf:
             return self.lm(input_ids=input_ids, labels=labels, use_cache=False).loss

@@ -15,6 +15,10 @@ counted) and creates the optimizer. The worker drives every runner the same way:
         runner.step()                                      # phase "optimizer_step"
 
 Contract:
+- `model` is built on `model_device(training, ctx)`: the meta device for FSDP2 (the runner
+  shards it, then materialises only its shards with `to_empty` and calls
+  `model.init_materialized()`), the rank's device for the others (DDP and DeepSpeed stages 0-2
+  hold the whole model anyway).
 - `model` is a `torch.nn.Module` whose `forward(input_ids, labels)` returns the mean causal-LM
   loss of the micro-batch (a 0-d tensor); `transformer_blocks(model)` lists its blocks, in order,
   for engines that wrap or shard per block (FSDP2 `fully_shard`, DeepSpeed ZeRO-3 needs none).
@@ -103,6 +107,16 @@ _ENGINE_MODULES = {
 }
 
 BuildRunner = Callable[[Any, TrainingSpec, RunContext], EngineRunner]
+
+
+def model_device(training: TrainingSpec, ctx: RunContext):
+    """Where the worker builds the model. FSDP2 shards a model built on the meta device and then
+    allocates only its shards (the recipe of torch's FSDP2 docs and torchtitan), so no rank ever
+    holds the whole model; building it whole first would put the peak of a large model at
+    "model built". The other engines wrap a model that is whole on the rank's device."""
+    import torch
+
+    return torch.device("meta") if training.engine.value == "fsdp2" else ctx.device
 
 
 def engine_names() -> tuple[str, ...]:

@@ -58,6 +58,16 @@ class FSDP2Runner:
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard if root_reshard is None else root_reshard, **policies)
+        if any(p.is_meta for p in model.parameters()):
+            # built on the meta device (engines.model_device): allocate this rank's shards only
+            # (FSDPModule._apply resets each FSDPParam's sharded data), then fill them
+            offloaded = isinstance(policies["offload_policy"], CPUOffloadPolicy)
+            model.to_empty(device="cpu" if offloaded else ctx.device)
+            if offloaded:  # the shards stay on the host; module buffers are used on the device
+                for module in model.modules():
+                    for name, buffer in module.named_buffers(recurse=False):
+                        module._buffers[name] = buffer.to(ctx.device)
+            model.init_materialized()
         self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], training)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
