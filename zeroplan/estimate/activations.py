@@ -33,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroplan.spec.model import TransformerSpec
-from zeroplan.spec.training import Attention, Checkpointing, TrainingSpec
+from zeroplan.architecture import param_layout
+from zeroplan.spec.training import Attention, Checkpointing, Engine, Precision, TrainingSpec
 
 FP32_BYTES = 4
 
@@ -45,6 +46,7 @@ class ActivationBytes:
     saved_per_block: int  # kept by one block until its backward (its input only under full checkpointing)
     recompute_block: int  # one block's activations rebuilt in backward under full checkpointing
     block_backward_transient: int  # gradients in flight at the peak of one block's backward
+    block_forward_transient: int  # the last block's output and its MLP's output, alive at its residual add
     embedding: int  # kept outside the blocks for the whole step (token ids, shifted labels)
     final_norm: int  # kept by the final norm, its output (lm_head's input) included
     logits: int  # lm_head output in the compute dtype, alive until the loss is computed
@@ -70,6 +72,12 @@ class ActivationBytes:
         return self.blocks_saved + self.final_norm + self.logits + self.loss_transient + self.loss_saved
 
     @property
+    def blocks_end_peak(self) -> int:
+        """The end of the last block's forward: every block's saved tensors, the MLP's output and
+        the residual sum being written (the block's output, which the final norm keeps)."""
+        return self.blocks_saved + self.block_forward_transient
+
+    @property
     def backward_start_peak(self) -> int:
         """log_softmax's backward: its saved output plus the gradients of nll_loss and of log_softmax."""
         return self.forward_end + self.logits_grad
@@ -80,96 +88,131 @@ class ActivationBytes:
         return self.embedding + blocks_left * self.saved_per_block + self.recompute_block + self.block_backward_transient
 
 
-def _norm_saved_per_token(spec: TransformerSpec, act_bytes: int) -> int:
+@dataclass(frozen=True)
+class _Widths:
+    """Element sizes of the activations: the residual stream's and the matmuls' outputs'.
+
+    Equal except under torch.autocast (the torch engine's fp16/bf16, measure/engines/
+    torch_engine.py): parameters and the residual stream stay fp32, and every matmul casts its
+    input and weight to 16-bit (aten autocast "lower_precision_fp" list: mm, addmm, linear,
+    scaled_dot_product_attention); each cast is a new tensor the matmul saves."""
+
+    resid: int
+    comp: int
+    autocast: bool
+
+
+def _input_projections(spec: TransformerSpec) -> tuple[int, int]:
+    """Matmuls reading the attention norm's and the MLP norm's output: separate q/k/v and gate/up
+    projections (Llama family), or fused ones (GPT-2's c_attn and c_fc, NeoX, Phi-3)."""
+    fused = spec.position_embedding == "learned" or spec.hf_model_type in ("gpt2", "gpt_neox", "phi3")
+    attn_reads = 1 if fused else 3
+    mlp_reads = 2 if spec.mlp == "gated" and spec.hf_model_type != "phi3" else 1
+    return attn_reads, mlp_reads
+
+
+def _norm_saved_per_token(spec: TransformerSpec, w: _Widths, reads: int) -> int:
+    """A norm and the input of the matmuls reading it.
+
+    RMSNorm (LlamaRMSNorm.forward): `hidden_states.to(float32)` (kept by pow and mul: the input
+    itself when it is fp32), `hidden_states * rsqrt(...)` cast back to the input dtype (kept by
+    the weight multiply), rsqrt's fp32 output per token. LayerNorm (aten native_layer_norm): its
+    input plus fp32 mean and rstd per token. The output is kept by the matmuls that read it:
+    once, or under autocast one 16-bit cast per matmul."""
     h = spec.hidden_size
+    out = w.comp * h * (reads if w.autocast else 1)
     if spec.norm == "rmsnorm":
-        # fp32 copy of the input (pow, mul), normalised cast back (weight mul), rsqrt (fp32/token).
-        return FP32_BYTES * h + act_bytes * h + FP32_BYTES
-    # native_layer_norm keeps its input plus fp32 mean and rstd per token.
-    return act_bytes * h + 2 * FP32_BYTES
+        return FP32_BYTES * h + w.resid * h + FP32_BYTES + out
+    return w.resid * h + 2 * FP32_BYTES + out
 
 
-def _attention_saved_per_token(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> int:
+def _attention_saved_per_token(spec: TransformerSpec, training: TrainingSpec, w: _Widths) -> int:
     q_width = spec.num_heads * spec.dim_per_head
     kv_width = spec.kv_heads * spec.dim_per_head
-    norm_out = act_bytes * spec.hidden_size  # read by the q/k/v projections
-    out = act_bytes * q_width  # attention output, read by o_proj
+    act = w.comp
+    out = act * q_width  # attention output, read by o_proj
     if training.attention == Attention.FUSED:
-        qkv = act_bytes * (q_width + 2 * kv_width)
+        # q and k after rotary (or GPT-2's c_attn output), v; under autocast the casts SDPA saves.
+        qkv = act * (q_width + 2 * kv_width)
         lse = FP32_BYTES * spec.num_heads
-        return norm_out + qkv + out + lse
+        return qkv + out + lse
     # eager: k and v repeated to num_heads, fp32 softmax output per query row (s keys each).
-    qkv = act_bytes * 3 * q_width
+    qkv = act * 3 * q_width
     probs = 0
     if training.checkpointing != Checkpointing.SELECTIVE:
-        probs_per_element = FP32_BYTES + (act_bytes if act_bytes != FP32_BYTES else 0)
+        probs_per_element = FP32_BYTES + (act if act != FP32_BYTES else 0)
         probs = probs_per_element * spec.num_heads * training.seq_len
-    return norm_out + qkv + out + probs
+    return qkv + out + probs
 
 
-def _mlp_saved_per_token(spec: TransformerSpec, act_bytes: int) -> int:
-    h, inner = spec.hidden_size, spec.intermediate_size
-    norm_out = act_bytes * h
+def _mlp_saved_per_token(spec: TransformerSpec, w: _Widths) -> int:
+    h, inner, act = spec.hidden_size, spec.intermediate_size, w.comp
     if spec.mlp == "gated":
-        dense = 4 * act_bytes * inner  # gate, SiLU(gate), up, product
+        dense = 4 * act * inner  # gate, SiLU(gate), up, product
     else:
-        dense = 5 * act_bytes * inner  # gelu_new written out: x, tanh, 0.5x, 1+tanh, product
+        dense = 5 * act * inner  # gelu_new written out: x, tanh, 0.5x, 1+tanh, product
     if not spec.is_moe:
-        return norm_out + dense
+        return dense
     k = spec.experts_per_token
     router = FP32_BYTES * spec.num_experts * 2  # router logits and their fp32 softmax
-    gathered_inputs = k * act_bytes * h  # each expert's gathered token rows
-    return norm_out + router + gathered_inputs + k * dense
+    gathered_inputs = k * act * h  # each expert's gathered token rows
+    return router + gathered_inputs + k * dense
 
 
-def _block_backward_transient_per_token(spec: TransformerSpec, act_bytes: int) -> int:
+def _weight_casts(spec: TransformerSpec, w: _Widths) -> tuple[int, int]:
+    """Under autocast, the 16-bit copies of a block's matmul weights and of the output head's,
+    made at first use (autocast's weight cache) and saved by each matmul until its backward.
+    Biases are cast too, but addmm's backward does not keep them."""
+    if not w.autocast:
+        return 0, 0
+    block = sum(t.numel for t in param_layout(spec).block if t.name.endswith("weight") and "norm" not in t.name)
+    return w.comp * block, w.comp * spec.vocab_size * spec.hidden_size
+
+
+def _block_backward_transient_per_token(spec: TransformerSpec, w: _Widths) -> int:
     """Gradients in flight at the peak of a block's backward, beyond its saved tensors.
 
-    The block's backward starts with the gradient of its output (width h, kept until the residual
-    add sums it). The MLP's last product (silu(gate) * up, or gelu_new's 0.5x * (1 + tanh)) is
-    read by down_proj / c_proj, whose backward frees it and returns the product's gradient
-    (intermediate width); the product's backward (aten mul) then returns two more gradients of
-    intermediate width while that one is alive (torch/csrc/autograd/FunctionsManual.cpp
-    mul_tensor_backward, one per factor). Net: h + 3 x inner - inner. Seen on tiny-llama and
-    tiny-gpt2 (fsdp2, gloo): the peak of the last block's backward sits exactly there.
+    The block's backward starts with the gradient of its output (residual width, kept until the
+    residual add sums it). The MLP's last product (silu(gate) * up, or gelu_new's 0.5x * (1 +
+    tanh)) is read by down_proj / c_proj, whose backward frees it and returns the product's
+    gradient (intermediate width); the product's backward (aten mul) then returns two more
+    gradients of intermediate width while that one is alive (torch/csrc/autograd/
+    FunctionsManual.cpp mul_tensor_backward, one per factor). Net: h + 3 x inner - inner. Seen on
+    tiny-llama and tiny-gpt2 (fsdp2, gloo): the peak of the last block's backward sits there.
     """
     k = spec.experts_per_token if spec.is_moe else 1
-    return act_bytes * (spec.hidden_size + 2 * k * spec.intermediate_size)
-
-
-def _block_input_shared_bytes(spec: TransformerSpec, act_bytes: int) -> int:
-    """Per token: the part of a recomputed block that is the checkpoint's own saved input.
-
-    LayerNorm saves its input tensor itself; RMSNorm saves `hidden_states.to(torch.float32)`,
-    which is the input itself when the input already is fp32 (modeling_llama.LlamaRMSNorm)."""
-    if spec.norm != "rmsnorm" or act_bytes == FP32_BYTES:
-        return act_bytes * spec.hidden_size
-    return 0
+    return w.resid * spec.hidden_size + 2 * k * w.comp * spec.intermediate_size
 
 
 def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
     """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens."""
+    autocast = training.engine == Engine.TORCH and training.precision in (Precision.BF16, Precision.FP16)
+    w = _Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
     tokens = training.micro_batch * training.seq_len
+    h = spec.hidden_size
+    attn_reads, mlp_reads = _input_projections(spec)
+    block_casts, head_cast = _weight_casts(spec, w)
     block_per_token = (
-        _norm_saved_per_token(spec, act_bytes)
-        + _attention_saved_per_token(spec, training, act_bytes)
-        + _norm_saved_per_token(spec, act_bytes)
-        + _mlp_saved_per_token(spec, act_bytes)
+        _norm_saved_per_token(spec, w, attn_reads)
+        + _attention_saved_per_token(spec, training, w)
+        + _norm_saved_per_token(spec, w, mlp_reads)
+        + _mlp_saved_per_token(spec, w)
     )
-    full_block = tokens * block_per_token
+    full_block = tokens * block_per_token + block_casts
     recompute = 0
     if training.checkpointing == Checkpointing.FULL:
-        # torch.utils.checkpoint keeps the block input only (Korthikanti section 5: 2sbh in 16-bit),
-        # and rebuilds the block's saved tensors in its backward, the input excepted when the
-        # first norm saves that very tensor.
-        saved_block = tokens * act_bytes * spec.hidden_size
-        recompute = full_block - tokens * _block_input_shared_bytes(spec, act_bytes)
+        # torch.utils.checkpoint keeps the block input only (Korthikanti section 5: 2sbh in 16-bit)
+        # and rebuilds the block's saved tensors in its backward, except the input when the first
+        # norm saves that very tensor (LayerNorm; RMSNorm on an fp32 input, whose .float() is a no-op).
+        saved_block = tokens * w.resid * h
+        shared = saved_block if (spec.norm != "rmsnorm" or w.resid == FP32_BYTES) else 0
+        recompute = full_block - shared
     else:
         saved_block = full_block
     # Kept outside the blocks: the token ids (int64, embedding's backward reads them) and the
     # shifted labels nll_loss saves (loss_utils.ForCausalLMLoss pads and shifts them: int64).
-    # (Llama's rotary cos/sin, 2 x seq x head_dim in the compute dtype, are shared by the batch
-    # and left out: under 0.5% of the activations of the smallest catalogue model.)
+    # (Llama's rotary cos/sin, 2 x seq x head_dim, are shared by the batch and left out: under
+    # 0.5% of the activations of the smallest catalogue model.)
     int64_bytes = 8
     embedding = 2 * tokens * int64_bytes
     vocab = spec.vocab_size
@@ -179,12 +222,14 @@ def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: i
     # Backward of nll_loss (a zero-filled fp32 gradient, aten nll_loss_backward) and of
     # log_softmax (_log_softmax_backward_data): both alive with log_softmax's saved output.
     logits_grad = 2 * tokens * FP32_BYTES * vocab
-    # The final norm keeps what a block's norm keeps, and its output is saved by lm_head.
-    final_norm = tokens * (_norm_saved_per_token(spec, act_bytes) + act_bytes * spec.hidden_size)
+    # The final norm keeps what a block's norm keeps, its output read by lm_head alone.
+    final_norm = tokens * _norm_saved_per_token(spec, w, 1) + head_cast
     return ActivationBytes(
         saved_per_block=saved_block,
         recompute_block=recompute,
-        block_backward_transient=tokens * _block_backward_transient_per_token(spec, act_bytes),
+        block_backward_transient=tokens * _block_backward_transient_per_token(spec, w),
+        # The residual add (x + mlp(x)) writes the block's output while down_proj's output lives.
+        block_forward_transient=tokens * (w.resid + w.comp) * h,
         embedding=embedding,
         final_norm=final_norm,
         logits=logits,

@@ -115,7 +115,7 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
             # the root's unsharded parameters, the last block's all-gather output and, while it
             # runs, its unsharded parameters, are all live at the end of the last block; the
             # loss is computed with the root and that all-gather output only.
-            blocks_end = acts.blocks_saved
+            blocks_end = acts.blocks_end_peak
             forward = _largest(
                 dict(buffers=root_gathered + (held_blocks + 1) * block_gathered + h2d_copy, grads=held_grads,
                      activations=blocks_end),

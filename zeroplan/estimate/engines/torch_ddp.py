@@ -68,7 +68,7 @@ def estimate_torch(
         if step == Step.FIRST:
             phases.append(phase(step, Phase.INIT, **base))
         grads_before = grads if accumulating else 0
-        phases.append(phase(step, Phase.FORWARD, **base, grads=grads_before, activations=acts.forward_peak if acts else 0))
+        phases.append(phase(step, Phase.FORWARD, **base, grads=grads_before, activations=max(acts.forward_peak, acts.blocks_end_peak) if acts else 0))
         # Backward: the loss's backward (every saved tensor, the fp32 gradients of the logits),
         # then each block's (activations.py block_backward_peak) with the .grad of the head, of
         # the blocks done and of this block's output projection (AccumulateGrad stores each as it
