@@ -71,7 +71,8 @@ class _Run:
 def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
     b = FP32_BYTES if training.precision == Precision.FP32 else HALF_BYTES
     trainable_groups = [g for g in facts.groups if not g.frozen]
-    numels = tuple(facts.trainable_numels())
+    # parameter order (model.parameters()): each copy of a block in turn
+    numels = tuple(t.numel for g in trainable_groups for _ in range(g.count) for t in g.tensors)
     backward: list[tuple[int, ...]] = []
     for g in reversed(trainable_groups):
         backward.extend([tuple(reversed([t.numel for t in g.tensors]))] * g.count)
@@ -187,22 +188,22 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
 # -- stages 1 and 2 -------------------------------------------------------------------------------
 
 
-def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> int:
-    """Largest `grads_in_partition` over ranks: stage_1_and_2.py `copy_grads_in_partition` sizes it
-    as the sum of the whole tensors that intersect the rank's [r·P, (r+1)·P) slice."""
+def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> list[int]:
+    """Each rank's `grads_in_partition` elements: stage_1_and_2.py `copy_grads_in_partition`
+    sizes it as the sum of the whole tensors that intersect the rank's [r·P, (r+1)·P) slice."""
     if len(numels) <= 1:
         # A model given by a parameter count has no tensor boundaries: partitions are exact, as
         # in DeepSpeed's own estimate_zero2_model_states_mem_needs.
-        return partition
+        return [partition] * n
     owned = [0] * n
     start = 0
     for numel in numels:
         end = start + numel
-        first, last = start // partition, min((end - 1) // partition, n - 1)
+        first, last = min(start // partition, n - 1), min((end - 1) // partition, n - 1)
         for rank in range(first, last + 1):
             owned[rank] += numel
         start = end
-    return max(owned)
+    return owned
 
 
 def _first_reduction(run: _Run, bucket_elements: int) -> tuple[int, int]:
@@ -229,7 +230,11 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     params = (flat + run.total - run.trainable) * b  # `bit16_groups_flat` + frozen module params
     master = partition * FP32_BYTES  # `single_partition_of_fp32_groups`, also in an fp32 run
     states = _states(run, partition)
-    owned = _owned_elements(run.numels, partition, n) * b
+    owned_by_rank = _owned_elements(run.numels, partition, n)
+    owned = max(owned_by_rank) * b
+    # The last rank owns the head, whose gradients come first: it allocates its partition at the
+    # first reduction, the others later in backward.
+    owned_early = owned_by_rank[-1] * b
     # `setup_buckets`: `reduce_bucket_size` elements, always (not capped by the model), two with
     # overlap_comm; at the first gradient hook of every backward, freed by
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
@@ -289,18 +294,20 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             # The rank owning the last parameters allocates its `grads_in_partition` at the first
             # reduction; a later micro-batch fills a second one, added into the first at its end.
             points += [_plus(during, activations=a, buffers=bucket_now) for a in acts_bwd[:first_index]]
-            points.append(_plus(during, activations=acts_at_first, buffers=bucket_now, grads=kept))
+            points.append(_plus(during, activations=acts_at_first, buffers=bucket_now,
+                                grads=0 if run.offload_opt else owned_early))
             points.append(_plus(during, buffers=bucket_now, grads=kept))
         else:
             # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
             # boundary's `reduce_gradients` walks them through the bucket, freeing each .grad as
             # it is copied in and filling the owned partition (the last micro-batch accumulates
             # into the kept .grad).
+            # At each module's backward peak, the gradients of the modules before it exist.
             done = 0
             for index, group in enumerate(run.groups_backward):
-                done += sum(group)
                 grads_now = 0 if carried else done * b
                 points.append(_plus(during, activations=acts_bwd[index], buffers=bucket_now, grads=grads_now))
+                done += sum(group)
             points.append(_plus(base, buffers=bucket, grads=(run.trainable - first_filled) * b + kept))
         phases.append(phase(step, Phase.BACKWARD, **_largest(*points)))
 
@@ -343,20 +350,24 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
     # `_setup_for_real_optimizer`: one bucket in the communication dtype, not doubled by overlap.
     bucket = knobs.reduce_bucket_size * b
     fp32_grad = p3 * FP32_BYTES  # offload: `subgroup_gradient_buffer` from init; else at step
-    # Gathered, non-persistent parameters (partitioned_param_coordinator.py): the first step
-    # releases each module after use; once the trace is recorded, parameters reused within
-    # `stage3_max_reuse_distance` stay gathered, up to `stage3_max_live_parameters`.
-    largest_module = max((sum(ceil_div(x, n) * n for x in grp if x > threshold) for grp in run.groups_backward),
-                         default=0)  # elements
-    if knobs.stage3_max_reuse_distance >= gatherable:
-        steady_gathered = min(gatherable, knobs.stage3_max_live_parameters + largest_module)
-    else:
-        steady_gathered = min(gatherable, knobs.stage3_max_reuse_distance + largest_module)
-    steady_gathered = max(steady_gathered, largest_module)
-    # A coalesced fetch (`_all_gather_dtype`) holds its flat buffer until `wait()` has copied each
-    # parameter out (`AllGatherCoalescedHandle.wait`): a prefetch of up to
-    # `stage3_prefetch_bucket_size` elements is alive twice for a moment.
-    prefetch = min(gatherable, knobs.stage3_prefetch_bucket_size + largest_module)
+    # Gathered, non-persistent parameters (partitioned_param_coordinator.py). Without a trace
+    # (the first micro-batch) each module is released after use (`release_sub_module`). Once the
+    # trace is recorded, `__params_to_release` keeps a parameter whose next use lies within
+    # `stage3_max_reuse_distance` elements while fewer than `stage3_max_live_parameters` are
+    # gathered: with both above the model size (the defaults, 1e9) everything stays gathered
+    # from its first use until the step; otherwise parameters are released after use (the next
+    # use of a forward parameter is its backward, far away) and each module holds its own
+    # parameters plus a prefetch of up to `stage3_prefetch_bucket_size` elements.
+    keep_all = min(knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters) >= gatherable
+    module_gathered = []  # elements gathered while each module (backward order) runs, steady state
+    for grp in run.groups_backward:
+        sizes = [ceil_div(x, n) * n for x in grp if x > threshold]
+        own = max(sizes, default=0)
+        module_gathered.append(own + min(knobs.stage3_prefetch_bucket_size, sum(sizes) - own))
+    # A coalesced fetch (`_all_gather_dtype`) holds its flat buffer until the handle's `wait()`
+    # has copied each parameter out (`AllGatherCoalescedHandle.wait`): the forward's prefetch of
+    # up to `stage3_prefetch_bucket_size` elements is alive twice until the head's forward.
+    prefetch = min(gatherable, knobs.stage3_prefetch_bucket_size)
 
     on_device_opt = not run.offload_opt or run.cpu_run
     on_device_par = not run.offload_par or run.cpu_run
@@ -371,7 +382,8 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
     phases = []
     for step in (Step.FIRST, Step.STEADY):
         held = states if step == Step.STEADY else 0
-        persist = persistent * b if step == Step.STEADY else 0  # gathered at the first forward
+        # persistent parameters stay gathered once the trace is complete (after the first micro-batch)
+        persist = persistent * b if step == Step.STEADY or training.grad_accum > 1 else 0
         base = dict(params=partitions_dev + persist, optimizer_states=opt(master + held),
                     grads=opt(grad_partitions + offload_grads), buffers=bucket)
         if step == Step.FIRST:
@@ -384,6 +396,7 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             opt_init = dict(params=partitions, optimizer_states=opt(master),
                             temporaries=0 if run.offload_opt else opt(fp32_grad), grads=opt(offload_grads))
             phases.append(phase(step, Phase.INIT, **_largest(built, defrag, opt_init, dict(base, params=partitions))))
+        if step == Step.FIRST and training.grad_accum == 1:
             # No trace yet: each module is gathered at its pre-forward hook and released after it
             # (`release_sub_module`), persistent parameters too (measured: a run with every
             # tensor persistent peaks as one with none in its first step); a module's coalesced
@@ -393,15 +406,18 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=2 * fetch))
             backward = [_plus(base, activations=_backward_start(acts))]
             backward += [_plus(base, buffers=g, activations=a) for g, a in zip(module_all, acts_bwd)]
+        elif keep_all:
+            # The trace is complete (from the second micro-batch of the first step on).
+            gathered = gatherable * b
+            forward = _largest(_plus(base, buffers=gathered + prefetch * b, activations=_activations_before_head(acts)),
+                               _plus(base, buffers=gathered, activations=fwd))
+            backward = [_plus(base, buffers=gathered, activations=_backward_start(acts))]
+            backward += [_plus(base, buffers=gathered, activations=a) for a in acts_bwd]
         else:
-            # With the trace, parameters reused within `stage3_max_reuse_distance` stay gathered
-            # (`__params_to_release`); the forward's coalesced prefetch keeps its flat buffer
-            # (up to `stage3_prefetch_bucket_size`) beside the per-parameter copies until the
-            # head's forward has consumed the last of them.
-            forward = _largest(_plus(base, buffers=(steady_gathered + prefetch) * b, activations=_activations_before_head(acts)),
-                               _plus(base, buffers=steady_gathered * b, activations=fwd))
-            backward = [_plus(base, buffers=steady_gathered * b, activations=_backward_start(acts))]
-            backward += [_plus(base, buffers=steady_gathered * b, activations=a) for a in acts_bwd]
+            head = module_gathered[0] * b if module_gathered else 0
+            forward = _plus(base, buffers=head, activations=fwd)
+            backward = [_plus(base, buffers=head, activations=_backward_start(acts))]
+            backward += [_plus(base, buffers=g * b, activations=a) for g, a in zip(module_gathered, acts_bwd)]
         phases.append(phase(step, Phase.FORWARD, **forward))
         phases.append(phase(step, Phase.BACKWARD, **_largest(*backward)))
         # `step`: all parameters are released, persistent ones included, and re-gathered after
