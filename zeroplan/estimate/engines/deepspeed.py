@@ -350,24 +350,13 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
     # `_setup_for_real_optimizer`: one bucket in the communication dtype, not doubled by overlap.
     bucket = knobs.reduce_bucket_size * b
     fp32_grad = p3 * FP32_BYTES  # offload: `subgroup_gradient_buffer` from init; else at step
-    # Gathered, non-persistent parameters (partitioned_param_coordinator.py). Without a trace
-    # (the first micro-batch) each module is released after use (`release_sub_module`). Once the
-    # trace is recorded, `__params_to_release` keeps a parameter whose next use lies within
-    # `stage3_max_reuse_distance` elements while fewer than `stage3_max_live_parameters` are
-    # gathered: with both above the model size (the defaults, 1e9) everything stays gathered
-    # from its first use until the step; otherwise parameters are released after use (the next
-    # use of a forward parameter is its backward, far away) and each module holds its own
-    # parameters plus a prefetch of up to `stage3_prefetch_bucket_size` elements.
-    keep_all = min(knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters) >= gatherable
-    module_gathered = []  # elements gathered while each module (backward order) runs, steady state
-    for grp in run.groups_backward:
-        sizes = [ceil_div(x, n) * n for x in grp if x > threshold]
-        own = max(sizes, default=0)
-        module_gathered.append(own + min(knobs.stage3_prefetch_bucket_size, sum(sizes) - own))
+    gathered_at_head, gathered_in_backward = _steady_gathering(run, threshold)
     # A coalesced fetch (`_all_gather_dtype`) holds its flat buffer until the handle's `wait()`
-    # has copied each parameter out (`AllGatherCoalescedHandle.wait`): the forward's prefetch of
-    # up to `stage3_prefetch_bucket_size` elements is alive twice until the head's forward.
-    prefetch = min(gatherable, knobs.stage3_prefetch_bucket_size)
+    # has copied each parameter out (`AllGatherCoalescedHandle.wait`): measured with the whole
+    # model kept, the forward's prefetch (up to `stage3_prefetch_bucket_size` elements) is alive
+    # twice until the head's forward.
+    keep_all = gathered_at_head >= gatherable
+    prefetch = min(gatherable, knobs.stage3_prefetch_bucket_size) if keep_all else 0
 
     on_device_opt = not run.offload_opt or run.cpu_run
     on_device_par = not run.offload_par or run.cpu_run
@@ -396,7 +385,7 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             opt_init = dict(params=partitions, optimizer_states=opt(master),
                             temporaries=0 if run.offload_opt else opt(fp32_grad), grads=opt(offload_grads))
             phases.append(phase(step, Phase.INIT, **_largest(built, defrag, opt_init, dict(base, params=partitions))))
-        if step == Step.FIRST and training.grad_accum == 1:
+        if step == Step.FIRST and training.grad_accum == 1:  # no trace yet
             # No trace yet: each module is gathered at its pre-forward hook and released after it
             # (`release_sub_module`), persistent parameters too (measured: a run with every
             # tensor persistent peaks as one with none in its first step); a module's coalesced
@@ -406,18 +395,13 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=2 * fetch))
             backward = [_plus(base, activations=_backward_start(acts))]
             backward += [_plus(base, buffers=g, activations=a) for g, a in zip(module_all, acts_bwd)]
-        elif keep_all:
-            # The trace is complete (from the second micro-batch of the first step on).
-            gathered = gatherable * b
-            forward = _largest(_plus(base, buffers=gathered + prefetch * b, activations=_activations_before_head(acts)),
-                               _plus(base, buffers=gathered, activations=fwd))
-            backward = [_plus(base, buffers=gathered, activations=_backward_start(acts))]
-            backward += [_plus(base, buffers=gathered, activations=a) for a in acts_bwd]
         else:
-            head = module_gathered[0] * b if module_gathered else 0
-            forward = _plus(base, buffers=head, activations=fwd)
+            # The trace is complete (from the second micro-batch of the first step on).
+            head = gathered_at_head * b
+            forward = _largest(_plus(base, buffers=head + prefetch * b, activations=_activations_before_head(acts)),
+                               _plus(base, buffers=head, activations=fwd))
             backward = [_plus(base, buffers=head, activations=_backward_start(acts))]
-            backward += [_plus(base, buffers=g * b, activations=a) for g, a in zip(module_gathered, acts_bwd)]
+            backward += [_plus(base, buffers=g * b, activations=a) for g, a in zip(gathered_in_backward, acts_bwd)]
         phases.append(phase(step, Phase.FORWARD, **forward))
         phases.append(phase(step, Phase.BACKWARD, **_largest(*backward)))
         # `step`: all parameters are released, persistent ones included, and re-gathered after
@@ -438,6 +422,42 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
     host_opt = (master + states + grad_partitions + fp32_grad) if run.offload_opt and not run.cpu_run else 0
     host_par = partitions if run.offload_par and not run.cpu_run else 0
     return phases, host_opt, host_par
+
+
+def _steady_gathering(run: _Run, threshold: int) -> tuple[int, list[int]]:
+    """Gathered non-persistent elements once the trace is recorded: at the head's forward, and
+    while each module group (backward order) runs its backward.
+
+    partitioned_param_coordinator.py `__params_to_release`: after a module runs, its parameters
+    are kept if they reappear within `stage3_max_reuse_distance` elements of the upcoming trace.
+    A tensor used in forward is next used in backward, after the tensors that follow it in
+    forward have each been used twice (2 x the elements after it); a tensor used in backward is
+    next used in the next forward, after 2 x the elements before it. `fetch_sub_module` gathers
+    the running module and prefetches up to `stage3_prefetch_bucket_size` elements ahead while
+    fewer than `stage3_max_live_parameters` are gathered. `step` releases everything
+    (`_partition_all_parameters`).
+    """
+    knobs, n = run.training.deepspeed, run.n
+    reuse, live = knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters
+    groups = [[ceil_div(x, n) * n for x in grp if x > threshold] for grp in run.groups_backward]
+    sizes = [sum(g) for g in groups]
+    total = sum(sizes)
+    # forward order is the reverse of backward order; `after` = elements after a group in forward
+    kept_forward, kept_backward = [], []
+    after = 0
+    for size in sizes:  # backward order: the head first, i.e. the last in forward
+        kept_forward.append(size if 2 * after < reuse else 0)
+        after += size
+        kept_backward.append(size if 2 * (total - after) < reuse else 0)
+    at_head = min(sum(kept_forward), max(live, sizes[0] if sizes else 0))
+    in_backward = []
+    for index, size in enumerate(sizes):
+        not_reached = sum(kept_forward[index + 1:])
+        done = sum(kept_backward[:index])
+        ahead = sum(sizes[index + 1:]) - not_reached
+        prefetch = min(knobs.stage3_prefetch_bucket_size, ahead) if not_reached + done + size < live else 0
+        in_backward.append(min(not_reached + done, live) + size + prefetch)
+    return at_head, in_backward
 
 
 # -- entry point ----------------------------------------------------------------------------------
