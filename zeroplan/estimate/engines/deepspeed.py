@@ -206,17 +206,27 @@ def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> list[int
     return owned
 
 
-def _first_reduction(run: _Run, bucket_elements: int) -> tuple[int, int]:
-    """(backward module index, elements already in the bucket) when the reduce bucket first
-    overflows: `reduce_independent_p_g_buckets_and_remove_grads` reduces the bucket when the next
-    gradient does not fit; without an overflow the epilogue reduces it after the last module."""
+def _bucket_fill(numels, bucket_elements: int) -> int:
+    """Elements in the reduce bucket when it first overflows (`reduce_independent_p_g_buckets_
+    and_remove_grads` reduces it when the next gradient does not fit), or all of them."""
+    filled = 0
+    for numel in numels:
+        if filled and filled + numel > bucket_elements:
+            return filled
+        filled += numel
+    return filled
+
+
+def _first_reduction(run: _Run, bucket_elements: int) -> int:
+    """Backward module index at which the reduce bucket first overflows during backward (the
+    number of modules when the epilogue reduces it after the last one)."""
     filled = 0
     for index, group in enumerate(run.groups_backward):
         for numel in group:
             if filled and filled + numel > bucket_elements:
-                return index, filled
+                return index
             filled += numel
-    return len(run.groups_backward), filled
+    return len(run.groups_backward)
 
 
 def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], int, int]:
@@ -232,14 +242,14 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     states = _states(run, partition)
     owned_by_rank = _owned_elements(run.numels, partition, n)
     owned = max(owned_by_rank) * b
-    # The last rank owns the head, whose gradients come first: it allocates its partition at the
-    # first reduction, the others later in backward.
+    # The last rank owns the head, whose gradients come first in backward: it allocates its
+    # partition at the first reduction during backward, the others later.
     owned_early = owned_by_rank[-1] * b
     # `setup_buckets`: `reduce_bucket_size` elements, always (not capped by the model), two with
     # overlap_comm; at the first gradient hook of every backward, freed by
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
     bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
-    first_index, first_filled = _first_reduction(run, knobs.reduce_bucket_size)
+    first_index = _first_reduction(run, knobs.reduce_bucket_size)
     acts_bwd = _backward_activations(acts, len(run.groups_backward))
     acts_at_first = acts_bwd[first_index] if first_index < len(acts_bwd) else 0
     fwd = _forward_activations(acts)
@@ -290,9 +300,11 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
         kept = 0 if run.offload_opt else owned  # offload copies straight to the host gradient
         # The bucket appears at the first parameter's gradient hook, after the loss's backward.
         points = [_plus(during, activations=_backward_start(acts))]
-        if stage == 2:
-            # The rank owning the last parameters allocates its `grads_in_partition` at the first
-            # reduction; a later micro-batch fills a second one, added into the first at its end.
+        if stage == 2 or overlap:
+            # Stage 2 (and stage 1 with overlap_comm, at the boundary: `process_gradients`) moves
+            # each gradient into the bucket at its hook. The rank owning the last parameters
+            # allocates its `grads_in_partition` at the first reduction; a later micro-batch
+            # fills a second one, added into the first at its end.
             points += [_plus(during, activations=a, buffers=bucket_now) for a in acts_bwd[:first_index]]
             points.append(_plus(during, activations=acts_at_first, buffers=bucket_now,
                                 grads=0 if run.offload_opt else owned_early))
@@ -308,7 +320,11 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
                 grads_now = 0 if carried else done * b
                 points.append(_plus(during, activations=acts_bwd[index], buffers=bucket_now, grads=grads_now))
                 done += sum(group)
-            points.append(_plus(base, buffers=bucket, grads=(run.trainable - first_filled) * b + kept))
+            # `reduce_gradients` walks the parameters in their order, so the first rank
+            # allocates its partition at the first overflow, with the rest still in .grad.
+            filled = _bucket_fill(run.numels, knobs.reduce_bucket_size)
+            first_rank = 0 if run.offload_opt else owned_by_rank[0] * b
+            points.append(_plus(base, buffers=bucket, grads=(run.trainable - filled) * b + first_rank))
         phases.append(phase(step, Phase.BACKWARD, **_largest(*points)))
 
         # `step`: `flatten(averaged_gradients)` (P12 x b) then `.to(fp32)` becomes the master's
