@@ -88,6 +88,9 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
         if d["rows"]:
             click.echo(f"{name}: {d['rows']} rows, |error| median {d['median']:.2%}, 90th percentile {d['p90']:.2%}, "
                        f"worst {d['worst']:+.2%} ({d['worst_row']})")
+    failed = [r.row.id for r in shown.rows if r.status == "failed"]
+    if failed:
+        click.echo(f"{len(failed)} rows could not be measured (see the report): {', '.join(failed)}", err=True)
     click.echo(f"wrote {output_md} and {output_json}", err=True)
 
 
