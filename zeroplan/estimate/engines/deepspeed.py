@@ -367,6 +367,7 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
     bucket = knobs.reduce_bucket_size * b
     fp32_grad = p3 * FP32_BYTES  # offload: `subgroup_gradient_buffer` from init; else at step
     gathered_at_head, gathered_in_backward = _steady_gathering(run, threshold)
+    reductions = _stage3_reductions(run)
     # A coalesced fetch (`_all_gather_dtype`) holds its flat buffer until the handle's `wait()`
     # has copied each parameter out (`AllGatherCoalescedHandle.wait`): measured with the whole
     # model kept, the forward's prefetch (up to `stage3_prefetch_bucket_size` elements) is alive
@@ -402,15 +403,17 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
                             temporaries=0 if run.offload_opt else opt(fp32_grad), grads=opt(offload_grads))
             phases.append(phase(step, Phase.INIT, **_largest(built, defrag, opt_init, dict(base, params=partitions))))
         if step == Step.FIRST and training.grad_accum == 1:  # no trace yet
-            # No trace yet: each module is gathered at its pre-forward hook and released after it
-            # (`release_sub_module`), persistent parameters too (measured: a run with every
-            # tensor persistent peaks as one with none in its first step); a module's coalesced
-            # fetch holds its flat buffer and the per-parameter copies at once.
-            module_all = [sum(ceil_div(x, n) * n for x in grp) * b for grp in run.groups_backward]
-            fetch = max(module_all, default=0)
-            forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=2 * fetch))
+            # No trace yet: each submodule's parameters are gathered at its pre-forward and
+            # pre-backward hooks and released after it (`release_sub_module`), persistent ones
+            # too (measured: a run with every tensor persistent peaks as one with none in its
+            # first step). Hooks sit on the leaf modules (a Linear holds one weight, as each of
+            # the model's tensors here), so one tensor is gathered at a time.
+            module_all = [max((ceil_div(x, n) * n for x in grp), default=0) * b for grp in run.groups_backward]
+            forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=max(module_all, default=0)))
             backward = [_plus(base, activations=_backward_start(acts))]
             backward += [_plus(base, buffers=g, activations=a) for g, a in zip(module_all, acts_bwd)]
+            backward += [_plus(base, buffers=module_all[i] + flat * b, grads=trigger * b, activations=acts_bwd[i])
+                         for i, flat, trigger in reductions]
         else:
             # The trace is complete (from the second micro-batch of the first step on).
             head = gathered_at_head * b
@@ -418,6 +421,8 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
                                _plus(base, buffers=head, activations=fwd))
             backward = [_plus(base, buffers=head, activations=_backward_start(acts))]
             backward += [_plus(base, buffers=g * b, activations=a) for g, a in zip(gathered_in_backward, acts_bwd)]
+            backward += [_plus(base, buffers=(gathered_in_backward[i] + flat) * b, grads=trigger * b, activations=acts_bwd[i])
+                         for i, flat, trigger in reductions]
         phases.append(phase(step, Phase.FORWARD, **forward))
         phases.append(phase(step, Phase.BACKWARD, **_largest(*backward)))
         # `step`: all parameters are released, persistent ones included, and re-gathered after
@@ -438,6 +443,30 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
     host_opt = (master + states + grad_partitions + fp32_grad) if run.offload_opt and not run.cpu_run else 0
     host_par = partitions if run.offload_par and not run.cpu_run else 0
     return phases, host_opt, host_par
+
+
+def _stage3_reductions(run: _Run) -> list[tuple[int, int, int]]:
+    """(backward module index, padded elements reduced, elements of the gradient that triggered
+    it) for each bucket reduction during backward, the largest per module.
+
+    stage3.py `__add_grad_to_ipg_bucket` reduces the bucket when the next gradient does not fit
+    (`__reduce_and_partition_ipg_grads`); with `reduce_scatter` on (the default)
+    `__avg_scatter_grads` -> comm/coalesced_collectives.py `reduce_scatter_coalesced` builds a
+    flat copy of every gradient in the bucket, each padded to a multiple of N (`torch.cat`),
+    while the triggering gradient waits in its .grad.
+    """
+    n, bucket = run.n, run.training.deepspeed.reduce_bucket_size
+    found: dict[int, tuple[int, int, int]] = {}
+    filled = 0
+    for index, group in enumerate(run.groups_backward):
+        for numel in group:
+            if filled and filled + numel > bucket:
+                best = found.get(index)
+                if best is None or filled > best[1]:
+                    found[index] = (index, filled, numel)
+                filled = 0
+            filled += ceil_div(numel, n) * n
+    return list(found.values())
 
 
 def _steady_gathering(run: _Run, threshold: int) -> tuple[int, list[int]]:
