@@ -28,8 +28,9 @@ end of the phase: by then the engine has stored the tensor the peak's op returne
 runner can name it) and undoes the events since the peak. The
 number of classifications per phase is therefore about 256 x ln(peak / start) at most, whatever
 the number of allocations. A storage the runner did not name at the peak takes, in order, its
-name at the end of the phase, the category given at its birth (engine set-up allocations are
-"buffers"), "buffers" if a collective used it, else the phase's default (activations in forward
+name at the end of the phase, "buffers" if a collective used it, the category given at its
+birth (the worker: "buffers" for what the engine allocates while wrapping the model,
+"temporaries" for what backward allocates), else the phase's default (activations in forward
 and backward, temporaries otherwise). The categories always sum to the peak; which category a
 short-lived storage lands in is as good as those rules.
 """
@@ -324,16 +325,16 @@ class TensorAccounting(TorchDispatchMode):
     def _totals(self, storages: dict[int, tuple[int, str | None]], at_end: dict[int, str], default: str) -> dict[str, int]:
         """Bytes by category. A storage takes, in order: the runner's category at the peak; the
         runner's category at the end of the phase (a gradient in the making at the peak is a
-        gradient by the end; optimizer states are named once step() returns); the category given
-        at its birth (`born_as`, `births_as`); "buffers" if a collective used it (an all-gather
-        output or reduce-scatter input the engine no longer references, but the process group
-        still holds); the phase's default."""
+        gradient by the end; optimizer states are named once step() returns); "buffers" if a
+        collective used it (an all-gather output or reduce-scatter input the engine no longer
+        references, but the process group still holds); the category given at its birth
+        (`born_as`, `births_as`); the phase's default."""
         totals = dict.fromkeys(CATEGORIES, 0)
         for serial, (size, category) in storages.items():
-            category = category or at_end.get(serial) or self._born_as.get(serial)
+            category = category or at_end.get(serial)
             if category is None and serial in self._communicated:
                 category = "buffers"
-            totals[category or default] += size
+            totals[category or self._born_as.get(serial) or default] += size
         return totals
 
     def _retake(self, phase: _Phase) -> None:

@@ -7,6 +7,13 @@ set-up phases that together are its `init`):
 - `forward`, `backward`: every micro-batch of a step (with gradient accumulation the phase's
   peak is the highest of its micro-batches, its live bytes those after the last one);
 - `optimizer_step`: the optimizer step and dropping the gradients.
+Categories: params, grads, optimizer_states and buffers are what the engine names
+(`EngineRunner.tensors_by_category`; buffers also take what a collective used and what the
+engine allocated while wrapping the model); activations are the other tensors born in forward
+(saved for backward, the logits and the loss); temporaries are the other tensors born in
+backward (the logits' gradient, gradients in flight, activations recomputed by checkpointing)
+and in the optimizer step.
+
 Step 1 is the first step (optimizer states are created in it); steps 2 and later are the
 steady state. Bytes are ints: exact tensor bytes from the accounting; on CUDA `device` adds the
 allocator's own counters (`torch.cuda.memory_stats()`).

@@ -161,7 +161,10 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
                         _inject_fault(rank)
                         input_ids, labels = make_batch(spec, training, device)
                         loss = runner.forward(input_ids, labels)
-                    with recorder.phase(step, "backward", default_category="activations"):
+                    # Saved activations were born in forward; what backward allocates and the
+                    # runner does not name (the logits' gradient, gradients in flight between
+                    # layers, activations recomputed by checkpointing) is a temporary.
+                    with recorder.phase(step, "backward", default_category="activations", born_as="temporaries"):
                         runner.backward(loss)
                         del loss, input_ids, labels
                 with recorder.phase(step, "optimizer_step", default_category="temporaries"):
