@@ -85,7 +85,22 @@ class ActivationBytes:
     def block_backward_peak(self, blocks_left: int) -> int:
         """Inside the backward of a block when `blocks_left` blocks (itself included) still hold
         their saved tensors: the final norm and the loss are gone by then."""
-        return self.embedding + blocks_left * self.saved_per_block + self.recompute_block + self.block_backward_transient
+        return self.block_backward_saved(blocks_left) + self.block_backward_temporary
+
+    def block_backward_saved(self, blocks_left: int) -> int:
+        """The part of `block_backward_peak` allocated in forward (saved tensors)."""
+        return self.embedding + blocks_left * self.saved_per_block
+
+    @property
+    def block_input_grad(self) -> int:
+        """The gradient of a block's input, alive when its backward ends (residual width)."""
+        return self.block_forward_transient // 2 if self.block_forward_transient else 0
+
+    @property
+    def block_backward_temporary(self) -> int:
+        """The part of `block_backward_peak` allocated in backward: the recomputed block and the
+        gradients in flight (`zeroplan measure` counts what backward allocates as temporaries)."""
+        return self.recompute_block + self.block_backward_transient
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     tied_grad = tied_numel * gathered
     first_grads = first_numel * gathered
     root_grads = root_train * n * gathered
+    block_grads = block_train * n * gathered  # one block's unsharded gradients
     block_reduce_in = block_train * n * reduce  # foreach_reduce's reduce_scatter_input (reduce dtype)
     root_reduce_in = root_train * n * reduce
     h2d_copy = 0 if on_device else max(root_shard, block_shard) * storage
@@ -106,26 +107,11 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
         held_grads = sharded_grads if accumulating else 0
         if step == Step.FIRST:
             phases.append(phase(step, Phase.INIT, **base))
-        if acts is None:
-            forward = dict(buffers=root_gathered + (held_blocks + 1) * block_gathered + h2d_copy, grads=held_grads)
-        else:
-            # _fsdp_param_group.py wait_for_unshard: in forward the flat all-gather output of the
-            # last unit gathered is kept (comm_ctx.all_gather_state) until the next unit's
-            # copy-out, and the root's post-forward frees the last one (_fsdp_state._post_forward):
-            # the root's unsharded parameters, the last block's all-gather output and, while it
-            # runs, its unsharded parameters, are all live at the end of the last block; the
-            # loss is computed with the root and that all-gather output only.
-            blocks_end = acts.blocks_end_peak
-            forward = _largest(
-                dict(buffers=root_gathered + (held_blocks + 1) * block_gathered + h2d_copy, grads=held_grads,
-                     activations=blocks_end),
-                dict(buffers=root_gathered + (held_blocks - (1 if reshard else 0) + 1) * block_gathered,
-                     grads=held_grads, activations=acts.forward_peak),
-            )
+        forward = _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathered, h2d_copy)
         phases.append(phase(step, Phase.FORWARD, **base, **forward))
         phases.append(phase(step, Phase.BACKWARD, **base, **_backward(
             acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
-            head_grads, tied_grad, first_grads, root_grads, block_shard_grads, root_shard_grads, block_reduce_in,
+            head_grads, tied_grad, first_grads, block_grads, root_grads, block_shard_grads, root_shard_grads, block_reduce_in,
             root_reduce_in, h2d_copy)))
         phases.append(phase(step, Phase.OPTIMIZER_STEP, params=sharded_params, grads=sharded_grads,
                             optimizer_states=states, temporaries=temporaries))
@@ -140,8 +126,42 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if training.device == Device.CPU else host), tuple(notes))
 
 
+def _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathered, h2d_copy) -> dict[str, int]:
+    """The largest moment of the forward pass (torch/distributed/fsdp/_fully_shard/).
+
+    `FSDPParamGroup.wait_for_unshard` in forward keeps the previous unit's flat all-gather output
+    (comm_ctx.all_gather_state) until the next unit's copy-out: it drops the state, but its local
+    `prev_all_gather_state` holds the output until the function returns, after the copy-out. So
+    while block i copies out, the previous unit's all-gather output, block i's and block i's
+    unsharded parameters are live together (3 blocks' worth; 2 roots' and 2 blocks' for block
+    0); measured so on 2 gloo ranks. Under ZeRO-2 (reshard_after_forward=False) every earlier
+    block stays unsharded too. The root's post-forward frees the last all-gather output
+    (_fsdp_state._post_forward), so the loss is computed with the root's parameters and the
+    last block's all-gather output only (ZeRO-3).
+    """
+    earlier = 0 if reshard else max(num_blocks - 1, 0)  # unsharded blocks before the last
+    acts_before_last = acts.embedding + max(num_blocks - 1, 0) * acts.saved_per_block if acts else 0
+    points = [
+        dict(buffers=2 * root_gathered + h2d_copy, grads=held_grads, activations=acts.embedding if acts else 0),
+        dict(buffers=2 * root_gathered + 2 * block_gathered + h2d_copy, grads=held_grads,
+             activations=acts.embedding if acts else 0),
+    ]
+    if num_blocks > 1:
+        points.append(dict(buffers=root_gathered + (earlier + 3) * block_gathered + h2d_copy, grads=held_grads,
+                           activations=acts_before_last))
+    if acts is not None:
+        held_at_end = num_blocks if not reshard else 1
+        points += [
+            dict(buffers=root_gathered + (held_at_end + 1) * block_gathered, grads=held_grads,
+                 activations=acts.blocks_end_peak),
+            dict(buffers=root_gathered + (held_at_end - (1 if reshard else 0) + 1) * block_gathered,
+                 grads=held_grads, activations=acts.forward_peak),
+        ]
+    return _largest(*points)
+
+
 def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
-              head_grads, tied_grad, first_grads, root_grads, block_shard_grads, root_shard_grads, block_reduce_in,
+              head_grads, tied_grad, first_grads, block_grads, root_grads, block_shard_grads, root_shard_grads, block_reduce_in,
               root_reduce_in, h2d_copy) -> dict[str, int]:
     """The largest moment of the backward pass (torch/distributed/fsdp/_fully_shard/).
 
@@ -163,17 +183,29 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
     if root_reshards and reshard:
         points.append(dict(buffers=2 * root_gathered + h2d_copy, grads=held_grads, activations=acts_start))
     if acts is not None:
+        # Saved tensors are activations; what backward allocates (the logits' gradients, the
+        # recomputed block, gradients in flight, a tied head's pending gradient) is temporaries.
         points.append(dict(buffers=root_gathered + block_gathered * (held_blocks if not reshard else 1) + h2d_copy,
-                           grads=held_grads, activations=acts.backward_start_peak))
+                           grads=held_grads, activations=acts.forward_end, temporaries=acts.logits_grad))
     for j in sorted({0, 1, num_blocks - 2, num_blocks - 1}):
         if not 0 <= j < num_blocks:
             continue
         blocks_held = 1 if reshard else num_blocks - j
         prefetch = block_gathered if reshard and j < num_blocks - 1 else 0
+        buffers = root_gathered + blocks_held * block_gathered + prefetch + (block_reduce_in if j else 0) + h2d_copy
         points.append(dict(
-            buffers=root_gathered + blocks_held * block_gathered + prefetch + (block_reduce_in if j else 0) + h2d_copy,
+            buffers=buffers,
             grads=held_grads + head_grads + first_grads + j * block_shard_grads,
-            activations=(acts.block_backward_peak(num_blocks - j) if acts else 0) + tied_grad,
+            activations=acts.block_backward_saved(num_blocks - j) if acts else 0,
+            temporaries=(acts.block_backward_temporary if acts else 0) + tied_grad,
+        ))
+        # The end of the block's backward, before its post-backward: every unsharded gradient of
+        # the block, its saved tensors gone, the gradient of its input in flight.
+        points.append(dict(
+            buffers=buffers,
+            grads=held_grads + head_grads + block_grads + j * block_shard_grads,
+            activations=acts.block_backward_saved(num_blocks - j - 1) if acts else 0,
+            temporaries=(acts.block_input_grad if acts else 0) + tied_grad,
         ))
     blocks_done = num_blocks * block_shard_grads
     points.append(dict(buffers=root_gathered + (block_reduce_in if num_blocks else 0),
