@@ -33,6 +33,8 @@ NCCL_START_ALIGNMENT_FACTOR = 2
 # gradients through flat copies of up to MEMORY_OPT_ALLREDUCE_SIZE elements (a chunk closes once
 # it exceeds the limit, so it can be one tensor larger).
 MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
+# zero/utils.py `get_norm_dtype`: gradient norms are taken in fp64 where the device supports it.
+NORM_BYTES = 8
 # zero/config.py: sub_group_size default; stage 3 steps the fp32 partition sub-group by sub-group.
 SUB_GROUP_SIZE = 1_000_000_000
 
@@ -308,6 +310,12 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             points += [_plus(during, activations=a, buffers=bucket_now) for a in acts_bwd[:first_index]]
             points.append(_plus(during, activations=acts_at_first, buffers=bucket_now,
                                 grads=0 if run.offload_opt else owned_early))
+            if run.offload_opt:
+                # Offloaded, each owned gradient is copied to the host after
+                # `set_norm_for_param_grad_in_gpu` takes its norm in `get_norm_dtype()` (fp64
+                # where supported: a copy of the tensor), while the next gradient waits in .grad.
+                points.append(_plus(during, activations=acts_at_first, buffers=bucket_now,
+                                    grads=run.largest * b, temporaries=run.largest * NORM_BYTES))
             points.append(_plus(during, buffers=bucket_now, grads=kept))
         else:
             # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
