@@ -6,8 +6,10 @@ The only part of zeroplan that imports torch, and it does so lazily (inside func
 - `context`: which device, backend and memory probe a rank uses (the only CPU/GPU seam);
 - `accounting`: live-tensor accounting by storage, per phase, with the categories at each peak;
 - `workload`: the model of a spec, built for real (Hugging Face or `reference_model`), and its batches;
+- `reference_model`: a compact GPT-2 / Llama implementation for when transformers is missing;
 - `engines`: one runner per engine (torch, fsdp2, deepspeed) behind the `EngineRunner` interface;
 - `worker`: one rank (`python -m zeroplan.measure.worker`, also under torchrun);
-- `launcher`: `run_measurement`, which spawns local workers and collects their results;
+- `launcher`: `run_measurement`, which spawns local workers and collects their results (and
+  `write_job` / `load_outputs` / `assemble_result` for torchrun launches);
 - `result`: the result dataclasses and their JSON.
 """
