@@ -35,6 +35,8 @@ NCCL_START_ALIGNMENT_FACTOR = 2
 MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 # zero/utils.py `get_norm_dtype`: gradient norms are taken in fp64 where the device supports it.
 NORM_BYTES = 8
+# zero/offload_config.py: offload_optimizer.buffer_count default (NVMe swap buffers).
+OPTIMIZER_SWAP_BUFFERS = 4
 # zero/config.py: sub_group_size default; stage 3 steps the fp32 partition sub-group by sub-group.
 SUB_GROUP_SIZE = 1_000_000_000
 
@@ -231,7 +233,7 @@ def _first_reduction(run: _Run, bucket_elements: int) -> int:
     return len(run.groups_backward)
 
 
-def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], int, int]:
+def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], int]:
     training, knobs = run.training, run.training.deepspeed
     b, n = run.b, run.n
     stage = training.zero_stage
@@ -348,13 +350,13 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             step_point = _largest(convert, stepping)
         phases.append(phase(step, Phase.OPTIMIZER_STEP, **step_point))
     host_bytes = (master + states + host_grads + host_buffers) if run.offload_opt and not run.cpu_run else 0
-    return phases, host_bytes, 0
+    return phases, host_bytes
 
 
 # -- stage 3 --------------------------------------------------------------------------------------
 
 
-def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], int, int]:
+def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], tuple[int, int]]:
     training, knobs = run.training, run.training.deepspeed
     b, n = run.b, run.n
     all_numels = [t.numel for g in facts.groups for t in g.tensors for _ in range(g.count)]
@@ -448,9 +450,34 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             stepping = _largest(convert, update)
         after = dict(base, params=partitions_dev + persistent * b, optimizer_states=opt(master + states))
         phases.append(phase(step, Phase.OPTIMIZER_STEP, **_largest(stepping, after)))
-    host_opt = (master + states + grad_partitions + fp32_grad) if run.offload_opt and not run.cpu_run else 0
-    host_par = partitions if run.offload_par and not run.cpu_run else 0
-    return phases, host_opt, host_par
+    return phases, _stage3_host(run, p3, partitions, master + states, grad_partitions + fp32_grad)
+
+
+def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int) -> tuple[int, int]:
+    """(host, NVMe) bytes per rank of stage 3 offload on a GPU machine.
+
+    offload_optimizer cpu: the fp32 master, the states and both gradient partitions on the host.
+    nvme: master and states on NVMe; `OptimizerSwapper` (swap_tensor/optimizer_utils.py) pins
+    `buffer_count` (4) buffers of the largest sub-group in fp32 to swap them through.
+    offload_param cpu: the partitions on the host (`param_groups_fp16_flat_cpu_memory`); nvme:
+    on NVMe, through `AsyncPartitionedParameterSwapper.buffers` (swap_tensor/
+    partitioned_param_swapper.py), `buffer_count` x `buffer_size` elements of the model dtype.
+    """
+    if run.cpu_run:
+        return 0, 0
+    knobs = run.training.deepspeed
+    host = nvme = 0
+    if run.training.offload_optimizer == Offload.CPU:
+        host += optimizer + grads
+    elif run.training.offload_optimizer == Offload.NVME:
+        nvme += optimizer
+        host += grads + OPTIMIZER_SWAP_BUFFERS * min(p3, SUB_GROUP_SIZE) * FP32_BYTES
+    if run.training.offload_params == Offload.CPU:
+        host += partitions
+    elif run.training.offload_params == Offload.NVME:
+        nvme += partitions
+        host += knobs.offload_buffer_count * knobs.offload_buffer_size * run.b
+    return host, nvme
 
 
 def _stage3_reductions(run: _Run) -> list[tuple[int, int, int]]:
@@ -521,22 +548,14 @@ def estimate_deepspeed(facts: ModelFacts, training: TrainingSpec, acts: Activati
     notes = []
     if training.precision == Precision.PURE_BF16:
         notes.append("pure-bf16: DeepSpeed keeps an fp32 master and fp32 states; estimated as bf16 mixed precision")
-    host_opt = host_par = 0
+    host = nvme = 0
     if training.zero_stage == 0:
         phases = _stage0(run, acts)
     elif training.zero_stage in (1, 2):
-        phases, host_opt, host_par = _stage12(run, acts)
+        phases, host = _stage12(run, acts)  # spec: stages 1-2 offload to cpu only
     else:
-        phases, host_opt, host_par = _stage3(run, facts, acts)
-    nvme = cpu = 0
-    if training.offload_optimizer == Offload.NVME:
-        nvme += host_opt
-    else:
-        cpu += host_opt
-    if training.offload_params == Offload.NVME:
-        nvme += host_par
-    else:
-        cpu += host_par
+        phases, (host, nvme) = _stage3(run, facts, acts)
+    cpu = host
     per_node = NodeBytes(cpu_bytes=cpu * training.node_gpus,
                          pinned_bytes=cpu * training.node_gpus if training.deepspeed.offload_pin_memory else 0,
                          nvme_bytes=nvme * training.node_gpus)
