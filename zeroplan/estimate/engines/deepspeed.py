@@ -211,14 +211,18 @@ def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> list[int
 
 
 def _bucket_fill(numels, bucket_elements: int) -> int:
-    """Elements in the reduce bucket when it first overflows (`reduce_independent_p_g_buckets_
-    and_remove_grads` reduces it when the next gradient does not fit), or all of them."""
-    filled = 0
+    """Gradient elements already copied into the reduce bucket (their .grad freed) when the first
+    reduction allocates the owned partition. `reduce_independent_p_g_buckets_and_remove_grads`
+    reduces the bucket when the next gradient does not fit; a gradient larger than the bucket
+    is not copied in but reduced alone (`extra_large_param_to_reduce`), so its .grad stays."""
+    pending = copied = 0
     for numel in numels:
-        if filled and filled + numel > bucket_elements:
-            return filled
-        filled += numel
-    return filled
+        if pending and pending + numel > bucket_elements:
+            return copied
+        pending += numel
+        if numel <= bucket_elements:
+            copied += numel
+    return copied
 
 
 def _first_reduction(run: _Run, bucket_elements: int) -> int:
