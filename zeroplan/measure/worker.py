@@ -184,7 +184,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
             # tiny-llama and tiny-gpt2 keep 32-64 KiB per layer more than a real run.
             notes.append("simulated Hugging Face model: under fake tensors transformers builds an explicit "
                          "attention mask, so activations read a little high (the reference implementation does not)")
-    implementation = held["model_name"] if "model_name" in held else "unknown"
+    implementation = held.get("model_name", "unknown")
     return {"ok": True, "result": result.to_json_dict(), "implementation": implementation, "notes": notes}
 
 
