@@ -17,7 +17,6 @@ The measure runner builds the model in fp32 before `deepspeed.initialize` casts 
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 from zeroplan.estimate.activations import ActivationBytes
@@ -63,7 +62,8 @@ class _Run:
     total: int  # all parameter elements
     trainable: int
     numels: tuple[int, ...]  # trainable tensors in parameter order (embedding first)
-    groups_backward: tuple[tuple[int, ...], ...]  # trainable tensors per module, in backward order
+    groups_backward: tuple[tuple[int, ...], ...]  # trainable tensors per module group, backward order
+    gathered_backward: tuple[tuple[int, ...], ...]  # all tensors (frozen too) per group, backward order
     largest: int  # largest trainable tensor
     adam_temporary_rate: int  # bytes of step temporaries per element of the tensor stepped at once
     cpu_run: bool
@@ -77,9 +77,14 @@ def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
     trainable_groups = [g for g in facts.groups if not g.frozen]
     # parameter order (model.parameters()): each copy of a block in turn
     numels = tuple(t.numel for g in trainable_groups for _ in range(g.count) for t in g.tensors)
+    # Module groups in backward order (the head first); a frozen group has no gradients but
+    # its parameters are still gathered in stage 3.
     backward: list[tuple[int, ...]] = []
-    for g in reversed(trainable_groups):
-        backward.extend([tuple(reversed([t.numel for t in g.tensors]))] * g.count)
+    gathered: list[tuple[int, ...]] = []
+    for g in reversed(facts.groups):
+        tensors = tuple(reversed([t.numel for t in g.tensors]))
+        backward.extend([() if g.frozen else tensors] * g.count)
+        gathered.extend([tensors] * g.count)
     offload_opt = training.offload_optimizer != Offload.NONE
     # Optimizer step temporaries. torch AdamW on CPU is the single-tensor path
     # (torch/optim/adam.py `_single_tensor_adam`: `denom = (exp_avg_sq.sqrt() / c).add_(eps)`,
@@ -90,7 +95,7 @@ def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
     rate = 2 * FP32_BYTES if (adamish and training.device == Device.CPU and not offload_opt) else 0
     return _Run(
         n=training.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, numels=numels,
-        groups_backward=tuple(backward), largest=max(numels, default=0), adam_temporary_rate=rate,
+        groups_backward=tuple(backward), gathered_backward=tuple(gathered), largest=max(numels, default=0), adam_temporary_rate=rate,
         cpu_run=training.device == Device.CPU, offload_opt=offload_opt,
         offload_par=training.offload_params != Offload.NONE, training=training,
     )
@@ -114,9 +119,7 @@ def _backward_activations(acts: ActivationBytes | None, groups: int) -> list[int
     for left in range(acts.num_blocks, 0, -1):
         points.append(acts.block_backward_peak(left))
     points.append(acts.embedding)
-    if len(points) != groups:  # frozen groups have no hooks; keep the largest points
-        points = sorted(points, reverse=True)[:groups] + [0] * max(0, groups - len(points))
-    return points
+    return points if len(points) == groups else [0] * groups  # a count-only model: no activations
 
 
 def _backward_start(acts: ActivationBytes | None) -> int:
@@ -422,7 +425,7 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             # too (measured: a run with every tensor persistent peaks as one with none in its
             # first step). Hooks sit on the leaf modules (a Linear holds one weight, as each of
             # the model's tensors here), so one tensor is gathered at a time.
-            module_all = [max((ceil_div(x, n) * n for x in grp), default=0) * b for grp in run.groups_backward]
+            module_all = [max((ceil_div(x, n) * n for x in grp), default=0) * b for grp in run.gathered_backward]
             forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=max(module_all, default=0)))
             backward = [_plus(base, activations=_backward_start(acts))]
             backward += [_plus(base, buffers=g, activations=a) for g, a in zip(module_all, acts_bwd)]
@@ -523,7 +526,7 @@ def _steady_gathering(run: _Run, threshold: int) -> tuple[int, list[int]]:
     """
     knobs, n = run.training.deepspeed, run.n
     reuse, live = knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters
-    groups = [[ceil_div(x, n) * n for x in grp if x > threshold] for grp in run.groups_backward]
+    groups = [[ceil_div(x, n) * n for x in grp if x > threshold] for grp in run.gathered_backward]
     sizes = [sum(g) for g in groups]
     total = sum(sizes)
     # forward order is the reverse of backward order; `after` = elements after a group in forward
