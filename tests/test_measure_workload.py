@@ -98,3 +98,15 @@ def test_a_parameter_count_model_cannot_be_built():
 def test_unknown_implementation_is_refused():
     with pytest.raises(MeasureError, match="implementation: 'jax' is not one of"):
         build_workload(resolve_model("tiny-llama"), _training(), CPU, implementation="jax")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_frozen_groups_get_no_gradients(implementation):
+    spec = resolve_model("tiny-llama")  # untied: the head is in "final"
+    layout = param_layout(spec)
+    model = build_workload(spec, _training(freeze=("embeddings", "final")), CPU, implementation=implementation).model
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable == layout.num_blocks * layout.block_params
+    loss = model(*make_batch(spec, _training(), CPU))
+    loss.backward()
+    assert sum(p.numel() for p in model.parameters() if p.grad is not None) == trainable

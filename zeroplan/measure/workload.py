@@ -168,6 +168,22 @@ def _build_reference(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.
     return lm, f"zeroplan-reference:{family(spec)}/{'eager' if eager else 'sdpa'}"
 
 
+def _freeze(lm: nn.Module, blocks: nn.ModuleList, groups: tuple[str, ...]) -> None:
+    """Stop the gradients of `groups` (TrainingSpec.freeze): "embeddings" is every embedding
+    matrix outside the blocks (tokens, learned positions; a tied head with them), "blocks" the
+    transformer blocks, "final" everything else (final norm, untied head)."""
+    if not groups:
+        return
+    in_blocks = {id(p) for p in blocks.parameters()}
+    embeddings = {
+        id(p) for m in lm.modules() if isinstance(m, nn.Embedding) for p in m.parameters() if id(p) not in in_blocks
+    }
+    for param in lm.parameters():
+        group = "blocks" if id(param) in in_blocks else "embeddings" if id(param) in embeddings else "final"
+        if group in groups:
+            param.requires_grad_(False)
+
+
 def _checkpointed(module: nn.Module) -> None:
     """Run `module`'s forward under non-reentrant activation checkpointing (torch.utils.checkpoint)."""
     forward = module.forward
@@ -208,6 +224,7 @@ def build_workload(
         lm, name = _build_hf(spec, training) if use_hf else _build_reference(spec, training)
     lm.train()
     blocks = _find_blocks(lm, spec.num_layers)
+    _freeze(lm, blocks, training.freeze)
     if training.checkpointing.value == "full":
         for block in blocks:
             _checkpointed(block)

@@ -37,15 +37,16 @@ class TorchRunner:
         self.grad_accum = training.grad_accum
         self._micro = 0
         self.ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.is_cuda else None)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = list(model.parameters())
+        trainable = [p for p in self.params if p.requires_grad]  # TrainingSpec.freeze
         if training.zero_stage == 0:
-            self.optimizer = make_optimizer(self.params, training)
+            self.optimizer = make_optimizer(trainable, training)
             self._local_optimizer = self.optimizer
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             cls, kwargs = optimizer_class_and_kwargs(training)
-            self.optimizer = ZeroRedundancyOptimizer(self.params, optimizer_class=cls, **kwargs)
+            self.optimizer = ZeroRedundancyOptimizer(trainable, optimizer_class=cls, **kwargs)
             self._local_optimizer = self.optimizer.optim  # holds this rank's shard of the states
         dtype = _AUTOCAST.get(training.precision)
         self._autocast = (lambda: torch.autocast(ctx.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
