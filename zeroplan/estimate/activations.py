@@ -45,8 +45,10 @@ class ActivationBytes:
 
     saved_per_block: int  # kept by one block until its backward (its input only under full checkpointing)
     recompute_block: int  # one block's activations rebuilt in backward under full checkpointing
-    block_backward_transient: int  # gradients in flight at the peak of one block's backward
-    block_forward_transient: int  # the last block's output and its MLP's output, alive at its residual add
+    block_backward_transient: int  # gradients allocated by the peak of one block's backward
+    block_backward_freed: int  # saved tensors that block's backward has freed by then
+    block_forward_transient: int  # live in the last block's forward beyond the saved tensors
+    block_input_grad_bytes: int  # the gradient of a block's input (residual width)
     embedding: int  # kept outside the blocks for the whole step (token ids, shifted labels)
     final_norm: int  # kept by the final norm, its output (lm_head's input) included
     logits: int  # lm_head output in the compute dtype, alive until the loss is computed
@@ -88,19 +90,23 @@ class ActivationBytes:
         return self.block_backward_saved(blocks_left) + self.block_backward_temporary
 
     def block_backward_saved(self, blocks_left: int) -> int:
-        """The part of `block_backward_peak` allocated in forward (saved tensors)."""
-        return self.embedding + blocks_left * self.saved_per_block
+        """The part of `block_backward_peak` allocated in forward (saved tensors): the MLP's
+        product, freed by down_proj's backward, is gone from the block in progress (unless it
+        was recomputed)."""
+        freed = self.block_backward_freed if not self.recompute_block and blocks_left else 0
+        return self.embedding + blocks_left * self.saved_per_block - freed
 
     @property
     def block_input_grad(self) -> int:
         """The gradient of a block's input, alive when its backward ends (residual width)."""
-        return self.block_forward_transient // 2 if self.block_forward_transient else 0
+        return self.block_input_grad_bytes
 
     @property
     def block_backward_temporary(self) -> int:
         """The part of `block_backward_peak` allocated in backward: the recomputed block and the
         gradients in flight (`zeroplan measure` counts what backward allocates as temporaries)."""
-        return self.recompute_block + self.block_backward_transient
+        freed = self.block_backward_freed if self.recompute_block else 0
+        return self.recompute_block - freed + self.block_backward_transient
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,23 @@ def _weight_casts(spec: TransformerSpec, w: _Widths) -> tuple[int, int]:
     return w.comp * block, w.comp * spec.vocab_size * spec.hidden_size
 
 
+def _block_forward_transient_per_token(spec: TransformerSpec, training: TrainingSpec, w: _Widths) -> int:
+    """Live in the last block's forward beyond the saved tensors.
+
+    Without checkpointing: the residual add (x + mlp(x)) writes the block's output while
+    down_proj's output lives. Under full checkpointing nothing inside the block is saved, but
+    its MLP still holds, while it multiplies, the residual stream, the MLP norm's output and
+    three intermediate-width tensors (LlamaMLP: SiLU(gate), up and their product; the gate
+    output is dropped once SiLU has read it) or four (GPT-2's gelu_new written out: the c_fc
+    output, 0.5x, 1 + tanh(...) and the product)."""
+    h = spec.hidden_size
+    if training.checkpointing != Checkpointing.FULL:
+        return (w.resid + w.comp) * h
+    k = spec.experts_per_token if spec.is_moe else 1
+    live_inner = 3 if spec.mlp == "gated" else 4
+    return w.resid * h + w.comp * h + k * live_inner * w.comp * spec.intermediate_size
+
+
 def _block_backward_transient_per_token(spec: TransformerSpec, w: _Widths) -> int:
     """Gradients in flight at the peak of a block's backward, beyond its saved tensors.
 
@@ -192,11 +215,17 @@ def _block_backward_transient_per_token(spec: TransformerSpec, w: _Widths) -> in
     tanh)) is read by down_proj / c_proj, whose backward frees it and returns the product's
     gradient (intermediate width); the product's backward (aten mul) then returns two more
     gradients of intermediate width while that one is alive (torch/csrc/autograd/
-    FunctionsManual.cpp mul_tensor_backward, one per factor). Net: h + 3 x inner - inner. Seen on
-    tiny-llama and tiny-gpt2 (fsdp2, gloo): the peak of the last block's backward sits there.
+    FunctionsManual.cpp mul_tensor_backward, one per factor). Allocated: h + 3 x inner; freed:
+    the product (`_block_backward_freed_per_token`). Seen on tiny-llama and tiny-gpt2 (fsdp2,
+    gloo): the peak of the last block's backward sits there.
     """
     k = spec.experts_per_token if spec.is_moe else 1
-    return w.resid * spec.hidden_size + 2 * k * w.comp * spec.intermediate_size
+    return w.resid * spec.hidden_size + 3 * k * w.comp * spec.intermediate_size
+
+
+def _block_backward_freed_per_token(spec: TransformerSpec, w: _Widths) -> int:
+    k = spec.experts_per_token if spec.is_moe else 1
+    return k * w.comp * spec.intermediate_size
 
 
 def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
@@ -243,8 +272,9 @@ def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: i
         saved_per_block=saved_block,
         recompute_block=recompute,
         block_backward_transient=tokens * _block_backward_transient_per_token(spec, w),
-        # The residual add (x + mlp(x)) writes the block's output while down_proj's output lives.
-        block_forward_transient=tokens * (w.resid + w.comp) * h,
+        block_backward_freed=tokens * _block_backward_freed_per_token(spec, w),
+        block_forward_transient=tokens * _block_forward_transient_per_token(spec, training, w),
+        block_input_grad_bytes=tokens * w.resid * h,
         embedding=embedding,
         final_norm=final_norm,
         logits=logits,
