@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
-from zeroplan.estimate.engines.common import EngineEstimate, ceil_div, phase
+from zeroplan.estimate.engines.common import EngineEstimate, ceil_div, early_gradients, phase
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
@@ -65,11 +65,13 @@ class _Run:
     groups_backward: tuple[tuple[int, ...], ...]  # trainable tensors per module group, backward order
     gathered_backward: tuple[tuple[int, ...], ...]  # all tensors (frozen too) per group, backward order
     largest: int  # largest trainable tensor
+    tied_head: int  # elements of a tied head's gradient, held by autograd until the embedding's backward
     adam_temporary_rate: int  # bytes of step temporaries per element of the tensor stepped at once
     cpu_run: bool
     offload_opt: bool
     offload_par: bool
     training: TrainingSpec
+    facts: ModelFacts
 
 
 def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
@@ -95,9 +97,10 @@ def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
     rate = 2 * FP32_BYTES if (adamish and training.device == Device.CPU and not offload_opt) else 0
     return _Run(
         n=training.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, numels=numels,
-        groups_backward=tuple(backward), gathered_backward=tuple(gathered), largest=max(numels, default=0), adam_temporary_rate=rate,
+        groups_backward=tuple(backward), gathered_backward=tuple(gathered), largest=max(numels, default=0),
+        tied_head=early_gradients(facts)[1], adam_temporary_rate=rate,
         cpu_run=training.device == Device.CPU, offload_opt=offload_opt,
-        offload_par=training.offload_params != Offload.NONE, training=training,
+        offload_par=training.offload_params != Offload.NONE, training=training, facts=facts,
     )
 
 
@@ -109,15 +112,19 @@ def _states(run: _Run, numel: int) -> int:
 # -- activations along backward ----------------------------------------------------------------
 
 
-def _backward_activations(acts: ActivationBytes | None, groups: int) -> list[int]:
+def _backward_activations(run: _Run, acts: ActivationBytes | None) -> list[int]:
     """Activation bytes while backward computes each module group's gradients, in backward order
     (final norm and head, blocks from the last, embedding), from activations.py's terms. The
-    loss's own backward comes before any parameter gradient: `_backward_start`."""
+    loss's own backward comes before any parameter gradient: `_backward_start`. A tied head's
+    gradient waits in autograd's input buffer from the head's backward to the embedding's
+    (common.py `early_gradients`), counted with the activations as `zeroplan measure` does."""
+    groups = len(run.groups_backward)
     if acts is None:
         return [0] * groups
     points = [acts.block_backward_peak(acts.num_blocks)]  # the head: the blocks' saved tensors
     for left in range(acts.num_blocks, 0, -1):
         points.append(acts.block_backward_peak(left))
+    points = [p + run.tied_head * run.b for p in points]
     points.append(acts.embedding)
     return points if len(points) == groups else [0] * groups  # a count-only model: no activations
 
@@ -261,7 +268,7 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
     bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
     first_index = _first_reduction(run, knobs.reduce_bucket_size)
-    acts_bwd = _backward_activations(acts, len(run.groups_backward))
+    acts_bwd = _backward_activations(run, acts)
     acts_at_first = acts_bwd[first_index] if first_index < len(acts_bwd) else 0
     fwd = _forward_activations(acts)
 
@@ -331,10 +338,13 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             # boundary's `reduce_gradients` walks them through the bucket, freeing each .grad as
             # it is copied in and filling the owned partition (the last micro-batch accumulates
             # into the kept .grad).
-            # At each module's backward peak, the gradients of the modules before it exist.
+            # At a block's backward peak, the gradients of the modules before it exist, and the
+            # block's output projection's (common.py `early_gradients`, its first gradients).
             done = 0
+            first_block = early_gradients(run.facts)[2]
             for index, group in enumerate(run.groups_backward):
-                grads_now = 0 if carried else done * b
+                in_block = first_block if 0 < index < len(run.groups_backward) - 1 and group else 0
+                grads_now = 0 if carried else (done + in_block) * b
                 points.append(_plus(during, activations=acts_bwd[index], buffers=bucket_now, grads=grads_now))
                 done += sum(group)
             # `reduce_gradients` walks the parameters in their order, so the first rank
@@ -399,7 +409,12 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
         return value if on_device_opt else 0
 
     fwd = _forward_activations(acts)
-    acts_bwd = _backward_activations(acts, len(run.groups_backward))
+    acts_bwd = _backward_activations(run, acts)
+    # A reduction runs in a weight gradient's hook, apart from the activation gradients in
+    # flight at a block's peak (activations.py `block_backward_transient`); measured: with
+    # checkpointing the block's peak and a reduction do not coincide.
+    transient = acts.block_backward_transient if acts is not None else 0
+    acts_hook = [max(a - transient, 0) if 0 < i < len(acts_bwd) - 1 else a for i, a in enumerate(acts_bwd)]
     partitions_dev = partitions if on_device_par else 0
     offload_grads = fp32_grad if run.offload_opt else 0
     phases = []
@@ -429,7 +444,7 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=max(module_all, default=0)))
             backward = [_plus(base, activations=_backward_start(acts))]
             backward += [_plus(base, buffers=g, activations=a) for g, a in zip(module_all, acts_bwd)]
-            backward += [_plus(base, buffers=module_all[i] + flat * b, grads=trigger * b, activations=acts_bwd[i])
+            backward += [_plus(base, buffers=module_all[i] + flat * b, grads=trigger * b, activations=acts_hook[i])
                          for i, flat, trigger in reductions]
         else:
             # The trace is complete (from the second micro-batch of the first step on).
@@ -438,8 +453,8 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
                                _plus(base, buffers=head, activations=fwd))
             backward = [_plus(base, buffers=head, activations=_backward_start(acts))]
             backward += [_plus(base, buffers=g * b, activations=a) for g, a in zip(gathered_in_backward, acts_bwd)]
-            backward += [_plus(base, buffers=(gathered_in_backward[i] + flat) * b, grads=trigger * b, activations=acts_bwd[i])
-                         for i, flat, trigger in reductions]
+            backward += [_plus(base, buffers=(gathered_in_backward[i] + flat) * b, grads=trigger * b,
+                               activations=acts_hook[i]) for i, flat, trigger in reductions]
         phases.append(phase(step, Phase.FORWARD, **forward))
         phases.append(phase(step, Phase.BACKWARD, **_largest(*backward)))
         # `step`: all parameters are released, persistent ones included, and re-gathered after
