@@ -129,6 +129,15 @@ def _backward_activations(run: _Run, acts: ActivationBytes | None) -> list[int]:
     return points if len(points) == groups else [0] * groups  # a count-only model: no activations
 
 
+def _hook_activations(points: list[int], acts: ActivationBytes | None) -> list[int]:
+    """Activations at a weight gradient's hook inside each module group: a block's saved (and
+    recomputed) tensors without the activation gradients in flight at its peak (activations.py
+    `block_backward_transient`). Measured: stage 3's bucket reductions and stage 2's offload
+    norms do not coincide with a block's peak (tiny-llama and tiny-gpt2, with checkpointing)."""
+    transient = acts.block_backward_transient if acts is not None else 0
+    return [max(a - transient, 0) if 0 < i < len(points) - 1 else a for i, a in enumerate(points)]
+
+
 def _backward_start(acts: ActivationBytes | None) -> int:
     """log_softmax's backward, before the first parameter gradient (and its hook) exists."""
     return acts.backward_start_peak if acts is not None else 0
@@ -330,8 +339,9 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
                 # Offloaded, each owned gradient is copied to the host after
                 # `set_norm_for_param_grad_in_gpu` takes its norm in `get_norm_dtype()` (fp64
                 # where supported: a copy of the tensor), while the next gradient waits in .grad.
-                points.append(_plus(during, activations=acts_at_first, buffers=bucket_now,
-                                    grads=run.largest * b, temporaries=run.largest * NORM_BYTES))
+                hook = _hook_activations(acts_bwd, acts)
+                points.append(_plus(during, activations=hook[first_index] if first_index < len(hook) else 0,
+                                    buffers=bucket_now, grads=run.largest * b, temporaries=run.largest * NORM_BYTES))
             points.append(_plus(during, buffers=bucket_now, grads=kept))
         else:
             # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
@@ -410,11 +420,7 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
 
     fwd = _forward_activations(acts)
     acts_bwd = _backward_activations(run, acts)
-    # A reduction runs in a weight gradient's hook, apart from the activation gradients in
-    # flight at a block's peak (activations.py `block_backward_transient`); measured: with
-    # checkpointing the block's peak and a reduction do not coincide.
-    transient = acts.block_backward_transient if acts is not None else 0
-    acts_hook = [max(a - transient, 0) if 0 < i < len(acts_bwd) - 1 else a for i, a in enumerate(acts_bwd)]
+    acts_hook = _hook_activations(acts_bwd, acts)
     partitions_dev = partitions if on_device_par else 0
     offload_grads = fp32_grad if run.offload_opt else 0
     phases = []
