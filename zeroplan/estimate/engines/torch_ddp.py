@@ -72,8 +72,8 @@ def estimate_torch(
         # Backward: the loss's backward (every saved tensor, the fp32 gradients of the logits),
         # then each block's (activations.py block_backward_peak) with the .grad of the head, of
         # the blocks done and of this block's output projection (AccumulateGrad stores each as it
-        # comes; a tied head's gradient waits in autograd until the embedding's backward, and
-        # becomes that .grad), then the end, every .grad present. Linear in the blocks done
+        # comes; a tied head's gradient waits in autograd's input buffer until the embedding's
+        # backward), then the end, every .grad present. Linear in the blocks done
         # between the ends. What backward allocates and no one names at the end of the phase
         # (logits' gradients, the recomputed block, gradients in flight) is temporaries.
         points = [dict(grads=grads)]
@@ -81,9 +81,9 @@ def estimate_torch(
             points.append(dict(grads=grads_before, activations=acts.forward_end, temporaries=acts.logits_grad))
             for j in sorted({0, 1, num_blocks - 2, num_blocks - 1}):
                 if 0 <= j < num_blocks:
-                    done = (head_numel + tied_numel + first_numel + j * block_numel) * element
+                    done = (head_numel + first_numel + j * block_numel) * element
                     points.append(dict(grads=max(grads_before, done), activations=acts.block_backward_saved(num_blocks - j),
-                                       temporaries=acts.block_backward_temporary))
+                                       temporaries=acts.block_backward_temporary + tied_numel * element))
         worst = max(points, key=lambda p: sum(p.values()))
         phases.append(phase(step, Phase.BACKWARD, **base, **worst))
         phases.append(
