@@ -23,8 +23,8 @@ SMALL3 = dict(SMALL, stage3_param_persistence_threshold=0)
 OFF = dict(SMALL, offload_pin_memory=False)
 OFF3 = dict(SMALL3, offload_pin_memory=False)
 GPT2_SMALL = dict(SMALL3, stage3_prefetch_bucket_size=100_000)
-SHORT = dict(micro_batch=1, seq_len=16)  # model states dominate
-LONG = dict(micro_batch=2, seq_len=128)  # activations dominate
+SHORT = {"micro_batch": 1, "seq_len": 16}  # model states dominate
+LONG = {"micro_batch": 2, "seq_len": 128}  # activations dominate
 
 # (name, training, measured steady peak, measured first-step peak[, model]): tiny-llama unless named
 MEASURED = [
@@ -72,7 +72,7 @@ def _training(**fields) -> TrainingSpec:
 
 @pytest.mark.parametrize("row", MEASURED, ids=[m[0] for m in MEASURED])
 def test_peaks_match_two_gloo_ranks(row):
-    name, fields, steady, first, *model = row
+    _name, fields, steady, first, *model = row
     result = estimate(resolve_model(model[0] if model else "tiny-llama"), _training(**fields))
     assert result.peak_of(Step.STEADY).total_bytes == pytest.approx(steady, rel=0.03)
     assert result.peak_of(Step.FIRST).total_bytes == pytest.approx(first, rel=0.05)

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
-from zeroplan.estimate.engines.common import EngineEstimate, ceil_div, early_gradients, phase
+from zeroplan.estimate.engines.common import (
+    EngineEstimate,
+    ceil_div,
+    early_gradients,
+    phase,
+)
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
@@ -175,8 +180,8 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
             if step == Step.FIRST:
                 phases.append(phase(step, Phase.INIT, params=params))
             phases.append(phase(step, Phase.FORWARD, params=params, optimizer_states=held, activations=fwd))
-            end = dict(params=params, optimizer_states=held, grads=grads, buffers=flat_allreduce)
-            start = dict(params=params, optimizer_states=held, activations=bwd)
+            end = {"params": params, "optimizer_states": held, "grads": grads, "buffers": flat_allreduce}
+            start = {"params": params, "optimizer_states": held, "activations": bwd}
             phases.append(phase(step, Phase.BACKWARD, **_largest(start, end)))
             phases.append(phase(step, Phase.OPTIMIZER_STEP, params=params, grads=grads, optimizer_states=states,
                                 temporaries=temps))
@@ -190,20 +195,20 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
         # per parameter, the 16-bit gradients still alive; torch AdamW per tensor.
         step_grads = grads + psi * FP32_BYTES
         step_temps = run.adam_temporary_rate * run.largest
-        init_extra = dict(grads=grads + psi * FP32_BYTES, temporaries=step_temps)  # the zero-gradient step
+        init_extra = {"grads": grads + psi * FP32_BYTES, "temporaries": step_temps}  # the zero-gradient step
     else:
         # FP16_Optimizer.step: `p.grad.to(fp32)` per parameter, then `_flatten_dense_tensors` of
         # them (both Ψ x 4 alive while flattening), the 16-bit grads freed after.
         step_grads = grads + psi * FP32_BYTES
         step_temps = psi * FP32_BYTES
-        init_extra = dict(grads=psi * FP32_BYTES)  # zero fp32 flat gradient for the init step
-    base = dict(params=params, optimizer_states=master + states)
+        init_extra = {"grads": psi * FP32_BYTES}  # zero fp32 flat gradient for the init step
+    base = {"params": params, "optimizer_states": master + states}
     for step in (Step.FIRST, Step.STEADY):
         if step == Step.FIRST:
             phases.append(phase(step, Phase.INIT, **base, **init_extra))
         phases.append(phase(step, Phase.FORWARD, **base, activations=fwd))
-        end = dict(grads=grads, buffers=flat_allreduce)
-        phases.append(phase(step, Phase.BACKWARD, **base, **_largest(dict(activations=bwd), end)))
+        end = {"grads": grads, "buffers": flat_allreduce}
+        phases.append(phase(step, Phase.BACKWARD, **base, **_largest({"activations": bwd}, end)))
         phases.append(phase(step, Phase.OPTIMIZER_STEP, **base, grads=step_grads, temporaries=step_temps))
     return phases
 
@@ -303,13 +308,13 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     phases = []
     for step in (Step.FIRST, Step.STEADY):
         held = states if step == Step.STEADY else 0
-        base = dict(params=params, optimizer_states=host(master + held), grads=host(host_grads),
-                    buffers=host(host_buffers) + device_buffers)
+        base = {"params": params, "optimizer_states": host(master + held), "grads": host(host_grads),
+                    "buffers": host(host_buffers) + device_buffers}
         if step == Step.FIRST:
             # `flatten_dense_tensors_aligned`: the old per-parameter storages and the flat copy.
-            flatten = dict(params=params + run.trainable * b)
-            after = dict(params=params, optimizer_states=host(master), grads=host(host_grads),
-                         buffers=host(host_buffers) + device_buffers)
+            flatten = {"params": params + run.trainable * b}
+            after = {"params": params, "optimizer_states": host(master), "grads": host(host_grads),
+                         "buffers": host(host_buffers) + device_buffers}
             phases.append(phase(step, Phase.INIT, **_largest(flatten, after)))
         # Between micro-batches (grad_accum > 1): stage 1 keeps every .grad and the bucket
         # (allocated at the first micro-batch's first hook, released by the boundary's epilogue,
@@ -317,9 +322,9 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
         # or, offloaded, `accumulated_grads_in_cpu` (in host_grads).
         carried: Point = {}
         if ga > 1 and stage == 1:
-            carried = dict(grads=run.trainable * b, buffers=bucket)
+            carried = {"grads": run.trainable * b, "buffers": bucket}
         elif ga > 1 and not run.offload_opt:
-            carried = dict(grads=owned)
+            carried = {"grads": owned}
         during = _plus(base, **carried)
         phases.append(phase(step, Phase.FORWARD, **_plus(during, activations=fwd)))
 
@@ -428,17 +433,17 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
         held = states if step == Step.STEADY else 0
         # persistent parameters stay gathered once the trace is complete (after the first micro-batch)
         persist = persistent * b if step == Step.STEADY or training.grad_accum > 1 else 0
-        base = dict(params=partitions_dev + persist, optimizer_states=opt(master + held),
-                    grads=opt(grad_partitions + offload_grads), buffers=bucket)
+        base = {"params": partitions_dev + persist, "optimizer_states": opt(master + held),
+                    "grads": opt(grad_partitions + offload_grads), "buffers": bucket}
         if step == Step.FIRST:
             # The model is built whole, partitioned in `deepspeed.initialize`; then
             # `_create_fp16_partitions_with_defragmentation` copies the partitions into one buffer,
             # `_create_fp32_partitions`, and `initialize_optimizer_states` makes a P3 x 4 zero
             # gradient (temporary without offload) before the bucket and gradient partitions.
-            built = dict(params=run.total * b)
-            defrag = dict(params=2 * partitions)
-            opt_init = dict(params=partitions, optimizer_states=opt(master),
-                            temporaries=0 if run.offload_opt else opt(fp32_grad), grads=opt(offload_grads))
+            built = {"params": run.total * b}
+            defrag = {"params": 2 * partitions}
+            opt_init = {"params": partitions, "optimizer_states": opt(master),
+                            "temporaries": 0 if run.offload_opt else opt(fp32_grad), "grads": opt(offload_grads)}
             phases.append(phase(step, Phase.INIT, **_largest(built, defrag, opt_init, dict(base, params=partitions))))
         if step == Step.FIRST and training.grad_accum == 1:  # no trace yet
             # No trace yet: each submodule's parameters are gathered at its pre-forward and
