@@ -175,8 +175,9 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
       post-backward pops it: reduce_scatter_max_input_buffers = 1), the sharded gradients of the
       j blocks done, the root's unsharded head gradients and this block's first gradient.
       The terms are linear in j between the ends, so j in {0, 1, L-2, L-1} covers the maximum.
-    - End (the root's post_backward, after the embedding's backward): the root's reduce-scatter
-      input next to its unsharded gradients and every block's sharded gradients.
+    - End: the embedding's backward (every block's sharded gradient, the last block's held
+      reduce-scatter input), then the root's post_backward: its reduce-scatter input next to its
+      unsharded gradients.
     """
     points = []
     acts_start = acts.forward_end if acts else 0
@@ -208,7 +209,13 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
             temporaries=(acts.block_input_grad if acts else 0) + tied_grad,
         ))
     blocks_done = num_blocks * block_shard_grads
+    # The embedding's backward, the last before the root's post-backward: its weight gradient
+    # (aten embedding_dense_backward). A tied weight's two gradients meet in autograd's input
+    # buffer, which adds them out of place (torch/csrc/autograd/input_buffer.cpp accumulate):
+    # the head's pending gradient, the embedding's and their sum are alive together, none a
+    # .grad yet.
     points.append(dict(buffers=root_gathered + (block_reduce_in if num_blocks else 0),
-                       grads=held_grads + root_grads + blocks_done))
+                       grads=held_grads + root_grads - tied_grad + blocks_done,
+                       temporaries=3 * tied_grad))
     points.append(dict(buffers=root_reduce_in, grads=held_grads + root_grads + blocks_done + root_shard_grads))
     return _largest(*points)
