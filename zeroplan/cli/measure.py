@@ -1,0 +1,113 @@
+"""`zeroplan measure`: run real training steps and print the measured memory beside the estimate."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from zeroplan.cli.common import model_options, training_options
+from zeroplan.errors import MissingDependencyError, SpecError
+from zeroplan.units import REPORT_UNITS
+
+IMPLEMENTATIONS = ("auto", "hf", "reference")  # zeroplan.measure.workload.IMPLEMENTATIONS (that module imports torch)
+EXIT_DOES_NOT_FIT = 3
+"""Exit status when a rank ran out of device memory: the result ("does not fit", with the peak
+reached) is still printed and written; 2 is a user error or a failed run, as for every command."""
+
+
+@click.command("measure")
+@model_options
+@training_options
+@click.option("--nproc", type=click.IntRange(min=1), required=True, help="Ranks to run (local worker processes; simulated ranks with --simulate).")
+@click.option("--simulate", is_flag=True, help="One process simulating --nproc ranks (fake tensors and process group; fsdp2 only).")
+@click.option("--backend", type=click.Choice(["gloo", "nccl"]), help="gloo: CPU processes; nccl: one process per GPU. [default: nccl where GPUs are visible, else gloo]")
+@click.option("--steps", type=click.IntRange(min=2), default=2, show_default=True, help="Training steps (step 1 creates the optimizer states; 2 and later are the steady state).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Seconds before every worker is stopped.")
+@click.option("--implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True, help="Model code: hf (transformers), reference (zeroplan's own), auto (hf where installed).")
+@click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table", show_default=True, help="Output on stdout; json is a stable contract with sizes in bytes.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also write the JSON to FILE (atomically; nothing is written when the run fails).")
+@click.option("--units", type=click.Choice(REPORT_UNITS), default="GiB", show_default=True, help="GiB/MiB = 2^30/2^20 bytes, GB/MB = 10^9/10^6 bytes (json is always bytes).")
+def command(**options: Any) -> None:
+    """Run real training steps of MODEL on --nproc ranks and print the memory each rank used,
+    by category at the peak, beside the estimate for the same configuration, with the error
+    (estimate / measured - 1), for the steady state and the first step.
+
+    MODEL and the training options mean what they mean for `zeroplan estimate`; --gpus, if
+    given, must equal --nproc. The device is cpu for gloo and --simulate, cuda for nccl.
+    With --engine deepspeed, a --config DeepSpeed JSON is passed to deepspeed.initialize as is.
+    Exit status: 0 measured; 2 bad options or a failed run (the failing rank named);
+    3 a rank ran out of device memory (the result says "does not fit").
+
+    \b
+    Examples:
+      zeroplan measure tiny-llama --engine torch --zero 1 --nproc 2 --precision fp32 --seq-len 128
+      zeroplan measure tiny-gpt2 --engine fsdp2 --zero 3 --nproc 2 --format json --output m.json
+      zeroplan measure llama-1b --engine fsdp2 --zero 3 --nproc 64 --simulate --seq-len 512 --units GB
+      zeroplan measure llama-2-7b --engine deepspeed --zero 3 --nproc 8 --backend nccl --config ds.json
+    """
+    from zeroplan.options import model_from_options, training_spec_from_options
+
+    nproc, simulate = options["nproc"], options["simulate"]
+    if simulate and options["backend"]:
+        raise click.UsageError(f"--simulate runs the fake backend; leave out --backend {options['backend']}")
+    if options["gpus"] not in (None, nproc):
+        raise click.UsageError(f"--gpus {options['gpus']} must equal --nproc {nproc} (the ranks measured); leave out --gpus")
+    _require("torch", "zeroplan measure runs PyTorch; install it with: pip install torch")
+    backend = "fake" if simulate else options["backend"] or _default_backend()
+    device = "cuda" if backend == "nccl" else "cpu"
+    if options["device"] not in (None, device):
+        raise click.UsageError(f"--device {options['device']} does not match a {backend} run, which measures {device} memory; leave out --device")
+
+    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
+    training = training_spec_from_options(options | {"gpus": nproc, "device": device}, options["config_file"])
+    engine_config = None
+    if training.engine.value == "deepspeed":
+        _require("deepspeed", "engine deepspeed needs DeepSpeed; install it with: pip install 'zeroplan[deepspeed]'")
+        if options["config_file"] and Path(options["config_file"]).suffix.lower() == ".json":
+            from zeroplan.config_files.deepspeed_json import load_json
+
+            engine_config = load_json(Path(options["config_file"]))
+
+    from zeroplan.estimate import estimate
+    from zeroplan.estimate.serialize import estimate_to_dict
+    from zeroplan.measure.compare import render_table, report_data
+    from zeroplan.measure.launcher import run_measurement
+
+    estimated = estimate_to_dict(estimate(model, training), training)  # before the run: its errors come first
+    result = run_measurement(
+        model, training, nproc=nproc, backend=None if simulate else backend, simulate=simulate,
+        steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],
+        engine_config=engine_config,
+    )
+    data = report_data(estimated, result.to_json_dict())
+    if options["output"] is not None:
+        from zeroplan.measure.worker import write_json_atomic  # temp file + os.replace
+
+        try:
+            write_json_atomic(str(options["output"]), data)
+        except OSError as error:
+            raise SpecError(f"--output: cannot write {options['output']}: {error.strerror or error}") from None
+    if options["output_format"] == "json":
+        import json
+
+        click.echo(json.dumps(data, indent=2))
+    else:
+        click.echo(render_table(data, options["units"]), nl=False)
+    if not result.fits:
+        sys.exit(EXIT_DOES_NOT_FIT)
+
+
+def _require(package: str, message: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise MissingDependencyError(message)
+
+
+def _default_backend() -> str:
+    from zeroplan.measure.context import default_backend
+
+    return default_backend()
