@@ -16,6 +16,7 @@ from zeroplan.cli.group import LazyGroup
 COMMANDS = {
     # command name -> module under zeroplan.cli holding `command`
     "estimate": "estimate",
+    "measure": "measure",
     "models": "models",
     "validate": "validate",
 }
@@ -35,6 +36,7 @@ def cli() -> None:
     Examples:
       zeroplan estimate llama-2-7b --gpus 8 --zero 3
       zeroplan estimate --params 7.5e9 --gpus 64 --zero 3 --engine paper --units GB
+      zeroplan measure tiny-llama --engine fsdp2 --zero 3 --nproc 2 --precision fp32
       zeroplan models
     """
 
