@@ -217,5 +217,7 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
     points.append(dict(buffers=root_gathered + (block_reduce_in if num_blocks else 0),
                        grads=held_grads + root_grads - tied_grad + blocks_done,
                        temporaries=3 * tied_grad))
-    points.append(dict(buffers=root_reduce_in, grads=held_grads + root_grads + blocks_done + root_shard_grads))
+    # foreach_reduce copies the root's unsharded gradients into its reduce-scatter input and
+    # frees them (`unsharded_grads.clear()`) before allocating the reduce-scatter output.
+    points.append(dict(buffers=root_reduce_in, grads=held_grads + blocks_done + max(root_grads, root_shard_grads)))
     return _largest(*points)
