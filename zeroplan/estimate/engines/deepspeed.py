@@ -18,6 +18,7 @@ The measure runner builds the model in fp32 before `deepspeed.initialize` casts 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
@@ -47,8 +48,12 @@ SUB_GROUP_SIZE = 1_000_000_000
 Point = dict[str, int]
 
 
+def _total(point: Point) -> int:
+    return sum(point.values())
+
+
 def _largest(*points: Point) -> Point:
-    return max(points, key=lambda p: sum(p.values()))
+    return max(points, key=_total)
 
 
 def _plus(base: Point, **more: int) -> Point:
@@ -79,11 +84,12 @@ class _Run:
     facts: ModelFacts
 
 
-def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
-    b = FP32_BYTES if training.precision == Precision.FP32 else HALF_BYTES
-    trainable_groups = [g for g in facts.groups if not g.frozen]
+@lru_cache(maxsize=256)
+def _layout(facts: ModelFacts) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """(trainable tensors in parameter order, trainable tensors per module group in backward
+    order, all tensors per group in backward order); cached, the planner asks thousands of times."""
     # parameter order (model.parameters()): each copy of a block in turn
-    numels = tuple(t.numel for g in trainable_groups for _ in range(g.count) for t in g.tensors)
+    numels = tuple(t.numel for g in facts.groups if not g.frozen for _ in range(g.count) for t in g.tensors)
     # Module groups in backward order (the head first); a frozen group has no gradients but
     # its parameters are still gathered in stage 3.
     backward: list[tuple[int, ...]] = []
@@ -92,6 +98,12 @@ def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
         tensors = tuple(reversed([t.numel for t in g.tensors]))
         backward.extend([() if g.frozen else tensors] * g.count)
         gathered.extend([tensors] * g.count)
+    return numels, tuple(backward), tuple(gathered)
+
+
+def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
+    b = FP32_BYTES if training.precision == Precision.FP32 else HALF_BYTES
+    numels, backward, gathered = _layout(facts)
     offload_opt = training.offload_optimizer != Offload.NONE
     # Optimizer step temporaries. torch AdamW on CPU is the single-tensor path
     # (torch/optim/adam.py `_single_tensor_adam`: `denom = (exp_avg_sq.sqrt() / c).add_(eps)`,
@@ -102,7 +114,7 @@ def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
     rate = 2 * FP32_BYTES if (adamish and training.device == Device.CPU and not offload_opt) else 0
     return _Run(
         n=training.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, numels=numels,
-        groups_backward=tuple(backward), gathered_backward=tuple(gathered), largest=max(numels, default=0),
+        groups_backward=backward, gathered_backward=gathered, largest=max(numels, default=0),
         tied_head=early_gradients(facts)[1], adam_temporary_rate=rate,
         cpu_run=training.device == Device.CPU, offload_opt=offload_opt,
         offload_par=training.offload_params != Offload.NONE, training=training, facts=facts,
@@ -216,13 +228,14 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
 # -- stages 1 and 2 -------------------------------------------------------------------------------
 
 
-def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> list[int]:
+@lru_cache(maxsize=1024)
+def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> tuple[int, ...]:
     """Each rank's `grads_in_partition` elements: stage_1_and_2.py `copy_grads_in_partition`
     sizes it as the sum of the whole tensors that intersect the rank's [r·P, (r+1)·P) slice."""
     if len(numels) <= 1:
         # A model given by a parameter count has no tensor boundaries: partitions are exact, as
         # in DeepSpeed's own estimate_zero2_model_states_mem_needs.
-        return [partition] * n
+        return (partition,) * n
     owned = [0] * n
     start = 0
     for numel in numels:
@@ -231,10 +244,11 @@ def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> list[int
         for rank in range(first, last + 1):
             owned[rank] += numel
         start = end
-    return owned
+    return tuple(owned)
 
 
-def _bucket_fill(numels, bucket_elements: int) -> int:
+@lru_cache(maxsize=1024)
+def _bucket_fill(numels: tuple[int, ...], bucket_elements: int) -> int:
     """Gradient elements already copied into the reduce bucket (their .grad freed) when the first
     reduction allocates the owned partition. `reduce_independent_p_g_buckets_and_remove_grads`
     reduces the bucket when the next gradient does not fit; a gradient larger than the bucket
@@ -249,16 +263,17 @@ def _bucket_fill(numels, bucket_elements: int) -> int:
     return copied
 
 
-def _first_reduction(run: _Run, bucket_elements: int) -> int:
+@lru_cache(maxsize=1024)
+def _first_reduction(groups_backward: tuple[tuple[int, ...], ...], bucket_elements: int) -> int:
     """Backward module index at which the reduce bucket first overflows during backward (the
     number of modules when the epilogue reduces it after the last one)."""
     filled = 0
-    for index, group in enumerate(run.groups_backward):
+    for index, group in enumerate(groups_backward):
         for numel in group:
             if filled and filled + numel > bucket_elements:
                 return index
             filled += numel
-    return len(run.groups_backward)
+    return len(groups_backward)
 
 
 def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], int]:
@@ -281,7 +296,7 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     # overlap_comm; at the first gradient hook of every backward, freed by
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
     bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
-    first_index = _first_reduction(run, knobs.reduce_bucket_size)
+    first_index = _first_reduction(run.groups_backward, knobs.reduce_bucket_size)
     acts_bwd = _backward_activations(run, acts)
     acts_at_first = acts_bwd[first_index] if first_index < len(acts_bwd) else 0
     fwd = _forward_activations(acts)
@@ -337,7 +352,8 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             # each gradient into the bucket at its hook. The rank owning the last parameters
             # allocates its `grads_in_partition` at the first reduction; a later micro-batch
             # fills a second one, added into the first at its end.
-            points += [_plus(during, activations=a, buffers=bucket_now) for a in acts_bwd[:first_index]]
+            if first_index:  # modules before the first reduction: the bucket, no partition yet
+                points.append(_plus(during, activations=max(acts_bwd[:first_index]), buffers=bucket_now))
             points.append(_plus(during, activations=acts_at_first, buffers=bucket_now,
                                 grads=0 if run.offload_opt else owned_early))
             if run.offload_opt:
@@ -357,11 +373,15 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             # block's output projection's (common.py `early_gradients`, its first gradients).
             done = 0
             first_block = early_gradients(run.facts)[2]
+            best_acts = best_grads = -1
             for index, group in enumerate(run.groups_backward):
                 in_block = first_block if 0 < index < len(run.groups_backward) - 1 and group else 0
                 grads_now = 0 if carried else (done + in_block) * b
-                points.append(_plus(during, activations=acts_bwd[index], buffers=bucket_now, grads=grads_now))
+                if acts_bwd[index] + grads_now > best_acts + best_grads:
+                    best_acts, best_grads = acts_bwd[index], grads_now
                 done += sum(group)
+            if best_acts >= 0:
+                points.append(_plus(during, activations=best_acts, buffers=bucket_now, grads=best_grads))
             # `reduce_gradients` walks the parameters in their order, so the first rank
             # allocates its partition at the first overflow, with the rest still in .grad.
             filled = _bucket_fill(run.numels, knobs.reduce_bucket_size)
@@ -388,19 +408,35 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
 # -- stage 3 --------------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=1024)
+def _leaf_gathered(gathered_backward: tuple[tuple[int, ...], ...], n: int) -> tuple[int, ...]:
+    """The largest tensor of each module group, padded to a multiple of N (gathered alone)."""
+    return tuple(max((ceil_div(x, n) * n for x in grp), default=0) for grp in gathered_backward)
+
+
+@lru_cache(maxsize=1024)
+def _stage3_sizes(facts: ModelFacts, n: int, threshold: int) -> tuple[int, int, int, int]:
+    """(partition elements of all tensors, of the trainable ones, persistent elements, padded
+    elements of the gatherable ones) per rank.
+
+    partition_parameters.py `_partition_param`: each tensor is padded to a multiple of N and
+    split evenly (`ds_tensor`, ceil(n_t / N)). `ds_persist` for n_t <=
+    stage3_param_persistence_threshold (parameter_offload.py `mark_persistent_parameters`):
+    gathered once, never released, on top of their partition.
+    """
+    all_numels = [t.numel for g in facts.groups for t in g.tensors for _ in range(g.count)]
+    p3_all = sum(ceil_div(x, n) for x in all_numels)
+    p3 = sum(ceil_div(x, n) for x in _layout(facts)[0])
+    persistent = sum(x for x in all_numels if x <= threshold)
+    gatherable = sum(ceil_div(x, n) * n for x in all_numels if x > threshold)
+    return p3_all, p3, persistent, gatherable
+
+
 def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], tuple[int, int]]:
     training, knobs = run.training, run.training.deepspeed
     b, n = run.b, run.n
-    all_numels = [t.numel for g in facts.groups for t in g.tensors for _ in range(g.count)]
-    # partition_parameters.py `_partition_param`: each tensor padded to a multiple of N and split.
-    p3_all = sum(ceil_div(x, n) for x in all_numels)
-    p3 = sum(ceil_div(x, n) for x in run.numels)
-    # `ds_persist` for n_t <= stage3_param_persistence_threshold (partition_parameters.py
-    # `_convert_to_deepspeed_param` / parameter_offload.py `mark_persistent_parameters`): gathered
-    # once, never released, on top of their partition.
     threshold = knobs.stage3_param_persistence_threshold
-    persistent = sum(x for x in all_numels if x <= threshold)
-    gatherable = sum(ceil_div(x, n) * n for x in all_numels if x > threshold)
+    p3_all, p3, persistent, gatherable = _stage3_sizes(facts, n, threshold)
     partitions = p3_all * b  # `lp_param_buffer` (or the offload_param host buffer)
     master = p3 * FP32_BYTES  # `fp32_partitioned_groups_flat`, a separate copy even in fp32
     states = _states(run, p3)
@@ -408,8 +444,10 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
     # `_setup_for_real_optimizer`: one bucket in the communication dtype, not doubled by overlap.
     bucket = knobs.reduce_bucket_size * b
     fp32_grad = p3 * FP32_BYTES  # offload: `subgroup_gradient_buffer` from init; else at step
-    gathered_at_head, gathered_in_backward = _steady_gathering(run, threshold)
-    reductions = _stage3_reductions(run)
+    gathered_at_head, gathered_in_backward = _steady_gathering(
+        run.gathered_backward, n, threshold, knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters,
+        knobs.stage3_prefetch_bucket_size)
+    reductions = _stage3_reductions(run.groups_backward, n, knobs.reduce_bucket_size)
     # A coalesced fetch (`_all_gather_dtype`) holds its flat buffer until the handle's `wait()`
     # has copied each parameter out (`AllGatherCoalescedHandle.wait`): measured with the whole
     # model kept, the forward's prefetch (up to `stage3_prefetch_bucket_size` elements) is alive
@@ -451,23 +489,25 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             # too (measured: a run with every tensor persistent peaks as one with none in its
             # first step). Hooks sit on the leaf modules (a Linear holds one weight, as each of
             # the model's tensors here), so one tensor is gathered at a time.
-            module_all = [max((ceil_div(x, n) * n for x in grp), default=0) * b for grp in run.gathered_backward]
+            module_all = [x * b for x in _leaf_gathered(run.gathered_backward, n)]
             forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=max(module_all, default=0)))
-            backward = [_plus(base, activations=_backward_start(acts))]
-            backward += [_plus(base, buffers=g, activations=a) for g, a in zip(module_all, acts_bwd)]
-            backward += [_plus(base, buffers=module_all[i] + flat * b, grads=trigger * b, activations=acts_hook[i])
-                         for i, flat, trigger in reductions]
+            extras = [{"activations": _backward_start(acts)}]
+            extras.append(max(({"buffers": g, "activations": a} for g, a in zip(module_all, acts_bwd)),
+                              key=_total, default={}))
+            extras += [{"buffers": module_all[i] + flat * b, "grads": trigger * b, "activations": acts_hook[i]}
+                       for i, flat, trigger in reductions]
         else:
             # The trace is complete (from the second micro-batch of the first step on).
             head = gathered_at_head * b
             forward = _largest(_plus(base, buffers=head + prefetch * b, activations=_activations_before_head(acts)),
                                _plus(base, buffers=head, activations=fwd))
-            backward = [_plus(base, buffers=head, activations=_backward_start(acts))]
-            backward += [_plus(base, buffers=g * b, activations=a) for g, a in zip(gathered_in_backward, acts_bwd)]
-            backward += [_plus(base, buffers=(gathered_in_backward[i] + flat) * b, grads=trigger * b,
-                               activations=acts_hook[i]) for i, flat, trigger in reductions]
+            extras = [{"buffers": head, "activations": _backward_start(acts)}]
+            extras.append(max(({"buffers": g * b, "activations": a} for g, a in zip(gathered_in_backward, acts_bwd)),
+                              key=_total, default={}))
+            extras += [{"buffers": (gathered_in_backward[i] + flat) * b, "grads": trigger * b, "activations": acts_hook[i]}
+                       for i, flat, trigger in reductions]
         phases.append(phase(step, Phase.FORWARD, **forward))
-        phases.append(phase(step, Phase.BACKWARD, **_largest(*backward)))
+        phases.append(phase(step, Phase.BACKWARD, **_plus(base, **max(extras, key=_total))))
         # `step`: all parameters are released, persistent ones included, and re-gathered after
         # the update. `_prepare_fp32_grad_for_sub_group`: flatten(averaged_gradients).to(fp32)
         # as the sub-group's .grad (an extra P3 x b flatten when b != 4), then the optimizer
@@ -513,7 +553,8 @@ def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int
     return host, nvme
 
 
-def _stage3_reductions(run: _Run) -> list[tuple[int, int, int]]:
+@lru_cache(maxsize=1024)
+def _stage3_reductions(groups_backward: tuple[tuple[int, ...], ...], n: int, bucket: int) -> tuple[tuple[int, int, int], ...]:
     """(backward module index, padded elements reduced, elements of the gradient that triggered
     it) for each bucket reduction during backward, the largest per module.
 
@@ -523,10 +564,9 @@ def _stage3_reductions(run: _Run) -> list[tuple[int, int, int]]:
     flat copy of every gradient in the bucket, each padded to a multiple of N (`torch.cat`),
     while the triggering gradient waits in its .grad.
     """
-    n, bucket = run.n, run.training.deepspeed.reduce_bucket_size
     found: dict[int, tuple[int, int, int]] = {}
     filled = 0
-    for index, group in enumerate(run.groups_backward):
+    for index, group in enumerate(groups_backward):
         for numel in group:
             if filled and filled + numel > bucket:
                 best = found.get(index)
@@ -534,10 +574,12 @@ def _stage3_reductions(run: _Run) -> list[tuple[int, int, int]]:
                     found[index] = (index, filled, numel)
                 filled = 0
             filled += ceil_div(numel, n) * n
-    return list(found.values())
+    return tuple(found.values())
 
 
-def _steady_gathering(run: _Run, threshold: int) -> tuple[int, list[int]]:
+@lru_cache(maxsize=1024)
+def _steady_gathering(gathered_backward: tuple[tuple[int, ...], ...], n: int, threshold: int, reuse: int, live: int,
+                      prefetch_bucket: int) -> tuple[int, tuple[int, ...]]:
     """Gathered non-persistent elements once the trace is recorded: at the head's forward, and
     while each module group (backward order) runs its backward.
 
@@ -550,9 +592,7 @@ def _steady_gathering(run: _Run, threshold: int) -> tuple[int, list[int]]:
     fewer than `stage3_max_live_parameters` are gathered. `step` releases everything
     (`_partition_all_parameters`).
     """
-    knobs, n = run.training.deepspeed, run.n
-    reuse, live = knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters
-    groups = [[ceil_div(x, n) * n for x in grp if x > threshold] for grp in run.gathered_backward]
+    groups = [[ceil_div(x, n) * n for x in grp if x > threshold] for grp in gathered_backward]
     sizes = [sum(g) for g in groups]
     total = sum(sizes)
     # forward order is the reverse of backward order; `after` = elements after a group in forward
@@ -568,9 +608,9 @@ def _steady_gathering(run: _Run, threshold: int) -> tuple[int, list[int]]:
         not_reached = sum(kept_forward[index + 1:])
         done = sum(kept_backward[:index])
         ahead = sum(sizes[index + 1:]) - not_reached
-        prefetch = min(knobs.stage3_prefetch_bucket_size, ahead) if not_reached + done + size < live else 0
+        prefetch = min(prefetch_bucket, ahead) if not_reached + done + size < live else 0
         in_backward.append(min(not_reached + done, live) + size + prefetch)
-    return at_head, in_backward
+    return at_head, tuple(in_backward)
 
 
 # -- entry point ----------------------------------------------------------------------------------
