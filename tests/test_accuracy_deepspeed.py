@@ -61,6 +61,10 @@ MEASURED = [
     ("gpt2 s3 fp32", dict(LONG, zero_stage=3, precision="fp32", deepspeed=GPT2_SMALL), 16_528_029, 12_567_185, "tiny-gpt2"),
     ("gpt2 s2 bf16 ckpt offload", dict(LONG, zero_stage=2, precision="bf16", checkpointing="full", offload_optimizer="cpu",
                                        deepspeed=GPT2_SMALL), 8_538_964, 6_558_544, "tiny-gpt2"),
+    # llama-100m with DeepSpeed's defaults: the whole model fits one bucket, reduced at the end
+    ("100m s2 bf16", dict(LONG, zero_stage=2, precision="bf16"), 2_000_929_044, 1_600_558_348, "llama-100m"),
+    ("100m s3 fp32 ckpt", dict(LONG, zero_stage=3, precision="fp32", checkpointing="full"),
+     3_900_051_225, 3_601_483_037, "llama-100m"),
     ("s1 fp32 default buckets", dict(LONG, zero_stage=1, precision="fp32"), 2_011_588_504, 2_009_587_088),
     ("s3 bf16 default buckets", dict(LONG, zero_stage=3, precision="bf16"), 1_009_754_013, 1_007_005_085),
 ]

@@ -264,6 +264,18 @@ def _bucket_fill(numels: tuple[int, ...], bucket_elements: int) -> int:
 
 
 @lru_cache(maxsize=1024)
+def _last_fill(numels: tuple[int, ...], bucket_elements: int) -> int:
+    """Gradient elements in the reduce bucket when the epilogue reduces it (after the last
+    overflow, `reduce_independent_p_g_buckets_and_remove_grads`)."""
+    pending = 0
+    for numel in numels:
+        if pending and pending + numel > bucket_elements:
+            pending = 0
+        pending += numel
+    return pending
+
+
+@lru_cache(maxsize=1024)
 def _first_reduction(groups_backward: tuple[tuple[int, ...], ...], bucket_elements: int) -> int:
     """Backward module index at which the reduce bucket first overflows during backward (the
     number of modules when the epilogue reduces it after the last one)."""
@@ -297,6 +309,8 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
     bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
     first_index = _first_reduction(run.groups_backward, knobs.reduce_bucket_size)
+    last_fill = _last_fill(tuple(x for g in run.groups_backward for x in g), knobs.reduce_bucket_size)
+    last_fill_forward = _last_fill(run.numels, knobs.reduce_bucket_size)
     acts_bwd = _backward_activations(run, acts)
     acts_at_first = acts_bwd[first_index] if first_index < len(acts_bwd) else 0
     fwd = _forward_activations(acts)
@@ -364,6 +378,11 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
                 points.append(_plus(during, activations=hook[first_index] if first_index < len(hook) else 0,
                                     buffers=bucket_now, grads=run.largest * b, temporaries=run.largest * NORM_BYTES))
             points.append(_plus(during, buffers=bucket_now, grads=kept))
+            # The epilogue reduces what is left in the bucket (`average_tensor` ->
+            # `allreduce_no_retain` / `allreduce_and_scatter` flatten the slices they reduce:
+            # a copy of the bucket's contents), before those gradients reach the partition.
+            earlier = kept if first_index < len(run.groups_backward) else 0
+            points.append(_plus(during, buffers=bucket_now + last_fill * b, grads=earlier))
         else:
             # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
             # boundary's `reduce_gradients` walks them through the bucket, freeing each .grad as
@@ -387,6 +406,10 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             filled = _bucket_fill(run.numels, knobs.reduce_bucket_size)
             first_rank = 0 if run.offload_opt else owned_by_rank[0] * b
             points.append(_plus(base, buffers=bucket, grads=(run.trainable - filled) * b + first_rank))
+            # Each reduction flattens the bucket's contents (`average_tensor`): at the first one
+            # every gradient is still a .grad or in the bucket; at the last, the partition is full.
+            points.append(_plus(base, buffers=bucket + filled * b, grads=(run.trainable - filled) * b))
+            points.append(_plus(base, buffers=bucket + last_fill_forward * b, grads=kept))
         phases.append(phase(step, Phase.BACKWARD, **_largest(*points)))
 
         # `step`: `flatten(averaged_gradients)` (P12 x b) then `.to(fp32)` becomes the master's
@@ -562,10 +585,12 @@ def _stage3_reductions(groups_backward: tuple[tuple[int, ...], ...], n: int, buc
     (`__reduce_and_partition_ipg_grads`); with `reduce_scatter` on (the default)
     `__avg_scatter_grads` -> comm/coalesced_collectives.py `reduce_scatter_coalesced` builds a
     flat copy of every gradient in the bucket, each padded to a multiple of N (`torch.cat`),
-    while the triggering gradient waits in its .grad.
+    while the triggering gradient waits in its .grad. The epilogue reduces what is left at the
+    end of backward; measured (llama-100m, whole model in one bucket): the last gradient produced
+    is still held then, beside the flat copy.
     """
     found: dict[int, tuple[int, int, int]] = {}
-    filled = 0
+    filled = last = 0
     for index, group in enumerate(groups_backward):
         for numel in group:
             if filled and filled + numel > bucket:
@@ -574,6 +599,12 @@ def _stage3_reductions(groups_backward: tuple[tuple[int, ...], ...], n: int, buc
                     found[index] = (index, filled, numel)
                 filled = 0
             filled += ceil_div(numel, n) * n
+            last = numel
+    if filled:
+        end = len(groups_backward) - 1
+        best = found.get(end)
+        if best is None or filled > best[1]:
+            found[end] = (end, filled, last)
     return tuple(found.values())
 
 
