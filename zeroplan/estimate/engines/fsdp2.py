@@ -201,11 +201,23 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
         ))
         # The end of the block's backward, before its post-backward: every unsharded gradient of
         # the block, its saved tensors gone, the gradient of its input in flight.
+        end_acts = acts.block_backward_saved(num_blocks - j - 1) if acts else 0
+        in_flight = (acts.block_input_grad if acts else 0) + tied_grad
         points.append(dict(
             buffers=buffers,
             grads=held_grads + head_grads + block_grads + j * block_shard_grads,
-            activations=acts.block_backward_saved(num_blocks - j - 1) if acts else 0,
-            temporaries=(acts.block_input_grad if acts else 0) + tied_grad,
+            activations=end_acts,
+            temporaries=in_flight,
+        ))
+        # Its post_backward: the gradients move from .grad into a list, the block reshards, the
+        # previous reduce-scatter input is dropped, and foreach_reduce allocates this block's
+        # (in the reduce dtype: twice the gradients' bytes under bf16 mixed precision) and copies
+        # them in before freeing them.
+        points.append(dict(
+            buffers=root_gathered + (blocks_held - 1) * block_gathered + prefetch + block_reduce_in + h2d_copy,
+            grads=held_grads + head_grads + j * block_shard_grads,
+            activations=end_acts,
+            temporaries=in_flight + block_grads,
         ))
     blocks_done = num_blocks * block_shard_grads
     # The embedding's backward, the last before the root's post-backward: its weight gradient
