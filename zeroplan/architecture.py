@@ -86,10 +86,15 @@ def _attention(spec: TransformerSpec) -> list[ParamTensor]:
     if spec.hf_model_type == "gpt2":
         # GPT2Attention: c_attn (h, 3h) and c_proj (h, h), both Conv1D with bias.
         return _conv1d("attn.c_attn", h, qkv_width) + _conv1d("attn.c_proj", q_width, h)
-    if spec.hf_model_type in ("gpt_neox", "phi3"):
-        # GPTNeoXAttention.query_key_value / Phi3Attention.qkv_proj: one fused projection.
+    if spec.hf_model_type == "gpt_neox":
+        # GPTNeoXAttention: query_key_value (one fused projection), then dense.
         return _linear("attn.qkv_proj", h, qkv_width, spec.attention_bias) + _linear(
             "attn.o_proj", q_width, h, spec.attention_out_bias
+        )
+    if spec.hf_model_type == "phi3":
+        # Phi3Attention.__init__ registers o_proj before the fused qkv_proj.
+        return _linear("attn.o_proj", q_width, h, spec.attention_out_bias) + _linear(
+            "attn.qkv_proj", h, qkv_width, spec.attention_bias
         )
     # LlamaAttention (and Mistral, Mixtral, Qwen2, Gemma): separate q, k, v and o projections.
     return (
@@ -133,8 +138,19 @@ def _experts(spec: TransformerSpec) -> list[ParamTensor]:
 
 
 def _block(spec: TransformerSpec) -> list[ParamTensor]:
-    tensors = _norm("attn_norm", spec) + _attention(spec) + _norm("mlp_norm", spec)
-    return tensors + (_experts(spec) if spec.is_moe else _mlp("mlp", spec))
+    """One block's tensors in the order its module registers them (`model.parameters()` order,
+    which DeepSpeed flattens and partitions by)."""
+    mlp = _experts(spec) if spec.is_moe else _mlp("mlp", spec)
+    if spec.hf_model_type == "gpt2":
+        # GPT2Block.__init__: ln_1, attn, ln_2, mlp.
+        return _norm("attn_norm", spec) + _attention(spec) + _norm("mlp_norm", spec) + mlp
+    norms = _norm("attn_norm", spec) + _norm("mlp_norm", spec)
+    if spec.hf_model_type == "gpt_neox":
+        # GPTNeoXLayer.__init__: input_layernorm, post_attention_layernorm, attention, mlp.
+        return norms + _attention(spec) + mlp
+    # LlamaDecoderLayer (and Mistral, Mixtral, Qwen2, Gemma, Phi-3): self_attn, mlp, then
+    # input_layernorm and post_attention_layernorm.
+    return _attention(spec) + mlp + norms
 
 
 def param_layout(spec: TransformerSpec) -> ParamLayout:

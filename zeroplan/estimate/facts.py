@@ -36,8 +36,8 @@ class ModelFacts:
     largest_tensor_numel: int
 
     def trainable_numels(self) -> list[int]:
-        """Every trainable tensor's element count (blocks repeated)."""
-        return [t.numel for g in self.groups if not g.frozen for t in g.tensors for _ in range(g.count)]
+        """Every trainable tensor's element count, in `model.parameters()` order (block after block)."""
+        return [t.numel for g in self.groups if not g.frozen for _ in range(g.count) for t in g.tensors]
 
 
 def _group(role: str, tensors: tuple[ParamTensor, ...], count: int, frozen: bool) -> ModuleGroup:

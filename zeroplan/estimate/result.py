@@ -7,10 +7,12 @@ against a measured one:
 - grads: gradient storage (per-parameter .grad, flat gradient partitions, accumulation buffers);
 - optimizer_states: optimizer state tensors (Adam moments, momentum) and the fp32 master copy that
   mixed-precision optimizers keep;
-- activations: tensors saved for backward, the logits and loss, the recomputed block in flight;
+- activations: tensors saved for backward in the forward pass, the logits and the loss;
 - buffers: communication and gathering buffers of the engine (DDP buckets, DeepSpeed reduce and
   all-gather buckets, ZeRO-3/FSDP2 gathered parameters, reduce-scatter outputs);
-- temporaries: short-lived tensors of a phase (optimizer-step intermediates, gradient of the logits);
+- temporaries: what a phase allocates and frees again: optimizer-step intermediates, and in
+  backward the gradients of activations (the logits' gradient first) and the block recomputed
+  under checkpointing. `zeroplan measure` counts backward allocations no engine names the same way;
 - overhead: what is not a tensor (CUDA context, allocator fragmentation); zero for a CPU run.
 """
 
