@@ -15,9 +15,11 @@ from zeroplan.cli.group import LazyGroup
 
 COMMANDS = {
     # command name -> module under zeroplan.cli holding `command`
+    "compare": "compare",
     "estimate": "estimate",
     "measure": "measure",
     "models": "models",
+    "plan": "plan",
     "validate": "validate",
 }
 
@@ -36,6 +38,8 @@ def cli() -> None:
     Examples:
       zeroplan estimate llama-2-7b --gpus 8 --zero 3
       zeroplan estimate --params 7.5e9 --gpus 64 --zero 3 --engine paper --units GB
+      zeroplan compare llama-2-7b --zero 0,1,2,3 --gpus 8,64 --offload none,cpu --gpu h100-80gb
+      zeroplan plan llama-2-13b --gpu a100-40gb --gpus 8 --emit deepspeed ds_config.json
       zeroplan measure tiny-llama --engine fsdp2 --zero 3 --nproc 2 --precision fp32
       zeroplan models
     """
