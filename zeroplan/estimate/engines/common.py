@@ -58,8 +58,11 @@ def early_gradients(facts: ModelFacts) -> tuple[int, int, int]:
             tied = max((t.numel for g in facts.groups if g.role == "embedding" and not g.frozen for t in g.tensors), default=0)
     blocks = [g for g in facts.groups if g.role == "block" and not g.frozen]
     first = 0
-    if blocks and blocks[0].tensors:
-        last = blocks[0].tensors[-1].name
+    # The output projection: the MLP's last matmul in registration order (architecture.py lists
+    # a block's tensors as the model registers them, norms last for Llama).
+    matmuls = [t.name for t in blocks[0].tensors if "norm" not in t.name] if blocks else []
+    if matmuls:
+        last = ([name for name in matmuls if name.startswith("mlp.")] or matmuls)[-1]
         module = last.rsplit(".", 1)[0] + "."
         first = sum(t.numel for t in blocks[0].tensors if t.name.startswith(module))
     return head, tied, first
