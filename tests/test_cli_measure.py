@@ -82,7 +82,7 @@ def test_torch_stage0_on_2_gloo_ranks_prints_estimate_beside_measurement():
     est, meas, error = _row(out, "peak")[:3]
     assert error == f"{float(est.replace(',', '')) / float(meas.replace(',', '')) - 1:+.1%}"
     assert re.search(r"^steady state peak per rank: rank 0 [\d.]+ MiB \(\w+\), rank 1 [\d.]+ MiB \(\w+\); "
-                     r"categories above are rank [01]'s$", out, re.M)
+                     r"categories above are rank [01]'s$", out, re.MULTILINE)
 
 
 @pytest.mark.distributed
@@ -102,7 +102,7 @@ def test_fsdp2_stage3_table_and_json_file(tmp_path):
         assert set(CATEGORIES) <= set(rank["categories"])
         assert sum(rank["categories"].values()) == rank["peak"]
         # ZeRO-3: each rank keeps half the parameters (the shards of an even split)
-        steady = [p for p in rank["phases"] if p["step"] == 2 and p["phase"] == "optimizer_step"][0]
+        (steady,) = [p for p in rank["phases"] if p["step"] == 2 and p["phase"] == "optimizer_step"]
         assert steady["categories"]["params"] == pytest.approx(_param_bytes() / 2, rel=0.01)
     # the estimate is exactly what `zeroplan estimate --format json` prints for the same configuration
     estimated = CliRunner().invoke(cli, ["estimate", "tiny-llama", "--engine", "fsdp2", "--zero", "3", "--gpus", "2",
@@ -129,7 +129,7 @@ def test_simulated_8_ranks_json():
     assert [r["rank"] for r in data["ranks"]] == [0]  # rank 0 stands for all
     assert data["estimate"]["config"]["gpus"] == 8
     (rank,) = data["ranks"]
-    steady = [p for p in rank["phases"] if p["step"] == 2 and p["phase"] == "optimizer_step"][0]
+    (steady,) = [p for p in rank["phases"] if p["step"] == 2 and p["phase"] == "optimizer_step"]
     assert steady["categories"]["params"] == pytest.approx(_param_bytes() / 8, rel=0.05)
     assert any(note.startswith("simulated:") for note in data["notes"])
 
@@ -155,7 +155,7 @@ def test_out_of_memory_is_a_result_with_status_3(monkeypatch, tmp_path):
     result = measure("--engine", "torch", "--zero", "0", "--nproc", "2", "--units", "MiB", "--output", str(path), *RUN)
     assert result.exit_code == 3, result.output
     assert re.search(r"^DOES NOT FIT: ran out of device memory: rank 0 at forward "
-                     r"\(OutOfMemoryError: injected out-of-memory on rank 0\), peak reached [\d.]+ MiB$", result.stdout, re.M)
+                     r"\(OutOfMemoryError: injected out-of-memory on rank 0\), peak reached [\d.]+ MiB$", result.stdout, re.MULTILINE)
     data = json.loads(path.read_text())
     assert data["fits"] is False and "steady" not in data["error"]
     assert data["ranks"][0]["peak"] >= 2 * _param_bytes()  # the model and DDP's buckets were built
