@@ -100,18 +100,20 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     # ZeRO-2 (reshard_after_forward=False) every block from the forward until its post-backward.
     held_blocks = 1 if reshard else num_blocks
 
+    held_grads = sharded_grads if accumulating else 0
+    # The forward and backward moments are the same in every step; only the states differ.
+    forward = _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathered, h2d_copy)
+    backward = _backward(
+        acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
+        head_grads, tied_grad, first_grads, block_grads, root_grads, block_shard_grads, block_reduce_in,
+        root_reduce_in, h2d_copy)
     phases: list[PhaseBytes] = []
     for step, held_states in ((Step.FIRST, 0), (Step.STEADY, states)):
         base = dict(params=sharded_params, optimizer_states=held_states)
-        held_grads = sharded_grads if accumulating else 0
         if step == Step.FIRST:
             phases.append(phase(step, Phase.INIT, **base))
-        forward = _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathered, h2d_copy)
         phases.append(phase(step, Phase.FORWARD, **base, **forward))
-        phases.append(phase(step, Phase.BACKWARD, **base, **_backward(
-            acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
-            head_grads, tied_grad, first_grads, block_grads, root_grads, block_shard_grads, block_reduce_in,
-            root_reduce_in, h2d_copy)))
+        phases.append(phase(step, Phase.BACKWARD, **base, **backward))
         phases.append(phase(step, Phase.OPTIMIZER_STEP, params=sharded_params, grads=sharded_grads,
                             optimizer_states=states, temporaries=temporaries))
     host = 0
