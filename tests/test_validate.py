@@ -4,7 +4,6 @@ numbers throughout; no worker process is started."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -12,7 +11,15 @@ from click.testing import CliRunner
 from zeroplan import validate as v
 from zeroplan.cli import cli
 from zeroplan.errors import MeasureError, SpecError
-from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.estimate.result import (
+    CategoryBytes,
+    Estimate,
+    ModelSummary,
+    NodeBytes,
+    Phase,
+    PhaseBytes,
+    Step,
+)
 
 MIB = 2**20
 
@@ -101,7 +108,7 @@ def test_grid_ids_are_unique_and_every_row_is_a_valid_spec():
     ids = [row.id for row in v.GRID]
     assert len(ids) == len(set(ids))
     for row in v.GRID:
-        model, training = v.row_specs(row)
+        _, training = v.row_specs(row)
         assert training.gpus == row.world and training.device.value == "cpu"
     assert v.row_specs(v.GRID[0], "nccl")[1].device.value == "cuda"
 
@@ -188,7 +195,7 @@ def test_report_round_trips_the_cache_and_lists_misses(tmp_path):
 
 def test_update_report_keeps_rows_written_by_another_run(tmp_path):
     a, b = v.GRID[0], v.GRID[1]
-    paths = dict(markdown_path=tmp_path / "r.md", json_path=tmp_path / "r.json")
+    paths = {"markdown_path": tmp_path / "r.md", "json_path": tmp_path / "r.json"}
     v.update_report(v.GRID, {a.id: _record(a)}, {}, backend="gloo", steps=3, command="c", **paths)
     v.update_report(v.GRID, {b.id: _record(b)}, {}, backend="gloo", steps=3, command="c", wall_seconds=60.0, **paths)
     assert set(v.load_records(paths["json_path"])) == {a.id, b.id}
@@ -219,7 +226,7 @@ def test_summary_takes_steady_and_first_peaks_per_rank_and_the_gpu_counters():
     def phase(step, name, peak, device=None):
         return PhaseResult(step, name, peak, peak, {"params": peak}, device)
 
-    gpu = lambda a, r: {"allocated_peak_bytes": a, "reserved_peak_bytes": r}  # noqa: E731
+    gpu = lambda a, r: {"allocated_peak_bytes": a, "reserved_peak_bytes": r}
     rank = RankResult(0, [phase(0, "engine", 5), phase(1, "backward", 9, gpu(10, 12)), phase(1, "optimizer_step", 8, gpu(9, 16)),
                           phase(2, "backward", 11, gpu(12, 16)), phase(3, "backward", 12, gpu(13, 14)), phase(3, "optimizer_step", 7, gpu(8, 20))])
     result = MeasureResult("nccl", "torch", 0, 1, "impl", "m", [rank], steps=3)

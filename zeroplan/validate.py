@@ -35,9 +35,9 @@ import os
 import statistics
 import time
 import tomllib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +103,11 @@ class Row:
 
     def training_fields(self, backend: str = "gloo") -> dict[str, Any]:
         """The TrainingSpec fields of this row (device cuda for an nccl run, else cpu)."""
-        fields: dict[str, Any] = dict(
-            engine=self.engine, zero_stage=self.stage, gpus=self.world, precision=self.precision,
-            micro_batch=self.micro_batch, seq_len=self.seq_len, checkpointing=self.checkpointing,
-            device="cuda" if backend == "nccl" and not self.simulate else "cpu",
-        )
+        fields: dict[str, Any] = {
+            "engine": self.engine, "zero_stage": self.stage, "gpus": self.world, "precision": self.precision,
+            "micro_batch": self.micro_batch, "seq_len": self.seq_len, "checkpointing": self.checkpointing,
+            "device": "cuda" if backend == "nccl" and not self.simulate else "cpu",
+        }
         if self.offload:
             fields["offload_optimizer"] = "cpu"
             if self.engine == "fsdp2" and self.stage == 3:
@@ -417,7 +417,7 @@ def measure_row(row: Row, options: RunOptions) -> dict[str, Any]:
 
     model, training = row_specs(row, options.backend)
     record: dict[str, Any] = {"fingerprint": fingerprint(row, options.backend, options.steps),
-                              "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+                              "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
     started = time.monotonic()
     try:
         result = run_measurement(model, training, nproc=row.world, backend=run_backend(row, options.backend),
@@ -482,7 +482,7 @@ class Report:
     command: str
     steps: int
     wall_seconds: float | None = None
-    generated: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    generated: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
 
     @property
     def compared(self) -> list[RowReport]:
@@ -574,11 +574,11 @@ def render_markdown(report: Report) -> str:
         lines += ["**These are GPU measurements** (nccl, one process per GPU); simulated rows still run the fake backend.", ""]
     else:
         lines += [
-            "**These are CPU measurements, not GPU ones**: real 2-process runs on the `gloo` backend "
+            ("**These are CPU measurements, not GPU ones**: real 2-process runs on the `gloo` backend "
             "(exact live-tensor bytes counted by `zeroplan measure`'s accounting) and simulated runs on "
             "the `fake` backend (one process standing for 8 or 64 ranks under FakeTensorMode). A GPU adds "
             "what no tensor holds (CUDA context, allocator rounding and caching); run "
-            "`zeroplan validate --backend nccl` on a GPU machine to extend the table (see below).",
+            "`zeroplan validate --backend nccl` on a GPU machine to extend the table (see below)."),
             "",
         ]
     lines += [
@@ -608,18 +608,18 @@ def render_markdown(report: Report) -> str:
     lines += [
         "## Definitions",
         "",
-        "- **measured peak**: the highest phase peak of steps 2 and later (the steady state, once the "
+        ("- **measured peak**: the highest phase peak of steps 2 and later (the steady state, once the "
         "optimizer states exist), the largest over ranks; **first-step error** compares the highest "
-        "peak of set-up and step 1 (largest over ranks) with the estimate's first step.",
+        "peak of set-up and step 1 (largest over ranks) with the estimate's first step."),
         "- **error** = estimate / measured - 1 (positive: the estimate is too high).",
-        "- **categories** (params ... temporaries): the estimate's categories at its steady peak against "
+        ("- **categories** (params ... temporaries): the estimate's categories at its steady peak against "
         "the measured categories at the measured steady peak of the rank with the highest peak. A "
         f"category misses when |estimate - measured| exceeds both {CATEGORY_TOLERANCE:.0%} of the measured "
         f"bytes and a floor of {CATEGORY_FLOOR_BYTES // 1024} KiB or {CATEGORY_FLOOR_FRACTION:.0%} of the "
-        "measured peak, whichever is larger; `·` means both sides are below that floor. Misses are in bold.",
-        "- offloaded bytes: on a CPU run host and device are one memory, so an offload row's measured "
+        "measured peak, whichever is larger; `·` means both sides are below that floor. Misses are in bold."),
+        ("- offloaded bytes: on a CPU run host and device are one memory, so an offload row's measured "
         "total includes the offloaded states; every row is estimated with `device=cpu`, which tells the "
-        "estimator to count them in the same total.",
+        "estimator to count them in the same total."),
         "",
         "## Rows",
         "",
