@@ -411,13 +411,30 @@ def load_records(path: Path | None) -> dict[str, dict[str, Any]]:
     return {row["id"]: row["record"] for row in data.get("rows", []) if "record" in row}
 
 
+def _source_version() -> str | None:
+    """The checkout's commit (with "+dirty" when zeroplan/ has local changes), None outside a git checkout:
+    which accounting and engine code a cached measurement came from."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=False)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "zeroplan"], cwd=root, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def measure_row(row: Row, options: RunOptions) -> dict[str, Any]:
     """Measure one row; a failed measurement is a record too (its error is reported, not raised)."""
     from zeroplan.measure.launcher import run_measurement
 
     model, training = row_specs(row, options.backend)
     record: dict[str, Any] = {"fingerprint": fingerprint(row, options.backend, options.steps),
-                              "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+                              "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                              "source": _source_version()}
     started = time.monotonic()
     try:
         result = run_measurement(model, training, nproc=row.world, backend=run_backend(row, options.backend),
