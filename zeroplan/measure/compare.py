@@ -78,8 +78,10 @@ class StepComparison:
 
 
 def _estimated_step_peak(estimate: dict[str, Any], step: str) -> dict[str, Any]:
+    """The estimate's highest phase of `step` in tensor bytes (the overhead is the same in every
+    phase of a run, so this is `Estimate.peak_of`; the first one wins a tie, as there)."""
     phases = [p for p in estimate["phases"] if p["step"] == step]
-    return max(phases, key=lambda p: p["total"])  # the first one wins a tie, as Estimate.peak does
+    return max(phases, key=lambda p: p["total"] - p["overhead"])
 
 
 def _measured_step_peak(rank: dict[str, Any], step: str) -> dict[str, Any] | None:
