@@ -606,6 +606,8 @@ def render_markdown(report: Report) -> str:
         "`--rows PATTERN` re-measures only the matching rows and keeps the others' cached measurements; "
         "`--measure none` re-estimates every row against the cached measurements (seconds).",
         "",
+        "Measured " + _measured_span(report) + ".",
+        "",
         "## Summary",
         "",
         f"Targets (issue 4 §3): steady-state peak within {STEADY_TOLERANCE:.0%}, every category within "
@@ -665,6 +667,16 @@ def render_markdown(report: Report) -> str:
         lines += [f"Stale (measured with other specs than the row's current ones; re-run them): {', '.join(stale)}.", ""]
     lines += [GRID_TEXT, GPU_TEXT]
     return "\n".join(lines)
+
+
+def _measured_span(report: Report) -> str:
+    """When and from which commits the cached measurements come (rows are re-measured piecemeal)."""
+    records = [r.record for r in report.rows if r.record and "measurement" in r.record]
+    if not records:
+        return "nothing yet"
+    times = sorted(r.get("measured_at", "") for r in records)
+    sources = sorted({r.get("source") or "unknown" for r in records})
+    return f"between {times[0]} and {times[-1]}, from commit{'s' if len(sources) > 1 else ''} {', '.join(sources)}"
 
 
 GRID_TEXT = """## Grid
