@@ -11,5 +11,6 @@ The only part of zeroplan that imports torch, and it does so lazily (inside func
 - `worker`: one rank (`python -m zeroplan.measure.worker`, also under torchrun);
 - `launcher`: `run_measurement`, which spawns local workers and collects their results (and
   `write_job` / `load_outputs` / `assemble_result` for torchrun launches);
-- `result`: the result dataclasses and their JSON.
+- `result`: the result dataclasses and their JSON;
+- `compare`: the estimate beside the measurement, error per category and peak (no torch).
 """
