@@ -100,13 +100,20 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     # ZeRO-2 (reshard_after_forward=False) every block from the forward until its post-backward.
     held_blocks = 1 if reshard else num_blocks
 
-    held_grads = sharded_grads if accumulating else 0
+    # Gradient accumulation (set_requires_gradient_sync(False) before the last micro-batch):
+    # post_backward skips the reduce-scatter and keeps each unsharded gradient as
+    # FSDPParam.unsharded_accumulated_grad in the reduce dtype (to_accumulated_grad_if_needed),
+    # so the last micro-batch starts with the whole model's unsharded gradients; its
+    # post-backwards reduce-scatter and free them block by block.
+    accum_root = root_train * n * reduce if accumulating else 0
+    accum_block = block_train * n * reduce if accumulating else 0
+    held_grads = accum_root + num_blocks * accum_block
     # The forward and backward moments are the same in every step; only the states differ.
     forward = _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathered, h2d_copy)
     backward = _backward(
         acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
         head_grads, tied_grad, first_grads, block_grads, root_grads, block_shard_grads, block_reduce_in,
-        root_reduce_in, h2d_copy)
+        root_reduce_in, h2d_copy, accum_root, accum_block)
     phases: list[PhaseBytes] = []
     for step, held_states in ((Step.FIRST, 0), (Step.STEADY, states)):
         base = dict(params=sharded_params, optimizer_states=held_states)
@@ -163,7 +170,7 @@ def _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathere
 
 def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
               head_grads, tied_grad, first_grads, block_grads, root_grads, block_shard_grads, block_reduce_in,
-              root_reduce_in, h2d_copy) -> dict[str, int]:
+              root_reduce_in, h2d_copy, accum_root, accum_block) -> dict[str, int]:
     """The largest moment of the backward pass (torch/distributed/fsdp/_fully_shard/).
 
     - Start: the root's pre-backward re-gathers it if it resharded (all-gather output and
@@ -197,7 +204,7 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
         buffers = root_gathered + blocks_held * block_gathered + prefetch + (block_reduce_in if j else 0) + h2d_copy
         points.append(dict(
             buffers=buffers,
-            grads=held_grads + head_grads + first_grads + j * block_shard_grads,
+            grads=accum_root + (num_blocks - j) * accum_block + head_grads + first_grads + j * block_shard_grads,
             activations=acts.block_backward_saved(num_blocks - j) if acts else 0,
             temporaries=(acts.block_backward_temporary if acts else 0) + tied_grad,
         ))
@@ -207,7 +214,7 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
         in_flight = (acts.block_input_grad if acts else 0) + tied_grad
         points.append(dict(
             buffers=buffers,
-            grads=held_grads + head_grads + block_grads + j * block_shard_grads,
+            grads=accum_root + (num_blocks - j) * accum_block + head_grads + block_grads + j * block_shard_grads,
             activations=end_acts,
             temporaries=in_flight,
         ))
@@ -217,9 +224,10 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
         # them in before freeing them.
         points.append(dict(
             buffers=root_gathered + (blocks_held - 1) * block_gathered + prefetch + block_reduce_in + h2d_copy,
-            grads=held_grads + head_grads + j * block_shard_grads,
+            grads=accum_root + (num_blocks - j - 1) * accum_block + head_grads + j * block_shard_grads,
             activations=end_acts,
-            temporaries=in_flight + block_grads,
+            # the list holds the accumulated gradients when accumulating (the fresh ones were added in)
+            temporaries=in_flight + (accum_block or block_grads),
         ))
     blocks_done = num_blocks * block_shard_grads
     # The embedding's backward, the last before the root's post-backward: its weight gradient
@@ -228,11 +236,11 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
     # the head's pending gradient, the embedding's and their sum are alive together, none a
     # .grad yet.
     points.append(dict(buffers=root_gathered + (block_reduce_in if num_blocks else 0),
-                       grads=held_grads + root_grads - tied_grad + blocks_done,
+                       grads=accum_root + root_grads - tied_grad + blocks_done,
                        temporaries=3 * tied_grad))
     # foreach_reduce copies the root's unsharded gradients into its reduce-scatter input and
     # frees them (`unsharded_grads.clear()`) before allocating the reduce-scatter output.
-    points.append(dict(buffers=root_reduce_in, grads=held_grads + blocks_done + root_grads))
+    points.append(dict(buffers=root_reduce_in, grads=accum_root + blocks_done + root_grads))
     # Then the reduce-scatter into the root's shard (smaller). On gloo, ProcessGroupGloo reduces
     # a copy of the whole input (measured: a storage of the input's size alive inside the
     # collective); NCCL and the fake backend do not. The training spec does not say which
