@@ -157,13 +157,22 @@ def _attention_saved_per_token(spec: TransformerSpec, training: TrainingSpec, w:
         qkv = act * (q_width + 2 * kv_width)
         lse = FP32_BYTES * spec.num_heads
         return qkv + out + lse
-    # eager: k and v repeated to num_heads, fp32 softmax output per query row (s keys each).
+    # eager: k and v repeated to num_heads, the softmax output per query row (s keys each).
+    # Llama's eager_attention_forward takes it in fp32 (softmax(..., dtype=float32)) and keeps its
+    # cast back for the matmul with v; GPT-2's takes it in the scores' dtype, so only under
+    # autocast (softmax is on autocast's fp32 list) is there an fp32 output and a cast.
     qkv = act * 3 * q_width
     probs = 0
     if training.checkpointing != Checkpointing.SELECTIVE:
-        probs_per_element = FP32_BYTES + (act if act != FP32_BYTES else 0)
+        upcast = w.autocast or not _softmax_in_compute_dtype(spec)
+        probs_per_element = FP32_BYTES + (act if act != FP32_BYTES else 0) if upcast else act
         probs = probs_per_element * spec.num_heads * training.seq_len
     return qkv + out + probs
+
+
+def _softmax_in_compute_dtype(spec: TransformerSpec) -> bool:
+    """GPT-2's eager attention (modeling_gpt2.eager_attention_forward) softmaxes in the scores' dtype."""
+    return spec.position_embedding == "learned" or spec.hf_model_type == "gpt2"
 
 
 def _mlp_saved_per_token(spec: TransformerSpec, w: _Widths) -> int:
