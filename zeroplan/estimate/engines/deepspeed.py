@@ -17,8 +17,10 @@ The measure runner builds the model in fp32 before `deepspeed.initialize` casts 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
@@ -64,13 +66,27 @@ def _plus(base: Point, **more: int) -> Point:
 
 
 @dataclass(frozen=True)
+class _Layout:
+    """A model's tensors as the profile walks them, derived once per ModelFacts."""
+
+    numels: tuple[int, ...]  # trainable tensors in parameter order (embedding first)
+    groups_backward: tuple[tuple[int, ...], ...]  # trainable tensors per module group, backward order
+    gathered_backward: tuple[tuple[int, ...], ...]  # all tensors (frozen too) per group, backward order
+    tied_head: int  # elements of a tied head's gradient, held by autograd until the embedding's backward
+    first_block: int  # elements of a block's first gradients in backward (common.py `early_gradients`)
+    # Sizes derived from this layout and a few integers (ranks, bucket sizes, knobs): `_derived`.
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class _Run:
-    """The sizes every stage needs, derived once from the model facts and the training spec."""
+    """The sizes every stage needs, derived from the model facts and the training spec."""
 
     n: int
     b: int  # model dtype (params, gradients; DeepSpeed's communication and accumulation default)
     total: int  # all parameter elements
     trainable: int
+    layout: _Layout
     numels: tuple[int, ...]  # trainable tensors in parameter order (embedding first)
     groups_backward: tuple[tuple[int, ...], ...]  # trainable tensors per module group, backward order
     gathered_backward: tuple[tuple[int, ...], ...]  # all tensors (frozen too) per group, backward order
@@ -84,10 +100,24 @@ class _Run:
     facts: ModelFacts
 
 
-@lru_cache(maxsize=256)
-def _layout(facts: ModelFacts) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-    """(trainable tensors in parameter order, trainable tensors per module group in backward
-    order, all tensors per group in backward order); cached, the planner asks thousands of times."""
+# Layouts by the identity of their ModelFacts. The planner asks for one model thousands of times
+# and facts.py returns the same ModelFacts object each time; hashing it walks every tensor (about
+# 4 µs, more than the rest of a stage-0 estimate), looking it up by id does not. An entry holds
+# its ModelFacts, so that id cannot be reused by another object while the entry exists.
+_LAYOUTS: dict[int, tuple[ModelFacts, _Layout]] = {}
+_CACHE_LIMIT = 256  # models; each layout's `derived` holds at most _DERIVED_LIMIT entries
+_DERIVED_LIMIT = 4096
+
+
+def _clear_caches() -> None:
+    """Forget every cached layout and derived size (tests compare the fast path with the slow one)."""
+    _LAYOUTS.clear()
+
+
+def _layout(facts: ModelFacts) -> _Layout:
+    hit = _LAYOUTS.get(id(facts))
+    if hit is not None and hit[0] is facts:
+        return hit[1]
     # parameter order (model.parameters()): each copy of a block in turn
     numels = tuple(t.numel for g in facts.groups if not g.frozen for _ in range(g.count) for t in g.tensors)
     # Module groups in backward order (the head first); a frozen group has no gradients but
@@ -98,12 +128,29 @@ def _layout(facts: ModelFacts) -> tuple[tuple[int, ...], tuple[tuple[int, ...], 
         tensors = tuple(reversed([t.numel for t in g.tensors]))
         backward.extend([() if g.frozen else tensors] * g.count)
         gathered.extend([tensors] * g.count)
-    return numels, tuple(backward), tuple(gathered)
+    _, tied, first_block = early_gradients(facts)
+    layout = _Layout(numels, tuple(backward), tuple(gathered), tied, first_block)
+    if len(_LAYOUTS) >= _CACHE_LIMIT:
+        _LAYOUTS.clear()
+    _LAYOUTS[id(facts)] = (facts, layout)
+    return layout
+
+
+def _derived(layout: _Layout, key: tuple, compute: Callable[[], Any]) -> Any:
+    """`compute()`, cached in the layout under `key`: sizes that depend on the model and a few
+    integers only, not on the micro-batch (the planner varies that the most)."""
+    try:
+        return layout.derived[key]
+    except KeyError:
+        if len(layout.derived) >= _DERIVED_LIMIT:
+            layout.derived.clear()
+        value = layout.derived[key] = compute()
+        return value
 
 
 def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
     b = FP32_BYTES if training.precision == Precision.FP32 else HALF_BYTES
-    numels, backward, gathered = _layout(facts)
+    layout = _layout(facts)
     offload_opt = training.offload_optimizer != Offload.NONE
     # Optimizer step temporaries. torch AdamW on CPU is the single-tensor path
     # (torch/optim/adam.py `_single_tensor_adam`: `denom = (exp_avg_sq.sqrt() / c).add_(eps)`,
@@ -112,10 +159,12 @@ def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
     # updates in place.
     adamish = training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW)
     rate = 2 * FP32_BYTES if (adamish and training.device == Device.CPU and not offload_opt) else 0
+    numels = layout.numels
+    largest = _derived(layout, ("largest",), lambda: max(numels, default=0))
     return _Run(
-        n=training.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, numels=numels,
-        groups_backward=backward, gathered_backward=gathered, largest=max(numels, default=0),
-        tied_head=early_gradients(facts)[1], adam_temporary_rate=rate,
+        n=training.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, layout=layout,
+        numels=numels, groups_backward=layout.groups_backward, gathered_backward=layout.gathered_backward,
+        largest=largest, tied_head=layout.tied_head, adam_temporary_rate=rate,
         cpu_run=training.device == Device.CPU, offload_opt=offload_opt,
         offload_par=training.offload_params != Offload.NONE, training=training, facts=facts,
     )
@@ -129,30 +178,78 @@ def _states(run: _Run, numel: int) -> int:
 # -- activations along backward ----------------------------------------------------------------
 
 
-def _backward_activations(run: _Run, acts: ActivationBytes | None) -> list[int]:
-    """Activation bytes while backward computes each module group's gradients, in backward order
-    (final norm and head, blocks from the last, embedding), from activations.py's terms. The
+def _activation_along(run: _Run, acts: ActivationBytes | None, index: int) -> int:
+    """Activation bytes while backward computes module group `index`'s gradients (backward order:
+    final norm and head, blocks from the last, embedding), from activations.py's terms. The
     loss's own backward comes before any parameter gradient: `_backward_start`. A tied head's
     gradient waits in autograd's input buffer from the head's backward to the embedding's
     (common.py `early_gradients`), counted with the activations as `zeroplan measure` does."""
     groups = len(run.groups_backward)
-    if acts is None:
-        return [0] * groups
-    points = [acts.block_backward_peak(acts.num_blocks)]  # the head: the blocks' saved tensors
-    for left in range(acts.num_blocks, 0, -1):
-        points.append(acts.block_backward_peak(left))
-    points = [p + run.tied_head * run.b for p in points]
-    points.append(acts.embedding)
-    return points if len(points) == groups else [0] * groups  # a count-only model: no activations
+    if acts is None or acts.num_blocks + 2 != groups:  # a count-only model: no activations
+        return 0
+    if index == groups - 1:
+        return acts.embedding
+    # the head (index 0) runs with every block's saved tensors, as the last block (index 1) does
+    left = acts.num_blocks + 1 - max(index, 1)
+    return acts.block_backward_peak(left) + run.tied_head * run.b
 
 
-def _hook_activations(points: list[int], acts: ActivationBytes | None) -> list[int]:
-    """Activations at a weight gradient's hook inside each module group: a block's saved (and
+def _hook_along(run: _Run, acts: ActivationBytes | None, index: int) -> int:
+    """Activations at a weight gradient's hook inside module group `index`: a block's saved (and
     recomputed) tensors without the activation gradients in flight at its peak (activations.py
     `block_backward_transient`). Measured: stage 3's bucket reductions and stage 2's offload
     norms do not coincide with a block's peak (tiny-llama and tiny-gpt2, with checkpointing)."""
-    transient = acts.block_backward_transient if acts is not None else 0
-    return [max(a - transient, 0) if 0 < i < len(points) - 1 else a for i, a in enumerate(points)]
+    along = _activation_along(run, acts, index)
+    if acts is not None and 0 < index < len(run.groups_backward) - 1:
+        return max(along - acts.block_backward_transient, 0)
+    return along
+
+
+def _contenders(entries: tuple[tuple[int, ...], ...], last: int) -> tuple[tuple[int, ...], ...]:
+    """The entries (backward index, cost, ...), in backward order, that can be the first largest of
+    cost + the activations at their index (`_activation_along`, or `_hook_along` for every entry),
+    whatever the micro-batch: the others need not be evaluated. `last` is the embedding's index;
+    the blocks are 1 .. last - 1, the head 0.
+
+    Why this is exact. (1) Along the blocks the activations are a convex function of the index:
+    `block_backward_peak(left)` is embedding + left x saved_per_block - freed + temporary with
+    `freed` the same for every block (activations.py `block_backward_saved`), affine in the index,
+    and `_hook_along`'s max(affine, 0) is convex. So where the block entries' costs lie on one line
+    in the index, cost + activations is convex over that run: no entry inside it exceeds both
+    ends, and one inside that equals the largest while the first end does not would need a convex
+    function above its chord. Only the two ends of each run can be the first largest.
+    (2) From the head to the first block the activations never grow (the head and the last block
+    both run with every block's saved tensors, each later block with one fewer, saved_per_block
+    >= 0), and the hook's value is no larger than the head's. So an entry before `last` whose cost
+    is no larger than an earlier entry's never wins. The embedding's entry always stays.
+    tests/test_deepspeed_profile_fast.py checks the profile with every entry kept against this one.
+    """
+    ends: list[tuple[int, ...]] = []
+    line: list[tuple[int, ...]] = []  # block entries on one line in the index
+    for entry in entries:
+        if not 0 < entry[0] < last:
+            ends += line[:1] + line[1:][-1:]
+            line = []
+            ends.append(entry)
+        elif len(line) < 2 or _on_line(line[-2], line[-1], entry):
+            line.append(entry)
+        else:
+            ends += line[:1] + line[1:][-1:]
+            line = [entry]
+    ends += line[:1] + line[1:][-1:]
+    kept, best = [], -1
+    for entry in ends:
+        if entry[0] == last:
+            kept.append(entry)
+        elif entry[1] > best:
+            kept.append(entry)
+            best = entry[1]
+    return tuple(kept)
+
+
+def _on_line(a: tuple[int, ...], b: tuple[int, ...], c: tuple[int, ...]) -> bool:
+    """Are the costs of entries a, b, c (index, cost, ...) on one line in the index?"""
+    return (b[1] - a[1]) * (c[0] - b[0]) == (c[1] - b[1]) * (b[0] - a[0])
 
 
 def _backward_start(acts: ActivationBytes | None) -> int:
@@ -228,7 +325,6 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
 # -- stages 1 and 2 -------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1024)
 def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> tuple[int, ...]:
     """Each rank's `grads_in_partition` elements: stage_1_and_2.py `copy_grads_in_partition`
     sizes it as the sum of the whole tensors that intersect the rank's [r·P, (r+1)·P) slice."""
@@ -247,7 +343,6 @@ def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> tuple[in
     return tuple(owned)
 
 
-@lru_cache(maxsize=1024)
 def _bucket_fill(numels: tuple[int, ...], bucket_elements: int) -> int:
     """Gradient elements already copied into the reduce bucket (their .grad freed) when the first
     reduction allocates the owned partition. `reduce_independent_p_g_buckets_and_remove_grads`
@@ -263,7 +358,6 @@ def _bucket_fill(numels: tuple[int, ...], bucket_elements: int) -> int:
     return copied
 
 
-@lru_cache(maxsize=1024)
 def _last_fill(numels: tuple[int, ...], bucket_elements: int) -> int:
     """Gradient elements in the reduce bucket when the epilogue reduces it (after the last
     overflow, `reduce_independent_p_g_buckets_and_remove_grads`)."""
@@ -275,7 +369,6 @@ def _last_fill(numels: tuple[int, ...], bucket_elements: int) -> int:
     return pending
 
 
-@lru_cache(maxsize=1024)
 def _first_reduction(groups_backward: tuple[tuple[int, ...], ...], bucket_elements: int) -> int:
     """Backward module index at which the reduce bucket first overflows during backward (the
     number of modules when the epilogue reduces it after the last one)."""
@@ -286,6 +379,18 @@ def _first_reduction(groups_backward: tuple[tuple[int, ...], ...], bucket_elemen
                 return index
             filled += numel
     return len(groups_backward)
+
+
+def _stage1_grads(layout: _Layout, b: int) -> tuple[tuple[int, int], ...]:
+    """Stage 1 (`_contenders` of): (backward index, gradient bytes at that module group's
+    backward peak): the gradients of the groups before it, and a block's first gradients."""
+    entries, done = [], 0
+    groups = layout.groups_backward
+    for index, group in enumerate(groups):
+        in_block = layout.first_block if 0 < index < len(groups) - 1 and group else 0
+        entries.append((index, (done + in_block) * b))
+        done += sum(group)
+    return _contenders(tuple(entries), len(groups) - 1)
 
 
 def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], int]:
@@ -299,7 +404,8 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     params = (flat + run.total - run.trainable) * b  # `bit16_groups_flat` + frozen module params
     master = partition * FP32_BYTES  # `single_partition_of_fp32_groups`, also in an fp32 run
     states = _states(run, partition)
-    owned_by_rank = _owned_elements(run.numels, partition, n)
+    layout, buckets = run.layout, knobs.reduce_bucket_size
+    owned_by_rank = _derived(layout, ("owned", partition, n), lambda: _owned_elements(run.numels, partition, n))
     owned = max(owned_by_rank) * b
     # The last rank owns the head, whose gradients come first in backward: it allocates its
     # partition at the first reduction during backward, the others later.
@@ -308,11 +414,12 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     # overlap_comm; at the first gradient hook of every backward, freed by
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
     bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
-    first_index = _first_reduction(run.groups_backward, knobs.reduce_bucket_size)
-    last_fill = _last_fill(tuple(x for g in run.groups_backward for x in g), knobs.reduce_bucket_size)
-    last_fill_forward = _last_fill(run.numels, knobs.reduce_bucket_size)
-    acts_bwd = _backward_activations(run, acts)
-    acts_at_first = acts_bwd[first_index] if first_index < len(acts_bwd) else 0
+    first_index = _derived(layout, ("first reduction", buckets), lambda: _first_reduction(run.groups_backward, buckets))
+    last_fill = _derived(layout, ("last fill backward", buckets),
+                         lambda: _last_fill(tuple(x for g in run.groups_backward for x in g), buckets))
+    last_fill_forward = _derived(layout, ("last fill forward", buckets), lambda: _last_fill(run.numels, buckets))
+    groups = len(run.groups_backward)
+    acts_at_first = _activation_along(run, acts, first_index) if first_index < groups else 0
     fwd = _forward_activations(acts)
 
     # Optimizer offload (stage_1_and_2.py `__init__`, `initialize_optimizer_states`): the fp32
@@ -367,21 +474,24 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             # allocates its `grads_in_partition` at the first reduction; a later micro-batch
             # fills a second one, added into the first at its end.
             if first_index:  # modules before the first reduction: the bucket, no partition yet
-                points.append(_plus(during, activations=max(acts_bwd[:first_index]), buffers=bucket_now))
+                before = _derived(layout, ("before", first_index),
+                                  lambda: _contenders(tuple((i, 0) for i in range(first_index)), groups - 1))
+                most = max(_activation_along(run, acts, i) for i, _ in before)
+                points.append(_plus(during, activations=most, buffers=bucket_now))
             points.append(_plus(during, activations=acts_at_first, buffers=bucket_now,
                                 grads=0 if run.offload_opt else owned_early))
             if run.offload_opt:
                 # Offloaded, each owned gradient is copied to the host after
                 # `set_norm_for_param_grad_in_gpu` takes its norm in `get_norm_dtype()` (fp64
                 # where supported: a copy of the tensor), while the next gradient waits in .grad.
-                hook = _hook_activations(acts_bwd, acts)
-                points.append(_plus(during, activations=hook[first_index] if first_index < len(hook) else 0,
+                hook = _hook_along(run, acts, first_index) if first_index < groups else 0
+                points.append(_plus(during, activations=hook,
                                     buffers=bucket_now, grads=run.largest * b, temporaries=run.largest * NORM_BYTES))
             points.append(_plus(during, buffers=bucket_now, grads=kept))
             # The epilogue reduces what is left in the bucket (`average_tensor` ->
             # `allreduce_no_retain` / `allreduce_and_scatter` flatten the slices they reduce:
             # a copy of the bucket's contents), before those gradients reach the partition.
-            earlier = kept if first_index < len(run.groups_backward) else 0
+            earlier = kept if first_index < groups else 0
             points.append(_plus(during, buffers=bucket_now + last_fill * b, grads=earlier))
         else:
             # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
@@ -390,20 +500,18 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             # into the kept .grad).
             # At a block's backward peak, the gradients of the modules before it exist, and the
             # block's output projection's (common.py `early_gradients`, its first gradients).
-            done = 0
-            first_block = early_gradients(run.facts)[2]
-            best_acts = best_grads = -1
-            for index, group in enumerate(run.groups_backward):
-                in_block = first_block if 0 < index < len(run.groups_backward) - 1 and group else 0
-                grads_now = 0 if carried else (done + in_block) * b
-                if acts_bwd[index] + grads_now > best_acts + best_grads:
-                    best_acts, best_grads = acts_bwd[index], grads_now
-                done += sum(group)
-            if best_acts >= 0:
-                points.append(_plus(during, activations=best_acts, buffers=bucket_now, grads=best_grads))
+            grads_b = 0 if carried else b
+            grads_along = _derived(layout, ("stage 1 grads", grads_b), partial(_stage1_grads, layout, grads_b))
+            best: tuple[int, int] | None = None
+            for index, grads_now in grads_along:
+                along = _activation_along(run, acts, index)
+                if best is None or along + grads_now > best[0] + best[1]:
+                    best = (along, grads_now)
+            if best is not None:
+                points.append(_plus(during, activations=best[0], buffers=bucket_now, grads=best[1]))
             # `reduce_gradients` walks the parameters in their order, so the first rank
             # allocates its partition at the first overflow, with the rest still in .grad.
-            filled = _bucket_fill(run.numels, knobs.reduce_bucket_size)
+            filled = _derived(layout, ("bucket fill", buckets), lambda: _bucket_fill(run.numels, buckets))
             first_rank = 0 if run.offload_opt else owned_by_rank[0] * b
             points.append(_plus(base, buffers=bucket, grads=(run.trainable - filled) * b + first_rank))
             # Each reduction flattens the bucket's contents (`average_tensor`): at the first one
@@ -431,13 +539,11 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
 # -- stage 3 --------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1024)
 def _leaf_gathered(gathered_backward: tuple[tuple[int, ...], ...], n: int) -> tuple[int, ...]:
     """The largest tensor of each module group, padded to a multiple of N (gathered alone)."""
     return tuple(max((ceil_div(x, n) * n for x in grp), default=0) for grp in gathered_backward)
 
 
-@lru_cache(maxsize=1024)
 def _stage3_sizes(facts: ModelFacts, n: int, threshold: int) -> tuple[int, int, int, int]:
     """(partition elements of all tensors, of the trainable ones, persistent elements, padded
     elements of the gatherable ones) per rank.
@@ -449,17 +555,87 @@ def _stage3_sizes(facts: ModelFacts, n: int, threshold: int) -> tuple[int, int, 
     """
     all_numels = [t.numel for g in facts.groups for t in g.tensors for _ in range(g.count)]
     p3_all = sum(ceil_div(x, n) for x in all_numels)
-    p3 = sum(ceil_div(x, n) for x in _layout(facts)[0])
+    p3 = sum(ceil_div(x, n) for x in _layout(facts).numels)
     persistent = sum(x for x in all_numels if x <= threshold)
     gatherable = sum(ceil_div(x, n) * n for x in all_numels if x > threshold)
     return p3_all, p3, persistent, gatherable
 
 
+@dataclass(frozen=True)
+class _Walk3:
+    """What stage 3 holds along a step apart from activations (elements, or bytes where named):
+    the same for every micro-batch, so cached per (model, N, b, knobs)."""
+
+    p3_all: int
+    p3: int
+    persistent: int
+    gathered_at_head: int
+    prefetch: int
+    largest_leaf: int  # bytes: the largest tensor gathered alone (first micro-batch, no trace)
+    # `_contenders` of (backward index, gathered bytes) without a trace (`cold`) and with one,
+    # and of (backward index, bytes, buffers bytes, grads bytes) at each bucket reduction
+    cold: tuple[tuple[int, ...], ...]
+    cold_reductions: tuple[tuple[int, ...], ...]
+    warm: tuple[tuple[int, ...], ...]
+    warm_reductions: tuple[tuple[int, ...], ...]
+
+
+def _stage3_walk(run: _Run, facts: ModelFacts) -> _Walk3:
+    knobs, n, b = run.training.deepspeed, run.n, run.b
+    threshold = knobs.stage3_param_persistence_threshold
+    key = ("stage 3", n, b, threshold, knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters,
+           knobs.stage3_prefetch_bucket_size, knobs.reduce_bucket_size)
+
+    def compute() -> _Walk3:
+        p3_all, p3, persistent, gatherable = _stage3_sizes(facts, n, threshold)
+        gathered_at_head, gathered_in_backward = _steady_gathering(
+            run.gathered_backward, n, threshold, knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters,
+            knobs.stage3_prefetch_bucket_size)
+        reductions = _stage3_reductions(run.groups_backward, n, knobs.reduce_bucket_size)
+        # A coalesced fetch (`_all_gather_dtype`) holds its flat buffer until the handle's `wait()`
+        # has copied each parameter out (`AllGatherCoalescedHandle.wait`): measured with the whole
+        # model kept, the forward's prefetch (up to `stage3_prefetch_bucket_size` elements) is alive
+        # twice until the head's forward.
+        keep_all = gathered_at_head >= gatherable
+        prefetch = min(gatherable, knobs.stage3_prefetch_bucket_size) if keep_all else 0
+        module_all = [x * b for x in _leaf_gathered(run.gathered_backward, n)]
+        last = len(run.groups_backward) - 1
+        cold = [(i, g) for i, g in enumerate(module_all)]
+        warm = [(i, g * b) for i, g in enumerate(gathered_in_backward)]
+        cold_reductions = [(i, module_all[i] + (flat + trigger) * b, module_all[i] + flat * b, trigger * b)
+                           for i, flat, trigger in reductions]
+        warm_reductions = [(i, (gathered_in_backward[i] + flat + trigger) * b, (gathered_in_backward[i] + flat) * b,
+                            trigger * b) for i, flat, trigger in reductions]
+        return _Walk3(p3_all, p3, persistent, gathered_at_head, prefetch, max(module_all, default=0),
+                      *(_contenders(tuple(entries), last) for entries in (cold, cold_reductions, warm, warm_reductions)))
+
+    return _derived(run.layout, key, compute)
+
+
+def _backward_extra(run: _Run, acts: ActivationBytes | None, start: Point, gathered: tuple[tuple[int, ...], ...],
+                    reductions: tuple[tuple[int, ...], ...]) -> Point:
+    """What backward adds to the base at its peak, the first largest of: the loss's backward
+    (`start`), the module group with the most gathered parameters and activations, and each bucket
+    reduction (its flat copy beside the gathered parameters, the triggering gradient waiting)."""
+    most: Point = {}
+    for index, buffers in gathered:
+        along = _activation_along(run, acts, index)
+        if not most or buffers + along > most["buffers"] + most["activations"]:
+            most = {"buffers": buffers, "activations": along}
+    best = start if _total(start) >= _total(most) else most
+    best_total = _total(best)
+    for index, total, buffers, grads in reductions:
+        hook = _hook_along(run, acts, index)
+        if total + hook > best_total:
+            best, best_total = {"buffers": buffers, "grads": grads, "activations": hook}, total + hook
+    return best
+
+
 def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], tuple[int, int]]:
     training, knobs = run.training, run.training.deepspeed
-    b, n = run.b, run.n
-    threshold = knobs.stage3_param_persistence_threshold
-    p3_all, p3, persistent, gatherable = _stage3_sizes(facts, n, threshold)
+    b = run.b
+    walk = _stage3_walk(run, facts)
+    p3_all, p3, persistent = walk.p3_all, walk.p3, walk.persistent
     partitions = p3_all * b  # `lp_param_buffer` (or the offload_param host buffer)
     master = p3 * FP32_BYTES  # `fp32_partitioned_groups_flat`, a separate copy even in fp32
     states = _states(run, p3)
@@ -467,16 +643,6 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
     # `_setup_for_real_optimizer`: one bucket in the communication dtype, not doubled by overlap.
     bucket = knobs.reduce_bucket_size * b
     fp32_grad = p3 * FP32_BYTES  # offload: `subgroup_gradient_buffer` from init; else at step
-    gathered_at_head, gathered_in_backward = _steady_gathering(
-        run.gathered_backward, n, threshold, knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters,
-        knobs.stage3_prefetch_bucket_size)
-    reductions = _stage3_reductions(run.groups_backward, n, knobs.reduce_bucket_size)
-    # A coalesced fetch (`_all_gather_dtype`) holds its flat buffer until the handle's `wait()`
-    # has copied each parameter out (`AllGatherCoalescedHandle.wait`): measured with the whole
-    # model kept, the forward's prefetch (up to `stage3_prefetch_bucket_size` elements) is alive
-    # twice until the head's forward.
-    keep_all = gathered_at_head >= gatherable
-    prefetch = min(gatherable, knobs.stage3_prefetch_bucket_size) if keep_all else 0
 
     on_device_opt = not run.offload_opt or run.cpu_run
     on_device_par = not run.offload_par or run.cpu_run
@@ -485,8 +651,6 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
         return value if on_device_opt else 0
 
     fwd = _forward_activations(acts)
-    acts_bwd = _backward_activations(run, acts)
-    acts_hook = _hook_activations(acts_bwd, acts)
     partitions_dev = partitions if on_device_par else 0
     offload_grads = fp32_grad if run.offload_opt else 0
     phases = []
@@ -512,25 +676,17 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             # too (measured: a run with every tensor persistent peaks as one with none in its
             # first step). Hooks sit on the leaf modules (a Linear holds one weight, as each of
             # the model's tensors here), so one tensor is gathered at a time.
-            module_all = [x * b for x in _leaf_gathered(run.gathered_backward, n)]
-            forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=max(module_all, default=0)))
-            extras = [{"activations": _backward_start(acts)}]
-            extras.append(max(({"buffers": g, "activations": a} for g, a in zip(module_all, acts_bwd)),
-                              key=_total, default={}))
-            extras += [{"buffers": module_all[i] + flat * b, "grads": trigger * b, "activations": acts_hook[i]}
-                       for i, flat, trigger in reductions]
+            forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=walk.largest_leaf))
+            extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions)
         else:
             # The trace is complete (from the second micro-batch of the first step on).
-            head = gathered_at_head * b
-            forward = _largest(_plus(base, buffers=head + prefetch * b, activations=_activations_before_head(acts)),
+            head = walk.gathered_at_head * b
+            forward = _largest(_plus(base, buffers=head + walk.prefetch * b, activations=_activations_before_head(acts)),
                                _plus(base, buffers=head, activations=fwd))
-            extras = [{"buffers": head, "activations": _backward_start(acts)}]
-            extras.append(max(({"buffers": g * b, "activations": a} for g, a in zip(gathered_in_backward, acts_bwd)),
-                              key=_total, default={}))
-            extras += [{"buffers": (gathered_in_backward[i] + flat) * b, "grads": trigger * b, "activations": acts_hook[i]}
-                       for i, flat, trigger in reductions]
+            extra = _backward_extra(run, acts, {"buffers": head, "activations": _backward_start(acts)}, walk.warm,
+                                    walk.warm_reductions)
         phases.append(phase(step, Phase.FORWARD, **forward))
-        phases.append(phase(step, Phase.BACKWARD, **_plus(base, **max(extras, key=_total))))
+        phases.append(phase(step, Phase.BACKWARD, **_plus(base, **extra)))
         # `step`: all parameters are released, persistent ones included, and re-gathered after
         # the update. `_prepare_fp32_grad_for_sub_group`: flatten(averaged_gradients).to(fp32)
         # as the sub-group's .grad (an extra P3 x b flatten when b != 4), then the optimizer
@@ -576,7 +732,6 @@ def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int
     return host, nvme
 
 
-@lru_cache(maxsize=1024)
 def _stage3_reductions(groups_backward: tuple[tuple[int, ...], ...], n: int, bucket: int) -> tuple[tuple[int, int, int], ...]:
     """(backward module index, padded elements reduced, elements of the gradient that triggered
     it) for each bucket reduction during backward, the largest per module.
@@ -608,7 +763,6 @@ def _stage3_reductions(groups_backward: tuple[tuple[int, ...], ...], n: int, buc
     return tuple(found.values())
 
 
-@lru_cache(maxsize=1024)
 def _steady_gathering(gathered_backward: tuple[tuple[int, ...], ...], n: int, threshold: int, reuse: int, live: int,
                       prefetch_bucket: int) -> tuple[int, tuple[int, ...]]:
     """Gathered non-persistent elements once the trace is recorded: at the head's forward, and
