@@ -23,6 +23,7 @@ if __name__ == "__main__":  # run as a script from a checkout
 
 from zeroplan.catalog import resolve_model
 from zeroplan.estimate import estimate
+from zeroplan.estimate.engines import deepspeed
 from zeroplan.spec.model import ParamCountSpec
 from zeroplan.spec.training import TrainingSpec
 
@@ -125,6 +126,28 @@ def test_golden_holds_published_structure():
             peaks[fields["zero_stage"]] = max(sum(p[1:]) for p in value["phases"])
     assert sorted(peaks) == [0, 1, 2, 3]
     assert peaks[0] > peaks[1] >= peaks[2] > peaks[3]
+
+
+def test_fast_path_matches_every_entry_kept(monkeypatch):
+    """`_contenders` drops module groups that cannot hold a backward peak; keeping every one (the
+    slow reference path) gives the same estimates, whatever the activations module says."""
+    points = grid()[::3]
+    fast = [record(m, f) for m, f in points]
+    deepspeed._clear_caches()
+    monkeypatch.setattr(deepspeed, "_contenders", lambda entries, last: tuple(entries))
+    try:
+        slow = [record(m, f) for m, f in points]
+    finally:
+        deepspeed._clear_caches()
+    assert slow == fast
+
+
+def test_contenders_keep_ends_of_lines_and_records():
+    # head 0, blocks 1-5, embedding 6: blocks 1-3 on one line (slope 10), 4-5 on another
+    entries = tuple((i, cost) for i, cost in enumerate([50, 10, 20, 30, 5, 4, 0]))
+    assert deepspeed._contenders(entries, 6) == ((0, 50), (6, 0))
+    entries = tuple((i, cost) for i, cost in enumerate([5, 10, 20, 30, 5, 40, 0]))
+    assert deepspeed._contenders(entries, 6) == ((0, 5), (1, 10), (3, 30), (5, 40), (6, 0))
 
 
 def _write() -> None:
