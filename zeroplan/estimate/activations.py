@@ -55,6 +55,7 @@ class ActivationBytes:
     loss_saved: int  # log_softmax's fp32 output kept for backward
     loss_transient: int  # fp32 upcast of the logits alive while the loss is computed (16-bit only)
     logits_grad: int  # nll_loss's and log_softmax's fp32 gradients, alive together
+    logits_grad_cast: int  # the logits' gradient cast to the compute dtype for lm_head (16-bit only)
     num_blocks: int
 
     @property
@@ -83,6 +84,18 @@ class ActivationBytes:
     def backward_start_peak(self) -> int:
         """log_softmax's backward: its saved output plus the gradients of nll_loss and of log_softmax."""
         return self.forward_end + self.logits_grad
+
+    @property
+    def head_backward_saved(self) -> int:
+        """lm_head's backward: log_softmax's output is freed, lm_head's input is still saved."""
+        return self.blocks_saved + self.final_norm
+
+    @property
+    def head_backward_temporary(self) -> int:
+        """lm_head's backward: the logits' gradient (fp32, or its 16-bit cast, the fp32 one freed
+        once the cast's backward has run) and the gradient of lm_head's input; the weight's
+        gradient is the engine's to count."""
+        return (self.logits_grad_cast or self.logits_grad // 2) + self.block_input_grad_bytes
 
     def block_backward_peak(self, blocks_left: int) -> int:
         """Inside the backward of a block when `blocks_left` blocks (itself included) still hold
@@ -290,5 +303,6 @@ def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: i
         loss_saved=loss_saved,
         loss_transient=upcast,
         logits_grad=logits_grad,
+        logits_grad_cast=tokens * act_bytes * vocab if act_bytes != FP32_BYTES else 0,
         num_blocks=spec.num_layers,
     )

@@ -194,8 +194,13 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
     if acts is not None:
         # Saved tensors are activations; what backward allocates (the logits' gradients, the
         # recomputed block, gradients in flight, a tied head's pending gradient) is temporaries.
-        points.append(dict(buffers=root_gathered + block_gathered * (held_blocks if not reshard else 1) + h2d_copy,
-                           grads=held_grads, activations=acts.forward_end, temporaries=acts.logits_grad))
+        loss_buffers = root_gathered + block_gathered * (held_blocks if not reshard else 1) + h2d_copy
+        points.append(dict(buffers=loss_buffers, grads=held_grads, activations=acts.forward_end,
+                           temporaries=acts.logits_grad))
+        # lm_head's backward: the logits' gradient, the head weight's unsharded gradient (a tied
+        # one still pending in autograd), the gradient of the final norm's output.
+        points.append(dict(buffers=loss_buffers, grads=held_grads + head_grads, activations=acts.head_backward_saved,
+                           temporaries=acts.head_backward_temporary + tied_grad))
     for j in sorted({0, 1, num_blocks - 2, num_blocks - 1}):
         if not 0 <= j < num_blocks:
             continue

@@ -76,9 +76,13 @@ def estimate_torch(
         # backward), then the end, every .grad present. Linear in the blocks done
         # between the ends. What backward allocates and no one names at the end of the phase
         # (logits' gradients, the recomputed block, gradients in flight) is temporaries.
-        points = [dict(grads=grads)]
+        # The end: the embedding's backward meets a tied head's pending gradient in autograd's
+        # input buffer; AccumulateGrad clones their sum into .grad while both are still alive.
+        points = [dict(grads=grads, temporaries=2 * tied_numel * element)]
         if acts is not None:
             points.append(dict(grads=grads_before, activations=acts.forward_end, temporaries=acts.logits_grad))
+            points.append(dict(grads=max(grads_before, head_numel * element), activations=acts.head_backward_saved,
+                               temporaries=acts.head_backward_temporary + tied_numel * element))
             for j in sorted({0, 1, num_blocks - 2, num_blocks - 1}):
                 if 0 <= j < num_blocks:
                     done = (head_numel + first_numel + j * block_numel) * element
