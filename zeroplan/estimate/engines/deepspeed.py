@@ -98,6 +98,7 @@ class _Run:
     offload_par: bool
     training: TrainingSpec
     facts: ModelFacts
+    key: tuple  # the training spec's fields that `_Fixed` depends on (not the micro-batch, sequence, checkpointing)
 
 
 # Layouts by the identity of their ModelFacts. The planner asks for one model thousands of times
@@ -167,6 +168,8 @@ def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
         largest=largest, tied_head=layout.tied_head, adam_temporary_rate=rate,
         cpu_run=training.device == Device.CPU, offload_opt=offload_opt,
         offload_par=training.offload_params != Offload.NONE, training=training, facts=facts,
+        key=(training.zero_stage, training.gpus, training.precision, training.optimizer, training.offload_optimizer,
+             training.offload_params, training.device, training.grad_accum, training.deepspeed),
     )
 
 
@@ -393,7 +396,70 @@ def _stage1_grads(layout: _Layout, b: int) -> tuple[tuple[int, int], ...]:
     return _contenders(tuple(entries), len(groups) - 1)
 
 
+@dataclass(frozen=True)
+class _Fixed:
+    """A stage's phases and moments that do not depend on the activations: cached per model and
+    training spec apart from the micro-batch, sequence length and checkpointing (`_Run.key`)."""
+
+    init: PhaseBytes
+    # per step (first, steady): what forward and backward hold besides the activations and what
+    # backward adds at them; the largest of backward's moments without activations (or None);
+    # the optimizer step's phase
+    steps: tuple[tuple[Step, Point, Point | None, PhaseBytes], ...]
+    host: Any  # stages 1-2: host bytes per rank; stage 3: (host, NVMe) bytes per rank
+    numbers: dict[str, Any]  # what the moments with activations need
+
+
 def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], int]:
+    fixed = _derived(run.layout, ("stage 1-2", run.key), partial(_stage12_fixed, run))
+    numbers = fixed.numbers
+    first_index, groups, bucket_now = numbers["first_index"], numbers["groups"], numbers["bucket_now"]
+    fwd = _forward_activations(acts)
+    phases = [fixed.init]
+    for step, during, settled, optimizer_step in fixed.steps:
+        phases.append(phase(step, Phase.FORWARD, **_plus(during, activations=fwd)))
+        # The bucket appears at the first parameter's gradient hook, after the loss's backward.
+        points = [_plus(during, activations=_backward_start(acts))]
+        if numbers["moving"]:
+            # Stage 2 (and stage 1 with overlap_comm, at the boundary: `process_gradients`) moves
+            # each gradient into the bucket at its hook. The rank owning the last parameters
+            # allocates its `grads_in_partition` at the first reduction; a later micro-batch
+            # fills a second one, added into the first at its end.
+            if first_index:  # modules before the first reduction: the bucket, no partition yet
+                most = max(_activation_along(run, acts, i) for i, _ in numbers["before"])
+                points.append(_plus(during, activations=most, buffers=bucket_now))
+            acts_at_first = _activation_along(run, acts, first_index) if first_index < groups else 0
+            points.append(_plus(during, activations=acts_at_first, buffers=bucket_now,
+                                grads=0 if run.offload_opt else numbers["owned_early"]))
+            if run.offload_opt:
+                # Offloaded, each owned gradient is copied to the host after
+                # `set_norm_for_param_grad_in_gpu` takes its norm in `get_norm_dtype()` (fp64
+                # where supported: a copy of the tensor), while the next gradient waits in .grad.
+                hook = _hook_along(run, acts, first_index) if first_index < groups else 0
+                points.append(_plus(during, activations=hook, buffers=bucket_now, grads=run.largest * run.b,
+                                    temporaries=run.largest * NORM_BYTES))
+        else:
+            # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
+            # boundary's `reduce_gradients` walks them through the bucket (`_stage12_fixed`).
+            # At a block's backward peak, the gradients of the modules before it exist, and the
+            # block's output projection's (common.py `early_gradients`, its first gradients).
+            best: tuple[int, int] | None = None
+            for index, grads_now in numbers["grads_along"]:
+                along = _activation_along(run, acts, index)
+                if best is None or along + grads_now > best[0] + best[1]:
+                    best = (along, grads_now)
+            if best is not None:
+                points.append(_plus(during, activations=best[0], buffers=bucket_now, grads=best[1]))
+        # the moments without activations come after these in backward: they win only if larger
+        peak = _largest(*points)
+        if settled is not None and _total(settled) > _total(peak):
+            peak = settled
+        phases.append(phase(step, Phase.BACKWARD, **peak))
+        phases.append(optimizer_step)
+    return phases, fixed.host
+
+
+def _stage12_fixed(run: _Run) -> _Fixed:
     training, knobs = run.training, run.training.deepspeed
     b, n = run.b, run.n
     stage = training.zero_stage
@@ -405,22 +471,16 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     master = partition * FP32_BYTES  # `single_partition_of_fp32_groups`, also in an fp32 run
     states = _states(run, partition)
     layout, buckets = run.layout, knobs.reduce_bucket_size
-    owned_by_rank = _derived(layout, ("owned", partition, n), lambda: _owned_elements(run.numels, partition, n))
+    owned_by_rank = _owned_elements(run.numels, partition, n)
     owned = max(owned_by_rank) * b
-    # The last rank owns the head, whose gradients come first in backward: it allocates its
-    # partition at the first reduction during backward, the others later.
-    owned_early = owned_by_rank[-1] * b
     # `setup_buckets`: `reduce_bucket_size` elements, always (not capped by the model), two with
     # overlap_comm; at the first gradient hook of every backward, freed by
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
     bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
-    first_index = _derived(layout, ("first reduction", buckets), lambda: _first_reduction(run.groups_backward, buckets))
-    last_fill = _derived(layout, ("last fill backward", buckets),
-                         lambda: _last_fill(tuple(x for g in run.groups_backward for x in g), buckets))
-    last_fill_forward = _derived(layout, ("last fill forward", buckets), lambda: _last_fill(run.numels, buckets))
+    first_index = _first_reduction(run.groups_backward, buckets)
+    last_fill = _last_fill(tuple(x for g in run.groups_backward for x in g), buckets)
+    last_fill_forward = _last_fill(run.numels, buckets)
     groups = len(run.groups_backward)
-    acts_at_first = _activation_along(run, acts, first_index) if first_index < groups else 0
-    fwd = _forward_activations(acts)
 
     # Optimizer offload (stage_1_and_2.py `__init__`, `initialize_optimizer_states`): the fp32
     # master, its fp32 gradient (kept from init), a P12 x b copy of the partition
@@ -441,17 +501,19 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
         return value if on_device else 0
 
     ga = training.grad_accum
-    phases = []
+    moving = stage == 2 or overlap
+    bucket_now = 0 if stage == 1 and ga > 1 else bucket  # already carried
+    kept = 0 if run.offload_opt else owned  # offload copies straight to the host gradient
+    # `flatten_dense_tensors_aligned`: the old per-parameter storages and the flat copy.
+    flatten = {"params": params + run.trainable * b}
+    after = {"params": params, "optimizer_states": host(master), "grads": host(host_grads),
+             "buffers": host(host_buffers) + device_buffers}
+    init = phase(Step.FIRST, Phase.INIT, **_largest(flatten, after))
+    steps = []
     for step in (Step.FIRST, Step.STEADY):
         held = states if step == Step.STEADY else 0
         base = {"params": params, "optimizer_states": host(master + held), "grads": host(host_grads),
-                    "buffers": host(host_buffers) + device_buffers}
-        if step == Step.FIRST:
-            # `flatten_dense_tensors_aligned`: the old per-parameter storages and the flat copy.
-            flatten = {"params": params + run.trainable * b}
-            after = {"params": params, "optimizer_states": host(master), "grads": host(host_grads),
-                         "buffers": host(host_buffers) + device_buffers}
-            phases.append(phase(step, Phase.INIT, **_largest(flatten, after)))
+                "buffers": host(host_buffers) + device_buffers}
         # Between micro-batches (grad_accum > 1): stage 1 keeps every .grad and the bucket
         # (allocated at the first micro-batch's first hook, released by the boundary's epilogue,
         # since only the boundary reduces); stage 2 keeps the owned partition (`all_grad_tensors`)
@@ -462,63 +524,27 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
         elif ga > 1 and not run.offload_opt:
             carried = {"grads": owned}
         during = _plus(base, **carried)
-        phases.append(phase(step, Phase.FORWARD, **_plus(during, activations=fwd)))
 
-        bucket_now = 0 if stage == 1 and ga > 1 else bucket  # already carried
-        kept = 0 if run.offload_opt else owned  # offload copies straight to the host gradient
-        # The bucket appears at the first parameter's gradient hook, after the loss's backward.
-        points = [_plus(during, activations=_backward_start(acts))]
-        if stage == 2 or overlap:
-            # Stage 2 (and stage 1 with overlap_comm, at the boundary: `process_gradients`) moves
-            # each gradient into the bucket at its hook. The rank owning the last parameters
-            # allocates its `grads_in_partition` at the first reduction; a later micro-batch
-            # fills a second one, added into the first at its end.
-            if first_index:  # modules before the first reduction: the bucket, no partition yet
-                before = _derived(layout, ("before", first_index),
-                                  lambda: _contenders(tuple((i, 0) for i in range(first_index)), groups - 1))
-                most = max(_activation_along(run, acts, i) for i, _ in before)
-                points.append(_plus(during, activations=most, buffers=bucket_now))
-            points.append(_plus(during, activations=acts_at_first, buffers=bucket_now,
-                                grads=0 if run.offload_opt else owned_early))
-            if run.offload_opt:
-                # Offloaded, each owned gradient is copied to the host after
-                # `set_norm_for_param_grad_in_gpu` takes its norm in `get_norm_dtype()` (fp64
-                # where supported: a copy of the tensor), while the next gradient waits in .grad.
-                hook = _hook_along(run, acts, first_index) if first_index < groups else 0
-                points.append(_plus(during, activations=hook,
-                                    buffers=bucket_now, grads=run.largest * b, temporaries=run.largest * NORM_BYTES))
-            points.append(_plus(during, buffers=bucket_now, grads=kept))
+        # backward's moments without activations, in backward order after those with them
+        if moving:
+            settled = [_plus(during, buffers=bucket_now, grads=kept)]
             # The epilogue reduces what is left in the bucket (`average_tensor` ->
             # `allreduce_no_retain` / `allreduce_and_scatter` flatten the slices they reduce:
             # a copy of the bucket's contents), before those gradients reach the partition.
             earlier = kept if first_index < groups else 0
-            points.append(_plus(during, buffers=bucket_now + last_fill * b, grads=earlier))
+            settled.append(_plus(during, buffers=bucket_now + last_fill * b, grads=earlier))
         else:
-            # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
-            # boundary's `reduce_gradients` walks them through the bucket, freeing each .grad as
-            # it is copied in and filling the owned partition (the last micro-batch accumulates
-            # into the kept .grad).
-            # At a block's backward peak, the gradients of the modules before it exist, and the
-            # block's output projection's (common.py `early_gradients`, its first gradients).
-            grads_b = 0 if carried else b
-            grads_along = _derived(layout, ("stage 1 grads", grads_b), partial(_stage1_grads, layout, grads_b))
-            best: tuple[int, int] | None = None
-            for index, grads_now in grads_along:
-                along = _activation_along(run, acts, index)
-                if best is None or along + grads_now > best[0] + best[1]:
-                    best = (along, grads_now)
-            if best is not None:
-                points.append(_plus(during, activations=best[0], buffers=bucket_now, grads=best[1]))
-            # `reduce_gradients` walks the parameters in their order, so the first rank
-            # allocates its partition at the first overflow, with the rest still in .grad.
-            filled = _derived(layout, ("bucket fill", buckets), lambda: _bucket_fill(run.numels, buckets))
+            # Stage 1, at the boundary: `reduce_gradients` walks the parameters in their order,
+            # freeing each .grad as it is copied into the bucket and filling the owned partition
+            # (the last micro-batch accumulates into the kept .grad); the first rank allocates its
+            # partition at the first overflow, with the rest still in .grad.
+            filled = _bucket_fill(run.numels, buckets)
             first_rank = 0 if run.offload_opt else owned_by_rank[0] * b
-            points.append(_plus(base, buffers=bucket, grads=(run.trainable - filled) * b + first_rank))
+            settled = [_plus(base, buffers=bucket, grads=(run.trainable - filled) * b + first_rank)]
             # Each reduction flattens the bucket's contents (`average_tensor`): at the first one
             # every gradient is still a .grad or in the bucket; at the last, the partition is full.
-            points.append(_plus(base, buffers=bucket + filled * b, grads=(run.trainable - filled) * b))
-            points.append(_plus(base, buffers=bucket + last_fill_forward * b, grads=kept))
-        phases.append(phase(step, Phase.BACKWARD, **_largest(*points)))
+            settled.append(_plus(base, buffers=bucket + filled * b, grads=(run.trainable - filled) * b))
+            settled.append(_plus(base, buffers=bucket + last_fill_forward * b, grads=kept))
 
         # `step`: `flatten(averaged_gradients)` (P12 x b) then `.to(fp32)` becomes the master's
         # .grad (P12 x 4, a second copy only when b != 4) while `grads_in_partition` is alive;
@@ -531,9 +557,18 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             stepping = dict(base, optimizer_states=master + states, grads=partition * FP32_BYTES,
                             temporaries=run.adam_temporary_rate * partition)
             step_point = _largest(convert, stepping)
-        phases.append(phase(step, Phase.OPTIMIZER_STEP, **step_point))
+        steps.append((step, during, _largest(*settled), phase(step, Phase.OPTIMIZER_STEP, **step_point)))
     host_bytes = (master + states + host_grads + host_buffers) if run.offload_opt and not run.cpu_run else 0
-    return phases, host_bytes
+    numbers = {
+        "moving": moving, "first_index": first_index, "groups": groups, "bucket_now": bucket_now,
+        # The last rank owns the head, whose gradients come first in backward: it allocates its
+        # partition at the first reduction during backward, the others later.
+        "owned_early": owned_by_rank[-1] * b,
+        "before": _contenders(tuple((i, 0) for i in range(first_index)), groups - 1),
+        # with gradients carried between micro-batches, none are added along backward
+        "grads_along": _stage1_grads(layout, 0 if ga > 1 and (stage == 1 or not run.offload_opt) else b),
+    }
+    return _Fixed(init, tuple(steps), host_bytes, numbers)
 
 
 # -- stage 3 --------------------------------------------------------------------------------------
@@ -632,6 +667,33 @@ def _backward_extra(run: _Run, acts: ActivationBytes | None, start: Point, gathe
 
 
 def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], tuple[int, int]]:
+    fixed = _derived(run.layout, ("stage 3", run.key), partial(_stage3_fixed, run, facts))
+    walk, b = fixed.numbers["walk"], run.b
+    fwd = _forward_activations(acts)
+    phases = [fixed.init]
+    for step, base, _, optimizer_step in fixed.steps:
+        if step == Step.FIRST and run.training.grad_accum == 1:  # no trace yet
+            # No trace yet: each submodule's parameters are gathered at its pre-forward and
+            # pre-backward hooks and released after it (`release_sub_module`), persistent ones
+            # too (measured: a run with every tensor persistent peaks as one with none in its
+            # first step). Hooks sit on the leaf modules (a Linear holds one weight, as each of
+            # the model's tensors here), so one tensor is gathered at a time.
+            forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=walk.largest_leaf))
+            extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions)
+        else:
+            # The trace is complete (from the second micro-batch of the first step on).
+            head = walk.gathered_at_head * b
+            forward = _largest(_plus(base, buffers=head + walk.prefetch * b, activations=_activations_before_head(acts)),
+                               _plus(base, buffers=head, activations=fwd))
+            extra = _backward_extra(run, acts, {"buffers": head, "activations": _backward_start(acts)}, walk.warm,
+                                    walk.warm_reductions)
+        phases.append(phase(step, Phase.FORWARD, **forward))
+        phases.append(phase(step, Phase.BACKWARD, **_plus(base, **extra)))
+        phases.append(optimizer_step)
+    return phases, fixed.host
+
+
+def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
     training, knobs = run.training, run.training.deepspeed
     b = run.b
     walk = _stage3_walk(run, facts)
@@ -650,43 +712,15 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
     def opt(value: int) -> int:
         return value if on_device_opt else 0
 
-    fwd = _forward_activations(acts)
     partitions_dev = partitions if on_device_par else 0
     offload_grads = fp32_grad if run.offload_opt else 0
-    phases = []
+    steps = []
     for step in (Step.FIRST, Step.STEADY):
         held = states if step == Step.STEADY else 0
         # persistent parameters stay gathered once the trace is complete (after the first micro-batch)
         persist = persistent * b if step == Step.STEADY or training.grad_accum > 1 else 0
         base = {"params": partitions_dev + persist, "optimizer_states": opt(master + held),
-                    "grads": opt(grad_partitions + offload_grads), "buffers": bucket}
-        if step == Step.FIRST:
-            # The model is built whole, partitioned in `deepspeed.initialize`; then
-            # `_create_fp16_partitions_with_defragmentation` copies the partitions into one buffer,
-            # `_create_fp32_partitions`, and `initialize_optimizer_states` makes a P3 x 4 zero
-            # gradient (temporary without offload) before the bucket and gradient partitions.
-            built = {"params": run.total * b}
-            defrag = {"params": 2 * partitions}
-            opt_init = {"params": partitions, "optimizer_states": opt(master),
-                            "temporaries": 0 if run.offload_opt else opt(fp32_grad), "grads": opt(offload_grads)}
-            phases.append(phase(step, Phase.INIT, **_largest(built, defrag, opt_init, dict(base, params=partitions))))
-        if step == Step.FIRST and training.grad_accum == 1:  # no trace yet
-            # No trace yet: each submodule's parameters are gathered at its pre-forward and
-            # pre-backward hooks and released after it (`release_sub_module`), persistent ones
-            # too (measured: a run with every tensor persistent peaks as one with none in its
-            # first step). Hooks sit on the leaf modules (a Linear holds one weight, as each of
-            # the model's tensors here), so one tensor is gathered at a time.
-            forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=walk.largest_leaf))
-            extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions)
-        else:
-            # The trace is complete (from the second micro-batch of the first step on).
-            head = walk.gathered_at_head * b
-            forward = _largest(_plus(base, buffers=head + walk.prefetch * b, activations=_activations_before_head(acts)),
-                               _plus(base, buffers=head, activations=fwd))
-            extra = _backward_extra(run, acts, {"buffers": head, "activations": _backward_start(acts)}, walk.warm,
-                                    walk.warm_reductions)
-        phases.append(phase(step, Phase.FORWARD, **forward))
-        phases.append(phase(step, Phase.BACKWARD, **_plus(base, **extra)))
+                "grads": opt(grad_partitions + offload_grads), "buffers": bucket}
         # `step`: all parameters are released, persistent ones included, and re-gathered after
         # the update. `_prepare_fp32_grad_for_sub_group`: flatten(averaged_gradients).to(fp32)
         # as the sub-group's .grad (an extra P3 x b flatten when b != 4), then the optimizer
@@ -701,8 +735,19 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
                           temporaries=run.adam_temporary_rate * sub_group)
             stepping = _largest(convert, update)
         after = dict(base, params=partitions_dev + persistent * b, optimizer_states=opt(master + states))
-        phases.append(phase(step, Phase.OPTIMIZER_STEP, **_largest(stepping, after)))
-    return phases, _stage3_host(run, p3, partitions, master + states, grad_partitions + fp32_grad)
+        steps.append((step, base, None, phase(step, Phase.OPTIMIZER_STEP, **_largest(stepping, after))))
+    # The model is built whole, partitioned in `deepspeed.initialize`; then
+    # `_create_fp16_partitions_with_defragmentation` copies the partitions into one buffer,
+    # `_create_fp32_partitions`, and `initialize_optimizer_states` makes a P3 x 4 zero
+    # gradient (temporary without offload) before the bucket and gradient partitions.
+    built = {"params": run.total * b}
+    defrag = {"params": 2 * partitions}
+    opt_init = {"params": partitions, "optimizer_states": opt(master),
+                "temporaries": 0 if run.offload_opt else opt(fp32_grad), "grads": opt(offload_grads)}
+    first_base = steps[0][1]
+    init = phase(Step.FIRST, Phase.INIT, **_largest(built, defrag, opt_init, dict(first_base, params=partitions)))
+    host = _stage3_host(run, p3, partitions, master + states, grad_partitions + fp32_grad)
+    return _Fixed(init, tuple(steps), host, {"walk": walk})
 
 
 def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int) -> tuple[int, int]:
