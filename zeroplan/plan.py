@@ -322,7 +322,7 @@ class Planner:
             pairs = pairs_by_gpus[choice.gpus]
             if not pairs:
                 continue
-            seconds_per_token = self.cost_model(choice).seconds_per_token
+            seconds_per_token = None  # the cost model, built only for a choice where something fits
             for accumulating in (False, True):
                 group = [(micro, accum) for micro, accum in pairs if (accum > 1) == accumulating]
                 if not group:
@@ -335,6 +335,8 @@ class Planner:
                     hint = bisect_right([micro for micro, _ in group], hint)
                 count = self.fitting_prefix(choice, group, limits, hint)
                 hints[same] = hints[near] = hints[last] = group[count - 1][0] if count else 0
+                if count and seconds_per_token is None:
+                    seconds_per_token = self.cost_model(choice).seconds_per_token
                 for micro, accum in group[:count]:
                     fitting.append(Hit(seconds_per_token(micro, accum), order, -micro, choice, accum))
         fitting.sort()
