@@ -419,7 +419,8 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     for step, during, settled, optimizer_step in fixed.steps:
         phases.append(phase(step, Phase.FORWARD, **_plus(during, activations=fwd)))
         # The bucket appears at the first parameter's gradient hook, after the loss's backward.
-        points = [_plus(during, activations=_backward_start(acts))]
+        # (These moments share `during`: the largest is the one that adds the most to it.)
+        points = [{"activations": _backward_start(acts)}]
         if numbers["moving"]:
             # Stage 2 (and stage 1 with overlap_comm, at the boundary: `process_gradients`) moves
             # each gradient into the bucket at its hook. The rank owning the last parameters
@@ -427,17 +428,17 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             # fills a second one, added into the first at its end.
             if first_index:  # modules before the first reduction: the bucket, no partition yet
                 most = max(_activation_along(run, acts, i) for i, _ in numbers["before"])
-                points.append(_plus(during, activations=most, buffers=bucket_now))
+                points.append({"activations": most, "buffers": bucket_now})
             acts_at_first = _activation_along(run, acts, first_index) if first_index < groups else 0
-            points.append(_plus(during, activations=acts_at_first, buffers=bucket_now,
-                                grads=0 if run.offload_opt else numbers["owned_early"]))
+            points.append({"activations": acts_at_first, "buffers": bucket_now,
+                           "grads": 0 if run.offload_opt else numbers["owned_early"]})
             if run.offload_opt:
                 # Offloaded, each owned gradient is copied to the host after
                 # `set_norm_for_param_grad_in_gpu` takes its norm in `get_norm_dtype()` (fp64
                 # where supported: a copy of the tensor), while the next gradient waits in .grad.
                 hook = _hook_along(run, acts, first_index) if first_index < groups else 0
-                points.append(_plus(during, activations=hook, buffers=bucket_now, grads=run.largest * run.b,
-                                    temporaries=run.largest * NORM_BYTES))
+                points.append({"activations": hook, "buffers": bucket_now, "grads": run.largest * run.b,
+                               "temporaries": run.largest * NORM_BYTES})
         else:
             # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
             # boundary's `reduce_gradients` walks them through the bucket (`_stage12_fixed`).
@@ -449,9 +450,9 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
                 if best is None or along + grads_now > best[0] + best[1]:
                     best = (along, grads_now)
             if best is not None:
-                points.append(_plus(during, activations=best[0], buffers=bucket_now, grads=best[1]))
+                points.append({"activations": best[0], "buffers": bucket_now, "grads": best[1]})
         # the moments without activations come after these in backward: they win only if larger
-        peak = _largest(*points)
+        peak = _plus(during, **_largest(*points))
         if settled is not None and _total(settled) > _total(peak):
             peak = settled
         phases.append(phase(step, Phase.BACKWARD, **peak))
@@ -678,16 +679,17 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             # too (measured: a run with every tensor persistent peaks as one with none in its
             # first step). Hooks sit on the leaf modules (a Linear holds one weight, as each of
             # the model's tensors here), so one tensor is gathered at a time.
-            forward = _largest(_plus(base, activations=fwd), _plus(base, buffers=walk.largest_leaf))
+            forward = _largest({"activations": fwd}, {"buffers": walk.largest_leaf})
             extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions)
         else:
             # The trace is complete (from the second micro-batch of the first step on).
             head = walk.gathered_at_head * b
-            forward = _largest(_plus(base, buffers=head + walk.prefetch * b, activations=_activations_before_head(acts)),
-                               _plus(base, buffers=head, activations=fwd))
+            forward = _largest({"buffers": head + walk.prefetch * b, "activations": _activations_before_head(acts)},
+                               {"buffers": head, "activations": fwd})
             extra = _backward_extra(run, acts, {"buffers": head, "activations": _backward_start(acts)}, walk.warm,
                                     walk.warm_reductions)
-        phases.append(phase(step, Phase.FORWARD, **forward))
+        # (the moments of a phase share `base`: the largest is the one that adds the most)
+        phases.append(phase(step, Phase.FORWARD, **_plus(base, **forward)))
         phases.append(phase(step, Phase.BACKWARD, **_plus(base, **extra)))
         phases.append(optimizer_step)
     return phases, fixed.host
@@ -834,10 +836,14 @@ def _steady_gathering(gathered_backward: tuple[tuple[int, ...], ...], n: int, th
         kept_backward.append(size if 2 * (total - after) < reuse else 0)
     at_head = min(sum(kept_forward), max(live, sizes[0] if sizes else 0))
     in_backward = []
+    # running sums over backward order: kept_forward after `index`, kept_backward before it, sizes after it
+    not_reached, done, after = sum(kept_forward), 0, total
     for index, size in enumerate(sizes):
-        not_reached = sum(kept_forward[index + 1:])
-        done = sum(kept_backward[:index])
-        ahead = sum(sizes[index + 1:]) - not_reached
+        not_reached -= kept_forward[index]
+        after -= size
+        if index:
+            done += kept_backward[index - 1]
+        ahead = after - not_reached
         prefetch = min(prefetch_bucket, ahead) if not_reached + done + size < live else 0
         in_backward.append(min(not_reached + done, live) + size + prefetch)
     return at_head, tuple(in_backward)
@@ -848,9 +854,6 @@ def _steady_gathering(gathered_backward: tuple[tuple[int, ...], ...], n: int, th
 
 def estimate_deepspeed(facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None) -> EngineEstimate:
     run = _run(facts, training)
-    notes = []
-    if training.precision == Precision.PURE_BF16:
-        notes.append("pure-bf16: DeepSpeed keeps an fp32 master and fp32 states; estimated as bf16 mixed precision")
     host = nvme = 0
     if training.zero_stage == 0:
         phases = _stage0(run, acts)
@@ -858,12 +861,20 @@ def estimate_deepspeed(facts: ModelFacts, training: TrainingSpec, acts: Activati
         phases, host = _stage12(run, acts)  # spec: stages 1-2 offload to cpu only
     else:
         phases, (host, nvme) = _stage3(run, facts, acts)
-    cpu = host
-    per_node = NodeBytes(cpu_bytes=cpu * training.node_gpus,
-                         pinned_bytes=cpu * training.node_gpus if training.deepspeed.offload_pin_memory else 0,
+    per_node, notes = _derived(run.layout, ("per node and notes", run.key, training.gpus_per_node),
+                               partial(_per_node_and_notes, training, run.b, host, nvme))
+    return EngineEstimate(tuple(phases), per_node, notes)
+
+
+def _per_node_and_notes(training: TrainingSpec, b: int, host: int, nvme: int) -> tuple[NodeBytes, tuple[str, ...]]:
+    notes = []
+    if training.precision == Precision.PURE_BF16:
+        notes.append("pure-bf16: DeepSpeed keeps an fp32 master and fp32 states; estimated as bf16 mixed precision")
+    per_node = NodeBytes(cpu_bytes=host * training.node_gpus,
+                         pinned_bytes=host * training.node_gpus if training.deepspeed.offload_pin_memory else 0,
                          nvme_bytes=nvme * training.node_gpus)
-    bucket = training.deepspeed.reduce_bucket_size * run.b
+    bucket = training.deepspeed.reduce_bucket_size * b
     if training.zero_stage >= 1 and bucket >= 2**30:
         notes.append(f"reduce bucket of {bucket:,} bytes (reduce_bucket_size {training.deepspeed.reduce_bucket_size:,} "
                      "elements, allocated whole whatever the model size); lower it to save memory")
-    return EngineEstimate(tuple(phases), per_node, tuple(notes))
+    return per_node, tuple(notes)
