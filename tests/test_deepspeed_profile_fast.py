@@ -142,6 +142,20 @@ def test_fast_path_matches_every_entry_kept(monkeypatch):
     assert slow == fast
 
 
+def test_cached_parts_follow_the_configuration():
+    """What the profile caches per model and configuration is looked up, not reused by mistake:
+    after other configurations (grad_accum 2 and other micro-batches first) the estimates equal
+    those made with empty caches."""
+    points = grid()[1::5]
+    cold = []
+    for model, fields in points:
+        deepspeed._clear_caches()
+        cold.append(record(model, fields))
+    for model, fields in points:
+        record(model, dict(fields, grad_accum=2, micro_batch=fields["micro_batch"] + 1))
+    assert [record(m, f) for m, f in points] == cold
+
+
 def test_contenders_keep_ends_of_lines_and_records():
     # head 0, blocks 1-5, embedding 6: blocks 1-3 on one line (slope 10), 4-5 on another
     entries = tuple((i, cost) for i, cost in enumerate([50, 10, 20, 30, 5, 4, 0]))

@@ -98,7 +98,9 @@ class _Run:
     offload_par: bool
     training: TrainingSpec
     facts: ModelFacts
-    key: tuple  # the training spec's fields that `_Fixed` depends on (not the micro-batch, sequence, checkpointing)
+    # The training spec's fields that `_Fixed` depends on (not the micro-batch, sequence length,
+    # checkpointing; of grad_accum only whether it is above 1: keep it so when using grad_accum).
+    key: tuple
 
 
 # Layouts by the identity of their ModelFacts. The planner asks for one model thousands of times
@@ -169,7 +171,7 @@ def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
         cpu_run=training.device == Device.CPU, offload_opt=offload_opt,
         offload_par=training.offload_params != Offload.NONE, training=training, facts=facts,
         key=(training.zero_stage, training.gpus, training.precision, training.optimizer, training.offload_optimizer,
-             training.offload_params, training.device, training.grad_accum, training.deepspeed),
+             training.offload_params, training.device, training.grad_accum > 1, training.deepspeed),
     )
 
 
