@@ -13,6 +13,11 @@ Which optimizer wrapper runs (engine.py `_configure_optimizer`):
 The basic optimizer for Adam/AdamW is torch's AdamW on a CPU run (the measure runner sets
 `torch_adam`), DeepSpeed's FusedAdam on CUDA and DeepSpeedCPUAdam with optimizer offload.
 The measure runner builds the model in fp32 before `deepspeed.initialize` casts it.
+
+Speed (the planner asks thousands of times): what does not depend on the activations is built once
+per model and configuration (`_Fixed`, `_derived`), and the maxima along backward are evaluated
+only at the module groups that can hold them (`_contenders`); tests/test_deepspeed_profile_fast.py
+holds the result to a golden file and to the slow path that evaluates every group.
 """
 
 from __future__ import annotations
