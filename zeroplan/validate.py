@@ -114,6 +114,9 @@ class Row:
                 fields["offload_params"] = "cpu"  # CPUOffloadPolicy moves parameters with the optimizer
         if self.small_buckets:
             fields["deepspeed"] = dict(SMALL_BUCKETS)
+        if self.engine == "deepspeed":
+            # measure builds the model whole, then deepspeed.initialize partitions it (no zero.Init)
+            fields["deepspeed"] = {**fields.get("deepspeed", {}), "zero_init": False}
         return fields
 
 

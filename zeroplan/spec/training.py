@@ -81,6 +81,12 @@ class DeepSpeedKnobs(BaseModel):
     stage3_param_persistence_threshold: int = Field(
         100_000, ge=0, description="Tensors smaller than this stay whole on every rank (stage 3)."
     )
+    zero_init: bool = Field(
+        True,
+        description="Stage 3: the model is built inside deepspeed.zero.Init, so no rank ever holds it whole "
+        "(what Hugging Face Transformers and Accelerate do under ZeRO-3); false: built whole, then "
+        "partitioned by deepspeed.initialize (what zeroplan measure does).",
+    )
     offload_pin_memory: bool = Field(True, description="Pin the CPU buffers of offloaded states.")
     offload_buffer_count: int = Field(5, ge=1, description="offload_param.buffer_count (NVMe swap buffers).")
     offload_buffer_size: int = Field(100_000_000, ge=1, description="offload_param.buffer_size in elements.")

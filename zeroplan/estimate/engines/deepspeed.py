@@ -745,11 +745,17 @@ def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
             stepping = _largest(convert, update)
         after = dict(base, params=partitions_dev + persistent * b, optimizer_states=opt(master + states))
         steps.append((step, base, None, phase(step, Phase.OPTIMIZER_STEP, **_largest(stepping, after))))
-    # The model is built whole, partitioned in `deepspeed.initialize`; then
-    # `_create_fp16_partitions_with_defragmentation` copies the partitions into one buffer,
-    # `_create_fp32_partitions`, and `initialize_optimizer_states` makes a P3 x 4 zero
-    # gradient (temporary without offload) before the bucket and gradient partitions.
-    built = {"params": run.total * b}
+    # Without zero.Init the model is built whole, then partitioned in `deepspeed.initialize`;
+    # under `deepspeed.zero.Init` (partition_parameters.py `_post_init_method`) each module's
+    # parameters are partitioned as the module is built, so at most one whole tensor exists
+    # beside the partitions. Then `_create_fp16_partitions_with_defragmentation` copies the
+    # partitions into one buffer, `_create_fp32_partitions`, and `initialize_optimizer_states`
+    # makes a P3 x 4 zero gradient (temporary without offload) before the bucket and gradient
+    # partitions.
+    if training.deepspeed.zero_init:
+        built = {"params": partitions + run.largest * b}
+    else:
+        built = {"params": run.total * b}
     defrag = {"params": 2 * partitions}
     opt_init = {"params": partitions, "optimizer_states": opt(master),
                 "temporaries": 0 if run.offload_opt else opt(fp32_grad), "grads": opt(offload_grads)}
