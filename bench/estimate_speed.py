@@ -181,7 +181,7 @@ def main() -> None:
             f" | {stats['cpu_median']:.3f} |"
         )
     lines += ["", f"Target: median at most {TARGET_MEDIAN_S} s (issue 2, section 7): **{verdict}** ({median:.3f} s).", ""]
-    if max(load_before, load_after) > (os.cpu_count() or 1) / 2:
+    if max(load_before, load_after) > (os.cpu_count() or 1):  # more runnable work than cores
         lines += [
             "The machine was busy with other work while this ran: wall-clock times include waiting for a",
             "core (compare `python -c pass`). The CPU column (user + system time of the process) is the",
