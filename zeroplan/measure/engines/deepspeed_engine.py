@@ -28,8 +28,14 @@ from typing import Any
 
 import torch
 
+from zeroplan.config_files.deepspeed_json import write_deepspeed_config
 from zeroplan.errors import MeasureError, MissingDependencyError
-from zeroplan.measure.engines import RunContext, make_optimizer, module_buffers, optimizer_class_and_kwargs
+from zeroplan.measure.engines import (
+    RunContext,
+    make_optimizer,
+    module_buffers,
+    optimizer_class_and_kwargs,
+)
 from zeroplan.spec.training import Offload, Optimizer, Precision, TrainingSpec
 
 EXTENSIONS_ENV = "ZEROPLAN_TORCH_EXTENSIONS_DIR"
@@ -64,63 +70,33 @@ def _import_deepspeed():
     return deepspeed
 
 
-def _offload_section(device: Offload, training: TrainingSpec, *, params: bool) -> dict:
-    if device == Offload.NVME:
+def deepspeed_config(training: TrainingSpec, ctx: RunContext) -> dict:
+    """The DeepSpeed JSON that runs `training` on `ctx.world_size` ranks: the config `zeroplan plan
+    --emit deepspeed` writes (config_files.write_deepspeed_config), with what a measurement run
+    needs on top: the learning rate of the other engines, torch's AdamW on CPU, a client SGD, and
+    no progress logging."""
+    if Offload.NVME in (training.offload_optimizer, training.offload_params):
         raise MeasureError(
             "offload: nvme needs an nvme_path and DeepSpeed's async_io op; pass your own DeepSpeed JSON with --config"
         )
-    section = {"device": device.value, "pin_memory": training.deepspeed.offload_pin_memory}
-    if params:
-        knobs = training.deepspeed
-        section.update(buffer_count=knobs.offload_buffer_count, buffer_size=knobs.offload_buffer_size,
-                       max_in_cpu=knobs.offload_max_in_cpu)
-    return section
-
-
-def deepspeed_config(training: TrainingSpec, ctx: RunContext) -> dict:
-    """The DeepSpeed JSON that runs `training` on `ctx.world_size` ranks (keys: docs/config-json)."""
-    knobs = training.deepspeed
-    zero: dict[str, Any] = {
-        "stage": training.zero_stage,
-        "reduce_bucket_size": knobs.reduce_bucket_size,
-        "allgather_bucket_size": knobs.allgather_bucket_size,
-        "contiguous_gradients": knobs.contiguous_gradients,
-        "stage3_prefetch_bucket_size": knobs.stage3_prefetch_bucket_size,
-        "stage3_max_live_parameters": knobs.stage3_max_live_parameters,
-        "stage3_max_reuse_distance": knobs.stage3_max_reuse_distance,
-        "stage3_param_persistence_threshold": knobs.stage3_param_persistence_threshold,
-    }
-    if knobs.overlap_comm is not None:
-        zero["overlap_comm"] = knobs.overlap_comm
-    if training.offload_optimizer != Offload.NONE:
-        zero["offload_optimizer"] = _offload_section(training.offload_optimizer, training, params=False)
-    if training.offload_params != Offload.NONE:
-        zero["offload_param"] = _offload_section(training.offload_params, training, params=True)
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": training.micro_batch,
-        "gradient_accumulation_steps": training.grad_accum,
-        "train_batch_size": training.micro_batch * training.grad_accum * ctx.world_size,
-        "zero_optimization": zero,
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
-    if training.precision == Precision.BF16:
-        config["bf16"] = {"enabled": True}
-    elif training.precision == Precision.FP16:
-        if not ctx.is_cuda:  # accelerator/cpu_accelerator.py: is_fp16_supported() is falsy
-            raise MeasureError("precision: fp16 needs a GPU with DeepSpeed (its CPU accelerator has no fp16); use bf16")
-        config["fp16"] = {"enabled": True}
-    elif training.precision == Precision.PURE_BF16:
+    if training.precision == Precision.FP16 and not ctx.is_cuda:
+        # accelerator/cpu_accelerator.py: is_fp16_supported() is falsy
+        raise MeasureError("precision: fp16 needs a GPU with DeepSpeed (its CPU accelerator has no fp16); use bf16")
+    if training.precision == Precision.PURE_BF16:
         raise MeasureError(
             "precision: pure-bf16 has no DeepSpeed equivalent measured here (bf16 master weights need "
             "optimizer offload); use bf16 or fp32, or pass your own DeepSpeed JSON with --config"
         )
-    if training.optimizer == Optimizer.SGD:
-        if training.offload_optimizer != Offload.NONE:
-            raise MeasureError("optimizer: sgd cannot be offloaded by DeepSpeed (ZeRO-Offload runs CPU Adam); use adamw")
-        config["zero_allow_untested_optimizer"] = True  # torch SGD is not in ZERO_SUPPORTED_OPTIMIZERS
-        return config  # the runner passes a client torch.optim.SGD: DeepSpeed's config has no SGD
+    if training.optimizer == Optimizer.SGD and training.offload_optimizer != Offload.NONE:
+        raise MeasureError("optimizer: sgd cannot be offloaded by DeepSpeed (ZeRO-Offload runs CPU Adam); use adamw")
     _, kwargs = optimizer_class_and_kwargs(training)  # the other engines' settings; raises for adam8bit
+    config: dict[str, Any] = write_deepspeed_config(training)
+    config["train_batch_size"] = training.micro_batch * training.grad_accum * ctx.world_size
+    config.update(steps_per_print=1 << 30, wall_clock_breakdown=False)
+    if training.optimizer == Optimizer.SGD:
+        del config["optimizer"]  # the runner passes a client torch.optim.SGD
+        config["zero_allow_untested_optimizer"] = True  # torch SGD is not in ZERO_SUPPORTED_OPTIMIZERS
+        return config
     params: dict[str, Any] = {"lr": kwargs["lr"]}
     if training.offload_optimizer == Offload.NONE and not ctx.is_cuda:
         params["torch_adam"] = True  # torch.optim.AdamW: no JIT build of FusedAdam on CPU
