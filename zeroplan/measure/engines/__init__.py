@@ -109,6 +109,24 @@ _ENGINE_MODULES = {
 BuildRunner = Callable[[Any, TrainingSpec, RunContext], EngineRunner]
 
 
+class TorchOptimizerSteps:
+    """backward and step for runners that drive a torch optimizer themselves (DDP, FSDP2): the
+    loss is scaled for gradient accumulation, and gradients are freed after each step
+    (zero_grad(set_to_none=True)), as the estimator assumes. Needs `grad_accum`, `optimizer`."""
+
+    grad_accum: int
+    optimizer: "torch.optim.Optimizer"
+    _micro: int = 0
+
+    def backward(self, loss: "torch.Tensor") -> None:
+        (loss / self.grad_accum).backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro = 0
+
+
 def model_device(training: TrainingSpec, ctx: RunContext):
     """Where the worker builds the model. FSDP2 shards a model built on the meta device and then
     allocates only its shards (the recipe of torch's FSDP2 docs and torchtitan), so no rank ever

@@ -13,10 +13,17 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from zeroplan.measure.engines import (
     RunContext,
+    TorchOptimizerSteps,
     make_optimizer,
     module_buffers,
     optimizer_state_tensors,
@@ -46,7 +53,7 @@ def _device_mesh(ctx: RunContext):
         return init_device_mesh(ctx.device.type, (ctx.world_size,))
 
 
-class FSDP2Runner:
+class FSDP2Runner(TorchOptimizerSteps):
     def __init__(self, model: torch.nn.Module, training: TrainingSpec, ctx: RunContext):
         self.model = model
         self.grad_accum = training.grad_accum
@@ -76,14 +83,6 @@ class FSDP2Runner:
         # gradients (FSDPModule.set_requires_gradient_sync).
         self.model.set_requires_gradient_sync(self._micro == self.grad_accum)
         return self.model(input_ids, labels)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.grad_accum).backward()
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._micro = 0
 
     def _param_groups(self):
         for module in self.model.modules():

@@ -18,6 +18,7 @@ from zeroplan.errors import MeasureError
 from zeroplan.measure.accounting import births_as
 from zeroplan.measure.engines import (
     RunContext,
+    TorchOptimizerSteps,
     gradients,
     make_optimizer,
     module_buffers,
@@ -29,7 +30,7 @@ from zeroplan.spec.training import Precision, TrainingSpec
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
-class TorchRunner:
+class TorchRunner(TorchOptimizerSteps):
     def __init__(self, model: torch.nn.Module, training: TrainingSpec, ctx: RunContext):
         if ctx.is_fake:
             raise MeasureError("engine torch cannot run under --simulate (DDP needs real tensors); use --engine fsdp2")
@@ -66,14 +67,6 @@ class TorchRunner:
             self.ddp._has_rebuilt_buckets = True
         with self._autocast():
             return self.ddp(input_ids, labels)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.grad_accum).backward()
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._micro = 0
 
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         # DDP's reducer buckets are not reachable from Python; the worker counts the storages
