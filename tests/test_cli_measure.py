@@ -9,7 +9,6 @@ json`), errors on one line with status 2, an out-of-memory as a result with stat
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
@@ -18,18 +17,12 @@ from click.testing import CliRunner
 from zeroplan.architecture import param_layout
 from zeroplan.catalog import resolve_model
 from zeroplan.cli import cli
+from worker_processes import SPAWNED, RecordingPopen, alive
 
 TIMEOUT = "120"  # seconds per run; a healthy run takes a few seconds
 RUN = ["--precision", "fp32", "--micro-batch", "1", "--seq-len", "32", "--steps", "2", "--timeout", TIMEOUT,
        "--implementation", "reference"]
 CATEGORIES = ("params", "grads", "optimizer_states", "activations", "buffers")  # issue 3 §4
-SPAWNED: list[subprocess.Popen] = []
-
-
-class _RecordingPopen(subprocess.Popen):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        SPAWNED.append(self)
 
 
 @pytest.fixture(autouse=True)
@@ -37,18 +30,10 @@ def _no_worker_survives(monkeypatch):
     """Every worker a test starts is gone (not even a zombie) when the command returns."""
     from zeroplan.measure import launcher
 
-    monkeypatch.setattr(launcher.subprocess, "Popen", _RecordingPopen)
+    monkeypatch.setattr(launcher.subprocess, "Popen", RecordingPopen)
     before = len(SPAWNED)
     yield
-    assert [p.pid for p in SPAWNED[before:] if _alive(p.pid)] == []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
+    assert [p.pid for p in SPAWNED[before:] if alive(p.pid)] == []
 
 
 def measure(*args: str):

@@ -24,35 +24,21 @@ from zeroplan.errors import MeasureError  # noqa: E402
 from zeroplan.measure import launcher  # noqa: E402
 from zeroplan.measure.worker import FAULT_ENV  # noqa: E402
 from zeroplan.spec.training import TrainingSpec  # noqa: E402
+from worker_processes import SPAWNED, RecordingPopen, alive  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
 TIMEOUT_S = 120  # per run; a healthy run of these takes a few seconds
 MIB = 2**20
-SPAWNED: list[subprocess.Popen] = []  # every worker any test started
-
-
-class _RecordingPopen(subprocess.Popen):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        SPAWNED.append(self)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _record_workers():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launcher.subprocess, "Popen", _RecordingPopen)
+        patch.setattr(launcher.subprocess, "Popen", RecordingPopen)
         yield
     assert SPAWNED, "no worker was started"
-    assert [p.pid for p in SPAWNED if _alive(p.pid)] == []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
+    assert [p.pid for p in SPAWNED if alive(p.pid)] == []
 
 
 def _training(engine: str, stage: int, **fields) -> TrainingSpec:
@@ -232,7 +218,7 @@ def _fault_run(monkeypatch, fault: str, timeout_s: float = TIMEOUT_S):
     finally:
         spawned = SPAWNED[before:]
         assert len(spawned) == 2
-        assert [p.pid for p in spawned if _alive(p.pid)] == []
+        assert [p.pid for p in spawned if alive(p.pid)] == []
 
 
 def test_a_rank_that_raises_ends_the_run_naming_the_rank_and_its_exception(monkeypatch):
@@ -315,10 +301,10 @@ def test_killing_the_launcher_leaves_no_worker_running(signum):
         os.kill(parent.pid, signum)
         parent.wait(timeout=30)
         for _ in range(300):  # SIGKILL reaches the workers through PR_SET_PDEATHSIG
-            if not any(_alive(w.pid) for w in workers):
+            if not any(alive(w.pid) for w in workers):
                 break
             time.sleep(0.05)
-        assert [w.pid for w in workers if _alive(w.pid)] == []
+        assert [w.pid for w in workers if alive(w.pid)] == []
     finally:
         parent.kill()
         parent.wait()
