@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-import click
 import pytest
 from click.testing import CliRunner
 
 from zeroplan.catalog import resolve_model
-from zeroplan.cli.group import LazyGroup
 from zeroplan.cost import assumptions_for, model_flops, step_cost_model
 from zeroplan.errors import SpecError
 from zeroplan.estimate import estimate
@@ -28,10 +26,11 @@ ASSUMPTIONS = assumptions_for(H100)
 
 
 def _cli():
-    @click.group(cls=LazyGroup, commands={"plan": "plan", "estimate": "estimate"})
-    def group() -> None: ...
+    # The real group: click caches a command's help option the first time it is built, so a
+    # test-only group without -h would leave `compare -h` broken for later tests.
+    from zeroplan.cli import cli
 
-    return group
+    return cli
 
 
 def _grid():
