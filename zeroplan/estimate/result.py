@@ -18,7 +18,8 @@ against a measured one:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+from typing import NamedTuple
 from enum import Enum
 
 
@@ -36,9 +37,9 @@ class Step(str, Enum):
     STEADY = "steady"  # step 2 and later
 
 
-@dataclass(frozen=True)
-class CategoryBytes:
-    """Bytes by category; `total_bytes` is their sum."""
+class CategoryBytes(NamedTuple):
+    """Bytes by category; `total_bytes` is their sum. A named tuple (immutable, as a frozen
+    dataclass would be) because the planner builds hundreds of thousands of them."""
 
     params: int = 0
     grads: int = 0
@@ -50,25 +51,23 @@ class CategoryBytes:
 
     @property
     def total_bytes(self) -> int:
-        return (self.params + self.grads + self.optimizer_states + self.activations + self.buffers
-                + self.temporaries + self.overhead)
+        return sum(self)
 
     def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in CATEGORY_NAMES}
+        return dict(zip(CATEGORY_NAMES, self))
 
     def with_overhead(self, overhead: int) -> "CategoryBytes":
-        return CategoryBytes(self.params, self.grads, self.optimizer_states, self.activations, self.buffers,
-                             self.temporaries, self.overhead + overhead)
+        return self._replace(overhead=self.overhead + overhead)
 
-    def __add__(self, other: "CategoryBytes") -> "CategoryBytes":
-        return CategoryBytes(*(getattr(self, name) + getattr(other, name) for name in CATEGORY_NAMES))
-
-
-CATEGORY_NAMES = tuple(f.name for f in fields(CategoryBytes))
+    def __add__(self, other: "CategoryBytes") -> "CategoryBytes":  # type: ignore[override]
+        """Category by category (not tuple concatenation)."""
+        return CategoryBytes(*(a + b for a, b in zip(self, other)))
 
 
-@dataclass(frozen=True)
-class PhaseBytes:
+CATEGORY_NAMES = CategoryBytes._fields
+
+
+class PhaseBytes(NamedTuple):
     """Bytes live on one GPU at the peak of one phase of one step."""
 
     step: Step
@@ -77,7 +76,7 @@ class PhaseBytes:
 
     @property
     def total_bytes(self) -> int:
-        return self.categories.total_bytes
+        return sum(self.categories)
 
 
 @dataclass(frozen=True)
