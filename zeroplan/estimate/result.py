@@ -57,7 +57,7 @@ class CategoryBytes(NamedTuple):
         return dict(zip(CATEGORY_NAMES, self))
 
     def with_overhead(self, overhead: int) -> "CategoryBytes":
-        return self._replace(overhead=self.overhead + overhead)
+        return CategoryBytes(*self[:-1], self[-1] + overhead)  # overhead is the last field
 
     def __add__(self, other: "CategoryBytes") -> "CategoryBytes":  # type: ignore[override]
         """Category by category (not tuple concatenation)."""
