@@ -204,11 +204,23 @@ def run_backend(row: Row, backend: str) -> str:
     return "fake" if row.simulate else backend
 
 
+def row_implementation(row: Row) -> str:
+    """The model code a row runs. Simulated rows run zeroplan's reference model: under fake
+    tensors transformers takes the run for tracing (utils/import_utils.py is_tracing) and builds
+    an explicit causal mask that a real run does not, so a Hugging Face model would measure
+    activations a real run never holds. The reference model mirrors transformers' Llama
+    (zeroplan/measure/reference_model.py); tests/test_measure_distributed.py checks that a
+    simulated reference run matches a real 2-rank one."""
+    return "reference" if row.simulate else "auto"
+
+
 def fingerprint(row: Row, backend: str, steps: int) -> str:
     """A hash of everything a row's measurement depends on: if it changes, the cache is stale."""
     model, training = row_specs(row, backend)
     data = {"model": model.model_dump(mode="json"), "training": training.model_dump(mode="json"),
             "nproc": row.world, "backend": run_backend(row, backend), "steps": steps}
+    if row_implementation(row) != "auto":
+        data["implementation"] = row_implementation(row)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -441,7 +453,8 @@ def measure_row(row: Row, options: RunOptions) -> dict[str, Any]:
     started = time.monotonic()
     try:
         result = run_measurement(model, training, nproc=row.world, backend=run_backend(row, options.backend),
-                                 simulate=row.simulate, steps=options.steps, timeout_s=options.timeout_s)
+                                 simulate=row.simulate, steps=options.steps, timeout_s=options.timeout_s,
+                                 implementation=row_implementation(row))
         record["measurement"] = summarize_measurement(result)
     except ZeroplanError as error:
         record["failure"] = str(error)
