@@ -19,8 +19,8 @@ against a measured one:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 from enum import Enum
+from typing import NamedTuple
 
 
 class Phase(str, Enum):

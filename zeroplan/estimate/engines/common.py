@@ -77,6 +77,18 @@ def activation_phases(
     return acts.forward_peak, acts.backward_start_peak, acts.recompute_block
 
 
+Point = dict[str, int]  # bytes by category at one moment of a phase; a phase holds its largest
+
+
+def point_total(point: Point) -> int:
+    return sum(point.values())
+
+
+def largest_point(*points: Point) -> Point:
+    """The moment with the most bytes (the first one wins a tie)."""
+    return max(points, key=point_total)
+
+
 def phase(step: Step, name: Phase, **categories: int) -> PhaseBytes:
     """The bytes live at the peak of one phase; categories not given are zero."""
     return PhaseBytes(step, name, CategoryBytes(**categories))

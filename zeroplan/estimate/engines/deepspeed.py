@@ -31,9 +31,12 @@ from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
+    Point,
     ceil_div,
     early_gradients,
+    largest_point,
     phase,
+    point_total,
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
@@ -51,17 +54,6 @@ NORM_BYTES = 8
 OPTIMIZER_SWAP_BUFFERS = 4
 # zero/config.py: sub_group_size default; stage 3 steps the fp32 partition sub-group by sub-group.
 SUB_GROUP_SIZE = 1_000_000_000
-
-Point = dict[str, int]
-
-
-def _total(point: Point) -> int:
-    return sum(point.values())
-
-
-def _largest(*points: Point) -> Point:
-    return max(points, key=_total)
-
 
 def _plus(base: Point, **more: int) -> Point:
     out = dict(base)
@@ -301,7 +293,7 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
             phases.append(phase(step, Phase.FORWARD, params=params, optimizer_states=held, activations=fwd))
             end = {"params": params, "optimizer_states": held, "grads": grads, "buffers": flat_allreduce}
             start = {"params": params, "optimizer_states": held, "activations": bwd}
-            phases.append(phase(step, Phase.BACKWARD, **_largest(start, end)))
+            phases.append(phase(step, Phase.BACKWARD, **largest_point(start, end)))
             phases.append(phase(step, Phase.OPTIMIZER_STEP, params=params, grads=grads, optimizer_states=states,
                                 temporaries=temps))
         return phases
@@ -327,7 +319,7 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
             phases.append(phase(step, Phase.INIT, **base, **init_extra))
         phases.append(phase(step, Phase.FORWARD, **base, activations=fwd))
         end = {"grads": grads, "buffers": flat_allreduce}
-        phases.append(phase(step, Phase.BACKWARD, **base, **_largest({"activations": bwd}, end)))
+        phases.append(phase(step, Phase.BACKWARD, **base, **largest_point({"activations": bwd}, end)))
         phases.append(phase(step, Phase.OPTIMIZER_STEP, **base, grads=step_grads, temporaries=step_temps))
     return phases
 
@@ -459,8 +451,8 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             if best is not None:
                 points.append({"activations": best[0], "buffers": bucket_now, "grads": best[1]})
         # the moments without activations come after these in backward: they win only if larger
-        peak = _plus(during, **_largest(*points))
-        if settled is not None and _total(settled) > _total(peak):
+        peak = _plus(during, **largest_point(*points))
+        if settled is not None and point_total(settled) > point_total(peak):
             peak = settled
         phases.append(phase(step, Phase.BACKWARD, **peak))
         phases.append(optimizer_step)
@@ -516,7 +508,7 @@ def _stage12_fixed(run: _Run) -> _Fixed:
     flatten = {"params": params + run.trainable * b}
     after = {"params": params, "optimizer_states": host(master), "grads": host(host_grads),
              "buffers": host(host_buffers) + device_buffers}
-    init = phase(Step.FIRST, Phase.INIT, **_largest(flatten, after))
+    init = phase(Step.FIRST, Phase.INIT, **largest_point(flatten, after))
     steps = []
     for step in (Step.FIRST, Step.STEADY):
         held = states if step == Step.STEADY else 0
@@ -564,8 +556,8 @@ def _stage12_fixed(run: _Run) -> _Fixed:
                            temporaries=partition * b if b != FP32_BYTES else 0)
             stepping = dict(base, optimizer_states=master + states, grads=partition * FP32_BYTES,
                             temporaries=run.adam_temporary_rate * partition)
-            step_point = _largest(convert, stepping)
-        steps.append((step, during, _largest(*settled), phase(step, Phase.OPTIMIZER_STEP, **step_point)))
+            step_point = largest_point(convert, stepping)
+        steps.append((step, during, largest_point(*settled), phase(step, Phase.OPTIMIZER_STEP, **step_point)))
     host_bytes = (master + states + host_grads + host_buffers) if run.offload_opt and not run.cpu_run else 0
     numbers = {
         "moving": moving, "first_index": first_index, "groups": groups, "bucket_now": bucket_now,
@@ -665,8 +657,8 @@ def _backward_extra(run: _Run, acts: ActivationBytes | None, start: Point, gathe
         along = _activation_along(run, acts, index)
         if not most or buffers + along > most["buffers"] + most["activations"]:
             most = {"buffers": buffers, "activations": along}
-    best = start if _total(start) >= _total(most) else most
-    best_total = _total(best)
+    best = start if point_total(start) >= point_total(most) else most
+    best_total = point_total(best)
     for index, total, buffers, grads in reductions:
         hook = _hook_along(run, acts, index)
         if total + hook > best_total:
@@ -686,12 +678,12 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             # too (measured: a run with every tensor persistent peaks as one with none in its
             # first step). Hooks sit on the leaf modules (a Linear holds one weight, as each of
             # the model's tensors here), so one tensor is gathered at a time.
-            forward = _largest({"activations": fwd}, {"buffers": walk.largest_leaf})
+            forward = largest_point({"activations": fwd}, {"buffers": walk.largest_leaf})
             extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions)
         else:
             # The trace is complete (from the second micro-batch of the first step on).
             head = walk.gathered_at_head * b
-            forward = _largest({"buffers": head + walk.prefetch * b, "activations": _activations_before_head(acts)},
+            forward = largest_point({"buffers": head + walk.prefetch * b, "activations": _activations_before_head(acts)},
                                {"buffers": head, "activations": fwd})
             extra = _backward_extra(run, acts, {"buffers": head, "activations": _backward_start(acts)}, walk.warm,
                                     walk.warm_reductions)
@@ -742,9 +734,9 @@ def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
             convert = dict(stepping_base, grads=grad_partitions + fp32_grad, temporaries=p3 * b if b != FP32_BYTES else 0)
             update = dict(stepping_base, optimizer_states=master + states, grads=grad_partitions + fp32_grad,
                           temporaries=run.adam_temporary_rate * sub_group)
-            stepping = _largest(convert, update)
+            stepping = largest_point(convert, update)
         after = dict(base, params=partitions_dev + persistent * b, optimizer_states=opt(master + states))
-        steps.append((step, base, None, phase(step, Phase.OPTIMIZER_STEP, **_largest(stepping, after))))
+        steps.append((step, base, None, phase(step, Phase.OPTIMIZER_STEP, **largest_point(stepping, after))))
     # Without zero.Init the model is built whole, then partitioned in `deepspeed.initialize`;
     # under `deepspeed.zero.Init` (partition_parameters.py `_post_init_method`) each module's
     # parameters are partitioned as the module is built, so at most one whole tensor exists
@@ -760,7 +752,7 @@ def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
     opt_init = {"params": partitions, "optimizer_states": opt(master),
                 "temporaries": 0 if run.offload_opt else opt(fp32_grad), "grads": opt(offload_grads)}
     first_base = steps[0][1]
-    init = phase(Step.FIRST, Phase.INIT, **_largest(built, defrag, opt_init, dict(first_base, params=partitions)))
+    init = phase(Step.FIRST, Phase.INIT, **largest_point(built, defrag, opt_init, dict(first_base, params=partitions)))
     host = _stage3_host(run, p3, partitions, master + states, grad_partitions + fp32_grad)
     return _Fixed(init, tuple(steps), host, {"walk": walk})
 

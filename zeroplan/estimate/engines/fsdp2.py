@@ -29,7 +29,14 @@ from functools import lru_cache
 
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
-from zeroplan.estimate.engines.common import EngineEstimate, ceil_div, early_gradients, phase, step_temporary_bytes
+from zeroplan.estimate.engines.common import (
+    EngineEstimate,
+    ceil_div,
+    early_gradients,
+    largest_point,
+    phase,
+    step_temporary_bytes,
+)
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.spec.training import Device, Offload, Precision, TrainingSpec
@@ -56,10 +63,6 @@ def _shards(facts: ModelFacts, n: int) -> tuple[int, int, int, int, int, int, in
     block_trainable = max((shard_elems(g) for g in facts.groups if g.role == "block" and not g.frozen), default=0)
     root_trainable = sum(shard_elems(g) for g in facts.groups if g.role != "block" and not g.frozen)
     return root, block, total, trainable, largest, block_trainable, root_trainable
-
-
-def _largest(*points: dict[str, int]) -> dict[str, int]:
-    return max(points, key=lambda p: sum(p.values()))
 
 
 def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None) -> EngineEstimate:
@@ -165,7 +168,7 @@ def _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathere
             dict(buffers=root_gathered + (held_at_end - (1 if reshard else 0) + 1) * block_gathered,
                  grads=held_grads, activations=acts.forward_peak),
         ]
-    return _largest(*points)
+    return largest_point(*points)
 
 
 def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
@@ -251,4 +254,4 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
     # collective); NCCL and the fake backend do not. The training spec does not say which
     # backend a CPU run uses, so that copy is not modelled (llama-100m fsdp2 z2 bf16 with
     # checkpointing on gloo peaks there: -2.4%).
-    return _largest(*points)
+    return largest_point(*points)

@@ -21,7 +21,13 @@ from functools import lru_cache
 
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
-from zeroplan.estimate.engines.common import EngineEstimate, early_gradients, phase, step_temporary_bytes
+from zeroplan.estimate.engines.common import (
+    EngineEstimate,
+    early_gradients,
+    largest_point,
+    phase,
+    step_temporary_bytes,
+)
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, Step
 from zeroplan.spec.training import Precision, TrainingSpec
@@ -88,7 +94,7 @@ def estimate_torch(
                     done = (head_numel + first_numel + j * block_numel) * element
                     points.append(dict(grads=max(grads_before, done), activations=acts.block_backward_saved(num_blocks - j),
                                        temporaries=acts.block_backward_temporary + tied_numel * element))
-        worst = max(points, key=lambda p: sum(p.values()))
+        worst = largest_point(*points)
         phases.append(phase(step, Phase.BACKWARD, **base, **worst))
         phases.append(
             phase(step, Phase.OPTIMIZER_STEP, params=params, buffers=buckets, grads=grads,
