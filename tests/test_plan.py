@@ -14,11 +14,12 @@ from zeroplan.catalog import resolve_model
 from zeroplan.cost import assumptions_for, model_flops, step_cost_model
 from zeroplan.errors import SpecError
 from zeroplan.estimate import estimate
+from zeroplan.estimate.activations import memory_checkpointing
 from zeroplan.gpus import get_gpu
 from zeroplan.options import training_spec_from_options
 from zeroplan.plan import Limits, Planner, SearchSpace, parse_gpu_counts, plan
 from zeroplan.spec.model import ParamCountSpec
-from zeroplan.spec.training import Checkpointing, Engine, Offload, TrainingSpec
+from zeroplan.spec.training import Attention, Checkpointing, Engine, Offload, TrainingSpec
 
 GIB = 2**30
 H100 = get_gpu("h100-80gb")
@@ -73,11 +74,27 @@ def test_grad_accum_matters_only_by_being_on():
             assert estimate(model, training.model_copy(update={"grad_accum": accum})) == two
 
 
+def test_selective_shares_the_estimate_of_no_checkpointing_only_under_fused_attention():
+    """The planner shares estimates between a choice and its memory twin (plan.Planner.memory_twin):
+    that is sound only if the two full estimates are equal. Under eager attention selective
+    checkpointing drops the s x s softmax output, so there they must differ."""
+    for model, training in _grid():
+        if training.checkpointing != Checkpointing.SELECTIVE:
+            continue
+        none = training.model_copy(update={"checkpointing": Checkpointing.NONE})
+        assert memory_checkpointing(training) == Checkpointing.NONE
+        assert estimate(model, training) == estimate(model, none), (model.name, training)
+        eager = training.model_copy(update={"attention": Attention.EAGER})
+        assert memory_checkpointing(eager) == Checkpointing.SELECTIVE
+        assert estimate(model, eager) != estimate(model, none.model_copy(update={"attention": Attention.EAGER}))
+
+
+@pytest.mark.parametrize("attention", [Attention.FUSED, Attention.EAGER])
 @pytest.mark.parametrize("micro_batches,max_micro", [("pow2", 256), ("all", 48)])
 @pytest.mark.parametrize("budget_gib", [6, 20, 40, 76])
-def test_every_verdict_equals_a_full_estimate(micro_batches, max_micro, budget_gib):
+def test_every_verdict_equals_a_full_estimate(micro_batches, max_micro, budget_gib, attention):
     model = resolve_model("llama-2-7b")
-    base = TrainingSpec(gpus=8, seq_len=1024)
+    base = TrainingSpec(gpus=8, seq_len=1024, attention=attention)
     space = SearchSpace(gpu_counts=(8, 16), micro_batches=micro_batches, max_micro_batch=max_micro)
     limits = Limits(gpu_memory_bytes=budget_gib * GIB, headroom=0.0)
     planner = Planner(model, base, ASSUMPTIONS)

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from zeroplan.cost import Assumptions, ModelFlops, StepCost, StepCostModel, model_flops, step_cost_model
 from zeroplan.errors import SpecError
+from zeroplan.estimate.activations import memory_checkpointing
 from zeroplan.estimate.result import Estimate
 from zeroplan.spec.training import Checkpointing, Offload, TrainingSpec
 
@@ -68,9 +69,9 @@ class Limits:
         return int(self.gpu_memory_bytes * (1 - self.headroom))
 
 
-@dataclass(frozen=True)
-class Choice:
-    """Everything the planner varies except the micro-batch and accumulation."""
+class Choice(NamedTuple):
+    """Everything the planner varies except the micro-batch and accumulation (a named tuple: the
+    planner keys its caches by it, and a tuple hashes without Python code)."""
 
     zero_stage: int
     offload_optimizer: Offload
@@ -146,8 +147,11 @@ class Planner:
         self._specs: dict[Choice, TrainingSpec | str] = {}
         self._estimates: dict[tuple[Choice, int, int], Estimate] = {}
         self._costs: dict[Choice, StepCostModel] = {}
+        self._twins: dict[Choice, Choice] = {}
         self._flops: ModelFlops | None = None
-        self._base_dump = base.model_dump()
+        # The base's fields, with its knob models as objects: validation keeps a model instance
+        # as it is, so every spec shares them (the estimator's caches find equal knobs by identity).
+        self._base_values = dict(base.model_dump(exclude={"deepspeed", "fsdp2"}), deepspeed=base.deepspeed, fsdp2=base.fsdp2)
 
     # -- building blocks -------------------------------------------------------------------------
     def estimate(self, training: TrainingSpec) -> Estimate:
@@ -157,7 +161,7 @@ class Planner:
     def spec(self, choice: Choice) -> TrainingSpec | str:
         """The validated TrainingSpec of `choice`, or why the combination is invalid."""
         if choice not in self._specs:
-            values = dict(self._base_dump)
+            values = dict(self._base_values)
             values.update(
                 zero_stage=choice.zero_stage,
                 offload_optimizer=choice.offload_optimizer,
@@ -190,12 +194,24 @@ class Planner:
             self._costs[choice] = step_cost_model(self._flops, self.spec(choice), self.assumptions)
         return self._costs[choice]
 
+    def memory_twin(self, choice: Choice) -> Choice:
+        """The choice whose estimates `choice` shares: itself, or with the checkpointing mode whose
+        activations its own equal (`memory_checkpointing`: selective under fused attention keeps
+        what no checkpointing keeps). Only the step cost tells the two apart."""
+        twin = self._twins.get(choice)
+        if twin is None:
+            spec = self.spec(choice)
+            checkpointing = choice.checkpointing if isinstance(spec, str) else memory_checkpointing(spec)
+            twin = self._twins[choice] = choice if checkpointing == choice.checkpointing else choice._replace(checkpointing=checkpointing)
+        return twin
+
     def estimate_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Estimate:
-        """The full estimate of one configuration, cached (the suggestions re-search with other limits)."""
-        key = (choice, micro_batch, grad_accum)
+        """The full estimate of one configuration, cached (the suggestions re-search with other
+        limits) and shared with its memory twin."""
+        key = (self.memory_twin(choice), micro_batch, grad_accum)
         found = self._estimates.get(key)
         if found is None:
-            found = self._estimates[key] = self.estimate(self.training(choice, micro_batch, grad_accum))
+            found = self._estimates[key] = self.estimate(self.training(key[0], micro_batch, grad_accum))
         return found
 
     def fitting_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits, hint: int | None = None) -> int:
@@ -330,11 +346,14 @@ class Planner:
                 evaluated += len(group)
                 same = (choice.zero_stage, choice.offload_optimizer, choice.offload_params, choice.checkpointing, accumulating)
                 near, last = (choice.gpus, accumulating, choice.checkpointing), (choice.gpus, accumulating)
-                hint = hints.get(same, hints.get(near, hints.get(last)))
+                twin = self.memory_twin(choice)
+                hint = hints.get((twin, accumulating)) if twin != choice else None  # its answer, from shared estimates
+                if hint is None:
+                    hint = hints.get(same, hints.get(near, hints.get(last)))
                 if hint is not None:
                     hint = bisect_right([micro for micro, _ in group], hint)
                 count = self.fitting_prefix(choice, group, limits, hint)
-                hints[same] = hints[near] = hints[last] = group[count - 1][0] if count else 0
+                hints[same] = hints[near] = hints[last] = hints[(choice, accumulating)] = group[count - 1][0] if count else 0
                 if count and seconds_per_token is None:
                     seconds_per_token = self.cost_model(choice).seconds_per_token
                 for micro, accum in group[:count]:

@@ -20,12 +20,13 @@ from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Engine, TrainingSpec
 
 IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, trained without dropout
+_PROFILES = {Engine.DEEPSPEED: estimate_deepspeed, Engine.FSDP2: estimate_fsdp2, Engine.TORCH: estimate_torch}
 
 
 def _with_overhead(phases: tuple[PhaseBytes, ...], overhead: int) -> tuple[PhaseBytes, ...]:
     if not overhead:
         return phases
-    return tuple(PhaseBytes(p.step, p.phase, p.categories.with_overhead(overhead)) for p in phases)
+    return tuple([PhaseBytes(p.step, p.phase, p.categories.with_overhead(overhead)) for p in phases])
 
 
 def estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
@@ -44,8 +45,7 @@ def estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
         result = estimate_paper(facts, training, dtypes)
         phases = result.phases
     else:
-        profile = {Engine.DEEPSPEED: estimate_deepspeed, Engine.FSDP2: estimate_fsdp2, Engine.TORCH: estimate_torch}
-        result = profile[training.engine](facts, training, acts)
+        result = _PROFILES[training.engine](facts, training, acts)
         phases = _with_overhead(result.phases, overhead_bytes(training))
     summary = ModelSummary(facts.name, facts.total_params, facts.trainable_params, implementation)
     return Estimate(summary, training.engine.value, phases, result.per_node, notes + result.notes)

@@ -160,12 +160,13 @@ def _norm_saved_per_token(spec: TransformerSpec, w: _Widths, reads: int) -> int:
     return w.resid * h + 2 * FP32_BYTES + out
 
 
-def _attention_saved_per_token(spec: TransformerSpec, training: TrainingSpec, w: _Widths) -> int:
+def _attention_saved_per_token(spec: TransformerSpec, attention: Attention, checkpointing: Checkpointing, seq_len: int,
+                               w: _Widths) -> int:
     q_width = spec.num_heads * spec.dim_per_head
     kv_width = spec.kv_heads * spec.dim_per_head
     act = w.comp
     out = act * q_width  # attention output, read by o_proj
-    if training.attention == Attention.FUSED:
+    if attention == Attention.FUSED:
         # q and k after rotary (or GPT-2's c_attn output), v; under autocast the casts SDPA saves.
         qkv = act * (q_width + 2 * kv_width)
         lse = FP32_BYTES * spec.num_heads
@@ -176,10 +177,10 @@ def _attention_saved_per_token(spec: TransformerSpec, training: TrainingSpec, w:
     # autocast (softmax is on autocast's fp32 list) is there an fp32 output and a cast.
     qkv = act * 3 * q_width
     probs = 0
-    if training.checkpointing != Checkpointing.SELECTIVE:
+    if checkpointing != Checkpointing.SELECTIVE:
         upcast = w.autocast or not _softmax_in_compute_dtype(spec)
         probs_per_element = FP32_BYTES + (act if act != FP32_BYTES else 0) if upcast else act
-        probs = probs_per_element * spec.num_heads * training.seq_len
+        probs = probs_per_element * spec.num_heads * seq_len
     return qkv + out + probs
 
 
@@ -212,7 +213,7 @@ def _weight_casts(spec: TransformerSpec, w: _Widths) -> tuple[int, int]:
     return w.comp * block, w.comp * spec.vocab_size * spec.hidden_size
 
 
-def _block_forward_transient_per_token(spec: TransformerSpec, training: TrainingSpec, w: _Widths) -> int:
+def _block_forward_transient_per_token(spec: TransformerSpec, checkpointing: Checkpointing, w: _Widths) -> int:
     """Live in the last block's forward beyond the saved tensors.
 
     Without checkpointing: the residual add (x + mlp(x)) writes the block's output while
@@ -222,7 +223,7 @@ def _block_forward_transient_per_token(spec: TransformerSpec, training: Training
     output is dropped once SiLU has read it) or four (GPT-2's gelu_new written out: the c_fc
     output, 0.5x, 1 + tanh(...) and the product)."""
     h = spec.hidden_size
-    if training.checkpointing != Checkpointing.FULL:
+    if checkpointing != Checkpointing.FULL:
         return (w.resid + w.comp) * h
     k = spec.experts_per_token if spec.is_moe else 1
     live_inner = 3 if spec.mlp == "gated" else 4
@@ -250,23 +251,55 @@ def _block_backward_freed_per_token(spec: TransformerSpec, w: _Widths) -> int:
     return k * w.comp * spec.intermediate_size
 
 
+def memory_checkpointing(training: TrainingSpec) -> Checkpointing:
+    """The checkpointing mode whose activations `training`'s equal. Selective recomputation
+    (Korthikanti et al. 2022, section 4.2) drops only the attention core's s x s tensors, which a
+    fused kernel never saves (Dao et al. 2022, section 3.1; `_attention_saved_per_token`): with
+    fused attention, selective keeps exactly what no checkpointing keeps. The engine profiles see
+    checkpointing only through these activations, so the two estimates are equal (the planner
+    shares them; tests/test_plan.py checks it), while the step cost still differs."""
+    if training.checkpointing == Checkpointing.SELECTIVE and training.attention == Attention.FUSED:
+        return Checkpointing.NONE
+    return training.checkpointing
+
+
+# Activations by the spec's identity (hashing a pydantic spec walks all its fields) and the
+# training fields they depend on: the planner asks for the same ones for every stage, offload and
+# GPU count. An entry holds its spec, so that id cannot be reused while the entry exists.
+_CACHE: dict[tuple, tuple[TransformerSpec, ActivationBytes]] = {}
+_CACHE_LIMIT = 4096
+
+
 def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
     """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens."""
     autocast = training.engine == Engine.TORCH and training.precision in (Precision.BF16, Precision.FP16)
+    key = (id(spec), training.micro_batch, training.seq_len, training.checkpointing, training.attention, autocast, act_bytes)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    if len(_CACHE) >= _CACHE_LIMIT:
+        _CACHE.clear()
+    acts = _activation_bytes(spec, *key[1:])
+    _CACHE[key] = (spec, acts)
+    return acts
+
+
+def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, checkpointing: Checkpointing,
+                      attention: Attention, autocast: bool, act_bytes: int) -> ActivationBytes:
     w = _Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
-    tokens = training.micro_batch * training.seq_len
+    tokens = micro_batch * seq_len
     h = spec.hidden_size
     attn_reads, mlp_reads = _input_projections(spec)
     block_casts, head_cast = _weight_casts(spec, w)
     block_per_token = (
         _norm_saved_per_token(spec, w, attn_reads)
-        + _attention_saved_per_token(spec, training, w)
+        + _attention_saved_per_token(spec, attention, checkpointing, seq_len, w)
         + _norm_saved_per_token(spec, w, mlp_reads)
         + _mlp_saved_per_token(spec, w)
     )
     full_block = tokens * block_per_token + block_casts
     recompute = 0
-    if training.checkpointing == Checkpointing.FULL:
+    if checkpointing == Checkpointing.FULL:
         # torch.utils.checkpoint keeps the block input only (Korthikanti section 5: 2sbh in 16-bit)
         # and rebuilds the block's saved tensors in its backward, except the input when the first
         # norm saves that very tensor (LayerNorm; RMSNorm on an fp32 input, whose .float() is a no-op).
@@ -295,7 +328,7 @@ def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: i
         recompute_block=recompute,
         block_backward_transient=tokens * _block_backward_transient_per_token(spec, w),
         block_backward_freed=tokens * _block_backward_freed_per_token(spec, w),
-        block_forward_transient=tokens * _block_forward_transient_per_token(spec, training, w),
+        block_forward_transient=tokens * _block_forward_transient_per_token(spec, checkpointing, w),
         block_input_grad_bytes=tokens * w.resid * h,
         embedding=embedding,
         final_norm=final_norm,

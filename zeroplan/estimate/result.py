@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from typing import NamedTuple
 
 
@@ -57,7 +58,9 @@ class CategoryBytes(NamedTuple):
         return dict(zip(CATEGORY_NAMES, self))
 
     def with_overhead(self, overhead: int) -> "CategoryBytes":
-        return CategoryBytes(*self[:-1], self[-1] + overhead)  # overhead is the last field
+        # overhead is the last field; tuple.__new__ skips the keyword handling of the generated
+        # __new__ (estimate() calls this for every phase of every estimate)
+        return tuple.__new__(CategoryBytes, (*self[:-1], self[-1] + overhead))
 
     def __add__(self, other: "CategoryBytes") -> "CategoryBytes":  # type: ignore[override]
         """Category by category (not tuple concatenation)."""
@@ -106,12 +109,13 @@ class Estimate:
     per_node: NodeBytes
     notes: tuple[str, ...] = field(default=())
 
-    @property
+    @cached_property
     def peak(self) -> PhaseBytes:
-        """The (step, phase) with the most bytes live; the first one wins a tie."""
+        """The (step, phase) with the most bytes live; the first one wins a tie. (Cached: the
+        planner reads it several times per estimate; the phases are immutable.)"""
         return max(self.phases, key=lambda p: p.total_bytes)
 
-    @property
+    @cached_property
     def peak_bytes(self) -> int:
         return self.peak.total_bytes
 

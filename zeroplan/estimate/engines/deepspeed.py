@@ -168,7 +168,10 @@ def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
         cpu_run=training.device == Device.CPU, offload_opt=offload_opt,
         offload_par=training.offload_params != Offload.NONE, training=training, facts=facts,
         key=(training.zero_stage, training.gpus, training.precision, training.optimizer, training.offload_optimizer,
-             training.offload_params, training.device, training.grad_accum > 1, training.deepspeed),
+             training.offload_params, training.device, training.grad_accum > 1,
+             # the knobs' values, not the model: equal knobs in another object then hit the
+             # caches without pydantic's field-by-field __eq__
+             tuple(training.deepspeed.__dict__.values())),
     )
 
 
