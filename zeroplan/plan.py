@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from zeroplan.cost import Assumptions, ModelFlops, StepCost, StepCostModel, model_flops, step_cost_model
 from zeroplan.errors import SpecError
 from zeroplan.estimate.activations import memory_checkpointing
+from zeroplan.estimate import Fit
 from zeroplan.estimate.result import Estimate
 from zeroplan.spec.training import Checkpointing, Offload, TrainingSpec
 
@@ -111,7 +112,7 @@ class Plan:
     assumptions: Assumptions
     evaluated: int  # configurations whose fit and cost were computed
     fitting: int
-    estimate_calls: int  # full estimates made, probes included
+    estimate_calls: int  # estimates and fits made (`zeroplan.estimate.estimate` and `fit`), probes included
     top: tuple[RankedConfig, ...]
     largest_micro_batch: RankedConfig | None  # the fitting config with the most sequences per micro-batch
     suggestions: tuple[str, ...]  # when nothing fits: the smallest changes that would fit
@@ -137,15 +138,22 @@ class Planner:
     'nothing fits' suggestions re-use the main search's estimates)."""
 
     def __init__(self, model, base: TrainingSpec, assumptions: Assumptions, estimator: Estimator | None = None):
+        """`estimator` stands in for `zeroplan.estimate.estimate`, and then decides fits too;
+        by default fits are decided by `zeroplan.estimate.fit` (the same peak, faster)."""
         if estimator is None:
             from zeroplan.estimate import estimate as estimator
+            from zeroplan.estimate import fit as fitter
+        else:
+            fitter = estimator
         self.model = model
         self.base = base
         self.assumptions = assumptions
         self._estimate = estimator
-        self.estimate_calls = 0
+        self._fit = fitter
+        self.estimate_calls = 0  # estimates and fits
         self._specs: dict[Choice, TrainingSpec | str] = {}
         self._estimates: dict[tuple[Choice, int, int], Estimate] = {}
+        self._fits: dict[tuple[Choice, int, int], Fit | Estimate] = {}
         self._costs: dict[Choice, StepCostModel] = {}
         self._twins: dict[Choice, Choice] = {}
         self._flops: ModelFlops | None = None
@@ -206,12 +214,21 @@ class Planner:
         return twin
 
     def estimate_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Estimate:
-        """The full estimate of one configuration, cached (the suggestions re-search with other
-        limits) and shared with its memory twin."""
+        """The full estimate of one configuration, cached and shared with its memory twin."""
         key = (self.memory_twin(choice), micro_batch, grad_accum)
         found = self._estimates.get(key)
         if found is None:
             found = self._estimates[key] = self.estimate(self.training(key[0], micro_batch, grad_accum))
+        return found
+
+    def fit_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Fit | Estimate:
+        """The peak and host bytes of one configuration (`zeroplan.estimate.fit`), cached (the
+        suggestions re-search with other limits) and shared with its memory twin."""
+        key = (self.memory_twin(choice), micro_batch, grad_accum)
+        found = self._fits.get(key) or self._estimates.get(key)
+        if found is None:
+            self.estimate_calls += 1
+            found = self._fits[key] = self._fit(self.model, self.training(key[0], micro_batch, grad_accum))
         return found
 
     def fitting_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits, hint: int | None = None) -> int:
@@ -224,7 +241,7 @@ class Planner:
         nvme_limit = limits.nvme_bytes or 0
 
         def host_fits(index: int) -> bool:
-            node = self.estimate_at(choice, *pairs[index]).per_node
+            node = self.fit_at(choice, *pairs[index]).per_node
             return (cpu_limit is None or node.cpu_bytes <= cpu_limit) and node.nvme_bytes <= nvme_limit
 
         if count == 0 or host_fits(count - 1):
@@ -257,7 +274,7 @@ class Planner:
         excess: dict[int, int] = {}
 
         def fits(index: int) -> bool:
-            excess[index] = self.estimate_at(choice, *pairs[index]).peak_bytes - budget
+            excess[index] = self.fit_at(choice, *pairs[index]).peak_bytes - budget
             return excess[index] <= 0
 
         low, high = -1, len(pairs)  # pairs[:low + 1] fit and pairs[high:] do not; low and high seen (or bounds)
@@ -475,7 +492,7 @@ def suggest(planner: Planner, space: SearchSpace, limits: Limits, max_gpus: int 
     if limits.cpu_memory_bytes is not None:
         hit = _best(planner, space, replace(limits, cpu_memory_bytes=None))
         if hit:
-            needed = planner.estimate_at(hit.choice, hit.micro_batch, hit.grad_accum).per_node.cpu_bytes
+            needed = planner.fit_at(hit.choice, hit.micro_batch, hit.grad_accum).per_node.cpu_bytes
             found.append(f"more CPU memory per node ({format_bytes(needed, 'GiB')}): {describe(hit)}")
     relaxed_space = replace(space, checkpointing=all_checkpointing,
                             offload_targets=tuple(dict.fromkeys((*space.offload_targets, Offload.CPU))))

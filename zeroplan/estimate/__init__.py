@@ -1,4 +1,5 @@
-"""The analytic memory model: `estimate(model, training) -> Estimate`, standard library only.
+"""The analytic memory model: `estimate(model, training) -> Estimate`, standard library only
+(`fit(model, training)` gives its peak alone, faster, for the planner).
 
 Each engine profile (zeroplan/estimate/engines/) models what its implementation allocates, per
 phase of the first and of a steady-state step; activations (activations.py) and per-element
@@ -6,6 +7,8 @@ sizes (dtypes.py) are shared. The peak is the largest phase, not a sum of maxima
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from zeroplan.estimate.activations import activation_bytes
 from zeroplan.estimate.dtypes import state_bytes
@@ -15,7 +18,8 @@ from zeroplan.estimate.engines.paper import estimate_paper
 from zeroplan.estimate.engines.torch_ddp import estimate_torch
 from zeroplan.estimate.facts import model_facts
 from zeroplan.estimate.overhead import overhead_bytes
-from zeroplan.estimate.result import Estimate, ModelSummary, PhaseBytes
+from zeroplan.estimate.engines.common import EngineEstimate
+from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, PhaseBytes
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Engine, TrainingSpec
 
@@ -29,8 +33,14 @@ def _with_overhead(phases: tuple[PhaseBytes, ...], overhead: int) -> tuple[Phase
     return tuple([PhaseBytes(p.step, p.phase, p.categories.with_overhead(overhead)) for p in phases])
 
 
-def estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
-    """Per-GPU memory by phase and category, and per-node host memory, for one configuration."""
+class _Profiled(NamedTuple):
+    summary: ModelSummary
+    result: EngineEstimate
+    overhead: int  # added to every phase of the result
+    notes: tuple[str, ...]
+
+
+def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     facts = model_facts(model, training)
     dtypes = state_bytes(training.precision, training.optimizer)
     acts = None
@@ -42,10 +52,31 @@ def estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
         implementation = "parameter count only"
         notes = ("model given by parameter count: activations are not estimated",)
     if training.engine == Engine.PAPER:
-        result = estimate_paper(facts, training, dtypes)
-        phases = result.phases
+        result, overhead = estimate_paper(facts, training, dtypes), 0
     else:
-        result = _PROFILES[training.engine](facts, training, acts)
-        phases = _with_overhead(result.phases, overhead_bytes(training))
+        result, overhead = _PROFILES[training.engine](facts, training, acts), overhead_bytes(training)
     summary = ModelSummary(facts.name, facts.total_params, facts.trainable_params, implementation)
-    return Estimate(summary, training.engine.value, phases, result.per_node, notes + result.notes)
+    return _Profiled(summary, result, overhead, notes + result.notes)
+
+
+def estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
+    """Per-GPU memory by phase and category, and per-node host memory, for one configuration."""
+    profiled = _profile(model, training)
+    phases = _with_overhead(profiled.result.phases, profiled.overhead)
+    return Estimate(profiled.summary, training.engine.value, phases, profiled.result.per_node, profiled.notes)
+
+
+class Fit(NamedTuple):
+    """What deciding whether a configuration fits needs: `estimate(...)`'s peak and host bytes."""
+
+    peak_bytes: int
+    per_node: NodeBytes
+
+
+def fit(model: ModelSpec, training: TrainingSpec) -> Fit:
+    """`estimate(model, training)`'s peak and per-node bytes, equal to its (tests/test_plan.py),
+    without building the per-phase result: the planner decides the fit of thousands of
+    configurations and shows a handful (a quarter of an estimate's time goes into that result)."""
+    profiled = _profile(model, training)
+    peak = max([sum(p.categories) for p in profiled.result.phases]) + profiled.overhead
+    return Fit(peak, profiled.result.per_node)

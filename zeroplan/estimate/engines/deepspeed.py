@@ -386,6 +386,12 @@ def _first_reduction(groups_backward: tuple[tuple[int, ...], ...], bucket_elemen
     return len(groups_backward)
 
 
+def _bucket_walks(layout: _Layout, buckets: int) -> tuple[int, int, int]:
+    """(`_first_reduction`, `_last_fill` in backward order, `_last_fill` in parameter order)."""
+    backward = tuple(x for g in layout.groups_backward for x in g)
+    return _first_reduction(layout.groups_backward, buckets), _last_fill(backward, buckets), _last_fill(layout.numels, buckets)
+
+
 def _stage1_grads(layout: _Layout, b: int) -> tuple[tuple[int, int], ...]:
     """Stage 1 (`_contenders` of): (backward index, gradient bytes at that module group's
     backward peak): the gradients of the groups before it, and a block's first gradients."""
@@ -474,15 +480,15 @@ def _stage12_fixed(run: _Run) -> _Fixed:
     master = partition * FP32_BYTES  # `single_partition_of_fp32_groups`, also in an fp32 run
     states = _states(run, partition)
     layout, buckets = run.layout, knobs.reduce_bucket_size
-    owned_by_rank = _owned_elements(run.numels, partition, n)
+    # (The walks over every tensor below are cached by the few integers they depend on, so that
+    # the stages and offload targets of one model share them.)
+    owned_by_rank = _derived(layout, ("owned", partition, n), partial(_owned_elements, run.numels, partition, n))
     owned = max(owned_by_rank) * b
     # `setup_buckets`: `reduce_bucket_size` elements, always (not capped by the model), two with
     # overlap_comm; at the first gradient hook of every backward, freed by
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
     bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
-    first_index = _first_reduction(run.groups_backward, buckets)
-    last_fill = _last_fill(tuple(x for g in run.groups_backward for x in g), buckets)
-    last_fill_forward = _last_fill(run.numels, buckets)
+    first_index, last_fill, last_fill_forward = _derived(layout, ("bucket walks", buckets), partial(_bucket_walks, layout, buckets))
     groups = len(run.groups_backward)
 
     # Optimizer offload (stage_1_and_2.py `__init__`, `initialize_optimizer_states`): the fp32
@@ -569,7 +575,8 @@ def _stage12_fixed(run: _Run) -> _Fixed:
         "owned_early": owned_by_rank[-1] * b,
         "before": _contenders(tuple((i, 0) for i in range(first_index)), groups - 1),
         # with gradients carried between micro-batches, none are added along backward
-        "grads_along": _stage1_grads(layout, 0 if ga > 1 and (stage == 1 or not run.offload_opt) else b),
+        "grads_along": _derived(layout, ("stage 1 grads", grads_b := 0 if ga > 1 and (stage == 1 or not run.offload_opt) else b),
+                                partial(_stage1_grads, layout, grads_b)),
     }
     return _Fixed(init, tuple(steps), host_bytes, numbers)
 
@@ -591,11 +598,12 @@ def _stage3_sizes(facts: ModelFacts, n: int, threshold: int) -> tuple[int, int, 
     stage3_param_persistence_threshold (parameter_offload.py `mark_persistent_parameters`):
     gathered once, never released, on top of their partition.
     """
-    all_numels = [t.numel for g in facts.groups for t in g.tensors for _ in range(g.count)]
-    p3_all = sum(ceil_div(x, n) for x in all_numels)
-    p3 = sum(ceil_div(x, n) for x in _layout(facts).numels)
-    persistent = sum(x for x in all_numels if x <= threshold)
-    gatherable = sum(ceil_div(x, n) * n for x in all_numels if x > threshold)
+    # per distinct tensor of a group, times the group's copies (the blocks are identical)
+    tensors = [(t.numel, g.count, g.frozen) for g in facts.groups for t in g.tensors]
+    p3_all = sum(ceil_div(x, n) * count for x, count, _ in tensors)
+    p3 = sum(ceil_div(x, n) * count for x, count, frozen in tensors if not frozen)
+    persistent = sum(x * count for x, count, _ in tensors if x <= threshold)
+    gatherable = sum(ceil_div(x, n) * n * count for x, count, _ in tensors if x > threshold)
     return p3_all, p3, persistent, gatherable
 
 
