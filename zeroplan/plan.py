@@ -167,8 +167,15 @@ class Planner:
         return self._estimate(self.model, training)
 
     def spec(self, choice: Choice) -> TrainingSpec | str:
-        """The validated TrainingSpec of `choice`, or why the combination is invalid."""
+        """The validated TrainingSpec of `choice`, or why the combination is invalid. The
+        checkpointing modes of one choice differ in an enum field no validator reads: the first
+        is validated, the others are copies of it."""
         if choice not in self._specs:
+            sibling = next((self._specs[other] for other in (choice._replace(checkpointing=c) for c in Checkpointing)
+                            if other in self._specs), None)
+            if sibling is not None:
+                self._specs[choice] = sibling if isinstance(sibling, str) else sibling.model_copy(update={"checkpointing": choice.checkpointing})
+                return self._specs[choice]
             values = dict(self._base_values)
             values.update(
                 zero_stage=choice.zero_stage,
@@ -196,8 +203,9 @@ class Planner:
 
     def cost_model(self, choice: Choice) -> StepCostModel:
         if choice not in self._costs:
-            if self._flops is None:
-                summary = self.estimate_at(choice, 1, 1).model  # parameter counts, the same for every choice
+            if self._flops is None:  # parameter counts, the same for every configuration: from any one seen
+                seen = next(iter(self._fits.values()), None) or next(iter(self._estimates.values()), None)
+                summary = seen.profiled.summary if isinstance(seen, Fit) else (seen or self.estimate_at(choice, 1, 1)).model
                 self._flops = model_flops(self.model, summary.params, summary.trainable_params)
             self._costs[choice] = step_cost_model(self._flops, self.spec(choice), self.assumptions)
         return self._costs[choice]
@@ -214,11 +222,17 @@ class Planner:
         return twin
 
     def estimate_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Estimate:
-        """The full estimate of one configuration, cached and shared with its memory twin."""
+        """The full estimate of one configuration, cached and shared with its memory twin (built
+        from its fit where there is one)."""
         key = (self.memory_twin(choice), micro_batch, grad_accum)
         found = self._estimates.get(key)
         if found is None:
-            found = self._estimates[key] = self.estimate(self.training(key[0], micro_batch, grad_accum))
+            decided = self._fits.get(key)
+            if isinstance(decided, Fit):
+                found = decided.estimate()
+            else:
+                found = self.estimate(self.training(key[0], micro_batch, grad_accum))
+            self._estimates[key] = found
         return found
 
     def fit_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Fit | Estimate:
@@ -343,23 +357,21 @@ class Planner:
         choices, notes = self.choices(space, limits)
         evaluated = 0
         fitting: list[Hit] = []
-        pairs_by_gpus = {gpus: self.micro_batches(space, gpus) for gpus in space.gpu_counts}
-        for gpus, pairs in pairs_by_gpus.items():
+        # per GPU count: the micro-batches without accumulation and with it (searched apart)
+        groups_by_gpus: dict[int, list[tuple[bool, list[tuple[int, int]], list[int]]]] = {}
+        for gpus in space.gpu_counts:
+            pairs = self.micro_batches(space, gpus)
             if not pairs:
                 notes.append(f"{gpus} GPUs skipped: global batch {space.global_batch} is not divisible by {gpus}")
+            groups = [(on, [pair for pair in pairs if (pair[1] > 1) == on]) for on in (False, True)]
+            groups_by_gpus[gpus] = [(on, group, [micro for micro, _ in group]) for on, group in groups if group]
         # Answers so far (the largest fitting micro-batch, 0 for none) as hints for the next choice:
         # the same choice on another GPU count, else the last one with the same checkpointing (which
         # moves the answer most) on this GPU count, else the last one on this GPU count.
         hints: dict[tuple, int] = {}
         for order, choice in enumerate(choices):
-            pairs = pairs_by_gpus[choice.gpus]
-            if not pairs:
-                continue
             seconds_per_token = None  # the cost model, built only for a choice where something fits
-            for accumulating in (False, True):
-                group = [(micro, accum) for micro, accum in pairs if (accum > 1) == accumulating]
-                if not group:
-                    continue
+            for accumulating, group, micros in groups_by_gpus[choice.gpus]:
                 evaluated += len(group)
                 same = (choice.zero_stage, choice.offload_optimizer, choice.offload_params, choice.checkpointing, accumulating)
                 near, last = (choice.gpus, accumulating, choice.checkpointing), (choice.gpus, accumulating)
@@ -368,7 +380,7 @@ class Planner:
                 if hint is None:
                     hint = hints.get(same, hints.get(near, hints.get(last)))
                 if hint is not None:
-                    hint = bisect_right([micro for micro, _ in group], hint)
+                    hint = bisect_right(micros, hint)
                 count = self.fitting_prefix(choice, group, limits, hint)
                 hints[same] = hints[near] = hints[last] = hints[(choice, accumulating)] = group[count - 1][0] if count else 0
                 if count and seconds_per_token is None:

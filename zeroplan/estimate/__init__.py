@@ -59,18 +59,28 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     return _Profiled(summary, result, overhead, notes + result.notes)
 
 
+def _estimate_of(profiled: _Profiled, engine: Engine) -> Estimate:
+    phases = _with_overhead(profiled.result.phases, profiled.overhead)
+    return Estimate(profiled.summary, engine.value, phases, profiled.result.per_node, profiled.notes)
+
+
 def estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
     """Per-GPU memory by phase and category, and per-node host memory, for one configuration."""
-    profiled = _profile(model, training)
-    phases = _with_overhead(profiled.result.phases, profiled.overhead)
-    return Estimate(profiled.summary, training.engine.value, phases, profiled.result.per_node, profiled.notes)
+    return _estimate_of(_profile(model, training), training.engine)
 
 
 class Fit(NamedTuple):
-    """What deciding whether a configuration fits needs: `estimate(...)`'s peak and host bytes."""
+    """What deciding whether a configuration fits needs: `estimate(...)`'s peak and host bytes;
+    `.estimate()` builds the rest only when the configuration is shown."""
 
     peak_bytes: int
     per_node: NodeBytes
+    profiled: _Profiled
+    engine: Engine
+
+    def estimate(self) -> Estimate:
+        """What `estimate(model, training)` returns for this configuration."""
+        return _estimate_of(self.profiled, self.engine)
 
 
 def fit(model: ModelSpec, training: TrainingSpec) -> Fit:
@@ -79,4 +89,4 @@ def fit(model: ModelSpec, training: TrainingSpec) -> Fit:
     configurations and shows a handful (a quarter of an estimate's time goes into that result)."""
     profiled = _profile(model, training)
     peak = max([sum(p.categories) for p in profiled.result.phases]) + profiled.overhead
-    return Fit(peak, profiled.result.per_node)
+    return Fit(peak, profiled.result.per_node, profiled, training.engine)

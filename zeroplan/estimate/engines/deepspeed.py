@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
@@ -75,9 +75,9 @@ class _Layout:
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
 
-@dataclass(frozen=True)
-class _Run:
-    """The sizes every stage needs, derived from the model facts and the training spec."""
+class _Run(NamedTuple):
+    """The sizes every stage needs, derived from the model facts and the training spec (a named
+    tuple: built once per estimate, and a frozen dataclass's __init__ costs several times more)."""
 
     n: int
     b: int  # model dtype (params, gradients; DeepSpeed's communication and accumulation default)
