@@ -33,8 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from zeroplan.catalog import resolve_model
 from zeroplan.cost import assumptions_for
-from zeroplan.estimate import estimate
-from zeroplan.estimate.engines import deepspeed
+from zeroplan.estimate import clear_caches, estimate
 from zeroplan.gpus import get_gpu
 from zeroplan.plan import Limits, Planner, SearchSpace, parse_gpu_counts, plan
 from zeroplan.spec.training import TrainingSpec
@@ -45,6 +44,8 @@ TARGET = 100_000
 SCENARIOS = [
     ("default search, one GPU count", "llama-2-7b", "h100-80gb",
      {"gpus": "8"}, "zeroplan plan llama-2-7b --gpu h100-80gb --gpus 8"),
+    ("default search, FSDP2", "llama-2-7b", "h100-80gb",
+     {"gpus": "8", "engine": "fsdp2"}, "zeroplan plan llama-2-7b --gpu h100-80gb --gpus 8 --engine fsdp2"),
     ("GPU range 8-1024", "llama-2-7b", "h100-80gb",
      {"gpus": "8-1024"}, "zeroplan plan llama-2-7b --gpu h100-80gb --gpus 8-1024"),
     ("global batch 1024 over 8-256 GPUs, every divisor", "llama-3-70b", "h100-80gb",
@@ -67,7 +68,9 @@ def run_scenario(model_name: str, gpu_name: str, search: dict, runs: int) -> dic
     space = SearchSpace(gpu_counts=counts, micro_batches=search.get("micro_batches", "pow2"),
                         global_batch=search.get("global_batch"))
     limits = Limits(gpu.memory_bytes)
-    base = TrainingSpec(gpus=max(counts))
+    engine = search.get("engine", "deepspeed")
+    # a base stage the engine accepts (as the CLI's base_training picks); the search replaces it
+    base = TrainingSpec(gpus=max(counts), engine=engine, zero_stage=2 if engine == "fsdp2" else 0)
     result = plan(model, base, space, limits, assumptions)  # untimed: warms the estimator's caches
     times: dict[str, list[float]] = {"wall": [], "cpu": [], "cold_cpu": []}
     for _ in range(runs):
@@ -76,7 +79,7 @@ def run_scenario(model_name: str, gpu_name: str, search: dict, runs: int) -> dic
         times["cpu"].append(time.process_time() - cpu)
         times["wall"].append(time.perf_counter() - wall)
     for _ in range(runs):
-        deepspeed._clear_caches()
+        clear_caches()
         cpu = time.process_time()
         plan(model, base, space, limits, assumptions)
         times["cold_cpu"].append(time.process_time() - cpu)

@@ -90,3 +90,18 @@ def fit(model: ModelSpec, training: TrainingSpec) -> Fit:
     profiled = _profile(model, training)
     peak = max([sum(p.categories) for p in profiled.result.phases]) + profiled.overhead
     return Fit(peak, profiled.result.per_node, profiled, training.engine)
+
+
+def clear_caches() -> None:
+    """Forget everything the estimator keeps between calls (model facts and layouts, activations,
+    per-configuration sizes): the next estimate runs as the first of a process does. For
+    benchmarks and tests; results never depend on it."""
+    from zeroplan.estimate import activations, engines, facts
+
+    facts._transformer_facts.cache_clear()
+    facts._count_facts.cache_clear()
+    activations._CACHE.clear()
+    engines.common.early_gradients.cache_clear()
+    engines.deepspeed._clear_caches()
+    engines.fsdp2._shards.cache_clear()
+    engines.torch_ddp._largest_local_shard.cache_clear()

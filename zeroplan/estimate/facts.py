@@ -26,7 +26,10 @@ class ModuleGroup:
     params: int  # elements in one copy
 
 
-@dataclass(frozen=True)
+# eq=False: hashed and compared by identity. The engines' caches are keyed by ModelFacts, and
+# `model_facts` returns the same object for the same spec; a field-by-field hash walks every tensor
+# of every group (several microseconds, more than the rest of some estimates).
+@dataclass(frozen=True, eq=False)
 class ModelFacts:
     name: str
     total_params: int
