@@ -147,6 +147,20 @@ def test_plan_ranks_cheapest_first_and_reports_the_largest_micro_batch():
     assert result.largest_micro_batch.micro_batch == largest
 
 
+@pytest.mark.parametrize("attention", [Attention.FUSED, Attention.EAGER])
+def test_selective_checkpointing_is_ranked_only_where_it_saves_memory(attention):
+    model = resolve_model("llama-2-7b")
+    space = SearchSpace(gpu_counts=(8,), checkpointing=(Checkpointing.NONE, Checkpointing.SELECTIVE))
+    result = plan(model, TrainingSpec(gpus=8, attention=attention), space, Limits(H100.memory_bytes), ASSUMPTIONS, top=50)
+    ranked = {config.choice.checkpointing for config in result.top}
+    unranked = [note for note in result.notes if "are not ranked" in note]
+    if attention == Attention.FUSED:  # the same memory as no checkpointing, more recomputation
+        assert ranked == {Checkpointing.NONE} and len(unranked) == 1
+        assert result.fitting == 2 * len(result.top)  # counted as fitting all the same
+    else:  # eager keeps the s x s scores, which selective drops
+        assert Checkpointing.SELECTIVE in ranked and not unranked
+
+
 def test_global_batch_sets_accumulation():
     model = resolve_model("gpt2")
     result = plan(model, TrainingSpec(gpus=8, seq_len=1024), SearchSpace(gpu_counts=(8,), global_batch=256),

@@ -465,13 +465,21 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 def _plan(planner: Planner, model, space: SearchSpace, limits: Limits, assumptions: Assumptions, top: int) -> Plan:
     evaluated, fitting, notes = planner.search(space, limits)
+    # A configuration whose memory twin is another choice (selective checkpointing under fused
+    # attention) fits exactly where its twin does and costs at least as much (it only adds
+    # recomputation): it is counted, not ranked.
+    candidates = [hit for hit in fitting if planner.memory_twin(hit.choice) == hit.choice]
+    if len(candidates) < len(fitting):
+        notes.append(f"{len(fitting) - len(candidates)} configurations with selective checkpointing are not ranked: under "
+                     "fused attention it keeps what no checkpointing keeps (the kernel stores no attention scores) "
+                     "and only adds recomputation")
     ranked = []
-    for hit in fitting[:top]:
+    for hit in candidates[:top]:
         ranked.append(_ranked(planner, len(ranked) + 1, hit, ranked[0].cost if ranked else None))
     largest = None
-    if fitting:  # the most sequences per micro-batch; the cheapest of those
-        index = min(range(len(fitting)), key=lambda i: (fitting[i].minus_micro_batch, i))
-        largest = _ranked(planner, index + 1, fitting[index], ranked[0].cost)
+    if candidates:  # the most sequences per micro-batch; the cheapest of those
+        index = min(range(len(candidates)), key=lambda i: (candidates[i].minus_micro_batch, i))
+        largest = _ranked(planner, index + 1, candidates[index], ranked[0].cost)
     for config in ranked[:1]:  # e.g. "model given by parameter count: activations are not estimated"
         notes.extend(note for note in config.estimate.notes if note not in notes)
     estimate_calls = planner.estimate_calls  # the search and the shown configs; not the suggestions

@@ -94,7 +94,7 @@ def render_plan(plan: Plan, fmt: str = "table", units: str = "GiB") -> str:
     lines = [
         f"{plan.model_name}: {amount(limits.gpu_memory_bytes)} {units} per GPU, budget {amount(limits.budget_bytes)} {units} "
         f"after {limits.headroom:.0%} headroom; searched {plan.evaluated:,} configurations "
-        f"({plan.estimate_calls:,} full estimates), {plan.fitting:,} fit",
+        f"({plan.estimate_calls:,} memory-model evaluations), {plan.fitting:,} fit",
     ]
     if configs:
         rows = []
