@@ -1,15 +1,16 @@
-"""How many configurations per second `zeroplan plan` evaluates, in-process, with cold caches.
+"""How many configurations per second `zeroplan plan` evaluates, in-process, warm and cold.
 
 A configuration is one (ZeRO stage, offload, checkpointing, GPU count, micro-batch, accumulation)
 point of the search: the planner decides whether it fits (exactly, as a full estimate would) and
-computes its step cost. Each timed run builds a new Planner, so every full estimate it needs is
-made inside the timing; the shown configurations' estimates and the report are included, and so
-are the "nothing fits" suggestions where nothing fits (their configurations are not counted). The estimator keeps per-model sizes
-between calls (the DeepSpeed profile's `_Fixed` parts, facts.py's model facts): "warm" runs follow
-an untimed run of the same search, "cold" runs clear the DeepSpeed profile's caches first, as the
-first plan of a process does. Both wall-clock and CPU time (time.process_time) are given: on a
-shared machine the wall clock also counts waiting for a core. For scale, the same work done the
-naive way, one full `estimate()` per configuration, is timed too.
+computes its step cost. Each timed run builds a new Planner, so every evaluation of the memory
+model it needs is made inside the timing; the shown configurations' estimates and the report are
+included, and so are the "nothing fits" suggestions where nothing fits (their configurations are
+not counted). The estimator keeps per-model sizes between calls (model facts, activations, the
+engine profiles' layouts and per-configuration sums): "warm" runs follow an untimed run of the
+same search, "cold" runs clear every estimator cache first (`zeroplan.estimate.clear_caches`), as
+the first plan of a process finds them. Both wall-clock and CPU time (time.process_time) are
+given: on a shared machine the wall clock also counts waiting for a core. For scale, the same
+work done the naive way, one full `estimate()` per configuration, is timed too.
 
     python bench/plan_speed.py             # 7 runs per scenario, writes bench/results/plan_speed.md
     python bench/plan_speed.py --runs 3 --no-write
@@ -127,7 +128,7 @@ def main() -> None:
         naive = naive_rate(measured["model"], measured["base"], measured["space"], measured["planner_args"][2])
         rows.append((label, model_name, gpu_name, command, measured, naive))
         print(f"{label} [{model_name}, {gpu_name}]: {measured['evaluated']:,} configs in {measured['median_s'] * 1e3:.1f} ms "
-              f"({measured['estimate_calls']:,} full estimates) = {measured['rate']:,.0f} configs/s wall, "
+              f"({measured['estimate_calls']:,} evaluations) = {measured['rate']:,.0f} configs/s wall, "
               f"{measured['cpu_rate']:,.0f} CPU, {measured['cold_cpu_rate']:,.0f} CPU cold; "
               f"one estimate per config: {naive:,.0f} configs/s")
 
@@ -141,7 +142,7 @@ def main() -> None:
         "",
         f"Target (issue 5): at least {TARGET:,} configurations per second.",
         "",
-        ("| scenario | model, GPU | configurations | full estimates | median wall time | configs/s (wall) "
+        ("| scenario | model, GPU | configurations | memory-model evaluations | median wall time | configs/s (wall) "
          "| configs/s (CPU) | configs/s (CPU, cold) | one estimate per config (CPU) | best config |"),
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -155,25 +156,27 @@ def main() -> None:
         "",
         "How: memory never shrinks with the micro-batch and is convex in it (tested against full estimates in",
         "tests/test_plan.py), so for each (stage, offload, checkpointing, GPU count) a bracketing search finds the",
-        "last micro-batch that fits, starting from a neighbouring choice's answer: about two full estimates per",
-        "choice, whatever the number of micro-batches. The verdict is exact (the last that fits and the first that",
-        "does not are both estimated). The rest is a few float operations per configuration.",
+        "last micro-batch that fits, starting from a neighbouring choice's answer: about two evaluations of the",
+        "memory model per choice, whatever the number of micro-batches. The verdict is exact (the last that fits",
+        "and the first that does not are both evaluated). Evaluations use `zeroplan.estimate.fit`, the same",
+        "profile as `estimate()` without building the per-phase result (tested equal); a choice whose",
+        "activations equal another's (selective checkpointing under fused attention) shares that choice's",
+        "evaluations. The cyclic garbage collector is paused during a plan. The rest is a few float operations",
+        "per configuration.",
         "",
-        "Reading the numbers: the rate grows with the micro-batches per choice, because the full estimates per",
-        "choice stay at about two. Searches over every micro-batch pass the target many times over. The default",
-        "search (powers of two, 11 micro-batches per choice) and a global batch with few divisors do not: each",
-        "choice needs about two full estimates, and one estimate() of llama-2-7b costs about 40 us of CPU here",
-        "(the DeepSpeed profile about 20 us, after caching what does not depend on the micro-batch; the rest is",
-        "activations.py, rebuilding the phases with the overhead in estimate(), and the result objects), plus",
-        "about 1 ms per plan in the planner (a validated TrainingSpec and a cost model per choice). The CPU column",
-        "is the planner's own cost; the wall clock on this shared 2-core machine was 2-3x longer. The cold column",
-        "pays, once per configuration, for what the DeepSpeed profile then keeps (per-model layout, per-",
-        "configuration sums): it matters for 80-block models (llama-3-70b). Reaching the target on the default",
-        "search needs a cheaper estimate() as a whole or an estimator that returns each phase as",
-        "bytes = base + per-sequence x micro-batch (one estimate per choice).",
-        "Where nothing fits (the llama-3-70b rows: the DeepSpeed profile's first step counts the model built",
-        "whole on each GPU before `deepspeed.initialize` partitions it), plan() also searches for the smallest",
-        "change that would fit; that time is included and its configurations are not counted.",
+        "Reading the numbers: the rate grows with the micro-batches per choice, because the evaluations per",
+        "choice stay at about two; one evaluation costs about 20-25 us of CPU inside a plan, plus about 0.7 ms",
+        "per plan in the planner (validated specs and a cost model per choice, the ranking). The default",
+        "searches (powers of two, 11 micro-batches per choice) pass the target. A global batch with few",
+        "divisors per GPU count leaves 2-4 configurations per choice (one without accumulation, a few with):",
+        "that row is bound by the evaluation rate and misses the target, at about 2-3x the rate of one",
+        "estimate per configuration. The cold column clears every estimator cache",
+        "(`zeroplan.estimate.clear_caches`) before each run, as the first plan of a process finds them: what",
+        "the profiles keep per model and configuration (layouts, bucket walks, stage-3 gathering) is built",
+        "inside the timing; it matters most for 80-block models (llama-3-70b). The CPU column is the",
+        "planner's own cost; the wall clock also counts waiting for a core on this shared machine.",
+        "Where nothing fits, plan() also searches for the smallest change that would fit; that time is",
+        "included and its configurations are not counted.",
     ]
     text = "\n".join(lines) + "\n"
     if not args.no_write:

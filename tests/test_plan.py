@@ -13,13 +13,13 @@ from click.testing import CliRunner
 from zeroplan.catalog import resolve_model
 from zeroplan.cost import assumptions_for, model_flops, step_cost_model
 from zeroplan.errors import SpecError
-from zeroplan.estimate import estimate
+from zeroplan.estimate import estimate, fit
 from zeroplan.estimate.activations import memory_checkpointing
 from zeroplan.gpus import get_gpu
 from zeroplan.options import training_spec_from_options
 from zeroplan.plan import Limits, Planner, SearchSpace, parse_gpu_counts, plan
 from zeroplan.spec.model import ParamCountSpec
-from zeroplan.spec.training import Attention, Checkpointing, Engine, Offload, TrainingSpec
+from zeroplan.spec.training import Attention, Checkpointing, Device, Engine, Offload, TrainingSpec
 
 GIB = 2**30
 H100 = get_gpu("h100-80gb")
@@ -72,6 +72,16 @@ def test_grad_accum_matters_only_by_being_on():
         two = estimate(model, training.model_copy(update={"grad_accum": 2}))
         for accum in (3, 16):
             assert estimate(model, training.model_copy(update={"grad_accum": accum})) == two
+
+
+def test_fit_is_the_estimate_s_peak():
+    """The planner decides fits with `fit()`, which skips building the per-phase result."""
+    for model, training in _grid():
+        for update in ({}, {"micro_batch": 3, "grad_accum": 2}, {"device": Device.CPU}):
+            case = training.model_copy(update=update)
+            full, decided = estimate(model, case), fit(model, case)
+            assert (decided.peak_bytes, decided.per_node) == (full.peak_bytes, full.per_node), (model.name, case)
+            assert decided.estimate() == full
 
 
 def test_selective_shares_the_estimate_of_no_checkpointing_only_under_fused_attention():

@@ -154,6 +154,7 @@ class Planner:
         self._fit = fitter
         self.estimate_calls = 0  # estimates and fits
         self._specs: dict[Choice, TrainingSpec | str] = {}
+        self._validated: dict[Choice, TrainingSpec | str] = {}  # by choice without checkpointing
         self._estimates: dict[tuple[Choice, int, int], Estimate] = {}
         self._fits: dict[tuple[Choice, int, int], Fit | Estimate] = {}
         self._costs: dict[Choice, StepCostModel] = {}
@@ -170,31 +171,37 @@ class Planner:
 
     def spec(self, choice: Choice) -> TrainingSpec | str:
         """The validated TrainingSpec of `choice`, or why the combination is invalid. The
-        checkpointing modes of one choice differ in an enum field no validator reads: the first
-        is validated, the others are copies of it."""
-        if choice not in self._specs:
-            sibling = next((self._specs[other] for other in (choice._replace(checkpointing=c) for c in Checkpointing)
-                            if other in self._specs), None)
-            if sibling is not None:
-                self._specs[choice] = sibling if isinstance(sibling, str) else sibling.model_copy(update={"checkpointing": choice.checkpointing})
-                return self._specs[choice]
-            values = dict(self._base_values)
-            values.update(
-                zero_stage=choice.zero_stage,
-                offload_optimizer=choice.offload_optimizer,
-                offload_params=choice.offload_params,
-                checkpointing=choice.checkpointing,
-                gpus=choice.gpus,
-            )
-            if self.base.gpus_per_node is not None and choice.gpus < self.base.gpus_per_node:
-                values["gpus_per_node"] = choice.gpus
-            try:
-                self._specs[choice] = TrainingSpec.model_validate(values)
-            except ValidationError as error:
-                message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in error.errors())
-                offloads = Choice(choice.zero_stage, choice.offload_optimizer, choice.offload_params, Checkpointing.NONE, choice.gpus)
-                self._specs[choice] = f"{offloads.label()} on {choice.gpus} GPUs skipped: {message}"
-        return self._specs[choice]
+        checkpointing modes of one choice differ in an enum field no validator reads: one is
+        validated, the others are copies of it."""
+        found = self._specs.get(choice)
+        if found is None:
+            first = self._validated.get(key := choice._replace(checkpointing=Checkpointing.NONE))
+            if first is None:
+                first = self._validated[key] = self._validate(choice)
+            if isinstance(first, str) or first.checkpointing == choice.checkpointing:
+                found = first
+            else:
+                found = first.model_copy(update={"checkpointing": choice.checkpointing})
+            self._specs[choice] = found
+        return found
+
+    def _validate(self, choice: Choice) -> TrainingSpec | str:
+        values = dict(self._base_values)
+        values.update(
+            zero_stage=choice.zero_stage,
+            offload_optimizer=choice.offload_optimizer,
+            offload_params=choice.offload_params,
+            checkpointing=choice.checkpointing,
+            gpus=choice.gpus,
+        )
+        if self.base.gpus_per_node is not None and choice.gpus < self.base.gpus_per_node:
+            values["gpus_per_node"] = choice.gpus
+        try:
+            return TrainingSpec.model_validate(values)
+        except ValidationError as error:
+            message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in error.errors())
+            offloads = Choice(choice.zero_stage, choice.offload_optimizer, choice.offload_params, Checkpointing.NONE, choice.gpus)
+            return f"{offloads.label()} on {choice.gpus} GPUs skipped: {message}"
 
     def training(self, choice: Choice, micro_batch: int, grad_accum: int) -> TrainingSpec:
         spec = self.spec(choice)

@@ -9,7 +9,7 @@ from functools import lru_cache
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.training import Device, Optimizer, TrainingSpec
+from zeroplan.spec.training import Device, Optimizer
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,8 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def step_temporary_bytes(largest_numel: int, total_numel: int, state_element_bytes: int, training: TrainingSpec) -> int:
+def step_temporary_bytes(largest_numel: int, total_numel: int, state_element_bytes: int, optimizer: Optimizer,
+                         device: Device) -> int:
     """Peak temporaries of one torch optimizer step over a rank's local tensors.
 
     torch/optim/adam.py `_single_tensor_adam` (the CPU default: `_default_to_fused_or_foreach`
@@ -33,9 +34,9 @@ def step_temporary_bytes(largest_numel: int, total_numel: int, state_element_byt
     `exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)` for the whole group: one
     temporary the size of all local parameters. SGD with momentum updates in place.
     """
-    if training.optimizer == Optimizer.SGD:
+    if optimizer == Optimizer.SGD:
         return 0
-    if training.device == Device.CPU:
+    if device == Device.CPU:
         return 2 * largest_numel * state_element_bytes
     return total_numel * state_element_bytes
 

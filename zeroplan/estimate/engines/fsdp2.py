@@ -26,6 +26,7 @@ until the root's post-backward at the very end.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
@@ -39,7 +40,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.training import Device, Offload, Precision, TrainingSpec
+from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
 
 
 def _padded_shard(numel: int, rows: int, world: int) -> int:
@@ -65,13 +66,44 @@ def _shards(facts: ModelFacts, n: int) -> tuple[int, int, int, int, int, int, in
     return root, block, total, trainable, largest, block_trainable, root_trainable
 
 
-def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None) -> EngineEstimate:
-    n = training.gpus
-    storage = HALF_BYTES if training.precision == Precision.PURE_BF16 else FP32_BYTES
-    gathered = FP32_BYTES if training.precision == Precision.FP32 else HALF_BYTES
+class _Sizes(NamedTuple):
+    """Bytes per rank that do not depend on the activations (cached: the planner asks for the same
+    configuration at many micro-batches)."""
+
+    num_blocks: int
+    offloaded: bool
+    sharded_params: int
+    sharded_grads: int
+    states: int
+    temporaries: int
+    root_gathered: int
+    block_gathered: int
+    head_grads: int
+    tied_grad: int
+    first_grads: int
+    root_grads: int
+    block_grads: int
+    block_shard_grads: int
+    block_reduce_in: int
+    root_reduce_in: int
+    h2d_copy: int
+    reshard: bool
+    root_reshards: bool
+    held_blocks: int
+    held_grads: int
+    accum_root: int
+    accum_block: int
+    host_bytes: int  # per rank, offloaded to the host
+
+
+@lru_cache(maxsize=4096)
+def _sizes(facts: ModelFacts, n: int, precision: Precision, offload: Offload, device: Device, zero_stage: int,
+           accumulating: bool, reshard_root: bool | None, optimizer: Optimizer) -> _Sizes:
+    storage = HALF_BYTES if precision == Precision.PURE_BF16 else FP32_BYTES
+    gathered = FP32_BYTES if precision == Precision.FP32 else HALF_BYTES
     reduce = storage  # reduce_dtype fp32 under mixed precision, the model dtype otherwise
-    offloaded = training.offload_optimizer == Offload.CPU
-    on_device = not offloaded or training.device == Device.CPU  # a CPU run has one memory
+    offloaded = offload == Offload.CPU
+    on_device = not offloaded or device == Device.CPU  # a CPU run has one memory
 
     root_shard, block_shard, shard_total, trainable_shard, largest_local, block_train, root_train = _shards(facts, n)
     head_numel, tied_numel, first_numel = early_gradients(facts)
@@ -82,8 +114,8 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     # parameter dtype) is the storage of the sharded .grad views.
     sharded_grads = trainable_shard * storage if on_device else 0
     block_shard_grads = block_train * storage if on_device else 0
-    states = optimizer_state_bytes(trainable_shard, training.optimizer, storage) if on_device else 0
-    temporaries = step_temporary_bytes(largest_local, trainable_shard, storage, training) if on_device else 0
+    states = optimizer_state_bytes(trainable_shard, optimizer, storage) if on_device else 0
+    temporaries = step_temporary_bytes(largest_local, trainable_shard, storage, optimizer, device) if on_device else 0
     root_gathered = root_shard * n * gathered  # the root's all-gather output, or its unsharded parameters
     block_gathered = block_shard * n * gathered
     # Autograd writes unsharded gradients in the unsharded parameters' dtype (param_dtype).
@@ -96,9 +128,8 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     root_reduce_in = root_train * n * reduce
     h2d_copy = 0 if on_device else max(root_shard, block_shard) * storage
 
-    reshard = training.zero_stage == 3
-    root_reshards = reshard if training.fsdp2.reshard_root_after_forward is None else training.fsdp2.reshard_root_after_forward
-    accumulating = training.grad_accum > 1
+    reshard = zero_stage == 3
+    root_reshards = reshard if reshard_root is None else reshard_root
     # Blocks whose unsharded parameters are held while block `i` runs: itself under ZeRO-3; under
     # ZeRO-2 (reshard_after_forward=False) every block from the forward until its post-backward.
     held_blocks = 1 if reshard else num_blocks
@@ -111,29 +142,39 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     accum_root = root_train * n * reduce if accumulating else 0
     accum_block = block_train * n * reduce if accumulating else 0
     held_grads = accum_root + num_blocks * accum_block
+    host_bytes = 0
+    if offloaded:
+        host_bytes = shard_total * storage + trainable_shard * reduce + optimizer_state_bytes(trainable_shard, optimizer, storage)
+    return _Sizes(num_blocks, offloaded, sharded_params, sharded_grads, states, temporaries, root_gathered, block_gathered,
+                  head_grads, tied_grad, first_grads, root_grads, block_grads, block_shard_grads, block_reduce_in,
+                  root_reduce_in, h2d_copy, reshard, root_reshards, held_blocks, held_grads, accum_root, accum_block,
+                  host_bytes)
+
+
+def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None) -> EngineEstimate:
+    z = _sizes(facts, training.gpus, training.precision, training.offload_optimizer, training.device, training.zero_stage,
+               training.grad_accum > 1, training.fsdp2.reshard_root_after_forward, training.optimizer)
     # The forward and backward moments are the same in every step; only the states differ.
-    forward = _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathered, h2d_copy)
+    forward = _forward(acts, z.num_blocks, z.reshard, z.held_grads, z.root_gathered, z.block_gathered, z.h2d_copy)
     backward = _backward(
-        acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
-        head_grads, tied_grad, first_grads, block_grads, root_grads, block_shard_grads, block_reduce_in,
-        root_reduce_in, h2d_copy, accum_root, accum_block)
+        acts, z.num_blocks, z.reshard, z.root_reshards, z.held_blocks, z.held_grads, z.root_gathered, z.block_gathered,
+        z.head_grads, z.tied_grad, z.first_grads, z.block_grads, z.root_grads, z.block_shard_grads, z.block_reduce_in,
+        z.root_reduce_in, z.h2d_copy, z.accum_root, z.accum_block)
     phases: list[PhaseBytes] = []
-    for step, held_states in ((Step.FIRST, 0), (Step.STEADY, states)):
-        base = dict(params=sharded_params, optimizer_states=held_states)
+    for step, held_states in ((Step.FIRST, 0), (Step.STEADY, z.states)):
+        base = dict(params=z.sharded_params, optimizer_states=held_states)
         if step == Step.FIRST:
             phases.append(phase(step, Phase.INIT, **base))
         phases.append(phase(step, Phase.FORWARD, **base, **forward))
         phases.append(phase(step, Phase.BACKWARD, **base, **backward))
-        phases.append(phase(step, Phase.OPTIMIZER_STEP, params=sharded_params, grads=sharded_grads,
-                            optimizer_states=states, temporaries=temporaries))
+        phases.append(phase(step, Phase.OPTIMIZER_STEP, params=z.sharded_params, grads=z.sharded_grads,
+                            optimizer_states=z.states, temporaries=z.temporaries))
     host = 0
     notes = []
-    if offloaded:
-        host_bytes = (shard_total * storage + trainable_shard * reduce
-                      + optimizer_state_bytes(trainable_shard, training.optimizer, storage))
-        host = host_bytes * training.node_gpus
+    if z.offloaded:
+        host = z.host_bytes * training.node_gpus
         if training.device == Device.CPU:
-            notes.append(f"CPU run: the {host_bytes:,} offloaded bytes per rank share the one memory; on GPUs they sit on the host")
+            notes.append(f"CPU run: the {z.host_bytes:,} offloaded bytes per rank share the one memory; on GPUs they sit on the host")
     return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if training.device == Device.CPU else host), tuple(notes))
 
 

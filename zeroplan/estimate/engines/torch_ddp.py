@@ -62,7 +62,7 @@ def estimate_torch(
     grads = facts.trainable_params * element
     buckets = facts.trainable_params * element  # DDP reducer buckets, allocated at wrap time
     states = optimizer_state_bytes(sum(local), training.optimizer, element)
-    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, training)
+    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, training.optimizer, training.device)
     accumulating = training.grad_accum > 1  # .grad survives between micro-batches
     head_numel, tied_numel, first_numel = early_gradients(facts)
     block_numel = max((g.params for g in facts.groups if g.role == "block" and not g.frozen), default=0)
