@@ -15,6 +15,7 @@ from zeroplan.catalog import resolve_model
 from zeroplan.compare import compare, render_comparison
 from zeroplan.errors import MissingDependencyError, SpecError
 from zeroplan.estimate import estimate
+from zeroplan.estimate.serialize import estimate_to_dict
 from zeroplan.spec.model import ParamCountSpec
 from zeroplan.spec.training import Offload, TrainingSpec
 
@@ -87,8 +88,14 @@ def test_formats_carry_the_same_bytes():
         parts = sum(row["per_gpu"][key] for key in ("params", "grads", "optimizer_states", "activations", "buffers",
                                                     "temporaries", "overhead"))
         assert parts == row["per_gpu"]["peak"]
+    # each row's per_gpu and per_node have the shapes of `zeroplan estimate --format json`
+    for row, original in zip(data["rows"], comparison.rows):
+        single = estimate_to_dict(original.estimate, original.training)
+        assert (row["per_gpu"], row["per_node"]) == (single["per_gpu"], single["per_node"])
     table = list(csv.DictReader(io.StringIO(render_comparison(comparison, "csv"))))
     assert [int(row["peak_bytes"]) for row in table] == [row.estimate.peak_bytes for row in comparison.rows]
+    assert [(row["peak_step"], row["peak_phase"]) for row in table] == [
+        (row.estimate.peak.step.value, row.estimate.peak.phase.value) for row in comparison.rows]
     markdown = render_comparison(comparison, "markdown", "GB")
     assert "| config" in markdown and "peak (GB)" in markdown
     text = render_comparison(comparison, "table")

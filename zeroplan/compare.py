@@ -24,12 +24,12 @@ from pydantic import ValidationError
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate.result import Estimate
+from zeroplan.estimate.serialize import CATEGORIES, per_gpu_to_dict, per_node_to_dict
 from zeroplan.spec.training import Engine, Offload, TrainingSpec
 from zeroplan.units import bytes_in_unit
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme", "cpu-optimizer", "nvme-optimizer")
 FORMATS = ("table", "json", "csv", "markdown")
-CATEGORIES = ("params", "grads", "optimizer_states", "activations", "buffers", "temporaries", "overhead")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,6 @@ class CompareRow:
         return 100.0 * (1 - self.estimate.peak_bytes / self.baseline_peak_bytes)
 
     def as_dict(self) -> dict:
-        peak = self.estimate.peak
         return {
             "config": self.label,
             "zero_stage": self.training.zero_stage,
@@ -59,8 +58,8 @@ class CompareRow:
             "offload": self.offload,
             "offload_optimizer": self.training.offload_optimizer.value,
             "offload_params": self.training.offload_params.value,
-            "per_gpu": {**peak.categories.as_dict(), "peak": peak.total_bytes, "peak_phase": f"{peak.step.value} {peak.phase.value}"},
-            "per_node": {"cpu": self.estimate.per_node.cpu_bytes, "nvme": self.estimate.per_node.nvme_bytes},
+            "per_gpu": per_gpu_to_dict(self.estimate),  # the shapes of `zeroplan estimate --format json`
+            "per_node": per_node_to_dict(self.estimate.per_node),
             "saving_vs_stage0_percent": None if self.saving_percent is None else round(self.saving_percent, 2),
             "fits": self.fits,
         }
@@ -207,12 +206,12 @@ def render_comparison(comparison: Comparison, fmt: str = "table", units: str = "
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(["config", "gpus", "offload", *(f"{c}_bytes" for c in CATEGORIES), "peak_bytes", "peak_phase",
+        writer.writerow(["config", "gpus", "offload", *(f"{c}_bytes" for c in CATEGORIES), "peak_bytes", "peak_step", "peak_phase",
                          "cpu_per_node_bytes", "nvme_per_node_bytes", "saving_vs_stage0_percent", "fits"])
         for row in comparison.rows:
             data = row.as_dict()
             writer.writerow([data["config"], data["gpus"], data["offload"], *(data["per_gpu"][c] for c in CATEGORIES),
-                             data["per_gpu"]["peak"], data["per_gpu"]["peak_phase"], data["per_node"]["cpu"],
+                             data["per_gpu"]["peak"], data["per_gpu"]["peak_step"], data["per_gpu"]["peak_phase"], data["per_node"]["cpu"],
                              data["per_node"]["nvme"], "" if data["saving_vs_stage0_percent"] is None else data["saving_vs_stage0_percent"],
                              "" if data["fits"] is None else data["fits"]])
         return out.getvalue()

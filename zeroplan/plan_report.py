@@ -7,6 +7,7 @@ import io
 import json
 
 from zeroplan.errors import SpecError
+from zeroplan.estimate.serialize import per_gpu_to_dict, per_node_to_dict
 from zeroplan.plan import Plan, RankedConfig
 from zeroplan.units import bytes_in_unit
 
@@ -15,7 +16,6 @@ _GB = 10**9
 
 
 def _config_dict(config: RankedConfig) -> dict:
-    peak = config.estimate.peak
     return {
         "rank": config.rank,
         "config": config.choice.label(),
@@ -26,8 +26,8 @@ def _config_dict(config: RankedConfig) -> dict:
         "gpus": config.choice.gpus,
         "micro_batch": config.micro_batch,
         "grad_accum": config.grad_accum,
-        "per_gpu": {**peak.categories.as_dict(), "peak": peak.total_bytes, "peak_phase": f"{peak.step.value} {peak.phase.value}"},
-        "per_node": {"cpu": config.estimate.per_node.cpu_bytes, "nvme": config.estimate.per_node.nvme_bytes},
+        "per_gpu": per_gpu_to_dict(config.estimate),  # the shapes of `zeroplan estimate --format json`
+        "per_node": per_node_to_dict(config.estimate.per_node),
         "step_seconds": {**config.cost.terms(), "total": config.cost.step_s},
         "tokens_per_step_per_gpu": config.cost.tokens,
         "gpu_seconds_per_million_tokens": config.cost.gpu_seconds_per_token * 1e6,

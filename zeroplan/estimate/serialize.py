@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from zeroplan.estimate.result import CategoryBytes, Estimate, PhaseBytes
+from zeroplan.estimate.result import CategoryBytes, Estimate, NodeBytes, PhaseBytes
 
 if TYPE_CHECKING:
     from zeroplan.spec.training import TrainingSpec
@@ -30,6 +30,18 @@ CATEGORIES = tuple(CategoryBytes().as_dict())
 
 def phase_to_dict(phase: PhaseBytes) -> dict[str, Any]:
     return {"step": phase.step.value, "phase": phase.phase.value, **phase.categories.as_dict(), "total": phase.total_bytes}
+
+
+def per_gpu_to_dict(estimate: Estimate) -> dict[str, Any]:
+    """`per_gpu`: the categories at the peak, `peak`, `peak_step`, `peak_phase` (also the shape of
+    each row's `per_gpu` in `zeroplan compare` and `zeroplan plan` JSON)."""
+    peak = estimate.peak
+    return {**peak.categories.as_dict(), "peak": peak.total_bytes, "peak_step": peak.step.value, "peak_phase": peak.phase.value}
+
+
+def per_node_to_dict(node: NodeBytes) -> dict[str, int]:
+    """`per_node`: cpu (pinned included), pinned, nvme."""
+    return {"cpu": node.cpu_bytes, "pinned": node.pinned_bytes, "nvme": node.nvme_bytes}
 
 
 def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_bytes: int | None = None) -> dict[str, Any]:
@@ -45,18 +57,9 @@ def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_byte
             "implementation": estimate.model.implementation,
         },
         "engine": estimate.engine,
-        "per_gpu": {
-            **peak.categories.as_dict(),
-            "peak": peak.total_bytes,
-            "peak_step": peak.step.value,
-            "peak_phase": peak.phase.value,
-        },
+        "per_gpu": per_gpu_to_dict(estimate),
         "phases": [phase_to_dict(phase) for phase in estimate.phases],
-        "per_node": {
-            "cpu": estimate.per_node.cpu_bytes,
-            "pinned": estimate.per_node.pinned_bytes,
-            "nvme": estimate.per_node.nvme_bytes,
-        },
+        "per_node": per_node_to_dict(estimate.per_node),
         "config": config,
         "notes": list(estimate.notes),
     }
