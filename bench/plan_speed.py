@@ -165,7 +165,7 @@ def main() -> None:
         "per configuration.",
         "",
         "Reading the numbers: the rate grows with the micro-batches per choice, because the evaluations per",
-        "choice stay at about two; one evaluation costs about 20-25 us of CPU inside a plan, plus about 0.7 ms",
+        "choice stay at about two; one evaluation costs about 20-30 us of CPU inside a plan, plus about 0.6 ms",
         "per plan in the planner (validated specs and a cost model per choice, the ranking). The default",
         "searches (powers of two, 11 micro-batches per choice) pass the target. A global batch with few",
         "divisors per GPU count leaves 2-4 configurations per choice (one without accumulation, a few with):",
