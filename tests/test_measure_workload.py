@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 from zeroplan.architecture import param_layout  # noqa: E402
 from zeroplan.catalog import params_model, resolve_model  # noqa: E402
 from zeroplan.errors import MeasureError  # noqa: E402
+from zeroplan.estimate.activations import activation_bytes  # noqa: E402
 from zeroplan.measure.accounting import TensorAccounting  # noqa: E402
 from zeroplan.measure.workload import build_workload, hf_available, make_batch  # noqa: E402
 from zeroplan.spec.training import TrainingSpec  # noqa: E402
@@ -81,6 +82,23 @@ def test_selective_checkpointing_keeps_less_than_none_and_more_than_full(impleme
     selective = _forward_activation_bytes(implementation, attention="eager", checkpointing="selective")
     full = _forward_activation_bytes(implementation, attention="eager", checkpointing="full")
     assert full < selective < plain
+
+
+@pytest.mark.skipif(not hf_available(), reason="needs transformers")
+@pytest.mark.parametrize("attention", ["fused", "eager"])
+def test_hf_selective_checkpointing_recomputes_the_attention_core_as_estimated(attention):
+    """Selective recomputation of a Hugging Face model runs its attention core (not the whole
+    attention module) under checkpoint: the forward keeps what activations.py says, to the
+    fused kernel's log-sum-exp (16 bytes per token and block here, counted by the estimator)."""
+    spec = resolve_model("tiny-llama")
+    saved = {ck: _forward_activation_bytes("hf", attention=attention, checkpointing=ck) for ck in ("none", "selective")}
+    acts = {ck: activation_bytes(spec, _training(seq_len=128, attention=attention, checkpointing=ck), 4)
+            for ck in ("none", "selective")}
+    predicted = acts["none"].forward_peak - acts["selective"].forward_peak
+    lse = 4 * spec.num_heads * 2 * 128 * spec.num_layers
+    assert predicted - lse <= saved["none"] - saved["selective"] <= predicted + lse
+    if attention == "eager":  # the s x s probabilities of both blocks, less the kept k/v and mask
+        assert predicted > 1_000_000
 
 
 def test_eager_attention_keeps_the_score_matrices_that_sdpa_does_not():

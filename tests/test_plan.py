@@ -87,16 +87,25 @@ def test_fit_is_the_estimate_s_peak():
 def test_selective_shares_the_estimate_of_no_checkpointing_only_under_fused_attention():
     """The planner shares estimates between a choice and its memory twin (plan.Planner.memory_twin):
     that is sound only if the two full estimates are equal. Under eager attention selective
-    checkpointing drops the s x s softmax output, so there they must differ."""
+    checkpointing drops the s x s softmax output, and under autocast (the torch engine's 16-bit
+    runs) it keeps fp32 inputs wider than the kernel's casts: there they must differ."""
+    twins = 0
     for model, training in _grid():
         if training.checkpointing != Checkpointing.SELECTIVE:
             continue
         none = training.model_copy(update={"checkpointing": Checkpointing.NONE})
-        assert memory_checkpointing(training) == Checkpointing.NONE
-        assert estimate(model, training) == estimate(model, none), (model.name, training)
+        autocast = training.engine == Engine.TORCH and training.precision != "fp32"
+        assert memory_checkpointing(training) == (Checkpointing.SELECTIVE if autocast else Checkpointing.NONE)
+        if autocast:  # rotary models keep fp32 q and k; not shared (GPT-2's learned positions would be equal)
+            if model.position_embedding == "rotary":
+                assert estimate(model, training) != estimate(model, none), (model.name, training)
+        else:
+            twins += 1
+            assert estimate(model, training) == estimate(model, none), (model.name, training)
         eager = training.model_copy(update={"attention": Attention.EAGER})
         assert memory_checkpointing(eager) == Checkpointing.SELECTIVE
         assert estimate(model, eager) != estimate(model, none.model_copy(update={"attention": Attention.EAGER}))
+    assert twins > 10
 
 
 @pytest.mark.parametrize("attention", [Attention.FUSED, Attention.EAGER])

@@ -120,18 +120,24 @@ def test_grid_covers_the_issue():
     assert setups == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)}
     assert {(r.engine, r.stage) for r in rows if r.offload} == {("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 2), ("deepspeed", 3)}
     assert {r.world for r in rows if r.simulate and r.model == "llama-1b"} == {8, 64}
+    # selective checkpointing under both kernels, with and without autocast; eager without checkpointing
+    assert {(r.attention, r.engine == "torch" and r.precision == "bf16") for r in rows if r.checkpointing == "selective"} == {
+        ("fused", True), ("fused", False), ("eager", True), ("eager", False)}
+    assert any(r.attention == "eager" and r.checkpointing == "none" for r in rows)
     # every pair of precision, checkpointing and batch occurs for each main set-up (the L4 array)
     for engine, stage in setups:
         main = [r for r in rows if (r.engine, r.stage) == (engine, stage) and r.model.startswith("tiny")
-                and not (r.offload or r.small_buckets or r.simulate)]
+                and not (r.offload or r.small_buckets or r.simulate) and r.checkpointing != "selective"
+                and r.attention == "fused"]
         for a, b in (("precision", "checkpointing"), ("precision", "seq_len"), ("checkpointing", "seq_len")):
             assert len({(getattr(r, a), getattr(r, b)) for r in main}) == 4, (engine, stage, a, b)
         assert {r.model for r in main} == {"tiny-llama", "tiny-gpt2"}
 
 
 def test_select_rows_by_glob_substring_quick_and_offload():
-    assert [r.id for r in v.select_rows(v.GRID, "tiny-llama/torch-0/*")] == [
-        "tiny-llama/torch-0/fp32/nockpt/2x128/w2", "tiny-llama/torch-0/bf16/ckpt/2x128/w2"]
+    assert [r.id for r in v.select_rows(v.GRID, "tiny-llama/torch-0/*/w2")] == [
+        "tiny-llama/torch-0/fp32/nockpt/2x128/w2", "tiny-llama/torch-0/bf16/ckpt/2x128/w2",
+        "tiny-llama/torch-0/bf16/selective/2x128/w2"]
     assert all("fake64" in r.id for r in v.select_rows(v.GRID, "fake64"))
     quick = v.select_rows(v.GRID, quick=True)
     assert {(r.engine, r.stage) for r in quick} == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 2)}
@@ -161,7 +167,7 @@ def _record(row: v.Row, peak_mib: float = 10.0) -> dict:
 
 
 def test_run_rows_measures_only_what_the_mode_asks(monkeypatch):
-    rows = v.select_rows(v.GRID, "tiny-llama/torch-0/*")
+    rows = v.select_rows(v.GRID, "tiny-llama/torch-0/*/nockpt/*,tiny-llama/torch-0/*/ckpt/*")
     measured = []
     monkeypatch.setattr(v, "measure_row", lambda row, options: measured.append(row.id) or _record(row))
     stale = _record(rows[1]) | {"fingerprint": "0"}

@@ -82,6 +82,7 @@ class Row:
     precision: str = "fp32"
     offload: bool = False  # fsdp2: CPUOffloadPolicy; deepspeed: offload_optimizer cpu
     checkpointing: str = "none"
+    attention: str = "fused"  # fused (SDPA) or eager
     micro_batch: int = 2
     seq_len: int = 128
     world: int = 2
@@ -94,7 +95,8 @@ class Row:
         setup = f"{self.engine}-{self.stage}" + ("+offload" if self.offload else "") + ("+smallbkt" if self.small_buckets else "")
         ckpt = "ckpt" if self.checkpointing == "full" else "nockpt" if self.checkpointing == "none" else self.checkpointing
         world = f"fake{self.world}" if self.simulate else f"w{self.world}"
-        return "/".join((self.model, setup, self.precision, ckpt, f"{self.micro_batch}x{self.seq_len}", world))
+        parts = (self.model, setup, self.precision, ckpt, f"{self.micro_batch}x{self.seq_len}", world)
+        return "/".join(parts + (("eager",) if self.attention == "eager" else ()))
 
     @property
     def needs_cpu_adam(self) -> bool:
@@ -106,7 +108,7 @@ class Row:
         fields: dict[str, Any] = {
             "engine": self.engine, "zero_stage": self.stage, "gpus": self.world, "precision": self.precision,
             "micro_batch": self.micro_batch, "seq_len": self.seq_len, "checkpointing": self.checkpointing,
-            "device": "cuda" if backend == "nccl" and not self.simulate else "cpu",
+            "attention": self.attention, "device": "cuda" if backend == "nccl" and not self.simulate else "cpu",
         }
         if self.offload:
             fields["offload_optimizer"] = "cpu"
@@ -162,6 +164,28 @@ def _grid() -> tuple[Row, ...]:
     ):
         rows.append(Row("llama-1b", "fsdp2", stage, precision, checkpointing=ckpt, world=world, simulate=True))
     rows.append(Row("tiny-llama", "fsdp2", 3, "fp32", world=8, simulate=True, quick=True))
+    # Selective checkpointing (the attention core recomputed) and eager attention, on both tiny
+    # models: fused and eager, with and without autocast (the torch engine's bf16), GQA (tiny-llama)
+    # and fused q/k/v (tiny-gpt2).
+    for model, engine, stage, precision, ckpt, attention, (mb, seq) in (
+        ("tiny-llama", "torch", 0, "bf16", "selective", "eager", (2, 128)),
+        ("tiny-llama", "torch", 0, "bf16", "selective", "fused", (2, 128)),
+        ("tiny-llama", "fsdp2", 2, "bf16", "selective", "fused", (4, 256)),
+        ("tiny-llama", "deepspeed", 2, "bf16", "selective", "eager", (2, 128)),
+        ("tiny-gpt2", "fsdp2", 3, "fp32", "selective", "eager", (4, 256)),
+        ("tiny-gpt2", "torch", 1, "fp32", "none", "eager", (4, 256)),
+        # long sequences, where eager attention's backward (s x s gradients) is the block's peak
+        ("tiny-llama", "fsdp2", 3, "fp32", "none", "eager", (1, 1024)),
+        ("tiny-llama", "fsdp2", 2, "bf16", "selective", "eager", (1, 1024)),
+        ("tiny-llama", "fsdp2", 3, "fp32", "full", "eager", (1, 1024)),
+        ("tiny-llama", "torch", 1, "bf16", "none", "eager", (1, 1024)),
+        ("tiny-gpt2", "torch", 0, "bf16", "selective", "eager", (4, 256)),
+    ):
+        quick = (model, engine, ckpt, seq) == ("tiny-llama", "fsdp2", "selective", 1024)  # the CI slice's eager row
+        rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, attention=attention, micro_batch=mb, seq_len=seq,
+                        quick=quick))
+    rows.append(Row("tiny-llama", "deepspeed", 3, "fp32", checkpointing="selective", attention="eager", micro_batch=1,
+                    seq_len=1024, small_buckets=True))
     return tuple(rows)
 
 
@@ -710,8 +734,13 @@ GPT-2-like, tied embeddings):
   small buckets): two rows each (fp32 without checkpointing at 2x128, bf16 with it at 2x128);
 - llama-100m (~100M parameters): one row per main set-up at 2x128;
 - llama-1b (~1.1B parameters) with FSDP2 stages 2 and 3 on 8 and 64 simulated ranks (fake backend);
+- attention and selective checkpointing: twelve rows with selective checkpointing (the attention
+  core recomputed) or eager attention (`/eager` in the id; every other row runs fused SDPA):
+  fused and eager, with and without autocast (the torch engine's bf16), on both models, six of
+  them at 1x1024 or 4x256 tokens, where eager attention's backward is a block's peak;
 - the CI slice (`--quick`, tests/test_accuracy_slice.py): the first row of torch 0, torch 1, fsdp2 2,
-  fsdp2 3 and deepspeed 2 with small buckets, and tiny-llama fsdp2 3 on 8 simulated ranks.
+  fsdp2 3 and deepspeed 2 with small buckets, tiny-llama fsdp2 3 on 8 simulated ranks, and
+  tiny-llama fsdp2 2 with selective checkpointing of eager attention at 1x1024.
 
 Rows marked `+offload` with deepspeed need DeepSpeed's `cpu_adam` JIT build (about a minute and
 2 GB of RAM the first time); `--skip-deepspeed-offload` leaves them out.

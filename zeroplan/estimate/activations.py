@@ -57,6 +57,11 @@ class ActivationBytes:
     logits_grad: int  # nll_loss's and log_softmax's fp32 gradients, alive together
     logits_grad_cast: int  # the logits' gradient cast to the compute dtype for lm_head (16-bit only)
     num_blocks: int
+    # The backward of eager attention's core (`_attention_backward_per_token`; zero for fused
+    # kernels): the block's saved tensors still alive then, and what backward has allocated
+    # (recomputed tensors and gradients in flight).
+    attention_backward_saved: int = 0
+    attention_backward_temporary: int = 0
 
     @property
     def blocks_saved(self) -> int:
@@ -99,15 +104,36 @@ class ActivationBytes:
 
     def block_backward_peak(self, blocks_left: int) -> int:
         """Inside the backward of a block when `blocks_left` blocks (itself included) still hold
-        their saved tensors: the final norm and the loss are gone by then."""
+        their saved tensors: the final norm and the loss are gone by then. The larger of two
+        moments, the MLP's backward and the attention core's (`attention_peaks`); both are
+        affine in `blocks_left` with the same slope, so the same one wins in every block."""
         return self.block_backward_saved(blocks_left) + self.block_backward_temporary
 
+    @property
+    def attention_peaks(self) -> bool:
+        """Does a block's backward peak in its attention core (eager attention's s x s gradients)
+        rather than in its MLP?"""
+        if not self.attention_backward_temporary:
+            return False
+        mlp = self.block_mlp_peak(1) - self.embedding
+        return self.attention_backward_saved + self.attention_backward_temporary > mlp
+
     def block_backward_saved(self, blocks_left: int) -> int:
-        """The part of `block_backward_peak` allocated in forward (saved tensors): the MLP's
-        product, freed by down_proj's backward, is gone from the block in progress (unless it
-        was recomputed)."""
+        """The part of `block_backward_peak` allocated in forward (saved tensors)."""
+        if self.attention_peaks and blocks_left:
+            return self.embedding + (blocks_left - 1) * self.saved_per_block + self.attention_backward_saved
+        return self.blocks_left_saved(blocks_left)
+
+    def blocks_left_saved(self, blocks_left: int) -> int:
+        """Saved tensors at the MLP's backward in the block in progress, `blocks_left` blocks (it
+        included) still holding theirs: the MLP's product, freed by down_proj's backward, is gone
+        from the block in progress (unless it was recomputed)."""
         freed = self.block_backward_freed if not self.recompute_block and blocks_left else 0
         return self.embedding + blocks_left * self.saved_per_block - freed
+
+    def block_mlp_peak(self, blocks_left: int) -> int:
+        """The MLP's moment of a block's backward (`block_backward_peak` when the MLP peaks)."""
+        return self.blocks_left_saved(blocks_left) + self._mlp_temporary
 
     @property
     def block_input_grad(self) -> int:
@@ -118,6 +144,10 @@ class ActivationBytes:
     def block_backward_temporary(self) -> int:
         """The part of `block_backward_peak` allocated in backward: the recomputed block and the
         gradients in flight (`zeroplan measure` counts what backward allocates as temporaries)."""
+        return self.attention_backward_temporary if self.attention_peaks else self._mlp_temporary
+
+    @property
+    def _mlp_temporary(self) -> int:
         freed = self.block_backward_freed if self.recompute_block else 0
         return self.recompute_block - freed + self.block_backward_transient
 
@@ -166,22 +196,81 @@ def _attention_saved_per_token(spec: TransformerSpec, attention: Attention, chec
     kv_width = spec.kv_heads * spec.dim_per_head
     act = w.comp
     out = act * q_width  # attention output, read by o_proj
+    # The fused kernel's fp32 log-sum-exp per head. Under selective checkpointing the recomputation
+    # rebuilds it, but it stays counted: at most 4 bytes per head per token and block (0.04% of
+    # llama-2-7b's block), conservative, and it keeps selective under fused attention equal to
+    # no checkpointing without autocast (`memory_checkpointing`).
+    lse = FP32_BYTES * spec.num_heads if attention == Attention.FUSED else 0
+    if checkpointing == Checkpointing.SELECTIVE:
+        # The core runs under checkpoint: its inputs stay alive for the recomputation (q, and k
+        # and v before repeat_kv), nothing it saves does (measured on tiny-llama, eager, fp32:
+        # 2,302 bytes per token and block fewer than without checkpointing, of which 256 go to
+        # the mask the checkpoints keep: `_eager_mask_bytes`). Under autocast the
+        # rotary embedding's cos and sin are in the fp32 residual dtype, so q and k after it are
+        # fp32 (type promotion) until the core casts them (measured: torch engine, bf16, +4% of
+        # the activations over the 16-bit casts the kernel saves without checkpointing).
+        qk = w.resid if (w.autocast and spec.position_embedding == "rotary") else act
+        return qk * (q_width + kv_width) + act * kv_width + out + lse
     if attention == Attention.FUSED:
         # q and k after rotary (or GPT-2's c_attn output), v; under autocast the casts SDPA saves.
-        qkv = act * (q_width + 2 * kv_width)
-        lse = FP32_BYTES * spec.num_heads
-        return qkv + out + lse
+        return act * (q_width + 2 * kv_width) + out + lse
     # eager: k and v repeated to num_heads, the softmax output per query row (s keys each).
     # Llama's eager_attention_forward takes it in fp32 (softmax(..., dtype=float32)) and keeps its
     # cast back for the matmul with v; GPT-2's takes it in the scores' dtype, so only under
     # autocast (softmax is on autocast's fp32 list) is there an fp32 output and a cast.
     qkv = act * 3 * q_width
-    probs = 0
-    if checkpointing != Checkpointing.SELECTIVE:
-        upcast = w.autocast or not _softmax_in_compute_dtype(spec)
-        probs_per_element = FP32_BYTES + (act if act != FP32_BYTES else 0) if upcast else act
-        probs = probs_per_element * spec.num_heads * seq_len
+    upcast = w.autocast or not _softmax_in_compute_dtype(spec)
+    probs_per_element = FP32_BYTES + (act if act != FP32_BYTES else 0) if upcast else act
+    probs = probs_per_element * spec.num_heads * seq_len
     return qkv + out + probs
+
+
+def _attention_backward_per_token(spec: TransformerSpec, checkpointing: Checkpointing, seq_len: int, w: _Widths,
+                                  attn_reads: int) -> tuple[int, int]:
+    """(saved, allocated in backward) per token at the peak of eager attention's core backward in
+    the block in progress: the softmax's backward (torch/csrc/autograd/FunctionsManual.cpp,
+    aten _softmax_backward_data), between the backward of probs @ v and of q @ k^T.
+
+    Alive then: the softmax's incoming gradient (fp32 when the softmax upcasts, after the cast's
+    backward) and its result, computed in the softmax's dtype before its cast to the scores'
+    dtype: 2 x f x a x s (measured in bf16 too: 8 bytes per score); the gradient of the block's
+    output (residual width) and of the repeated v (q width), which waits for the softmax branch
+    (autograd runs the most recently created node first). Saved tensors still alive: the first
+    norm's, q and k as q @ k^T saved them (one storage of q, k and v for GPT-2's split c_attn),
+    and the softmax output; v's copy and the cast probabilities were freed with the backward of
+    probs @ v, the MLP's and the second norm's with theirs. Measured, tiny-llama, fp32, eager, 1 x
+    1024 tokens per rank: 33.0 MiB of temporaries (33.0 here) without checkpointing, 49.5 (49.5)
+    under selective checkpointing, where the core's tensors come back as temporaries. Fused
+    kernels keep no s x s tensor: not modelled for them."""
+    h = spec.hidden_size
+    q_width = spec.num_heads * spec.dim_per_head
+    kv_width = spec.kv_heads * spec.dim_per_head
+    c = w.comp
+    f = FP32_BYTES if (w.autocast or not _softmax_in_compute_dtype(spec)) else c
+    scores = spec.num_heads * seq_len
+    transient = 2 * f * scores + w.resid * h + c * q_width
+    norm = _norm_saved_per_token(spec, w, attn_reads)
+    fused_qkv = attn_reads == 1  # q, k and v are views of one projection's output
+    repeated = c * q_width if kv_width < q_width else 0  # repeat_kv's copy of k (Llama-family GQA)
+    saved_qk = c * 3 * q_width if fused_qkv else c * 2 * q_width
+    if checkpointing == Checkpointing.NONE:
+        return norm + saved_qk + f * scores, transient
+    if checkpointing == Checkpointing.SELECTIVE:  # the core's inputs are saved; its tensors come back
+        qk = w.resid if (w.autocast and spec.position_embedding == "rotary") else c
+        inputs = qk * (q_width + kv_width) + c * kv_width
+        return norm + inputs, repeated + f * scores + transient
+    # full: the whole block comes back; its input is still saved (`saved_per_block`, added by the caller)
+    shared = w.resid * h if (spec.norm != "rmsnorm" or w.resid == FP32_BYTES) else 0
+    return 0, norm - shared + saved_qk + f * scores + transient
+
+
+def _eager_mask_bytes(micro_batch: int, seq_len: int, w: _Widths) -> int:
+    """Eager attention reads an explicit causal mask (masking_utils `eager_mask`: batch x 1 x s x s
+    in the embeddings' dtype), built once per forward. Without checkpointing no backward needs it;
+    a checkpointed core (selective) or block (full) keeps it among its inputs until that block's
+    backward, so the first block's keeps it to the end of backward (measured: 4 MiB at 1 x 1024
+    tokens in fp32, under full checkpointing)."""
+    return micro_batch * seq_len * seq_len * w.resid
 
 
 def _softmax_in_compute_dtype(spec: TransformerSpec) -> bool:
@@ -253,12 +342,14 @@ def _block_backward_freed_per_token(spec: TransformerSpec, w: _Widths) -> int:
 
 def memory_checkpointing(training: TrainingSpec) -> Checkpointing:
     """The checkpointing mode whose activations `training`'s equal. Selective recomputation
-    (Korthikanti et al. 2022, section 4.2) drops only the attention core's s x s tensors, which a
-    fused kernel never saves (Dao et al. 2022, section 3.1; `_attention_saved_per_token`): with
-    fused attention, selective keeps exactly what no checkpointing keeps. The engine profiles see
-    checkpointing only through these activations, so the two estimates are equal (the planner
-    shares them; tests/test_plan.py checks it), while the step cost still differs."""
-    if training.checkpointing == Checkpointing.SELECTIVE and training.attention == Attention.FUSED:
+    (Korthikanti et al. 2022, section 4.2) keeps the attention core's inputs instead of what the
+    core saves: under fused attention (Dao et al. 2022, section 3.1) that is q, k and v either way
+    (`_attention_saved_per_token`, with the kernel's log-sum-exp counted in both), so selective
+    keeps exactly what no checkpointing keeps, unless autocast makes the kept inputs wider than
+    the casts the kernel saves. The engine profiles see checkpointing only through these
+    activations, so the two estimates are equal (the planner shares them; tests/test_plan.py
+    checks it), while the step cost still differs."""
+    if training.checkpointing == Checkpointing.SELECTIVE and training.attention == Attention.FUSED and not _autocast(training):
         return Checkpointing.NONE
     return training.checkpointing
 
@@ -270,9 +361,14 @@ _CACHE: dict[tuple, tuple[TransformerSpec, ActivationBytes]] = {}
 _CACHE_LIMIT = 4096
 
 
+def _autocast(training: TrainingSpec) -> bool:
+    """Does the run keep fp32 parameters and compute under torch.autocast (`_Widths`)?"""
+    return training.engine == Engine.TORCH and training.precision in (Precision.BF16, Precision.FP16)
+
+
 def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
     """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens."""
-    autocast = training.engine == Engine.TORCH and training.precision in (Precision.BF16, Precision.FP16)
+    autocast = _autocast(training)
     key = (id(spec), training.micro_batch, training.seq_len, training.checkpointing, training.attention, autocast, act_bytes)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is spec:
@@ -298,6 +394,10 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         + _mlp_saved_per_token(spec, w)
     )
     full_block = tokens * block_per_token + block_casts
+    attention_saved = attention_temporary = 0
+    if attention == Attention.EAGER:
+        saved_pt, temporary_pt = _attention_backward_per_token(spec, checkpointing, seq_len, w, attn_reads)
+        attention_saved, attention_temporary = tokens * saved_pt, tokens * temporary_pt
     recompute = 0
     if checkpointing == Checkpointing.FULL:
         # torch.utils.checkpoint keeps the block input only (Korthikanti section 5: 2sbh in 16-bit)
@@ -306,14 +406,18 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         saved_block = tokens * w.resid * h
         shared = saved_block if (spec.norm != "rmsnorm" or w.resid == FP32_BYTES) else 0
         recompute = full_block - shared
+        attention_saved += saved_block
     else:
         saved_block = full_block
-    # Kept outside the blocks: the token ids (int64, embedding's backward reads them) and the
-    # shifted labels nll_loss saves (loss_utils.ForCausalLMLoss pads and shifts them: int64).
+    # Kept outside the blocks: the token ids (int64, embedding's backward reads them), the
+    # shifted labels nll_loss saves (loss_utils.ForCausalLMLoss pads and shifts them: int64) and,
+    # under checkpointing of eager attention, the causal mask.
     # (Llama's rotary cos/sin, 2 x seq x head_dim, are shared by the batch and left out: under
     # 0.5% of the activations of the smallest catalogue model.)
     int64_bytes = 8
     embedding = 2 * tokens * int64_bytes
+    if checkpointing != Checkpointing.NONE and attention == Attention.EAGER:
+        embedding += _eager_mask_bytes(micro_batch, seq_len, w)
     vocab = spec.vocab_size
     logits = tokens * act_bytes * vocab
     loss_saved = tokens * FP32_BYTES * vocab
@@ -338,4 +442,6 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         logits_grad=logits_grad,
         logits_grad_cast=tokens * act_bytes * vocab if act_bytes != FP32_BYTES else 0,
         num_blocks=spec.num_layers,
+        attention_backward_saved=attention_saved,
+        attention_backward_temporary=attention_temporary,
     )

@@ -9,9 +9,13 @@ attention kernel of the training spec ("sdpa" for fused, "eager" for eager); oth
 Checkpointing (the same for both implementations):
 - full: each block's forward runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False)`,
   so a block keeps its input only and is recomputed in backward;
-- selective: the reference recomputes the attention core only (softmax(qk^T)v); for Hugging Face
-  models, whose attention core is not a separate module, the whole attention module (projections
-  and core) is recomputed, which saves q, k, v and the core and keeps the attention's input.
+- selective: the attention core only (softmax(qk^T)v, or the fused kernel) is recomputed
+  (Korthikanti et al. 2022, section 4.2), as zeroplan.estimate.activations models it: the
+  reference model checkpoints its core; a Hugging Face model's core is the function its attention
+  module calls through transformers' AttentionInterface, which runs under checkpoint here
+  (`_checkpoint_attention_core`). The core's inputs (q, k, v) stay alive for the recomputation;
+  what the core saves (eager's softmax output and repeated k/v, the fused kernel's log-sum-exp)
+  does not.
 """
 
 from __future__ import annotations
@@ -194,6 +198,40 @@ def _checkpointed(module: nn.Module) -> None:
     module.forward = checkpointed_forward
 
 
+SELECTIVE_ATTENTION = "zeroplan_selective"
+"""The AttentionInterface name of `_checkpointed_core` (a name no transformers kernel uses)."""
+
+
+def _checkpoint_attention_core(attention: nn.Module) -> None:
+    """Run the attention core of a Hugging Face attention module under non-reentrant checkpointing.
+
+    Each attention module of the supported families looks its core up by name at every forward
+    (`ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+    eager_attention_forward)`). The module gets its own copy of the config naming
+    `_checkpointed_core`, which runs the original core under `checkpoint`; the model's config,
+    which also picks the attention mask's format, is left as it is."""
+    import copy
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SELECTIVE_ATTENTION, _checkpointed_core)
+    attention.zeroplan_core_attention = attention.config._attn_implementation
+    config = copy.copy(attention.config)
+    config._attn_implementation = SELECTIVE_ATTENTION
+    attention.config = config
+
+
+def _checkpointed_core(module: nn.Module, *args, **kwargs):
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = module.zeroplan_core_attention
+    # "eager" is each model's own function, in its modeling module (it is not registered)
+    core = sys.modules[type(module).__module__].eager_attention_forward if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
+    return checkpoint(core, module, *args, use_reentrant=False, **kwargs)
+
+
 def _attention_module(block: nn.Module) -> nn.Module:
     for name in ("self_attn", "attn", "attention"):
         if isinstance(getattr(block, name, None), nn.Module):
@@ -230,7 +268,7 @@ def build_workload(
             _checkpointed(block)
     elif training.checkpointing.value == "selective" and use_hf:
         for block in blocks:
-            _checkpointed(_attention_module(block))
+            _checkpoint_attention_core(_attention_module(block))
     return Workload(CausalLM(lm, blocks, hf=use_hf), name)
 
 

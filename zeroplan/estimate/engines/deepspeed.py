@@ -205,8 +205,11 @@ def _hook_along(run: _Run, acts: ActivationBytes | None, index: int) -> int:
     `block_backward_transient`). Measured: stage 3's bucket reductions and stage 2's offload
     norms do not coincide with a block's peak (tiny-llama and tiny-gpt2, with checkpointing)."""
     along = _activation_along(run, acts, index)
-    if acts is not None and 0 < index < len(run.groups_backward) - 1:
-        return max(along - acts.block_backward_transient, 0)
+    if along and 0 < index < len(run.groups_backward) - 1:
+        # the hooks fire as the weights' gradients come: at the MLP's moment of the block, also
+        # where its attention core peaks later (eager attention)
+        left = acts.num_blocks + 1 - index
+        return max(acts.block_mlp_peak(left) + run.tied_head * run.b - acts.block_backward_transient, 0)
     return along
 
 

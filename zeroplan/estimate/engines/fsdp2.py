@@ -259,7 +259,7 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
         ))
         # The end of the block's backward, before its post-backward: every unsharded gradient of
         # the block, its saved tensors gone, the gradient of its input in flight.
-        end_acts = acts.block_backward_saved(num_blocks - j - 1) if acts else 0
+        end_acts = acts.blocks_left_saved(num_blocks - j - 1) if acts else 0
         in_flight = (acts.block_input_grad if acts else 0) + tied_grad
         points.append(dict(
             buffers=buffers,
