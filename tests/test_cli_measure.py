@@ -172,6 +172,18 @@ def test_bad_options_are_one_line_with_status_2(args, message, tmp_path):
     assert not path.exists()
 
 
+def test_a_deepspeed_json_that_disagrees_fails_before_any_rank_starts(monkeypatch, tmp_path):
+    pytest.importorskip("deepspeed")
+    import zeroplan.measure.launcher as launcher
+
+    monkeypatch.setattr(launcher, "run_measurement", lambda *a, **k: pytest.fail("a rank was started"))
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW"}}')
+    result = measure("--engine", "deepspeed", "--nproc", "2", "--config", str(config), "--grad-accum", "2")
+    assert result.exit_code == 2, result.output
+    assert result.stderr == "Error: config: gradient_accumulation_steps is 4 but the training spec says grad_accum 2\n"
+
+
 def test_a_parameter_count_model_cannot_be_measured():
     result = CliRunner().invoke(cli, ["measure", "--params", "7B", "--engine", "torch", "--nproc", "2"])
     assert result.exit_code == 2

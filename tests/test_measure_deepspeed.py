@@ -94,13 +94,13 @@ def test_user_json_must_agree_with_the_training_spec():
 
     config = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}}
     with pytest.raises(MeasureError, match="zero_optimization.stage is 3 but the training spec says zero_stage 2"):
-        user_config(config, _training(zero_stage=2), _ctx())
+        user_config(config, _training(zero_stage=2), N)
     with pytest.raises(MeasureError, match="gradient_accumulation_steps is 4 but the training spec says grad_accum 1"):
-        user_config({**config, "gradient_accumulation_steps": 4}, _training(zero_stage=3), _ctx())
+        user_config({**config, "gradient_accumulation_steps": 4}, _training(zero_stage=3), N)
     with pytest.raises(MeasureError, match="no optimizer section"):
-        user_config({"zero_optimization": {"stage": 2}}, _training(zero_stage=2), _ctx())
+        user_config({"zero_optimization": {"stage": 2}}, _training(zero_stage=2), N)
     # Hugging Face style "auto" batch sizes take the training spec's values (2 x 1 micro-batches x N ranks).
-    filled = user_config({**config, "train_batch_size": "auto"}, _training(zero_stage=3), _ctx())
+    filled = user_config({**config, "train_batch_size": "auto"}, _training(zero_stage=3), N)
     assert (filled["train_micro_batch_size_per_gpu"], filled["train_batch_size"]) == (2, 2 * N)
 
 

@@ -70,6 +70,9 @@ def command(**options: Any) -> None:
             from zeroplan.config_files.deepspeed_json import load_json
 
             engine_config = load_json(Path(options["config_file"]))
+            from zeroplan.measure.engines.deepspeed_engine import user_config
+
+            user_config(engine_config, training, nproc)  # a stage or batch that disagrees fails here, before any rank starts
 
     from zeroplan.estimate import estimate
     from zeroplan.estimate.serialize import estimate_to_dict

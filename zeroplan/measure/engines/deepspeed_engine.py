@@ -104,7 +104,7 @@ def deepspeed_config(training: TrainingSpec, ctx: RunContext) -> dict:
     return config
 
 
-def user_config(config: dict, training: TrainingSpec, ctx: RunContext) -> dict:
+def user_config(config: dict, training: TrainingSpec, world_size: int) -> dict:
     """The user's DeepSpeed JSON, with batch sizes filled in where missing or "auto" (Hugging Face
     style). A ZeRO stage, micro-batch or accumulation count that disagrees with the training spec
     is an error: the estimate beside the measurement would describe another configuration."""
@@ -112,7 +112,7 @@ def user_config(config: dict, training: TrainingSpec, ctx: RunContext) -> dict:
     defaults = {
         "train_micro_batch_size_per_gpu": training.micro_batch,
         "gradient_accumulation_steps": training.grad_accum,
-        "train_batch_size": training.micro_batch * training.grad_accum * ctx.world_size,
+        "train_batch_size": training.micro_batch * training.grad_accum * world_size,
     }
     for key, value in defaults.items():
         if merged.get(key, "auto") == "auto":
@@ -138,7 +138,7 @@ class DeepSpeedRunner:
         _prepare_environment(ctx)
         deepspeed = _import_deepspeed()
         if ctx.engine_config is not None:
-            config = user_config(ctx.engine_config, training, ctx)
+            config = user_config(ctx.engine_config, training, ctx.world_size)
         else:
             config = deepspeed_config(training, ctx)
         trainable = [p for p in model.parameters() if p.requires_grad]
