@@ -30,7 +30,7 @@ s x s terms of eager attention (fused attention already recomputes them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.architecture import param_layout
@@ -62,6 +62,14 @@ class ActivationBytes:
     # (recomputed tensors and gradients in flight).
     attention_backward_saved: int = 0
     attention_backward_temporary: int = 0
+    # Does a block's backward peak in its attention core (eager attention's s x s gradients)
+    # rather than in its MLP? Derived in __post_init__ (read at every moment of every profile).
+    attention_peaks: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        mlp = self.block_mlp_peak(1) - self.embedding
+        peaks = bool(self.attention_backward_temporary) and self.attention_backward_saved + self.attention_backward_temporary > mlp
+        object.__setattr__(self, "attention_peaks", peaks)
 
     @property
     def blocks_saved(self) -> int:
@@ -108,15 +116,6 @@ class ActivationBytes:
         moments, the MLP's backward and the attention core's (`attention_peaks`); both are
         affine in `blocks_left` with the same slope, so the same one wins in every block."""
         return self.block_backward_saved(blocks_left) + self.block_backward_temporary
-
-    @property
-    def attention_peaks(self) -> bool:
-        """Does a block's backward peak in its attention core (eager attention's s x s gradients)
-        rather than in its MLP?"""
-        if not self.attention_backward_temporary:
-            return False
-        mlp = self.block_mlp_peak(1) - self.embedding
-        return self.attention_backward_saved + self.attention_backward_temporary > mlp
 
     def block_backward_saved(self, blocks_left: int) -> int:
         """The part of `block_backward_peak` allocated in forward (saved tensors)."""
