@@ -27,8 +27,9 @@ from pydantic import ValidationError
 
 from zeroplan.cost import Assumptions, ModelFlops, StepCost, StepCostModel, model_flops, step_cost_model
 from zeroplan.errors import SpecError
-from zeroplan.estimate.activations import memory_checkpointing
 from zeroplan.estimate import Fit
+from zeroplan.estimate.activations import memory_checkpointing
+from zeroplan.estimate.facts import model_facts
 from zeroplan.estimate.result import Estimate
 from zeroplan.spec.training import Checkpointing, Offload, TrainingSpec
 
@@ -212,10 +213,9 @@ class Planner:
 
     def cost_model(self, choice: Choice) -> StepCostModel:
         if choice not in self._costs:
-            if self._flops is None:  # parameter counts, the same for every configuration: from any one seen
-                seen = next(iter(self._fits.values()), None) or next(iter(self._estimates.values()), None)
-                summary = seen.profiled.summary if isinstance(seen, Fit) else (seen or self.estimate_at(choice, 1, 1)).model
-                self._flops = model_flops(self.model, summary.params, summary.trainable_params)
+            if self._flops is None:  # parameter counts: the same for every configuration of the base
+                facts = model_facts(self.model, self.base)
+                self._flops = model_flops(self.model, facts.total_params, facts.trainable_params)
             self._costs[choice] = step_cost_model(self._flops, self.spec(choice), self.assumptions)
         return self._costs[choice]
 

@@ -12,13 +12,13 @@ from typing import NamedTuple
 
 from zeroplan.estimate.activations import activation_bytes
 from zeroplan.estimate.dtypes import state_bytes
+from zeroplan.estimate.engines.common import EngineEstimate
 from zeroplan.estimate.engines.deepspeed import estimate_deepspeed
 from zeroplan.estimate.engines.fsdp2 import estimate_fsdp2
 from zeroplan.estimate.engines.paper import estimate_paper
 from zeroplan.estimate.engines.torch_ddp import estimate_torch
 from zeroplan.estimate.facts import model_facts
 from zeroplan.estimate.overhead import overhead_bytes
-from zeroplan.estimate.engines.common import EngineEstimate
 from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, PhaseBytes
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Engine, TrainingSpec
@@ -96,12 +96,14 @@ def clear_caches() -> None:
     """Forget everything the estimator keeps between calls (model facts and layouts, activations,
     per-configuration sizes): the next estimate runs as the first of a process does. For
     benchmarks and tests; results never depend on it."""
-    from zeroplan.estimate import activations, engines, facts
+    from zeroplan.estimate import activations, dtypes, engines, facts
 
+    dtypes.state_bytes.cache_clear()
     facts._transformer_facts.cache_clear()
     facts._count_facts.cache_clear()
     activations._CACHE.clear()
     engines.common.early_gradients.cache_clear()
     engines.deepspeed._clear_caches()
     engines.fsdp2._shards.cache_clear()
+    engines.fsdp2._sizes.cache_clear()
     engines.torch_ddp._largest_local_shard.cache_clear()
