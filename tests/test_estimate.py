@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from zeroplan.catalog import resolve_model
 from zeroplan.estimate import estimate
+from zeroplan.estimate.activations import activation_bytes
 from zeroplan.estimate.engines.common import ceil_div
 from zeroplan.estimate.engines.torch_ddp import zero_redundancy_shards
 from zeroplan.estimate.result import Phase, Step
@@ -90,6 +91,28 @@ def test_eager_attention_adds_the_score_matrix():
     # the k/v expansion difference (none for GPT-2: kv heads = heads) and lse (12 x 4 bytes/token).
     expected = 12 * (12 * 1024 * 1024 * 4 - 1024 * 12 * 4)
     assert extra == expected
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "llama-2-7b"])
+def test_a_block_s_backward_moments_keep_their_defining_sums(name):
+    """ActivationBytes derives each moment's intercept once (the profiles read them per moment):
+    the fast forms must equal saved + allocated, at every number of blocks left, for both the
+    MLP's moment and eager attention's."""
+    model = resolve_model(name)
+    moments = set()
+    for checkpointing in ("none", "selective", "full"):
+        for attention in ("fused", "eager"):
+            for seq_len in (128, 1024):
+                training = TrainingSpec(checkpointing=checkpointing, attention=attention, seq_len=seq_len, micro_batch=2)
+                acts = activation_bytes(model, training, 2)
+                mlp_allocated = acts.recompute_block - (acts.block_backward_freed if acts.recompute_block else 0) + acts.block_backward_transient
+                for left in range(acts.num_blocks + 1):
+                    assert acts.block_backward_peak(left) == acts.block_backward_saved(left) + acts.block_backward_temporary
+                    assert acts.block_mlp_peak(left) == acts.blocks_left_saved(left) + mlp_allocated
+                    if left:
+                        assert acts.block_backward_peak(left) >= acts.block_mlp_peak(left)  # the larger moment
+                moments.add(acts.attention_peaks)
+    assert moments == {True, False}
 
 
 def test_zero_redundancy_optimizer_shards_cover_every_tensor_once():

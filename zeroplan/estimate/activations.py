@@ -65,11 +65,29 @@ class ActivationBytes:
     # Does a block's backward peak in its attention core (eager attention's s x s gradients)
     # rather than in its MLP? Derived in __post_init__ (read at every moment of every profile).
     attention_peaks: bool = field(init=False, default=False)
+    # Derived once (the engine profiles evaluate a block's moments thousands of times per plan):
+    # what backward allocates at each moment, and the intercepts of the two moments, affine in
+    # the blocks that still hold their saved tensors (1 or more).
+    _mlp_temporary: int = field(init=False, default=0, repr=False, compare=False)
+    _block_temporary: int = field(init=False, default=0, repr=False, compare=False)
+    _peak_intercept: int = field(init=False, default=0, repr=False, compare=False)
+    _mlp_intercept: int = field(init=False, default=0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        mlp = self.block_mlp_peak(1) - self.embedding
-        peaks = bool(self.attention_backward_temporary) and self.attention_backward_saved + self.attention_backward_temporary > mlp
-        object.__setattr__(self, "attention_peaks", peaks)
+        derived = object.__setattr__
+        # The MLP's product, freed by down_proj's backward, is gone from the block in progress
+        # (unless the block was recomputed, then it is counted among what backward allocates).
+        freed_saved = 0 if self.recompute_block else self.block_backward_freed
+        mlp_temporary = self.recompute_block - (self.block_backward_freed if self.recompute_block else 0) + self.block_backward_transient
+        mlp_intercept = self.embedding - freed_saved + mlp_temporary
+        attention_intercept = (self.embedding - self.saved_per_block + self.attention_backward_saved
+                               + self.attention_backward_temporary)
+        peaks = bool(self.attention_backward_temporary) and attention_intercept > mlp_intercept
+        derived(self, "attention_peaks", peaks)
+        derived(self, "_mlp_temporary", mlp_temporary)
+        derived(self, "_block_temporary", self.attention_backward_temporary if peaks else mlp_temporary)
+        derived(self, "_mlp_intercept", mlp_intercept)
+        derived(self, "_peak_intercept", attention_intercept if peaks else mlp_intercept)
 
     @property
     def blocks_saved(self) -> int:
@@ -114,8 +132,11 @@ class ActivationBytes:
         """Inside the backward of a block when `blocks_left` blocks (itself included) still hold
         their saved tensors: the final norm and the loss are gone by then. The larger of two
         moments, the MLP's backward and the attention core's (`attention_peaks`); both are
-        affine in `blocks_left` with the same slope, so the same one wins in every block."""
-        return self.block_backward_saved(blocks_left) + self.block_backward_temporary
+        affine in `blocks_left` with the same slope, so the same one wins in every block.
+        Equal to `block_backward_saved(blocks_left) + block_backward_temporary`."""
+        if blocks_left:
+            return self._peak_intercept + blocks_left * self.saved_per_block
+        return self.embedding + self._block_temporary
 
     def block_backward_saved(self, blocks_left: int) -> int:
         """The part of `block_backward_peak` allocated in forward (saved tensors)."""
@@ -132,7 +153,9 @@ class ActivationBytes:
 
     def block_mlp_peak(self, blocks_left: int) -> int:
         """The MLP's moment of a block's backward (`block_backward_peak` when the MLP peaks)."""
-        return self.blocks_left_saved(blocks_left) + self._mlp_temporary
+        if blocks_left:
+            return self._mlp_intercept + blocks_left * self.saved_per_block
+        return self.embedding + self._mlp_temporary
 
     @property
     def block_input_grad(self) -> int:
@@ -143,12 +166,7 @@ class ActivationBytes:
     def block_backward_temporary(self) -> int:
         """The part of `block_backward_peak` allocated in backward: the recomputed block and the
         gradients in flight (`zeroplan measure` counts what backward allocates as temporaries)."""
-        return self.attention_backward_temporary if self.attention_peaks else self._mlp_temporary
-
-    @property
-    def _mlp_temporary(self) -> int:
-        freed = self.block_backward_freed if self.recompute_block else 0
-        return self.recompute_block - freed + self.block_backward_transient
+        return self._block_temporary
 
 
 @dataclass(frozen=True)

@@ -426,44 +426,46 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     numbers = fixed.numbers
     first_index, groups, bucket_now = numbers["first_index"], numbers["groups"], numbers["bucket_now"]
     fwd = _forward_activations(acts)
+    # Backward's moments with activations are the same in both steps; each step adds its own
+    # `during` to them (the largest is the one that adds the most), so they are found once.
+    # The bucket appears at the first parameter's gradient hook, after the loss's backward.
+    points = [{"activations": _backward_start(acts)}]
+    if numbers["moving"]:
+        # Stage 2 (and stage 1 with overlap_comm, at the boundary: `process_gradients`) moves
+        # each gradient into the bucket at its hook. The rank owning the last parameters
+        # allocates its `grads_in_partition` at the first reduction; a later micro-batch
+        # fills a second one, added into the first at its end.
+        if first_index:  # modules before the first reduction: the bucket, no partition yet
+            most = max(_activation_along(run, acts, i) for i, _ in numbers["before"])
+            points.append({"activations": most, "buffers": bucket_now})
+        acts_at_first = _activation_along(run, acts, first_index) if first_index < groups else 0
+        points.append({"activations": acts_at_first, "buffers": bucket_now,
+                       "grads": 0 if run.offload_opt else numbers["owned_early"]})
+        if run.offload_opt:
+            # Offloaded, each owned gradient is copied to the host after
+            # `set_norm_for_param_grad_in_gpu` takes its norm in `get_norm_dtype()` (fp64
+            # where supported: a copy of the tensor), while the next gradient waits in .grad.
+            hook = _hook_along(run, acts, first_index) if first_index < groups else 0
+            points.append({"activations": hook, "buffers": bucket_now, "grads": run.largest * run.b,
+                           "temporaries": run.largest * NORM_BYTES})
+    else:
+        # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
+        # boundary's `reduce_gradients` walks them through the bucket (`_stage12_fixed`).
+        # At a block's backward peak, the gradients of the modules before it exist, and the
+        # block's output projection's (common.py `early_gradients`, its first gradients).
+        best: tuple[int, int] | None = None
+        for index, grads_now in numbers["grads_along"]:
+            along = _activation_along(run, acts, index)
+            if best is None or along + grads_now > best[0] + best[1]:
+                best = (along, grads_now)
+        if best is not None:
+            points.append({"activations": best[0], "buffers": bucket_now, "grads": best[1]})
+    moment = largest_point(*points)
     phases = [fixed.init]
     for step, during, settled, optimizer_step in fixed.steps:
         phases.append(phase(step, Phase.FORWARD, **_plus(during, activations=fwd)))
-        # The bucket appears at the first parameter's gradient hook, after the loss's backward.
-        # (These moments share `during`: the largest is the one that adds the most to it.)
-        points = [{"activations": _backward_start(acts)}]
-        if numbers["moving"]:
-            # Stage 2 (and stage 1 with overlap_comm, at the boundary: `process_gradients`) moves
-            # each gradient into the bucket at its hook. The rank owning the last parameters
-            # allocates its `grads_in_partition` at the first reduction; a later micro-batch
-            # fills a second one, added into the first at its end.
-            if first_index:  # modules before the first reduction: the bucket, no partition yet
-                most = max(_activation_along(run, acts, i) for i, _ in numbers["before"])
-                points.append({"activations": most, "buffers": bucket_now})
-            acts_at_first = _activation_along(run, acts, first_index) if first_index < groups else 0
-            points.append({"activations": acts_at_first, "buffers": bucket_now,
-                           "grads": 0 if run.offload_opt else numbers["owned_early"]})
-            if run.offload_opt:
-                # Offloaded, each owned gradient is copied to the host after
-                # `set_norm_for_param_grad_in_gpu` takes its norm in `get_norm_dtype()` (fp64
-                # where supported: a copy of the tensor), while the next gradient waits in .grad.
-                hook = _hook_along(run, acts, first_index) if first_index < groups else 0
-                points.append({"activations": hook, "buffers": bucket_now, "grads": run.largest * run.b,
-                               "temporaries": run.largest * NORM_BYTES})
-        else:
-            # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
-            # boundary's `reduce_gradients` walks them through the bucket (`_stage12_fixed`).
-            # At a block's backward peak, the gradients of the modules before it exist, and the
-            # block's output projection's (common.py `early_gradients`, its first gradients).
-            best: tuple[int, int] | None = None
-            for index, grads_now in numbers["grads_along"]:
-                along = _activation_along(run, acts, index)
-                if best is None or along + grads_now > best[0] + best[1]:
-                    best = (along, grads_now)
-            if best is not None:
-                points.append({"activations": best[0], "buffers": bucket_now, "grads": best[1]})
         # the moments without activations come after these in backward: they win only if larger
-        peak = _plus(during, **largest_point(*points))
+        peak = _plus(during, **moment)
         if settled is not None and point_total(settled) > point_total(peak):
             peak = settled
         phases.append(phase(step, Phase.BACKWARD, **peak))
@@ -684,6 +686,13 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
     fixed = _derived(run.layout, ("stage 3", run.key), partial(_stage3_fixed, run, facts))
     walk, b = fixed.numbers["walk"], run.b
     fwd = _forward_activations(acts)
+    # The trace is complete from the second micro-batch of the first step on: the steady step's
+    # moments, also the first step's when it accumulates.
+    head = walk.gathered_at_head * b
+    warm = (largest_point({"buffers": head + walk.prefetch * b, "activations": _activations_before_head(acts)},
+                          {"buffers": head, "activations": fwd}),
+            _backward_extra(run, acts, {"buffers": head, "activations": _backward_start(acts)}, walk.warm,
+                            walk.warm_reductions))
     phases = [fixed.init]
     for step, base, _, optimizer_step in fixed.steps:
         if step == Step.FIRST and run.training.grad_accum == 1:  # no trace yet
@@ -695,12 +704,7 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
             forward = largest_point({"activations": fwd}, {"buffers": walk.largest_leaf})
             extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions)
         else:
-            # The trace is complete (from the second micro-batch of the first step on).
-            head = walk.gathered_at_head * b
-            forward = largest_point({"buffers": head + walk.prefetch * b, "activations": _activations_before_head(acts)},
-                               {"buffers": head, "activations": fwd})
-            extra = _backward_extra(run, acts, {"buffers": head, "activations": _backward_start(acts)}, walk.warm,
-                                    walk.warm_reductions)
+            forward, extra = warm
         # (the moments of a phase share `base`: the largest is the one that adds the most)
         phases.append(phase(step, Phase.FORWARD, **_plus(base, **forward)))
         phases.append(phase(step, Phase.BACKWARD, **_plus(base, **extra)))
