@@ -206,3 +206,13 @@ def test_eight_bit_adam_states_follow_bitsandbytes_layout():
     assert adamw.peak_of(Step.STEADY).categories.optimizer_states == 2 * 4 * 2048 * 1000
     step = next(p for p in eight.phases if (p.step, p.phase) == (Step.STEADY, Phase.OPTIMIZER_STEP))
     assert step.categories.optimizer_states == 2 * (2048 * 1000 + 4 * 1000)
+
+
+def test_fsdp2_says_when_dim0_padding_inflates_the_shards():
+    """Mixtral's expert tensors have 8 rows on dim 0: on 64 ranks FSDP2 pads them to 64 rows, so
+    each rank holds 1/8 of them (about 7.8x an even share of the model, as the estimate counts)."""
+    mixtral = estimate(resolve_model("mixtral-8x7b"), TrainingSpec(engine="fsdp2", zero_stage=3, gpus=64))
+    assert any("padded to a multiple of 64 ranks" in note and "as few as 8 rows" in note for note in mixtral.notes)
+    assert mixtral.peak.categories.params > 7 * 46_702_792_704 * 4 // 64  # fp32 shards, 7.8x the even share
+    llama = estimate(resolve_model("llama-2-7b"), TrainingSpec(engine="fsdp2", zero_stage=3, gpus=64))
+    assert not any("padded" in note for note in llama.notes)

@@ -106,4 +106,5 @@ def clear_caches() -> None:
     engines.deepspeed._clear_caches()
     engines.fsdp2._shards.cache_clear()
     engines.fsdp2._sizes.cache_clear()
+    engines.fsdp2._padding_note.cache_clear()
     engines.torch_ddp._largest_local_shard.cache_clear()

@@ -171,11 +171,30 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
                             optimizer_states=z.states, temporaries=z.temporaries))
     host = 0
     notes = []
+    padding = _padding_note(facts, training.gpus)
+    if padding:
+        notes.append(padding)
     if z.offloaded:
         host = z.host_bytes * training.node_gpus
         if training.device == Device.CPU:
             notes.append(f"CPU run: the {z.host_bytes:,} offloaded bytes per rank share the one memory; on GPUs they sit on the host")
     return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if training.device == Device.CPU else host), tuple(notes))
+
+
+@lru_cache(maxsize=1024)
+def _padding_note(facts: ModelFacts, n: int) -> str | None:
+    """A warning when dim-0 padding (`_padded_shard`) makes the shards much larger than an even
+    split: tensors with fewer rows than ranks, e.g. Mixtral's expert tensors (8 experts on dim 0)
+    on 64 ranks, where each rank holds 1/8 of every expert tensor and gathers 8x its size."""
+    padded = _shards(facts, n)[2]
+    even = ceil_div(facts.total_params, n)
+    if padded <= 1.25 * even:
+        return None
+    rows = min((t.rows for g in facts.groups for t in g.tensors), default=0)
+    return (f"FSDP2 shards each tensor on dim 0, padded to a multiple of {n} ranks: with tensors of as few as {rows} rows "
+            f"each rank holds {padded / even:.1f}x an even share ({padded:,} elements instead of {even:,}), and gathers "
+            f"as much more; shard those tensors on another dim (fully_shard's shard_placement_fn) or use fewer ranks per "
+            f"FSDP group")
 
 
 def _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathered, h2d_copy) -> dict[str, int]:
