@@ -21,6 +21,9 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from zeroplan.catalog import resolve_model
 from zeroplan.estimate import estimate
 from zeroplan.estimate.engines import deepspeed
@@ -172,3 +175,22 @@ def _write() -> None:
 
 if __name__ == "__main__":
     _write()
+
+
+@settings(max_examples=300, deadline=None)
+@given(numels=st.lists(st.integers(1, 50), min_size=2, max_size=30), ranks=st.integers(1, 12))
+def test_owned_elements_by_bisection_equal_the_definition(numels, ranks):
+    """`_owned_elements` finds each rank's tensors by bisection; the definition (stage_1_and_2.py
+    `copy_grads_in_partition`) is the sum of the whole tensors meeting the rank's slice of the
+    flat group, padded to 2 x ranks (the last rank's slice runs to the end)."""
+    alignment = 2 * ranks
+    partition = -(-sum(numels) // alignment) * alignment // ranks
+    expected = [0] * ranks
+    start = 0
+    for numel in numels:
+        for rank in range(ranks):
+            low, high = rank * partition, (rank + 1) * partition if rank < ranks - 1 else float("inf")
+            if start < high and start + numel > low:
+                expected[rank] += numel
+        start += numel
+    assert deepspeed._owned_elements(tuple(numels), partition, ranks) == tuple(expected)

@@ -22,9 +22,11 @@ holds the result to a golden file and to the slow path that evaluates every grou
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 from zeroplan.estimate.activations import ActivationBytes
@@ -335,19 +337,21 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
 
 def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> tuple[int, ...]:
     """Each rank's `grads_in_partition` elements: stage_1_and_2.py `copy_grads_in_partition`
-    sizes it as the sum of the whole tensors that intersect the rank's [r·P, (r+1)·P) slice."""
+    sizes it as the sum of the whole tensors that intersect the rank's [r·P, (r+1)·P) slice (the
+    last rank's slice holds the padding, so it runs to the end)."""
     if len(numels) <= 1:
         # A model given by a parameter count has no tensor boundaries: partitions are exact, as
         # in DeepSpeed's own estimate_zero2_model_states_mem_needs.
         return (partition,) * n
-    owned = [0] * n
-    start = 0
-    for numel in numels:
-        end = start + numel
-        first, last = min(start // partition, n - 1), min((end - 1) // partition, n - 1)
-        for rank in range(first, last + 1):
-            owned[rank] += numel
-        start = end
+    # Prefix sums over the flat order: the tensors meeting a slice are a run, found by bisection
+    # (two per rank, not a pass over every tensor: the planner asks for every GPU count).
+    prefix = [0, *accumulate(numels)]
+    starts, ends = prefix[:-1], prefix[1:]
+    owned = []
+    for rank in range(n):
+        first = bisect_right(ends, rank * partition)  # the first tensor ending inside or after the slice
+        after = bisect_left(starts, (rank + 1) * partition) if rank < n - 1 else len(numels)
+        owned.append(prefix[after] - prefix[first] if after > first else 0)
     return tuple(owned)
 
 
@@ -589,9 +593,15 @@ def _stage12_fixed(run: _Run) -> _Fixed:
 # -- stage 3 --------------------------------------------------------------------------------------
 
 
+def _per_group(gathered_backward: tuple[tuple[int, ...], ...], size: Callable[[tuple[int, ...]], int]) -> list[int]:
+    """`size(group)` for each module group, computed once per distinct group (the blocks repeat)."""
+    sizes: dict[tuple[int, ...], int] = {}
+    return [sizes[grp] if grp in sizes else sizes.setdefault(grp, size(grp)) for grp in gathered_backward]
+
+
 def _leaf_gathered(gathered_backward: tuple[tuple[int, ...], ...], n: int) -> tuple[int, ...]:
     """The largest tensor of each module group, padded to a multiple of N (gathered alone)."""
-    return tuple(max((ceil_div(x, n) * n for x in grp), default=0) for grp in gathered_backward)
+    return tuple(_per_group(gathered_backward, lambda grp: max((ceil_div(x, n) * n for x in grp), default=0)))
 
 
 def _stage3_sizes(facts: ModelFacts, n: int, threshold: int) -> tuple[int, int, int, int]:
@@ -847,8 +857,7 @@ def _steady_gathering(gathered_backward: tuple[tuple[int, ...], ...], n: int, th
     fewer than `stage3_max_live_parameters` are gathered. `step` releases everything
     (`_partition_all_parameters`).
     """
-    groups = [[ceil_div(x, n) * n for x in grp if x > threshold] for grp in gathered_backward]
-    sizes = [sum(g) for g in groups]
+    sizes = _per_group(gathered_backward, lambda grp: sum(ceil_div(x, n) * n for x in grp if x > threshold))
     total = sum(sizes)
     # forward order is the reverse of backward order; `after` = elements after a group in forward
     kept_forward, kept_backward = [], []
