@@ -160,6 +160,7 @@ class Planner:
         self._fits: dict[tuple[Choice, int, int], Fit | Estimate] = {}
         self._costs: dict[Choice, StepCostModel] = {}
         self._twins: dict[Choice, Choice] = {}
+        self._memory_modes: dict[Checkpointing, Checkpointing] = {}
         self._flops: ModelFlops | None = None
         # The base's fields, with its knob models as objects: validation keeps a model instance
         # as it is, so every spec shares them (the estimator's caches find equal knobs by identity).
@@ -171,19 +172,24 @@ class Planner:
         return self._estimate(self.model, training)
 
     def spec(self, choice: Choice) -> TrainingSpec | str:
-        """The validated TrainingSpec of `choice`, or why the combination is invalid. The
-        checkpointing modes of one choice differ in an enum field no validator reads: one is
-        validated, the others are copies of it."""
+        """The validated TrainingSpec of `choice`, or why the combination is invalid."""
         found = self._specs.get(choice)
         if found is None:
-            first = self._validated.get(key := choice._replace(checkpointing=Checkpointing.NONE))
-            if first is None:
-                first = self._validated[key] = self._validate(choice)
+            first = self._checked(choice)
             if isinstance(first, str) or first.checkpointing == choice.checkpointing:
                 found = first
             else:
                 found = first.model_copy(update={"checkpointing": choice.checkpointing})
             self._specs[choice] = found
+        return found
+
+    def _checked(self, choice: Choice) -> TrainingSpec | str:
+        """`choice` validated without its checkpointing mode (an enum field no validator reads, so
+        one validation serves every mode), or why the combination is invalid."""
+        key = choice if choice.checkpointing == Checkpointing.NONE else choice._replace(checkpointing=Checkpointing.NONE)
+        found = self._validated.get(key)
+        if found is None:
+            found = self._validated[key] = self._validate(key)
         return found
 
     def _validate(self, choice: Choice) -> TrainingSpec | str:
@@ -205,11 +211,13 @@ class Planner:
             return f"{offloads.label()} on {choice.gpus} GPUs skipped: {message}"
 
     def training(self, choice: Choice, micro_batch: int, grad_accum: int) -> TrainingSpec:
-        spec = self.spec(choice)
-        if isinstance(spec, str):
-            raise SpecError(spec)
-        # micro_batch and grad_accum are validated (>= 1) by construction here; copying skips re-validation.
-        return spec.model_copy(update={"micro_batch": micro_batch, "grad_accum": grad_accum})
+        checked = self._checked(choice)
+        if isinstance(checked, str):
+            raise SpecError(checked)
+        # The checkpointing mode no validator reads, micro_batch and grad_accum validated (>= 1)
+        # by construction here: copying skips re-validation.
+        return checked.model_copy(update={"checkpointing": choice.checkpointing, "micro_batch": micro_batch,
+                                          "grad_accum": grad_accum})
 
     def cost_model(self, choice: Choice) -> StepCostModel:
         if choice not in self._costs:
@@ -225,8 +233,11 @@ class Planner:
         what no checkpointing keeps). Only the step cost tells the two apart."""
         twin = self._twins.get(choice)
         if twin is None:
-            spec = self.spec(choice)
-            checkpointing = choice.checkpointing if isinstance(spec, str) else memory_checkpointing(spec)
+            # it depends on the attention kernel, engine and precision: the base's, in every choice
+            modes = self._memory_modes
+            if choice.checkpointing not in modes:
+                modes[choice.checkpointing] = memory_checkpointing(self.base.model_copy(update={"checkpointing": choice.checkpointing}))
+            checkpointing = modes[choice.checkpointing]
             twin = self._twins[choice] = choice if checkpointing == choice.checkpointing else choice._replace(checkpointing=checkpointing)
         return twin
 
@@ -338,7 +349,7 @@ class Planner:
                 for opt, params in offloads:
                     for checkpointing in space.checkpointing:
                         choice = Choice(stage, opt, params, checkpointing, gpus)
-                        spec = self.spec(choice)
+                        spec = self._checked(choice)
                         if isinstance(spec, str):
                             if spec not in notes:
                                 notes.append(spec)
