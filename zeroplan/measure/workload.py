@@ -216,7 +216,8 @@ def _checkpoint_attention_core(attention: nn.Module) -> None:
 
     AttentionInterface.register(SELECTIVE_ATTENTION, _checkpointed_core)
     attention.zeroplan_core_attention = attention.config._attn_implementation
-    config = copy.copy(attention.config)
+    # a deep copy: the setter also renames the implementation of any sub-config it shares
+    config = copy.deepcopy(attention.config)
     config._attn_implementation = SELECTIVE_ATTENTION
     attention.config = config
 
