@@ -3,7 +3,9 @@
 tests/data/deepspeed_golden.json pins the accuracy-checked profile of commit 23c250b
 (zeroplan/estimate/engines/deepspeed.py; the rest of the estimator as of 8273398; checked against DeepSpeed 0.19.8 measurements in
 tests/test_accuracy_deepspeed.py), generated before the profile was optimised: every phase, every
-category and the per-node bytes of a broad grid of configurations, byte for byte.
+category and the per-node bytes of a broad grid of configurations, byte for byte. Regenerated
+once since, when activations.py began counting the rotary embedding's cos and sin (the profile's
+later speed work was checked against the file before that).
 
 The golden file also depends on activations.py, common.py and facts.py. If one of them changes an
 estimate on purpose, check the change against tests/test_accuracy_deepspeed.py and regenerate:

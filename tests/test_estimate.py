@@ -67,7 +67,7 @@ def test_peak_is_the_largest_phase_and_categories_sum_to_it(name):
     assert sum(result.peak.categories.as_dict().values()) == result.peak_bytes
 
 
-def test_activations_grow_linearly_with_micro_batch_and_full_checkpointing_cuts_them():
+def test_activations_grow_with_micro_batch_and_full_checkpointing_cuts_them():
     model = resolve_model("llama-2-7b")
     base = dict(engine="deepspeed", zero_stage=3, gpus=8, seq_len=4096)
 
@@ -76,7 +76,8 @@ def test_activations_grow_linearly_with_micro_batch_and_full_checkpointing_cuts_
         return next(p for p in phases if (p.step, p.phase) == (Step.STEADY, Phase.FORWARD)).categories.activations
 
     one, two = forward_activations(micro_batch=1), forward_activations(micro_batch=2)
-    assert two == 2 * one
+    # per sequence, plus the rotary cos and sin the batch shares (2 x seq x head_dim, bf16)
+    assert 2 * one - two == 2 * 4096 * 128 * 2
     # Korthikanti et al. 2022 section 5: full recomputation keeps 2sbh per layer (16-bit); here
     # what remains is dominated by the logits (vocab 32000 > 32 layers x hidden 4096 / 6).
     assert forward_activations(checkpointing="full") < one / 5

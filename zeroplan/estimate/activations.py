@@ -427,12 +427,17 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
     else:
         saved_block = full_block
     # Kept outside the blocks: the token ids (int64, embedding's backward reads them), the
-    # shifted labels nll_loss saves (loss_utils.ForCausalLMLoss pads and shifts them: int64) and,
-    # under checkpointing of eager attention, the causal mask.
-    # (Llama's rotary cos/sin, 2 x seq x head_dim, are shared by the batch and left out: under
-    # 0.5% of the activations of the smallest catalogue model.)
+    # shifted labels nll_loss saves (loss_utils.ForCausalLMLoss pads and shifts them: int64), the
+    # rotary embedding's cos and sin and, under checkpointing of eager attention, the causal mask.
     int64_bytes = 8
     embedding = 2 * tokens * int64_bytes
+    if spec.position_embedding == "rotary":
+        # LlamaRotaryEmbedding.forward: cos and sin of 1 x seq x head_dim, cast to the embeddings'
+        # dtype, shared by the batch and every block; each block's rotary multiply saves them
+        # (checkpointed blocks keep them as inputs) until the first block's backward. Measured:
+        # the -0.6% left in tiny-llama's activations at 2 x 128 tokens before they were counted.
+        # Partial rotary (GPT-NeoX, Phi-3) rotates fewer dimensions: counted at full head width.
+        embedding += 2 * seq_len * spec.dim_per_head * w.resid
     if checkpointing != Checkpointing.NONE and attention == Attention.EAGER:
         embedding += _eager_mask_bytes(micro_batch, seq_len, w)
     vocab = spec.vocab_size
