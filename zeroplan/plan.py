@@ -298,9 +298,9 @@ class Planner:
         hint (neighbouring choices often share their answer, settling it in two estimates), then
         the convexity of g(m) = peak(m) - budget in the micro-batch m, since every phase of an
         engine profile is the largest of a few points whose bytes are affine in m (activations
-        and logits are tokens x constants, plus what the batch shares). For a convex g the line through the last two fitting
-        probes meets zero at or after the last fitting m, and the chord between a fitting and a
-        failing probe meets zero at or before it. Both properties are checked against full
+        and logits are tokens x constants, plus what the batch shares). For a convex g the line
+        through the last two fitting probes meets zero at or after the last fitting m, and the
+        chord between a fitting and a failing probe meets zero at or before it. Both properties are checked against full
         estimates in tests/test_plan.py; if convexity failed, only the number of probes would grow.
         """
         budget = limits.budget_bytes
