@@ -459,9 +459,10 @@ def plan(
     if space.global_batch is not None and all(space.global_batch % gpus for gpus in space.gpu_counts):
         counts = ", ".join(str(g) for g in space.gpu_counts)
         raise SpecError(f"--global-batch: {space.global_batch} is not divisible by the GPU count ({counts})")
-    planner = planner or Planner(model, base, assumptions, estimator)
     with _cyclic_gc_paused():
-        return _plan(planner, model, space, limits, assumptions, top)
+        # A planner made here is dropped (reference counting) before the collector resumes, which
+        # then has only the plan's few objects to look at, not every cached estimate.
+        return _plan(planner or Planner(model, base, assumptions, estimator), model, space, limits, assumptions, top)
 
 
 @contextmanager
