@@ -300,10 +300,12 @@ class Planner:
         engine profile is the largest of a few points whose bytes are affine in m (activations
         and logits are tokens x constants, plus what the batch shares). For a convex g the line
         through the last two fitting probes meets zero at or after the last fitting m, and the
-        chord between a fitting and a failing probe meets zero at or before it. Both properties are checked against full
-        estimates in tests/test_plan.py; if convexity failed, only the number of probes would grow.
-        """
+        chord between a fitting and a failing probe meets zero at or before it. Both properties
+        are checked against full estimates in tests/test_plan.py; if convexity failed, only the
+        number of probes would grow."""
         budget = limits.budget_bytes
+        if len(pairs) == 1:  # e.g. a global batch without accumulation: one micro-batch, one probe
+            return int(self.fit_at(choice, *pairs[0]).peak_bytes <= budget)
         micros = [micro for micro, _ in pairs]
         excess: dict[int, int] = {}
 
@@ -395,12 +397,14 @@ class Planner:
                 evaluated += len(group)
                 same = (choice.zero_stage, choice.offload_optimizer, choice.offload_params, choice.checkpointing, accumulating)
                 near, last = (choice.gpus, accumulating, choice.checkpointing), (choice.gpus, accumulating)
-                twin = self.memory_twin(choice)
-                hint = hints.get((twin, accumulating)) if twin != choice else None  # its answer, from shared estimates
-                if hint is None:
-                    hint = hints.get(same, hints.get(near, hints.get(last)))
-                if hint is not None:
-                    hint = bisect_right(micros, hint)
+                hint = None
+                if len(group) > 1:
+                    twin = self.memory_twin(choice)
+                    hint = hints.get((twin, accumulating)) if twin != choice else None  # its answer, from shared estimates
+                    if hint is None:
+                        hint = hints.get(same, hints.get(near, hints.get(last)))
+                    if hint is not None:
+                        hint = bisect_right(micros, hint)
                 count = self.fitting_prefix(choice, group, limits, hint)
                 hints[same] = hints[near] = hints[last] = hints[(choice, accumulating)] = group[count - 1][0] if count else 0
                 if count and seconds_per_token is None:
