@@ -155,7 +155,7 @@ class Planner:
         self._fit = fitter
         self.estimate_calls = 0  # estimates and fits
         self._specs: dict[Choice, TrainingSpec | str] = {}
-        self._validated: dict[Choice, TrainingSpec | str] = {}  # by choice without checkpointing
+        self._validated: dict[Choice, TrainingSpec | str] = {}  # validated without checkpointing, by choice
         self._estimates: dict[tuple[Choice, int, int], Estimate] = {}
         self._fits: dict[tuple[Choice, int, int], Fit | Estimate] = {}
         self._costs: dict[Choice, StepCostModel] = {}
@@ -186,10 +186,13 @@ class Planner:
     def _checked(self, choice: Choice) -> TrainingSpec | str:
         """`choice` validated without its checkpointing mode (an enum field no validator reads, so
         one validation serves every mode), or why the combination is invalid."""
-        key = choice if choice.checkpointing == Checkpointing.NONE else choice._replace(checkpointing=Checkpointing.NONE)
-        found = self._validated.get(key)
+        found = self._validated.get(choice)
         if found is None:
-            found = self._validated[key] = self._validate(key)
+            key = choice._replace(checkpointing=Checkpointing.NONE)
+            found = self._validated.get(key)
+            if found is None:
+                found = self._validated[key] = self._validate(key)
+            self._validated[choice] = found
         return found
 
     def _validate(self, choice: Choice) -> TrainingSpec | str:

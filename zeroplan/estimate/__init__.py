@@ -17,14 +17,15 @@ from zeroplan.estimate.engines.deepspeed import estimate_deepspeed
 from zeroplan.estimate.engines.fsdp2 import estimate_fsdp2
 from zeroplan.estimate.engines.paper import estimate_paper
 from zeroplan.estimate.engines.torch_ddp import estimate_torch
-from zeroplan.estimate.facts import model_facts
+from zeroplan.estimate.facts import ModelFacts, model_facts
 from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, PhaseBytes
 from zeroplan.spec.model import ModelSpec, TransformerSpec
-from zeroplan.spec.training import Engine, TrainingSpec
+from zeroplan.spec.training import Attention, Engine, TrainingSpec
 
 IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, trained without dropout
 _PROFILES = {Engine.DEEPSPEED: estimate_deepspeed, Engine.FSDP2: estimate_fsdp2, Engine.TORCH: estimate_torch}
+_IMPLEMENTATIONS = {attention: f"{IMPLEMENTATION}/{attention.value}" for attention in Attention}
 
 
 def _with_overhead(phases: tuple[PhaseBytes, ...], overhead: int) -> tuple[PhaseBytes, ...]:
@@ -34,7 +35,8 @@ def _with_overhead(phases: tuple[PhaseBytes, ...], overhead: int) -> tuple[Phase
 
 
 class _Profiled(NamedTuple):
-    summary: ModelSummary
+    facts: ModelFacts
+    implementation: str  # which model implementation the activation terms describe
     result: EngineEstimate
     overhead: int  # added to every phase of the result
     notes: tuple[str, ...]
@@ -47,7 +49,7 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     notes: tuple[str, ...] = ()
     if isinstance(model, TransformerSpec):
         acts = activation_bytes(model, training, dtypes.activation)
-        implementation = f"{IMPLEMENTATION}/{training.attention.value}"
+        implementation = _IMPLEMENTATIONS[training.attention]
     else:
         implementation = "parameter count only"
         notes = ("model given by parameter count: activations are not estimated",)
@@ -55,13 +57,14 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
         result, overhead = estimate_paper(facts, training, dtypes), 0
     else:
         result, overhead = _PROFILES[training.engine](facts, training, acts), overhead_bytes(training)
-    summary = ModelSummary(facts.name, facts.total_params, facts.trainable_params, implementation)
-    return _Profiled(summary, result, overhead, notes + result.notes)
+    return _Profiled(facts, implementation, result, overhead, notes + result.notes if result.notes else notes)
 
 
 def _estimate_of(profiled: _Profiled, engine: Engine) -> Estimate:
+    facts = profiled.facts
+    summary = ModelSummary(facts.name, facts.total_params, facts.trainable_params, profiled.implementation)
     phases = _with_overhead(profiled.result.phases, profiled.overhead)
-    return Estimate(profiled.summary, engine.value, phases, profiled.result.per_node, profiled.notes)
+    return Estimate(summary, engine.value, phases, profiled.result.per_node, profiled.notes)
 
 
 def estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
@@ -99,6 +102,7 @@ def clear_caches() -> None:
     from zeroplan.estimate import activations, dtypes, engines, facts
 
     dtypes.state_bytes.cache_clear()
+    facts._BY_ID.clear()
     facts._transformer_facts.cache_clear()
     facts._count_facts.cache_clear()
     activations._CACHE.clear()

@@ -80,7 +80,19 @@ def _count_facts(spec: ParamCountSpec) -> ModelFacts:
     return _facts(spec.name, groups, trainable)
 
 
+# Facts by the spec's identity and the frozen groups: the lru caches below hash a pydantic spec
+# field by field, which the planner would pay at every evaluation. An entry holds its spec, so
+# that id cannot be reused while the entry exists.
+_BY_ID: dict[tuple[int, tuple[str, ...]], tuple[TransformerSpec | ParamCountSpec, ModelFacts]] = {}
+
+
 def model_facts(spec: TransformerSpec | ParamCountSpec, training: TrainingSpec) -> ModelFacts:
-    if isinstance(spec, TransformerSpec):
-        return _transformer_facts(spec, tuple(sorted(training.freeze)))
-    return _count_facts(spec)
+    freeze = tuple(sorted(training.freeze)) if training.freeze else ()
+    hit = _BY_ID.get((id(spec), freeze))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    facts = _transformer_facts(spec, freeze) if isinstance(spec, TransformerSpec) else _count_facts(spec)
+    if len(_BY_ID) >= 256:
+        _BY_ID.clear()
+    _BY_ID[(id(spec), freeze)] = (spec, facts)
+    return facts

@@ -73,6 +73,7 @@ class _Layout:
     gathered_backward: tuple[tuple[int, ...], ...]  # all tensors (frozen too) per group, backward order
     tied_head: int  # elements of a tied head's gradient, held by autograd until the embedding's backward
     first_block: int  # elements of a block's first gradients in backward (common.py `early_gradients`)
+    largest: int  # the largest trainable tensor
     # Sizes derived from this layout and a few integers (ranks, bucket sizes, knobs): `_derived`.
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -114,6 +115,7 @@ _DERIVED_LIMIT = 4096
 def _clear_caches() -> None:
     """Forget every cached layout and derived size (tests compare the fast path with the slow one)."""
     _LAYOUTS.clear()
+    _KNOB_VALUES.clear()
 
 
 def _layout(facts: ModelFacts) -> _Layout:
@@ -131,7 +133,7 @@ def _layout(facts: ModelFacts) -> _Layout:
         backward.extend([() if g.frozen else tensors] * g.count)
         gathered.extend([tensors] * g.count)
     _, tied, first_block = early_gradients(facts)
-    layout = _Layout(numels, tuple(backward), tuple(gathered), tied, first_block)
+    layout = _Layout(numels, tuple(backward), tuple(gathered), tied, first_block, max(numels, default=0))
     if len(_LAYOUTS) >= _CACHE_LIMIT:
         _LAYOUTS.clear()
     _LAYOUTS[id(facts)] = (facts, layout)
@@ -161,20 +163,32 @@ def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
     # updates in place.
     adamish = training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW)
     rate = 2 * FP32_BYTES if (adamish and training.device == Device.CPU and not offload_opt) else 0
-    numels = layout.numels
-    largest = _derived(layout, ("largest",), lambda: max(numels, default=0))
     return _Run(
         n=training.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, layout=layout,
-        numels=numels, groups_backward=layout.groups_backward, gathered_backward=layout.gathered_backward,
-        largest=largest, tied_head=layout.tied_head, adam_temporary_rate=rate,
+        numels=layout.numels, groups_backward=layout.groups_backward, gathered_backward=layout.gathered_backward,
+        largest=layout.largest, tied_head=layout.tied_head, adam_temporary_rate=rate,
         cpu_run=training.device == Device.CPU, offload_opt=offload_opt,
         offload_par=training.offload_params != Offload.NONE, training=training, facts=facts,
         key=(training.zero_stage, training.gpus, training.precision, training.optimizer, training.offload_optimizer,
-             training.offload_params, training.device, training.grad_accum > 1,
-             # the knobs' values, not the model: equal knobs in another object then hit the
-             # caches without pydantic's field-by-field __eq__
-             tuple(training.deepspeed.__dict__.values())),
+             training.offload_params, training.device, training.grad_accum > 1, _knob_values(training.deepspeed)),
     )
+
+
+# The knobs' values by the identity of their (frozen) model: keys built from the values let equal
+# knobs in another object hit the caches without pydantic's field-by-field __eq__, and the
+# planner's specs share one knobs object, so the tuple is built once. An entry holds its object.
+_KNOB_VALUES: dict[int, tuple[Any, tuple]] = {}
+
+
+def _knob_values(knobs: Any) -> tuple:
+    hit = _KNOB_VALUES.get(id(knobs))
+    if hit is not None and hit[0] is knobs:
+        return hit[1]
+    if len(_KNOB_VALUES) >= _CACHE_LIMIT:
+        _KNOB_VALUES.clear()
+    values = tuple(knobs.__dict__.values())
+    _KNOB_VALUES[id(knobs)] = (knobs, values)
+    return values
 
 
 def _states(run: _Run, numel: int) -> int:
