@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zeroplan.catalog import resolve_model
-from zeroplan.estimate import estimate
+from zeroplan.estimate import clear_caches, estimate
 from zeroplan.estimate.engines import deepspeed
 from zeroplan.spec.model import ParamCountSpec
 from zeroplan.spec.training import TrainingSpec
@@ -138,12 +138,12 @@ def test_fast_path_matches_every_entry_kept(monkeypatch):
     slow reference path) gives the same estimates, whatever the activations module says."""
     points = grid()[::3]
     fast = [record(m, f) for m, f in points]
-    deepspeed._clear_caches()
+    clear_caches()
     monkeypatch.setattr(deepspeed, "_contenders", lambda entries, last: tuple(entries))
     try:
         slow = [record(m, f) for m, f in points]
     finally:
-        deepspeed._clear_caches()
+        clear_caches()
     assert slow == fast
 
 
@@ -154,7 +154,7 @@ def test_cached_parts_follow_the_configuration():
     points = grid()[1::5]
     cold = []
     for model, fields in points:
-        deepspeed._clear_caches()
+        clear_caches()
         cold.append(record(model, fields))
     for model, fields in points:
         record(model, dict(fields, grad_accum=2, micro_batch=fields["micro_batch"] + 1))

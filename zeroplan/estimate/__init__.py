@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from zeroplan.estimate import caches
 from zeroplan.estimate.activations import activation_bytes
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate
@@ -99,16 +100,4 @@ def clear_caches() -> None:
     """Forget everything the estimator keeps between calls (model facts and layouts, activations,
     per-configuration sizes): the next estimate runs as the first of a process does. For
     benchmarks and tests; results never depend on it."""
-    from zeroplan.estimate import activations, dtypes, engines, facts
-
-    dtypes.state_bytes.cache_clear()
-    facts._BY_ID.clear()
-    facts._transformer_facts.cache_clear()
-    facts._count_facts.cache_clear()
-    activations._CACHE.clear()
-    engines.common.early_gradients.cache_clear()
-    engines.deepspeed._clear_caches()
-    engines.fsdp2._shards.cache_clear()
-    engines.fsdp2._sizes.cache_clear()
-    engines.fsdp2._padding_note.cache_clear()
-    engines.torch_ddp._largest_local_shard.cache_clear()
+    caches.clear_all()

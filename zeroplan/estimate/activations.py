@@ -32,8 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zeroplan.spec.model import TransformerSpec
 from zeroplan.architecture import param_layout
+from zeroplan.estimate.caches import MISSING, IdentityCache
+from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Attention, Checkpointing, Engine, Precision, TrainingSpec
 
 FP32_BYTES = 4
@@ -373,9 +374,8 @@ def memory_checkpointing(training: TrainingSpec) -> Checkpointing:
 
 # Activations by the spec's identity (hashing a pydantic spec walks all its fields) and the
 # training fields they depend on: the planner asks for the same ones for every stage, offload and
-# GPU count. An entry holds its spec, so that id cannot be reused while the entry exists.
-_CACHE: dict[tuple, tuple[TransformerSpec, ActivationBytes]] = {}
-_CACHE_LIMIT = 4096
+# GPU count.
+_BY_IDENTITY = IdentityCache(4096)
 
 
 def _autocast(training: TrainingSpec) -> bool:
@@ -386,14 +386,10 @@ def _autocast(training: TrainingSpec) -> bool:
 def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
     """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens."""
     autocast = _autocast(training)
-    key = (id(spec), training.micro_batch, training.seq_len, training.checkpointing, training.attention, autocast, act_bytes)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    if len(_CACHE) >= _CACHE_LIMIT:
-        _CACHE.clear()
-    acts = _activation_bytes(spec, *key[1:])
-    _CACHE[key] = (spec, acts)
+    fields = (training.micro_batch, training.seq_len, training.checkpointing, training.attention, autocast, act_bytes)
+    acts = _BY_IDENTITY.get(spec, fields)
+    if acts is MISSING:
+        acts = _BY_IDENTITY.put(spec, fields, _activation_bytes(spec, *fields))
     return acts
 
 

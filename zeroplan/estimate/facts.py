@@ -10,9 +10,9 @@ A `ParamCountSpec` (count only) becomes layers of `largest_layer_params` and has
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from zeroplan.architecture import ParamTensor, param_layout
+from zeroplan.estimate.caches import MISSING, IdentityCache, memo
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
 
@@ -56,7 +56,7 @@ def _facts(name: str, groups: tuple[ModuleGroup, ...], trainable: int | None = N
     return ModelFacts(name, total, trainable, groups, largest_group, largest_tensor)
 
 
-@lru_cache(maxsize=256)
+@memo(maxsize=256)
 def _transformer_facts(spec: TransformerSpec, freeze: tuple[str, ...]) -> ModelFacts:
     layout = param_layout(spec)
     groups = (
@@ -67,7 +67,7 @@ def _transformer_facts(spec: TransformerSpec, freeze: tuple[str, ...]) -> ModelF
     return _facts(spec.name, groups)
 
 
-@lru_cache(maxsize=256)
+@memo(maxsize=256)
 def _count_facts(spec: ParamCountSpec) -> ModelFacts:
     # Without a layout, split the count into layers of `largest_layer_params` (DeepSpeed's
     # estimate_zero3_model_states_mem_needs takes the same two numbers).
@@ -80,19 +80,15 @@ def _count_facts(spec: ParamCountSpec) -> ModelFacts:
     return _facts(spec.name, groups, trainable)
 
 
-# Facts by the spec's identity and the frozen groups: the lru caches below hash a pydantic spec
-# field by field, which the planner would pay at every evaluation. An entry holds its spec, so
-# that id cannot be reused while the entry exists.
-_BY_ID: dict[tuple[int, tuple[str, ...]], tuple[TransformerSpec | ParamCountSpec, ModelFacts]] = {}
+# Facts by the spec's identity and the frozen groups: the memos above hash a pydantic spec field
+# by field, which the planner would pay at every evaluation.
+_BY_IDENTITY = IdentityCache(256)
 
 
 def model_facts(spec: TransformerSpec | ParamCountSpec, training: TrainingSpec) -> ModelFacts:
     freeze = tuple(sorted(training.freeze)) if training.freeze else ()
-    hit = _BY_ID.get((id(spec), freeze))
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    facts = _transformer_facts(spec, freeze) if isinstance(spec, TransformerSpec) else _count_facts(spec)
-    if len(_BY_ID) >= 256:
-        _BY_ID.clear()
-    _BY_ID[(id(spec), freeze)] = (spec, facts)
+    facts = _BY_IDENTITY.get(spec, freeze)
+    if facts is MISSING:
+        facts = _transformer_facts(spec, freeze) if isinstance(spec, TransformerSpec) else _count_facts(spec)
+        _BY_IDENTITY.put(spec, freeze, facts)
     return facts

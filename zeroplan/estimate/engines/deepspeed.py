@@ -30,6 +30,7 @@ from itertools import accumulate
 from typing import Any, NamedTuple
 
 from zeroplan.estimate.activations import ActivationBytes
+from zeroplan.estimate.caches import MISSING, IdentityCache
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
@@ -103,25 +104,16 @@ class _Run(NamedTuple):
     key: tuple
 
 
-# Layouts by the identity of their ModelFacts. The planner asks for one model thousands of times
-# and facts.py returns the same ModelFacts object each time; hashing it walks every tensor (about
-# 4 µs, more than the rest of a stage-0 estimate), looking it up by id does not. An entry holds
-# its ModelFacts, so that id cannot be reused by another object while the entry exists.
-_LAYOUTS: dict[int, tuple[ModelFacts, _Layout]] = {}
-_CACHE_LIMIT = 256  # models; each layout's `derived` holds at most _DERIVED_LIMIT entries
+# Layouts by the identity of their ModelFacts (facts.py returns the same object for a model), at
+# most 256 models; each layout's `derived` holds at most _DERIVED_LIMIT entries.
+_LAYOUTS = IdentityCache(256)
 _DERIVED_LIMIT = 4096
 
 
-def _clear_caches() -> None:
-    """Forget every cached layout and derived size (tests compare the fast path with the slow one)."""
-    _LAYOUTS.clear()
-    _KNOB_VALUES.clear()
-
-
 def _layout(facts: ModelFacts) -> _Layout:
-    hit = _LAYOUTS.get(id(facts))
-    if hit is not None and hit[0] is facts:
-        return hit[1]
+    layout = _LAYOUTS.get(facts)
+    if layout is not MISSING:
+        return layout
     # parameter order (model.parameters()): each copy of a block in turn
     numels = tuple(t.numel for g in facts.groups if not g.frozen for _ in range(g.count) for t in g.tensors)
     # Module groups in backward order (the head first); a frozen group has no gradients but
@@ -133,11 +125,7 @@ def _layout(facts: ModelFacts) -> _Layout:
         backward.extend([() if g.frozen else tensors] * g.count)
         gathered.extend([tensors] * g.count)
     _, tied, first_block = early_gradients(facts)
-    layout = _Layout(numels, tuple(backward), tuple(gathered), tied, first_block, max(numels, default=0))
-    if len(_LAYOUTS) >= _CACHE_LIMIT:
-        _LAYOUTS.clear()
-    _LAYOUTS[id(facts)] = (facts, layout)
-    return layout
+    return _LAYOUTS.put(facts, (), _Layout(numels, tuple(backward), tuple(gathered), tied, first_block, max(numels, default=0)))
 
 
 def _derived(layout: _Layout, key: tuple, compute: Callable[[], Any]) -> Any:
@@ -176,18 +164,14 @@ def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
 
 # The knobs' values by the identity of their (frozen) model: keys built from the values let equal
 # knobs in another object hit the caches without pydantic's field-by-field __eq__, and the
-# planner's specs share one knobs object, so the tuple is built once. An entry holds its object.
-_KNOB_VALUES: dict[int, tuple[Any, tuple]] = {}
+# planner's specs share one knobs object, so the tuple is built once.
+_KNOB_VALUES = IdentityCache(256)
 
 
 def _knob_values(knobs: Any) -> tuple:
-    hit = _KNOB_VALUES.get(id(knobs))
-    if hit is not None and hit[0] is knobs:
-        return hit[1]
-    if len(_KNOB_VALUES) >= _CACHE_LIMIT:
-        _KNOB_VALUES.clear()
-    values = tuple(knobs.__dict__.values())
-    _KNOB_VALUES[id(knobs)] = (knobs, values)
+    values = _KNOB_VALUES.get(knobs)
+    if values is MISSING:
+        values = _KNOB_VALUES.put(knobs, (), tuple(knobs.__dict__.values()))
     return values
 
 

@@ -25,10 +25,10 @@ until the root's post-backward at the very end.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple
 
 from zeroplan.estimate.activations import ActivationBytes
+from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
@@ -47,7 +47,7 @@ def _padded_shard(numel: int, rows: int, world: int) -> int:
     return ceil_div(rows, world) * (numel // rows)
 
 
-@lru_cache(maxsize=4096)
+@memo(maxsize=4096)
 def _shards(facts: ModelFacts, n: int) -> tuple[int, int, int, int, int, int, int]:
     """Per-rank padded elements: root unit, largest block, all, trainable, largest trainable
     tensor, one block's trainable, the root's trainable."""
@@ -96,7 +96,7 @@ class _Sizes(NamedTuple):
     host_bytes: int  # per rank, offloaded to the host
 
 
-@lru_cache(maxsize=4096)
+@memo(maxsize=4096)
 def _sizes(facts: ModelFacts, n: int, precision: Precision, offload: Offload, device: Device, zero_stage: int,
            accumulating: bool, reshard_root: bool | None, optimizer: Optimizer) -> _Sizes:
     storage = HALF_BYTES if precision == Precision.PURE_BF16 else FP32_BYTES
@@ -181,7 +181,7 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
     return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if training.device == Device.CPU else host), tuple(notes))
 
 
-@lru_cache(maxsize=1024)
+@memo(maxsize=1024)
 def _padding_note(facts: ModelFacts, n: int) -> str | None:
     """A warning when dim-0 padding (`_padded_shard`) makes the shards much larger than an even
     split: tensors with fewer rows than ranks, e.g. Mixtral's expert tensors (8 experts on dim 0)

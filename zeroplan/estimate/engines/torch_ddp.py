@@ -17,9 +17,9 @@
 from __future__ import annotations
 
 import heapq
-from functools import lru_cache
 
 from zeroplan.estimate.activations import ActivationBytes
+from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
@@ -44,7 +44,7 @@ def zero_redundancy_shards(numels: list[int], world_size: int) -> list[list[int]
     return shards
 
 
-@lru_cache(maxsize=1024)
+@memo(maxsize=1024)
 def _largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[int, ...]:
     """The trainable tensors of the rank with the most elements (all of them without sharding)."""
     numels = facts.trainable_numels() or [facts.trainable_params]
