@@ -76,11 +76,9 @@ class ActivationBytes:
 
     def __post_init__(self) -> None:
         derived = object.__setattr__
-        # The MLP's product, freed by down_proj's backward, is gone from the block in progress
-        # (unless the block was recomputed, then it is counted among what backward allocates).
-        freed_saved = 0 if self.recompute_block else self.block_backward_freed
+        # A recomputed block's MLP product is counted among what backward allocates, not saved.
         mlp_temporary = self.recompute_block - (self.block_backward_freed if self.recompute_block else 0) + self.block_backward_transient
-        mlp_intercept = self.embedding - freed_saved + mlp_temporary
+        mlp_intercept = self.blocks_left_saved(1) - self.saved_per_block + mlp_temporary
         attention_intercept = (self.embedding - self.saved_per_block + self.attention_backward_saved
                                + self.attention_backward_temporary)
         peaks = bool(self.attention_backward_temporary) and attention_intercept > mlp_intercept
@@ -223,12 +221,8 @@ def _attention_saved_per_token(spec: TransformerSpec, attention: Attention, chec
         # The core runs under checkpoint: its inputs stay alive for the recomputation (q, and k
         # and v before repeat_kv), nothing it saves does (measured on tiny-llama, eager, fp32:
         # 2,302 bytes per token and block fewer than without checkpointing, of which 256 go to
-        # the mask the checkpoints keep: `_eager_mask_bytes`). Under autocast the
-        # rotary embedding's cos and sin are in the fp32 residual dtype, so q and k after it are
-        # fp32 (type promotion) until the core casts them (measured: torch engine, bf16, +4% of
-        # the activations over the 16-bit casts the kernel saves without checkpointing).
-        qk = w.resid if (w.autocast and spec.position_embedding == "rotary") else act
-        return qk * (q_width + kv_width) + act * kv_width + out + lse
+        # the mask the checkpoints keep: `_eager_mask_bytes`).
+        return _core_inputs_per_token(spec, w) + out + lse
     if attention == Attention.FUSED:
         # q and k after rotary (or GPT-2's c_attn output), v; under autocast the casts SDPA saves.
         return act * (q_width + 2 * kv_width) + out + lse
@@ -237,8 +231,8 @@ def _attention_saved_per_token(spec: TransformerSpec, attention: Attention, chec
     # cast back for the matmul with v; GPT-2's takes it in the scores' dtype, so only under
     # autocast (softmax is on autocast's fp32 list) is there an fp32 output and a cast.
     qkv = act * 3 * q_width
-    upcast = w.autocast or not _softmax_in_compute_dtype(spec)
-    probs_per_element = FP32_BYTES + (act if act != FP32_BYTES else 0) if upcast else act
+    softmax = _softmax_bytes(spec, w)
+    probs_per_element = softmax + (act if act != softmax else 0)  # with the cast back, when there is one
     probs = probs_per_element * spec.num_heads * seq_len
     return qkv + out + probs
 
@@ -264,7 +258,7 @@ def _attention_backward_per_token(spec: TransformerSpec, checkpointing: Checkpoi
     q_width = spec.num_heads * spec.dim_per_head
     kv_width = spec.kv_heads * spec.dim_per_head
     c = w.comp
-    f = FP32_BYTES if (w.autocast or not _softmax_in_compute_dtype(spec)) else c
+    f = _softmax_bytes(spec, w)
     scores = spec.num_heads * seq_len
     transient = 2 * f * scores + w.resid * h + c * q_width
     norm = _norm_saved_per_token(spec, w, attn_reads)
@@ -274,11 +268,9 @@ def _attention_backward_per_token(spec: TransformerSpec, checkpointing: Checkpoi
     if checkpointing == Checkpointing.NONE:
         return norm + saved_qk + f * scores, transient
     if checkpointing == Checkpointing.SELECTIVE:  # the core's inputs are saved; its tensors come back
-        qk = w.resid if (w.autocast and spec.position_embedding == "rotary") else c
-        inputs = qk * (q_width + kv_width) + c * kv_width
-        return norm + inputs, repeated + f * scores + transient
+        return norm + _core_inputs_per_token(spec, w), repeated + f * scores + transient
     # full: the whole block comes back; its input is still saved (`saved_per_block`, added by the caller)
-    shared = w.resid * h if (spec.norm != "rmsnorm" or w.resid == FP32_BYTES) else 0
+    shared = w.resid * h if _norm_saves_block_input(spec, w) else 0
     return 0, norm - shared + saved_qk + f * scores + transient
 
 
@@ -289,6 +281,31 @@ def _eager_mask_bytes(micro_batch: int, seq_len: int, w: _Widths) -> int:
     backward, so the first block's keeps it to the end of backward (measured: 4 MiB at 1 x 1024
     tokens in fp32, under full checkpointing)."""
     return micro_batch * seq_len * seq_len * w.resid
+
+
+def _core_inputs_per_token(spec: TransformerSpec, w: _Widths) -> int:
+    """What a checkpointed attention core keeps for its recomputation: q, and k and v before
+    repeat_kv. Under autocast the rotary embedding's cos and sin are in the fp32 residual dtype,
+    so q and k after it are fp32 (type promotion) until the core casts them (measured: torch
+    engine, bf16, +4% of the activations over the 16-bit casts the kernel saves without
+    checkpointing)."""
+    q_width = spec.num_heads * spec.dim_per_head
+    kv_width = spec.kv_heads * spec.dim_per_head
+    qk = w.resid if (w.autocast and spec.position_embedding == "rotary") else w.comp
+    return qk * (q_width + kv_width) + w.comp * kv_width
+
+
+def _softmax_bytes(spec: TransformerSpec, w: _Widths) -> int:
+    """Element size of eager attention's softmax output: fp32 where it upcasts (Llama's
+    softmax(..., dtype=float32); anything under autocast, softmax being on its fp32 list), else
+    the scores' dtype (GPT-2)."""
+    return FP32_BYTES if (w.autocast or not _softmax_in_compute_dtype(spec)) else w.comp
+
+
+def _norm_saves_block_input(spec: TransformerSpec, w: _Widths) -> bool:
+    """Does a block's first norm save the block's input tensor itself (LayerNorm; RMSNorm on an
+    fp32 input, whose .float() is a no-op), so that full checkpointing's kept input is that one?"""
+    return spec.norm != "rmsnorm" or w.resid == FP32_BYTES
 
 
 def _softmax_in_compute_dtype(spec: TransformerSpec) -> bool:
@@ -417,7 +434,7 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         # and rebuilds the block's saved tensors in its backward, except the input when the first
         # norm saves that very tensor (LayerNorm; RMSNorm on an fp32 input, whose .float() is a no-op).
         saved_block = tokens * w.resid * h
-        shared = saved_block if (spec.norm != "rmsnorm" or w.resid == FP32_BYTES) else 0
+        shared = saved_block if _norm_saves_block_input(spec, w) else 0
         recompute = full_block - shared
         attention_saved += saved_block
     else:
