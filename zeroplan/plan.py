@@ -154,7 +154,6 @@ class Planner:
         self._estimate = estimator
         self._fit = fitter
         self.estimate_calls = 0  # estimates and fits
-        self._specs: dict[Choice, TrainingSpec | str] = {}
         self._validated: dict[Choice, TrainingSpec | str] = {}  # validated without checkpointing, by choice
         self._estimates: dict[tuple[Choice, int, int], Estimate] = {}
         self._fits: dict[tuple[Choice, int, int], Fit | Estimate] = {}
@@ -170,18 +169,6 @@ class Planner:
     def estimate(self, training: TrainingSpec) -> Estimate:
         self.estimate_calls += 1
         return self._estimate(self.model, training)
-
-    def spec(self, choice: Choice) -> TrainingSpec | str:
-        """The validated TrainingSpec of `choice`, or why the combination is invalid."""
-        found = self._specs.get(choice)
-        if found is None:
-            first = self._checked(choice)
-            if isinstance(first, str) or first.checkpointing == choice.checkpointing:
-                found = first
-            else:
-                found = first.model_copy(update={"checkpointing": choice.checkpointing})
-            self._specs[choice] = found
-        return found
 
     def _checked(self, choice: Choice) -> TrainingSpec | str:
         """`choice` validated without its checkpointing mode (an enum field no validator reads, so
@@ -227,7 +214,9 @@ class Planner:
             if self._flops is None:  # parameter counts: the same for every configuration of the base
                 facts = model_facts(self.model, self.base)
                 self._flops = model_flops(self.model, facts.total_params, facts.trainable_params)
-            self._costs[choice] = step_cost_model(self._flops, self.spec(choice), self.assumptions)
+            # (the cost model reads neither the micro-batch nor the accumulation)
+            spec = self.training(choice, self.base.micro_batch, self.base.grad_accum)
+            self._costs[choice] = step_cost_model(self._flops, spec, self.assumptions)
         return self._costs[choice]
 
     def memory_twin(self, choice: Choice) -> Choice:
