@@ -1,0 +1,117 @@
+"""Before/after check of a restructuring: a fixed set of commands whose output must not change.
+
+Runs each command as a fresh `python -m zeroplan` process in this checkout and writes its exit
+status, standard output and standard error (and any file it emits) to one JSON document, so that
+two checkouts can be compared:
+
+    python bench/output_check.py --write /tmp/before.json       # on the old commit
+    python bench/output_check.py --against /tmp/before.json     # on the new one: exit 1 on a change
+
+The set: `estimate` of every catalogue model in table and JSON (and an offload and a --params
+run), `compare`, `plan` with `--emit deepspeed` and `--emit fsdp`, `models`, a few bad inputs, and
+`validate --measure none` (re-estimates every accuracy row against the committed measurements,
+written to a temporary directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def catalogue_models() -> list[str]:
+    return sorted(p.stem for p in (REPO / "model_specs").glob("*.toml"))
+
+
+def commands(out_dir: str) -> list[list[str]]:
+    """The fixed set; `{out}` is replaced by a scratch directory whose files are compared too."""
+    runs = []
+    for model in catalogue_models():
+        runs.append(["estimate", model, "--gpus", "8", "--zero", "3"])
+        runs.append(["estimate", model, "--gpus", "8", "--zero", "2", "--format", "json"])
+    runs += [
+        ["estimate", "llama-2-7b", "--gpus", "16", "--zero", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu",
+         "--checkpointing", "full", "--format", "json"],
+        ["estimate", "llama-2-7b", "--engine", "fsdp2", "--zero", "3", "--gpus", "8", "--units", "GB"],
+        ["estimate", "llama-2-7b", "--engine", "torch", "--zero", "1", "--gpus", "4", "--precision", "fp32", "--format", "csv"],
+        ["estimate", "--params", "7.5e9", "--largest-layer", "1e8", "--gpus", "64", "--zero", "3", "--engine", "paper"],
+        ["estimate", "mixtral-8x7b", "--engine", "fsdp2", "--zero", "3", "--gpus", "64"],
+        ["compare", "llama-2-7b", "--zero", "0,1,2,3", "--gpus", "8", "--offload", "none,cpu", "--gpu", "a100-40gb"],
+        ["compare", "llama-3-8b", "--zero", "1,3", "--gpus", "8,64", "--engine", "fsdp2", "--format", "json"],
+        ["plan", "llama-2-7b", "--gpu", "h100-80gb", "--gpus", "8", "--emit", "deepspeed", f"{out_dir}/ds.json"],
+        ["plan", "llama-2-13b", "--gpu", "a100-40gb", "--gpus", "8", "--engine", "fsdp2", "--emit", "fsdp", f"{out_dir}/fsdp.py"],
+        ["plan", "llama-3-70b", "--gpu", "h100-80gb", "--gpus", "8-256", "--global-batch", "1024", "--format", "json"],
+        ["plan", "llama-3-70b", "--gpu", "rtx4090-24gb", "--gpus", "1"],
+        ["models"],
+        ["estimate", "no-such-model"],
+        ["estimate", "llama-2-7b", "--gpus", "0"],
+        ["validate", "--measure", "none", "--output-md", f"{out_dir}/accuracy.md", "--output-json", f"{out_dir}/accuracy.json"],
+    ]
+    return runs
+
+
+def run_all() -> dict[str, dict]:
+    results = {}
+    with tempfile.TemporaryDirectory() as out_dir:
+        for args in commands(out_dir):
+            key = " ".join(args).replace(out_dir, "{out}")
+            done = subprocess.run([sys.executable, "-m", "zeroplan", *args], cwd=REPO, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}, check=False)
+            files = {}
+            for path in sorted(Path(out_dir).iterdir()):
+                text = path.read_text()
+                if path.name == "accuracy.json":  # the run's date and wall time are not output of the code
+                    document = json.loads(text)
+                    document.pop("generated", None)
+                    text = json.dumps(document, indent=1, sort_keys=True)
+                files[path.name] = text
+                path.unlink()
+            results[key] = {"status": done.returncode, "stdout": done.stdout.replace(out_dir, "{out}"),
+                            "stderr": done.stderr.replace(out_dir, "{out}"), "files": files}
+    return results
+
+
+def differences(before: dict, after: dict) -> list[str]:
+    lines = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if old == new:
+            continue
+        lines.append(f"changed: zeroplan {key}")
+        for part in ("status", "stdout", "stderr"):
+            if (old or {}).get(part) != (new or {}).get(part):
+                lines += difflib.unified_diff(str((old or {}).get(part)).splitlines(), str((new or {}).get(part)).splitlines(),
+                                              f"before {part}", f"after {part}", lineterm="", n=1)
+        for name in sorted(set((old or {}).get("files", {})) | set((new or {}).get("files", {}))):
+            a, b = (old or {}).get("files", {}).get(name, ""), (new or {}).get("files", {}).get(name, "")
+            if a != b:
+                lines += difflib.unified_diff(a.splitlines(), b.splitlines(), f"before {name}", f"after {name}", lineterm="", n=1)
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--write", type=Path, help="write this checkout's outputs to a JSON file")
+    group.add_argument("--against", type=Path, help="compare this checkout's outputs with a file from --write")
+    args = parser.parse_args()
+    results = run_all()
+    if args.write:
+        args.write.write_text(json.dumps(results, indent=1, sort_keys=True))
+        print(f"{len(results)} commands written to {args.write}")
+        return 0
+    diff = differences(json.loads(args.against.read_text()), results)
+    print("\n".join(diff[:400]) if diff else f"{len(results)} commands: identical output")
+    return 1 if diff else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
