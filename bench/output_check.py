@@ -19,6 +19,7 @@ import argparse
 import difflib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def run_all() -> dict[str, dict]:
                     document = json.loads(text)
                     document.pop("generated", None)
                     text = json.dumps(document, indent=1, sort_keys=True)
+                text = re.sub(r" on \d{4}-\d\d-\d\d \d\d:\d\d UTC", " on DATE", text)
                 files[path.name] = text
                 path.unlink()
             results[key] = {"status": done.returncode, "stdout": done.stdout.replace(out_dir, "{out}"),

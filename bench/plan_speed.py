@@ -32,11 +32,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from zeroplan.catalog import resolve_model
-from zeroplan.cost import assumptions_for
+from zeroplan.importers.catalog import resolve_model
+from zeroplan.plan.cost import assumptions_for
 from zeroplan.estimate import clear_caches, estimate
-from zeroplan.gpus import get_gpu
-from zeroplan.plan import Limits, Planner, SearchSpace, parse_gpu_counts, plan
+from zeroplan.importers.gpus import get_gpu
+from zeroplan.plan.search import Limits, Planner, SearchSpace, parse_gpu_counts, plan
 from zeroplan.spec.training import TrainingSpec
 
 TARGET = 100_000

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroplan.catalog import resolve_model
+from zeroplan.importers.catalog import resolve_model
 from zeroplan.estimate import estimate
 from zeroplan.estimate.result import Phase, Step
 from zeroplan.spec.model import TransformerSpec
@@ -138,7 +138,7 @@ def test_stage0_fp32_has_no_master_copy_and_states_appear_at_the_first_step():
 
 
 def _tensors(model: TransformerSpec):
-    from zeroplan.architecture import param_layout
+    from zeroplan.estimate.layout import param_layout
 
     layout = param_layout(model)
     return list(layout.embedding) + list(layout.block) * layout.num_blocks + list(layout.final)

@@ -1,4 +1,4 @@
-"""The CI slice of the accuracy grid (issue 4 §4): the `--quick` rows of `zeroplan.validate.GRID`,
+"""The CI slice of the accuracy grid (issue 4 §4): the `--quick` rows of `zeroplan.measure.validate.GRID`,
 each measured for real (2 gloo ranks, or the fake backend for 8 ranks) and held to the report's
 targets: steady-state peak within 3%, first-step peak within 5%, every category within 5% (above
 the floor). The whole grid runs by hand: `zeroplan validate` (docs/accuracy.md).
@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from zeroplan import validate as v  # noqa: E402
+from zeroplan.measure import validate as v  # noqa: E402
 from zeroplan.errors import MeasureError  # noqa: E402
 from zeroplan.estimate import estimate  # noqa: E402
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from zeroplan.architecture import param_layout
-from zeroplan.catalog import list_models, params_model, resolve_model
+from zeroplan.estimate.layout import param_layout
+from zeroplan.importers.catalog import list_models, params_model, resolve_model
 from zeroplan.errors import SpecError, UnknownModelError
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 

@@ -126,7 +126,7 @@ def test_params_makes_a_parameter_count_model(recorder):
      ("6,738,415,616", 6_738_415_616), ("7B", 7 * 10**9), ("1.5t", 1_500_000_000_000), ("125M", 125 * 10**6)],
 )
 def test_counts_are_read_exactly(text, count):
-    from zeroplan.options import parse_count
+    from zeroplan.importers.options import parse_count
 
     assert parse_count(text, "--params") == count
 
@@ -200,7 +200,7 @@ def test_gpu_memory_in_gb_can_say_it_does_not_fit(recorder):
 
 
 def test_gpu_memory_takes_a_gpu_preset_name(recorder):
-    # "80GB HBM3" on the H100 datasheet is 80 GiB of DRAM (zeroplan/gpus.py).
+    # "80GB HBM3" on the H100 datasheet is 80 GiB of DRAM (zeroplan/importers/gpus.py).
     result = run("estimate", "gpt2", "--gpu-memory", "H100-80GB", "--format", "json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["gpu_memory"] == 80 * GIB
@@ -403,7 +403,7 @@ def _imported_modules(*cli_args: str) -> tuple[subprocess.CompletedProcess, set[
 def test_models_command_imports_no_torch():
     done, modules = _imported_modules("models")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "zeroplan.catalog" in modules  # the import log is read
+    assert "zeroplan.importers.catalog" in modules  # the import log is read
     assert not {name for name in modules if name.split(".")[0] in ("torch", "transformers", "deepspeed")}
 
 

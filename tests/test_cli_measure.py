@@ -14,8 +14,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from zeroplan.architecture import param_layout
-from zeroplan.catalog import resolve_model
+from zeroplan.estimate.layout import param_layout
+from zeroplan.importers.catalog import resolve_model
 from zeroplan.cli import cli
 from worker_processes import SPAWNED, RecordingPopen, alive
 
@@ -222,7 +222,7 @@ def _phase(step: str, phase: str, **categories: int) -> dict:
 
 
 def test_the_highest_rank_is_compared_and_a_step_no_rank_reached_is_left_out():
-    from zeroplan.measure.compare import compare_measurement
+    from zeroplan.measure.comparison import compare_measurement
 
     estimate = {"phases": [_phase("first", "init", params=100, overhead=1000), _phase("first", "backward", params=100, grads=100),
                            _phase("steady", "optimizer_step", params=100, optimizer_states=200, overhead=1000)]}

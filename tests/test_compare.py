@@ -11,8 +11,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from zeroplan.catalog import resolve_model
-from zeroplan.compare import compare, render_comparison
+from zeroplan.importers.catalog import resolve_model
+from zeroplan.plan.grid import compare, render_comparison
 from zeroplan.errors import MissingDependencyError, SpecError
 from zeroplan.estimate import estimate
 from zeroplan.estimate.serialize import estimate_to_dict
@@ -132,7 +132,7 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
-    from zeroplan.plot import plot_comparison
+    from zeroplan.report.plot import plot_comparison
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     comparison = compare(resolve_model("gpt2"), TrainingSpec(), gpu_counts=(2,), stages=(0,))

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zeroplan.config_files import read_training_config, write_deepspeed_config, write_fsdp2_snippet
-from zeroplan.config_files.deepspeed_json import BF16_KEYS, FP16_KEYS, ZERO_KEYS
-from zeroplan.config_files._values import OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS
+from zeroplan.importers.training_config import read_training_config, write_deepspeed_config, write_fsdp2_snippet
+from zeroplan.importers.deepspeed_json import BF16_KEYS, FP16_KEYS, ZERO_KEYS
+from zeroplan.importers.values import OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS
 from zeroplan.errors import SpecError
 from zeroplan.spec.training import TrainingSpec
 

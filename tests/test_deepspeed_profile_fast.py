@@ -26,7 +26,7 @@ if __name__ == "__main__":  # run as a script from a checkout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroplan.catalog import resolve_model
+from zeroplan.importers.catalog import resolve_model
 from zeroplan.estimate import clear_caches, estimate
 from zeroplan.estimate.engines import deepspeed
 from zeroplan.spec.model import ParamCountSpec

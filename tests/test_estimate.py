@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeroplan.catalog import resolve_model
+from zeroplan.importers.catalog import resolve_model
 from zeroplan.estimate import estimate
 from zeroplan.estimate.activations import activation_bytes
 from zeroplan.estimate.engines.common import ceil_div

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from zeroplan.errors import SpecError
-from zeroplan.gpus import all_gpus, get_gpu, gpu_names
+from zeroplan.importers.gpus import all_gpus, get_gpu, gpu_names
 
 GIB = 2**30
 

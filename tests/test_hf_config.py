@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from zeroplan.architecture import param_layout
+from zeroplan.estimate.layout import param_layout
 from zeroplan.errors import SpecError
-from zeroplan.hf_config import SUPPORTED_MODEL_TYPES, spec_from_hf_config
+from zeroplan.importers.hf_config import SUPPORTED_MODEL_TYPES, spec_from_hf_config
 
 # Configs that leave out every key with a default, so the defaults decide the shapes. The head
 # counts fit each family's default num_key_value_heads (Mistral/Mixtral 8, Gemma 16, Qwen2 32).

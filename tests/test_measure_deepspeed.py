@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from zeroplan.architecture import param_layout
+from zeroplan.estimate.layout import param_layout
 from zeroplan.errors import MeasureError, MissingDependencyError
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import TrainingSpec

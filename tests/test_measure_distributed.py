@@ -18,8 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zeroplan.architecture import param_layout  # noqa: E402
-from zeroplan.catalog import resolve_model  # noqa: E402
+from zeroplan.estimate.layout import param_layout  # noqa: E402
+from zeroplan.importers.catalog import resolve_model  # noqa: E402
 from zeroplan.errors import MeasureError  # noqa: E402
 from zeroplan.measure import launcher  # noqa: E402
 from zeroplan.measure.worker import FAULT_ENV  # noqa: E402
@@ -276,7 +276,7 @@ def test_bad_requests_are_refused_before_any_worker_starts():
 _LAUNCH_AND_HANG = """
 import os, sys
 os.environ[{fault_env!r}] = "hang@0"
-from zeroplan.catalog import resolve_model
+from zeroplan.importers.catalog import resolve_model
 from zeroplan.measure import launcher
 from zeroplan.spec.training import TrainingSpec
 training = TrainingSpec(engine="torch", zero_stage=0, gpus=2, precision="fp32", micro_batch=2, seq_len=64, device="cpu")

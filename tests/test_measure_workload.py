@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zeroplan.architecture import param_layout  # noqa: E402
-from zeroplan.catalog import params_model, resolve_model  # noqa: E402
+from zeroplan.estimate.layout import param_layout  # noqa: E402
+from zeroplan.importers.catalog import params_model, resolve_model  # noqa: E402
 from zeroplan.errors import MeasureError  # noqa: E402
 from zeroplan.estimate.activations import activation_bytes  # noqa: E402
 from zeroplan.measure.accounting import TensorAccounting  # noqa: E402

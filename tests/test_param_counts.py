@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from zeroplan.architecture import param_layout
-from zeroplan.catalog import list_models, resolve_model
-from zeroplan.hf_config import SUPPORTED_MODEL_TYPES, spec_from_hf_config
+from zeroplan.estimate.layout import param_layout
+from zeroplan.importers.catalog import list_models, resolve_model
+from zeroplan.importers.hf_config import SUPPORTED_MODEL_TYPES, spec_from_hf_config
 
 # Exact totals as published (Hugging Face Hub safetensors metadata; GPT-2: transformers'
 # GPT2LMHeadModel.num_parameters(), the head tied to the token embedding).

@@ -10,14 +10,14 @@ from dataclasses import replace
 import pytest
 from click.testing import CliRunner
 
-from zeroplan.catalog import resolve_model
-from zeroplan.cost import assumptions_for, model_flops, step_cost_model
+from zeroplan.importers.catalog import resolve_model
+from zeroplan.plan.cost import assumptions_for, model_flops, step_cost_model
 from zeroplan.errors import SpecError
 from zeroplan.estimate import estimate, fit
 from zeroplan.estimate.activations import memory_checkpointing
-from zeroplan.gpus import get_gpu
-from zeroplan.options import training_spec_from_options
-from zeroplan.plan import Limits, Planner, SearchSpace, parse_gpu_counts, plan
+from zeroplan.importers.gpus import get_gpu
+from zeroplan.importers.options import training_spec_from_options
+from zeroplan.plan.search import Limits, Planner, SearchSpace, parse_gpu_counts, plan
 from zeroplan.spec.model import ParamCountSpec
 from zeroplan.spec.training import Attention, Checkpointing, Device, Engine, Offload, TrainingSpec
 

@@ -22,7 +22,7 @@ from zeroplan.estimate.result import (
     Step,
 )
 from zeroplan.estimate.serialize import CATEGORIES, estimate_to_dict
-from zeroplan.report import CATEGORY_LABELS, model_rows, render_estimate, render_models
+from zeroplan.report.estimate import CATEGORY_LABELS, model_rows, render_estimate, render_models
 from zeroplan.spec.training import TrainingSpec
 
 GIB = 2**30
@@ -148,7 +148,7 @@ def test_json_rendering_round_trips():
 
 
 def test_model_rows_give_the_published_parameter_counts():
-    from zeroplan.catalog import params_model, resolve_model
+    from zeroplan.importers.catalog import params_model, resolve_model
 
     rows = {row["name"]: row for row in model_rows([resolve_model("llama-2-7b"), resolve_model("gpt2"), params_model(7_500_000_000)])}
     # Published totals: Llama-2-7b-hf 6,738,415,616; GPT-2 124,439,808 (issue 2, section 2).

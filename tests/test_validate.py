@@ -8,7 +8,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from zeroplan import validate as v
+from zeroplan.measure import validate as v
 from zeroplan.cli import cli
 from zeroplan.errors import MeasureError, SpecError
 from zeroplan.estimate.result import (

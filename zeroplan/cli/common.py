@@ -1,7 +1,7 @@
 """Options shared by the commands that estimate (estimate, compare, plan, measure), as decorators.
 
 Training options carry the names of the TrainingSpec fields they set (`--zero` -> zero_stage) and
-default to None ("not given"), so that `zeroplan.options.training_spec_from_options` can lay them
+default to None ("not given"), so that `zeroplan.importers.options.training_spec_from_options` can lay them
 over a `--config` file and the spec's defaults. Help texts are the spec's field descriptions.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, TypeVar, get_args
 import click
 
 from zeroplan.errors import ZeroplanError
-from zeroplan.report import FORMATS, UNITS
+from zeroplan.report.estimate import FORMATS, UNITS
 from zeroplan.spec.training import (
     Attention,
     Checkpointing,
@@ -36,7 +36,7 @@ class CountType(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
-        from zeroplan.options import parse_count
+        from zeroplan.importers.options import parse_count
 
         try:
             return parse_count(value, param.opts[0] if param else "count")
@@ -52,7 +52,7 @@ class GpuMemoryType(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
-        from zeroplan.options import gpu_memory_bytes
+        from zeroplan.importers.options import gpu_memory_bytes
 
         try:
             return gpu_memory_bytes(value, param.opts[0] if param else "size")
@@ -128,12 +128,12 @@ OUTPUT_OPTIONS = [
 
 
 def model_options(function: F) -> F:
-    """[MODEL], --params, --largest-layer, --trainable-params (see `zeroplan.options.model_from_options`)."""
+    """[MODEL], --params, --largest-layer, --trainable-params (see `zeroplan.importers.options.model_from_options`)."""
     return _apply(MODEL_OPTIONS, function)
 
 
 def training_options(function: F) -> F:
-    """One option per TrainingSpec field, and --config (see `zeroplan.options.training_spec_from_options`)."""
+    """One option per TrainingSpec field, and --config (see `zeroplan.importers.options.training_spec_from_options`)."""
     return _apply(TRAINING_OPTIONS, function)
 
 

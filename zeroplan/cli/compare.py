@@ -36,8 +36,8 @@ def command(**options: Any) -> None:
       zeroplan compare --params 7.5e9 --engine paper --gpus 64 --units GB --format markdown
     """
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
-    from zeroplan.compare import OFFLOAD_CHOICES, compare, render_comparison
-    from zeroplan.options import model_from_options
+    from zeroplan.plan.grid import OFFLOAD_CHOICES, compare, render_comparison
+    from zeroplan.importers.options import model_from_options
 
     stages = parse_int_list(options["zero_stages"], "--zero", 0, 3)
     gpu_counts = parse_int_list(options["gpu_counts"], "--gpus", 1)
@@ -48,7 +48,7 @@ def command(**options: Any) -> None:
     comparison = compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"])
     click.echo(render_comparison(comparison, options["output_format"], options["units"]), nl=False)
     if options["plot_file"]:
-        from zeroplan.plot import plot_comparison
+        from zeroplan.report.plot import plot_comparison
 
         path = plot_comparison(comparison, options["plot_file"], options["units"])
         click.echo(f"wrote {path}", err=True)

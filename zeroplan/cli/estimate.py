@@ -28,14 +28,14 @@ def command(**options: Any) -> None:
       zeroplan estimate ./config.json --gpus 16 --config ds_config.json
       zeroplan estimate --params 7.5e9 --gpus 64 --zero 3 --engine paper --units GB
     """
-    from zeroplan.options import model_from_options, training_spec_from_options
+    from zeroplan.importers.options import model_from_options, training_spec_from_options
 
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
     training = training_spec_from_options(options, options["config_file"])
 
     from zeroplan.estimate import estimate
     from zeroplan.estimate.serialize import estimate_to_dict
-    from zeroplan.report import render_estimate
+    from zeroplan.report.estimate import render_estimate
 
     data = estimate_to_dict(estimate(model, training), training, gpu_memory_bytes=options["gpu_memory"])
     click.echo(render_estimate(data, options["output_format"], options["units"]), nl=False)

@@ -81,7 +81,7 @@ def resolve_gpu(name: str | None, memory_bytes: int | None):
     """(preset or None, GPU memory in bytes or None) from --gpu and --gpu-memory."""
     if name is None:
         return None, memory_bytes
-    from zeroplan.gpus import get_gpu
+    from zeroplan.importers.gpus import get_gpu
 
     preset = get_gpu(name)
     return preset, memory_bytes if memory_bytes is not None else preset.memory_bytes
@@ -91,7 +91,7 @@ def base_training(options: dict, stages: Iterable[int], gpus: int):
     """The TrainingSpec the grid varies: the options and --config at `gpus` GPUs, with the first of
     the searched `stages` the engine accepts (fsdp2 has no stage 0 or 1, torch no stage 2 or 3),
     so that the base validates before the grid replaces its stage."""
-    from zeroplan.options import training_spec_from_options
+    from zeroplan.importers.options import training_spec_from_options
 
     first_error = None
     for stage in stages:

@@ -63,7 +63,7 @@ class LazyGroup(click.Group):
 
             if not isinstance(error, ValidationError):
                 raise
-            from zeroplan.options import validation_message
+            from zeroplan.importers.options import validation_message
 
             fail(validation_message(error))
         # standalone_mode=False returns the exit code of `ctx.exit(code)` (--help, --version) or the

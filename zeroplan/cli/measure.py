@@ -10,7 +10,7 @@ import click
 
 from zeroplan.cli.common import model_options, training_options
 from zeroplan.errors import MissingDependencyError, SpecError
-from zeroplan.units import REPORT_UNITS
+from zeroplan.spec.units import REPORT_UNITS
 
 IMPLEMENTATIONS = ("auto", "hf", "reference")  # zeroplan.measure.workload.IMPLEMENTATIONS (that module imports torch)
 EXIT_DOES_NOT_FIT = 3
@@ -48,7 +48,7 @@ def command(**options: Any) -> None:
       zeroplan measure llama-1b --engine fsdp2 --zero 3 --nproc 64 --simulate --seq-len 512 --units GB
       zeroplan measure llama-2-7b --engine deepspeed --zero 3 --nproc 8 --backend nccl --config ds.json
     """
-    from zeroplan.options import model_from_options, training_spec_from_options
+    from zeroplan.importers.options import model_from_options, training_spec_from_options
 
     nproc, simulate = options["nproc"], options["simulate"]
     if simulate and options["backend"]:
@@ -67,7 +67,7 @@ def command(**options: Any) -> None:
     if training.engine.value == "deepspeed":
         _require("deepspeed", "engine deepspeed needs DeepSpeed; install it with: pip install 'zeroplan[deepspeed]'")
         if options["config_file"] and Path(options["config_file"]).suffix.lower() == ".json":
-            from zeroplan.config_files.deepspeed_json import load_json
+            from zeroplan.importers.deepspeed_json import load_json
 
             engine_config = load_json(Path(options["config_file"]))
             from zeroplan.measure.engines.deepspeed_engine import user_config
@@ -76,7 +76,7 @@ def command(**options: Any) -> None:
 
     from zeroplan.estimate import estimate
     from zeroplan.estimate.serialize import estimate_to_dict
-    from zeroplan.measure.compare import render_table, report_data
+    from zeroplan.measure.comparison import render_table, report_data
     from zeroplan.measure.launcher import as_measured, run_measurement
 
     training = as_measured(training)  # the same build the workers do (DeepSpeed: no zero.Init)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zeroplan.report import FORMATS
+from zeroplan.report.estimate import FORMATS
 
 
 @click.command("models")
@@ -18,7 +18,7 @@ def command(output_format: str) -> None:
       zeroplan models
       zeroplan models --format json
     """
-    from zeroplan.catalog import list_models
-    from zeroplan.report import model_rows, render_models
+    from zeroplan.importers.catalog import list_models
+    from zeroplan.report.estimate import model_rows, render_models
 
     click.echo(render_models(model_rows(list_models()), output_format), nl=False)

@@ -52,7 +52,7 @@ def command(**options: Any) -> None:
     micro-batch, and GPU counts when a range is given), rank them by an estimated step cost, and
     say why each ranks where it does. If nothing fits, say the smallest change that would.
 
-    The cost model (zeroplan/cost.py) states its assumptions; override any of them with the
+    The cost model (zeroplan/plan/cost.py) states its assumptions; override any of them with the
     bandwidth and efficiency options.
 
     \b
@@ -63,14 +63,14 @@ def command(**options: Any) -> None:
       zeroplan plan llama-2-7b --gpu-memory 24GiB --gpus 4 --emit deepspeed ds_config.json
     """
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
-    from zeroplan.cost import assumptions_for
+    from zeroplan.plan.cost import assumptions_for
     from zeroplan.errors import SpecError
-    from zeroplan.gpus import get_gpu
-    from zeroplan.options import model_from_options
-    from zeroplan.plan import Limits, SearchSpace, parse_gpu_counts, plan
-    from zeroplan.plan_report import render_plan
+    from zeroplan.importers.gpus import get_gpu
+    from zeroplan.importers.options import model_from_options
+    from zeroplan.plan.search import Limits, SearchSpace, parse_gpu_counts, plan
+    from zeroplan.report.plan import render_plan
     from zeroplan.spec.training import Checkpointing, Engine, Offload
-    from zeroplan.units import parse_size_bytes
+    from zeroplan.spec.units import parse_size_bytes
 
     preset, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     if gpu_memory is None:
@@ -129,7 +129,7 @@ def _emit(kind: str, path: str, training) -> None:
     import json
     from pathlib import Path
 
-    from zeroplan.config_files import write_deepspeed_config, write_fsdp2_snippet
+    from zeroplan.importers.training_config import write_deepspeed_config, write_fsdp2_snippet
 
     if kind == "deepspeed":
         text = json.dumps(write_deepspeed_config(training), indent=2) + "\n"

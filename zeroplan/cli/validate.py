@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from zeroplan.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S, MEASURE_MODES
+from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S, MEASURE_MODES
 
 
 @click.command("validate")
@@ -46,7 +46,7 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
       zeroplan validate --measure none               # re-estimate against cached measurements
       zeroplan validate --backend nccl               # the same grid on 2 GPUs
     """
-    from zeroplan import validate as v
+    from zeroplan.measure import validate as v
 
     default_md, default_json = v.default_outputs(backend)
     output_md, output_json = output_md or default_md, output_json or default_json
@@ -102,7 +102,7 @@ def _bar(done: int, total: int, width: int = 20) -> str:
 def _table(report) -> str:
     from tabulate import tabulate
 
-    from zeroplan.validate import TABLE_HEADERS, table_rows
+    from zeroplan.measure.validate import TABLE_HEADERS, table_rows
 
     # the terminal table: without the columns the row id already spells out
     keep = [0, *range(9, len(TABLE_HEADERS))]

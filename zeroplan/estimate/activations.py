@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zeroplan.architecture import param_layout
+from zeroplan.estimate.layout import param_layout
 from zeroplan.estimate.caches import MISSING, IdentityCache
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Attention, Checkpointing, Engine, Precision, TrainingSpec

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.architecture import ParamTensor, param_layout
+from zeroplan.estimate.layout import ParamTensor, param_layout
 from zeroplan.estimate.caches import MISSING, IdentityCache, memo
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from zeroplan.config_files.deepspeed_json import write_deepspeed_config
+from zeroplan.importers.deepspeed_json import write_deepspeed_config
 from zeroplan.errors import MeasureError, MissingDependencyError
 from zeroplan.measure.engines import (
     RunContext,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zeroplan.compare import CATEGORIES, Comparison
+from zeroplan.plan.grid import CATEGORIES, Comparison
 from zeroplan.errors import MissingDependencyError, SpecError
-from zeroplan.units import bytes_in_unit
+from zeroplan.spec.units import bytes_in_unit
 
 _LABELS = {
     "params": "parameters",

@@ -19,7 +19,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from zeroplan.config_files._values import (
+from zeroplan.importers.values import (
     fail,
     as_bool,
     as_int,

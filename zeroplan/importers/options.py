@@ -46,13 +46,13 @@ def parse_count(text: str, field: str) -> int:
 
 def gpu_memory_bytes(text: str, field: str = "--gpu-memory") -> int:
     """The memory of one GPU: a size ('80GiB', '40GB', '24e9' bytes) or a GPU preset name
-    ('h100-80gb', `zeroplan.gpus`), whose datasheet capacity is used."""
-    from zeroplan.units import parse_size_bytes
+    ('h100-80gb', `zeroplan.importers.gpus`), whose datasheet capacity is used."""
+    from zeroplan.spec.units import parse_size_bytes
 
     try:
         return parse_size_bytes(text, field)
     except SpecError as size_error:
-        from zeroplan.gpus import get_gpu, gpu_names
+        from zeroplan.importers.gpus import get_gpu, gpu_names
 
         if str(text).strip().lower() in gpu_names():
             return get_gpu(text).memory_bytes
@@ -82,7 +82,7 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
 
     `options` maps TrainingSpec field names to values, None (or an empty tuple, for a repeatable
     option) meaning "not given"; other keys (the CLI passes all of its options) are ignored. `config_file` is a DeepSpeed JSON or a
-    ColossalAI-style Python config (`zeroplan.config_files.read_training_config`).
+    ColossalAI-style Python config (`zeroplan.importers.training_config.read_training_config`).
     """
     from pydantic import ValidationError
 
@@ -90,7 +90,7 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
 
     values: dict[str, Any] = {}
     if config_file is not None:
-        from zeroplan.config_files import read_training_config
+        from zeroplan.importers.training_config import read_training_config
 
         # --gpus lets a DeepSpeed train_batch_size be split into micro-batch and accumulation.
         values.update(read_training_config(config_file, gpus=options.get("gpus")))
@@ -118,12 +118,12 @@ def model_from_options(
             raise SpecError(
                 "missing MODEL: give a catalogue name (see `zeroplan models`), a spec file or a config.json, or --params N"
             )
-        from zeroplan.catalog import resolve_model
+        from zeroplan.importers.catalog import resolve_model
 
         return resolve_model(model)
     from pydantic import ValidationError
 
-    from zeroplan.catalog import params_model
+    from zeroplan.importers.catalog import params_model
 
     try:
         return params_model(params, largest_layer, trainable_params)

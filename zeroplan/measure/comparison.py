@@ -5,7 +5,7 @@ outputs of a torchrun launch compare the same way:
 - the estimate is `zeroplan.estimate.serialize.estimate_to_dict` (`zeroplan estimate --format json`);
 - the measurement is `zeroplan.measure.result.MeasureResult.to_json_dict()`.
 
-Definitions (the same as docs/accuracy.md, zeroplan/validate.py):
+Definitions (the same as docs/accuracy.md, zeroplan/measure/validate.py):
 - a step is "steady" (steps 2 and later, optimizer states exist) or "first" (model and engine
   set-up, then step 1);
 - measured peak of a step: the highest phase peak of that step on the rank that peaks highest;
@@ -158,7 +158,7 @@ def report_data(estimate: dict[str, Any], measured: dict[str, Any]) -> dict[str,
 
 
 def _amount(size_bytes: int, units: str) -> str:
-    from zeroplan.units import bytes_in_unit
+    from zeroplan.spec.units import bytes_in_unit
 
     value = bytes_in_unit(size_bytes, units)
     return f"{value:,.3f}"

@@ -34,7 +34,7 @@ def _catalogue_dir() -> Path:
     installed = Path(str(resources.files("zeroplan"))) / "model_specs"
     if installed.is_dir():
         return installed
-    return Path(__file__).resolve().parent.parent / "model_specs"
+    return Path(__file__).resolve().parents[2] / "model_specs"
 
 
 def _catalogue_files() -> dict[str, Path]:
@@ -100,7 +100,7 @@ def load_spec_file(path: Path, where: str | None = None) -> ModelSpec:
     if path.suffix != ".json":
         raise SpecError(f"{where}: a model file must end in .toml or .json")
     data = _read_json(path, where)
-    from zeroplan import hf_config  # only where a JSON file is read
+    from zeroplan.importers import hf_config  # only where a JSON file is read
 
     if isinstance(data, dict) and hf_config.is_hf_config(data):
         # A config.json is named after its folder (…/Llama-2-7b-hf/config.json -> Llama-2-7b-hf).

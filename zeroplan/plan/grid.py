@@ -26,7 +26,7 @@ from zeroplan.errors import SpecError
 from zeroplan.estimate.result import Estimate
 from zeroplan.estimate.serialize import CATEGORIES, per_gpu_to_dict, per_node_to_dict
 from zeroplan.spec.training import Engine, Offload, TrainingSpec
-from zeroplan.units import bytes_in_unit
+from zeroplan.spec.units import bytes_in_unit
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme", "cpu-optimizer", "nvme-optimizer")
 FORMATS = ("table", "json", "csv", "markdown")

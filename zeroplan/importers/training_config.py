@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zeroplan.config_files.colossalai_py import load_python_config, settings_from_colossalai
-from zeroplan.config_files.deepspeed_json import load_json, settings_from_deepspeed, write_deepspeed_config
-from zeroplan.config_files.fsdp2_snippet import write_fsdp2_snippet
+from zeroplan.importers.colossalai_py import load_python_config, settings_from_colossalai
+from zeroplan.importers.deepspeed_json import load_json, settings_from_deepspeed, write_deepspeed_config
+from zeroplan.importers.fsdp2_snippet import write_fsdp2_snippet
 from zeroplan.errors import SpecError
 
 __all__ = ["read_training_config", "write_deepspeed_config", "write_fsdp2_snippet"]

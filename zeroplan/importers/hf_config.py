@@ -185,6 +185,6 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str, source: str | None
         return TransformerSpec.model_validate(fields)
     except ValidationError as exc:
         # Imported here, not at the top: catalog imports this module when it meets a config.json.
-        from zeroplan.catalog import describe_validation_error
+        from zeroplan.importers.catalog import describe_validation_error
 
         raise SpecError(describe_validation_error(exc, where)) from None

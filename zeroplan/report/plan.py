@@ -1,4 +1,4 @@
-"""Formatting a `Plan` (zeroplan.plan): table, JSON, CSV or Markdown. No arithmetic beyond units."""
+"""Formatting a `Plan` (zeroplan.plan.search): table, JSON, CSV or Markdown. No arithmetic beyond units."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate.serialize import per_gpu_to_dict, per_node_to_dict
-from zeroplan.plan import Plan, RankedConfig
-from zeroplan.units import bytes_in_unit
+from zeroplan.plan.search import Plan, RankedConfig
+from zeroplan.spec.units import bytes_in_unit
 
 FORMATS = ("table", "json", "csv", "markdown")
 _GB = 10**9

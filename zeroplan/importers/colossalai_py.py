@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from zeroplan.config_files._values import (
+from zeroplan.importers.values import (
     as_bool,
     as_int,
     as_section,

@@ -217,7 +217,7 @@ def select_rows(
 
 def row_specs(row: Row, backend: str = "gloo"):
     """(ModelSpec, TrainingSpec) of a row."""
-    from zeroplan.catalog import resolve_model
+    from zeroplan.importers.catalog import resolve_model
     from zeroplan.spec.training import TrainingSpec
 
     return resolve_model(row.model), TrainingSpec(**row.training_fields(backend))
@@ -455,7 +455,7 @@ def _source_version() -> str | None:
     which accounting and engine code a cached measurement came from."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=False)
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "zeroplan"], cwd=root, capture_output=True, text=True, timeout=10, check=False)

@@ -1,5 +1,5 @@
 """`zeroplan plan`: search ZeRO stage x offload x checkpointing x micro-batch (x GPU count) for the
-configurations that fit, and rank them by the step-cost model of `zeroplan.cost`.
+configurations that fit, and rank them by the step-cost model of `zeroplan.plan.cost`.
 
 Speed comes from the estimator's structure, not from approximating it. For one choice of
 everything but the micro-batch, the memory never shrinks as the micro-batch grows (activations,
@@ -25,7 +25,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import ValidationError
 
-from zeroplan.cost import Assumptions, ModelFlops, StepCost, StepCostModel, model_flops, step_cost_model
+from zeroplan.plan.cost import Assumptions, ModelFlops, StepCost, StepCostModel, model_flops, step_cost_model
 from zeroplan.errors import SpecError
 from zeroplan.estimate import Fit
 from zeroplan.estimate.activations import memory_checkpointing
@@ -530,8 +530,8 @@ def suggest(planner: Planner, space: SearchSpace, limits: Limits, max_gpus: int 
     """When nothing in `space` fits: the smallest changes that would, each checked by a search."""
     from dataclasses import replace
 
-    from zeroplan.gpus import all_gpus
-    from zeroplan.units import format_bytes
+    from zeroplan.importers.gpus import all_gpus
+    from zeroplan.spec.units import format_bytes
 
     found = []
 

@@ -45,7 +45,7 @@ _GB = 10**9
 
 
 class Assumptions(BaseModel):
-    """Rates the cost model divides by. GPU figures come from a preset (`zeroplan.gpus`);
+    """Rates the cost model divides by. GPU figures come from a preset (`zeroplan.importers.gpus`);
     the cluster figures are typical values, stated with where they come from."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -1,0 +1,1 @@
+"""Rendering only: tables, markdown, CSV, JSON documents and plots of results computed elsewhere."""
