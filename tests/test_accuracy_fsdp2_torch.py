@@ -10,7 +10,7 @@ the largest rank; steady state = steps 2-3) for one configuration, e.g.
 (2 gloo ranks, Hugging Face models; the llama-1b row runs `simulate=True, nproc=8,
 implementation="reference"`). The targets are issue 4's: the steady-state peak within 3%, the
 first-step peak within 5%, every category of the steady peak within 5% or within a floor of
-64 KiB or 1% of the measured peak (zeroplan/measure/validate.py uses the same floor). These tests need
+64 KiB or 1% of the measured peak (zeroplan/measure/comparison.py defines the same floor). These tests need
 no torch: they run the estimator only, in milliseconds.
 """
 

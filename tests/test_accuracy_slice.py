@@ -1,4 +1,4 @@
-"""The CI slice of the accuracy grid (issue 4 §4): the `--quick` rows of `zeroplan.measure.validate.GRID`,
+"""The CI slice of the accuracy grid (issue 4 §4): the `--quick` rows of `zeroplan.measure.grid.GRID`,
 each measured for real (2 gloo ranks, or the fake backend for 8 ranks) and held to the report's
 targets: steady-state peak within 3%, first-step peak within 5%, every category within 5% (above
 the floor). The whole grid runs by hand: `zeroplan validate` (docs/accuracy.md).
@@ -14,9 +14,13 @@ import pytest
 
 pytest.importorskip("torch")
 
-from zeroplan.measure import validate as v  # noqa: E402
 from zeroplan.errors import MeasureError  # noqa: E402
 from zeroplan.estimate import estimate  # noqa: E402
+from zeroplan.estimate.serialize import phase_to_dict  # noqa: E402
+from zeroplan.measure import validate as v  # noqa: E402
+from zeroplan.measure.comparison import compare, summary_peaks  # noqa: E402
+from zeroplan.measure.grid import GRID, Row, row_specs, select_rows  # noqa: E402
+from zeroplan.report.accuracy import miss_texts, row_line  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -24,17 +28,18 @@ REASONS = v.load_reasons(Path(__file__).resolve().parent.parent / "docs" / "accu
 TIMEOUT_S = 300  # per row; a healthy one takes 15-30 s on 2 cores
 
 
-def _param(row: v.Row):
+def _param(row: Row):
     reason = v.reason_for(row.id, REASONS)
     marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)] if reason else []
     return pytest.param(row, id=row.id, marks=marks)
 
 
-@pytest.mark.parametrize("row", [_param(row) for row in v.select_rows(v.GRID, quick=True)])
-def test_row_within_targets(row: v.Row):
+@pytest.mark.parametrize("row", [_param(row) for row in select_rows(GRID, quick=True)])
+def test_row_within_targets(row: Row):
     record = v.measure_row(row, v.RunOptions(steps=v.DEFAULT_STEPS, timeout_s=TIMEOUT_S))
     if "failure" in record:
         raise MeasureError(record["failure"])  # not an AssertionError: never taken for the known miss
-    model, training = v.row_specs(row)
-    comparison = v.compare(estimate(model, training), record["measurement"])
-    assert comparison.misses == [], v.row_line(v.RowReport(row, record, comparison, ""))
+    model, training = row_specs(row)
+    phases = [phase_to_dict(phase) for phase in estimate(model, training).phases]
+    comparison = compare(phases, summary_peaks(record["measurement"]))
+    assert miss_texts(comparison) == [], row_line(v.RowReport(row, record, comparison, ""))

@@ -210,31 +210,3 @@ def test_implementations_match_the_workload():
     from zeroplan.measure.workload import IMPLEMENTATIONS as WORKLOAD
 
     assert IMPLEMENTATIONS == WORKLOAD
-
-
-# -- the comparison, on hand-made data ------------------------------------------------------------
-
-
-def _phase(step: str, phase: str, **categories: int) -> dict:
-    full = dict.fromkeys(("params", "grads", "optimizer_states", "activations", "buffers", "temporaries", "overhead"), 0)
-    full |= categories
-    return {"step": step, "phase": phase, **full, "total": sum(full.values())}
-
-
-def test_the_highest_rank_is_compared_and_a_step_no_rank_reached_is_left_out():
-    from zeroplan.measure.comparison import compare_measurement
-
-    estimate = {"phases": [_phase("first", "init", params=100, overhead=1000), _phase("first", "backward", params=100, grads=100),
-                           _phase("steady", "optimizer_step", params=100, optimizer_states=200, overhead=1000)]}
-    ranks = [{"rank": r, "phases": [], "summary": [
-        {"step": "first", "phase": "backward", "peak_bytes": 150 + 50 * r, "categories": {"params": 100, "grads": 50 + 50 * r}}]}
-        for r in (0, 1)]
-    compared = compare_measurement(estimate, {"ranks": ranks})
-    assert list(compared) == ["first"]  # no steady step measured (e.g. out of memory in step 1)
-    first = compared["first"]
-    assert (first.rank, first.estimated_phase, first.measured_phase) == (1, "backward", "backward")
-    errors = first.errors()
-    assert errors["grads"] == 0.0 and errors["params"] == 0.0
-    assert errors["activations"] is None  # nothing measured
-    # the estimate's overhead (CUDA context) is not a tensor: the init phase's 1100 bytes are not the tensor peak
-    assert (first.peak.estimated_bytes, first.peak.measured_bytes, errors["peak"]) == (200, 200, 0.0)

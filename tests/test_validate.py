@@ -1,6 +1,6 @@
-"""The accuracy harness without measuring: the grid's design, the error arithmetic, the category
-floor, the distribution, the reasons file, the measurement cache and the report. Hand-computed
-numbers throughout; no worker process is started."""
+"""The accuracy harness without measuring: the grid's design, the distribution, the reasons file,
+the measurement cache and the report (the comparison itself: tests/test_comparison.py).
+Hand-computed numbers throughout; no worker process is started."""
 
 import json
 import math
@@ -8,90 +8,19 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from zeroplan.measure import validate as v
 from zeroplan.cli import cli
 from zeroplan.errors import MeasureError, SpecError
-from zeroplan.estimate.result import (
-    CategoryBytes,
-    Estimate,
-    ModelSummary,
-    NodeBytes,
-    Phase,
-    PhaseBytes,
-    Step,
-)
+from zeroplan.measure import validate as v
+from zeroplan.measure.grid import GRID, Row, row_specs, select_rows
+from zeroplan.report.accuracy import write_report
 
 MIB = 2**20
-
-
-def _estimate(steady: CategoryBytes, first: CategoryBytes) -> Estimate:
-    phases = (
-        PhaseBytes(Step.FIRST, Phase.INIT, CategoryBytes(params=1)),
-        PhaseBytes(Step.FIRST, Phase.OPTIMIZER_STEP, first),
-        PhaseBytes(Step.STEADY, Phase.FORWARD, CategoryBytes(params=2)),
-        PhaseBytes(Step.STEADY, Phase.BACKWARD, steady),
-    )
-    return Estimate(ModelSummary("m", 1, 1, "x"), "torch", phases, NodeBytes())
 
 
 def _rank(rank: int, steady_categories: dict, first_bytes: int, phase: str = "backward") -> dict:
     return {"rank": rank,
             "steady": {"step": 2, "phase": phase, "peak_bytes": sum(steady_categories.values()), "categories": steady_categories},
             "first": {"step": 1, "phase": "optimizer_step", "peak_bytes": first_bytes, "categories": {}}}
-
-
-MEASURED = {"ranks": [
-    _rank(0, {"params": 10 * MIB, "grads": 0, "optimizer_states": 20 * MIB, "activations": 50 * MIB, "buffers": 20 * MIB}, 90 * MIB),
-    _rank(1, {"params": 10 * MIB, "optimizer_states": 20 * MIB, "activations": 40 * MIB, "buffers": 20 * MIB}, 95 * MIB),
-]}
-
-
-def test_errors_are_estimate_over_measured_at_the_largest_rank():
-    est = _estimate(CategoryBytes(params=10 * MIB, optimizer_states=20 * MIB, activations=int(51.5 * MIB), buffers=21 * MIB),
-                    first=CategoryBytes(params=10 * MIB, optimizer_states=80 * MIB))
-    c = v.compare(est, MEASURED)
-    assert c.max_rank == 0  # 100 MiB against rank 1's 90 MiB
-    assert c.measured_steady_bytes == 100 * MIB and c.estimated_steady_bytes == int(102.5 * MIB)
-    assert c.steady_error == pytest.approx(0.025)
-    assert c.measured_first_bytes == 95 * MIB  # largest over ranks, not the max rank's
-    assert c.first_error == pytest.approx(90 / 95 - 1)
-    assert c.categories["activations"].error == pytest.approx(0.03)
-    assert c.categories["buffers"].error == pytest.approx(0.05)
-    assert c.misses == ["first step -5.3%"]
-
-
-def test_category_floor_is_64_kib_or_one_percent_of_the_peak():
-    # peak 100 MiB: floor 1 MiB. grads 0 measured, 0.9 MiB estimated: within the floor, not a miss.
-    est = _estimate(CategoryBytes(params=10 * MIB, grads=int(0.9 * MIB), optimizer_states=20 * MIB,
-                                  activations=50 * MIB, buffers=20 * MIB), first=CategoryBytes(params=95 * MIB))
-    c = v.compare(est, MEASURED)
-    assert c.categories["grads"].floor_bytes == MIB
-    assert c.categories["grads"].ok and c.categories["grads"].below_floor
-    assert c.misses == []
-    # 1.5 MiB is beyond both the floor and 5% of nothing
-    est = _estimate(CategoryBytes(params=10 * MIB, grads=int(1.5 * MIB), optimizer_states=20 * MIB,
-                                  activations=int(48.5 * MIB), buffers=20 * MIB), first=CategoryBytes(params=95 * MIB))
-    assert v.compare(est, MEASURED).misses == ["grads +1.50 MiB (none measured)"]
-    # a small measurement: the floor is 64 KiB
-    small = v.CategoryCheck(estimated_bytes=100 * 1024, measured_bytes=40 * 1024, floor_bytes=v.CATEGORY_FLOOR_BYTES)
-    assert small.ok and small.error == pytest.approx(1.5)
-    assert not v.CategoryCheck(200 * 1024, 100 * 1024, v.CATEGORY_FLOOR_BYTES).ok
-
-
-def test_a_steady_miss_and_a_category_miss_are_both_listed():
-    est = _estimate(CategoryBytes(params=10 * MIB, optimizer_states=20 * MIB, activations=40 * MIB, buffers=20 * MIB),
-                    first=CategoryBytes(params=95 * MIB))
-    assert v.compare(est, MEASURED).misses == ["peak -10.0%", "activations -20.0%"]
-
-
-def test_gpu_counters_compare_tensor_bytes_without_the_context():
-    measured = {"ranks": [_rank(0, {"params": 100 * MIB}, 90 * MIB) | {"device": {
-        "steady": {"allocated_peak_bytes": 110 * MIB, "reserved_peak_bytes": 128 * MIB}, "first": None}}]}
-    est = _estimate(CategoryBytes(params=100 * MIB, overhead=512 * MIB), first=CategoryBytes(params=90 * MIB, overhead=512 * MIB))
-    c = v.compare(est, measured)
-    assert c.steady_error == 0 and c.first_error == 0
-    assert c.device["allocated_error"] == pytest.approx(100 / 110 - 1)
-    assert c.device["reserved_error"] == pytest.approx(100 / 128 - 1)
 
 
 def test_distribution_median_p90_and_signed_worst():
@@ -105,16 +34,16 @@ def test_distribution_median_p90_and_signed_worst():
 
 
 def test_grid_ids_are_unique_and_every_row_is_a_valid_spec():
-    ids = [row.id for row in v.GRID]
+    ids = [row.id for row in GRID]
     assert len(ids) == len(set(ids))
-    for row in v.GRID:
-        _, training = v.row_specs(row)
+    for row in GRID:
+        _, training = row_specs(row)
         assert training.gpus == row.world and training.device.value == "cpu"
-    assert v.row_specs(v.GRID[0], "nccl")[1].device.value == "cuda"
+    assert row_specs(GRID[0], "nccl")[1].device.value == "cuda"
 
 
 def test_grid_covers_the_issue():
-    rows = v.GRID
+    rows = GRID
     assert {r.model for r in rows} == {"tiny-llama", "tiny-gpt2", "llama-100m", "llama-1b"}
     setups = {(r.engine, r.stage) for r in rows}
     assert setups == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)}
@@ -135,16 +64,16 @@ def test_grid_covers_the_issue():
 
 
 def test_select_rows_by_glob_substring_quick_and_offload():
-    assert [r.id for r in v.select_rows(v.GRID, "tiny-llama/torch-0/*/w2")] == [
+    assert [r.id for r in select_rows(GRID, "tiny-llama/torch-0/*/w2")] == [
         "tiny-llama/torch-0/fp32/nockpt/2x128/w2", "tiny-llama/torch-0/bf16/ckpt/2x128/w2",
         "tiny-llama/torch-0/bf16/selective/2x128/w2"]
-    assert all("fake64" in r.id for r in v.select_rows(v.GRID, "fake64"))
-    quick = v.select_rows(v.GRID, quick=True)
+    assert all("fake64" in r.id for r in select_rows(GRID, "fake64"))
+    quick = select_rows(GRID, quick=True)
     assert {(r.engine, r.stage) for r in quick} == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 2)}
     assert any(r.simulate and r.world == 8 for r in quick)
-    assert not any(r.needs_cpu_adam for r in v.select_rows(v.GRID, "deepspeed", skip_deepspeed_offload=True))
+    assert not any(r.needs_cpu_adam for r in select_rows(GRID, "deepspeed", skip_deepspeed_offload=True))
     with pytest.raises(SpecError, match="rows: no row of the grid matches 'nope'"):
-        v.select_rows(v.GRID, "nope")
+        select_rows(GRID, "nope")
 
 
 def test_reasons_exact_then_glob(tmp_path):
@@ -160,14 +89,14 @@ def test_reasons_exact_then_glob(tmp_path):
         v.load_reasons(path)
 
 
-def _record(row: v.Row, peak_mib: float = 10.0) -> dict:
+def _record(row: Row, peak_mib: float = 10.0) -> dict:
     cats = {"params": int(peak_mib * MIB)}
     return {"fingerprint": v.fingerprint(row, "gloo", v.DEFAULT_STEPS), "seconds": 12.0,
             "measurement": {"ranks": [_rank(0, cats, int(peak_mib * MIB))]}}
 
 
 def test_run_rows_measures_only_what_the_mode_asks(monkeypatch):
-    rows = v.select_rows(v.GRID, "tiny-llama/torch-0/*/nockpt/*,tiny-llama/torch-0/*/ckpt/*")
+    rows = select_rows(GRID, "tiny-llama/torch-0/*/nockpt/*,tiny-llama/torch-0/*/ckpt/*")
     measured = []
     monkeypatch.setattr(v, "measure_row", lambda row, options: measured.append(row.id) or _record(row))
     stale = _record(rows[1]) | {"fingerprint": "0"}
@@ -183,11 +112,11 @@ def test_run_rows_measures_only_what_the_mode_asks(monkeypatch):
 
 
 def test_report_round_trips_the_cache_and_lists_misses(tmp_path):
-    row = v.GRID[0]
+    row = GRID[0]
     record = _record(row, peak_mib=1.0)  # a made-up measurement far below the estimate: a miss
     reasons = {row.id: "made up for the test"}
-    report = v.build_report(v.GRID, {row.id: record}, reasons, backend="gloo", steps=v.DEFAULT_STEPS, command="zeroplan validate")
-    v.write_report(report, tmp_path / "a.md", tmp_path / "a.json")
+    report = v.build_report(GRID, {row.id: record}, reasons, backend="gloo", steps=v.DEFAULT_STEPS, command="zeroplan validate")
+    write_report(report, tmp_path / "a.md", tmp_path / "a.json")
     assert v.load_records(tmp_path / "a.json") == {row.id: record}
     data = json.loads((tmp_path / "a.json").read_text())
     assert data["rows"][0]["status"] == "miss" and data["rows"][1]["status"] == "not measured"
@@ -200,18 +129,19 @@ def test_report_round_trips_the_cache_and_lists_misses(tmp_path):
 
 
 def test_update_report_keeps_rows_written_by_another_run(tmp_path):
-    a, b = v.GRID[0], v.GRID[1]
-    paths = {"markdown_path": tmp_path / "r.md", "json_path": tmp_path / "r.json"}
-    v.update_report(v.GRID, {a.id: _record(a)}, {}, backend="gloo", steps=3, command="c", **paths)
-    v.update_report(v.GRID, {b.id: _record(b)}, {}, backend="gloo", steps=3, command="c", wall_seconds=60.0, **paths)
+    a, b = GRID[0], GRID[1]
+    paths = {"json_path": tmp_path / "r.json", "write": lambda report: write_report(report, tmp_path / "r.md", tmp_path / "r.json")}
+    v.update_report(GRID, {a.id: _record(a)}, {}, backend="gloo", steps=3, command="c", **paths)
+    v.update_report(GRID, {b.id: _record(b)}, {}, backend="gloo", steps=3, command="c", wall_seconds=60.0, **paths)
     assert set(v.load_records(paths["json_path"])) == {a.id, b.id}
-    v.update_report(v.GRID, {}, {}, backend="gloo", steps=3, command="c", **paths)
+    v.update_report(GRID, {}, {}, backend="gloo", steps=3, command="c", **paths)
+    assert (tmp_path / "r.md").read_text().startswith("# Accuracy: estimate against measurement")
     assert json.loads(paths["json_path"].read_text())["wall_seconds"] == 60.0
 
 
 def test_cli_reestimates_cached_rows(tmp_path):
-    row = v.GRID[0]
-    v.write_report(v.build_report(v.GRID, {row.id: _record(row)}, {}, backend="gloo", steps=3, command="c"),
+    row = GRID[0]
+    write_report(v.build_report(GRID, {row.id: _record(row)}, {}, backend="gloo", steps=3, command="c"),
                    None, tmp_path / "r.json")
     result = CliRunner().invoke(cli, ["validate", "--rows", row.id, "--measure", "none", "--output-json",
                                       str(tmp_path / "r.json"), "--output-md", str(tmp_path / "r.md")])

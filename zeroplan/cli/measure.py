@@ -76,8 +76,9 @@ def command(**options: Any) -> None:
 
     from zeroplan.estimate import estimate
     from zeroplan.estimate.serialize import estimate_to_dict
-    from zeroplan.measure.comparison import render_table, report_data
+    from zeroplan.measure.comparison import compare, run_peaks
     from zeroplan.measure.launcher import as_measured, run_measurement
+    from zeroplan.report.measure import render_table, report_data
 
     training = as_measured(training)  # the same build the workers do (DeepSpeed: no zero.Init)
     estimated = estimate_to_dict(estimate(model, training), training)  # before the run: its errors come first
@@ -86,7 +87,9 @@ def command(**options: Any) -> None:
         steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],
         engine_config=engine_config,
     )
-    data = report_data(estimated, result.to_json_dict())
+    measured = result.to_json_dict()
+    comparison = compare(estimated["phases"], run_peaks(measured))
+    data = report_data(estimated, measured, comparison)
     if options["output"] is not None:
         from zeroplan.measure.worker import write_json_atomic  # temp file + os.replace
 
@@ -99,7 +102,7 @@ def command(**options: Any) -> None:
 
         click.echo(json.dumps(data, indent=2))
     else:
-        click.echo(render_table(data, options["units"]), nl=False)
+        click.echo(render_table(data, comparison, options["units"]), nl=False)
     if not result.fits:
         sys.exit(EXIT_DOES_NOT_FIT)
 

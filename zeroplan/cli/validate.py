@@ -47,10 +47,12 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
       zeroplan validate --backend nccl               # the same grid on 2 GPUs
     """
     from zeroplan.measure import validate as v
+    from zeroplan.measure.grid import GRID, select_rows
+    from zeroplan.report.accuracy import render_terminal, row_line, write_report
 
     default_md, default_json = v.default_outputs(backend)
     output_md, output_json = output_md or default_md, output_json or default_json
-    selected = v.select_rows(v.GRID, patterns, quick=quick, skip_deepspeed_offload=skip_deepspeed_offload)
+    selected = select_rows(GRID, patterns, quick=quick, skip_deepspeed_offload=skip_deepspeed_offload)
     options = v.RunOptions(backend=backend, steps=steps, timeout_s=timeout_s, measure=measure)
     reason_map = v.load_reasons(reasons)
     command_text = "zeroplan validate" + (" --backend nccl" if backend == "nccl" else "")
@@ -58,8 +60,9 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
     measured: dict = {}  # this run's records, merged into the JSON after every row
 
     def update(wall_seconds=None):
-        return v.update_report(v.GRID, measured, reason_map, backend=backend, steps=steps, command=command_text,
-                               markdown_path=output_md, json_path=output_json, wall_seconds=wall_seconds)
+        return v.update_report(GRID, measured, reason_map, backend=backend, steps=steps, command=command_text,
+                               json_path=output_json, write=lambda report: write_report(report, output_md, output_json),
+                               wall_seconds=wall_seconds)
 
     tty = sys.stderr.isatty()
     finished = {"rows": 0}
@@ -77,17 +80,13 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
                              command=command_text)
         seconds = f" [{record.get('seconds', 0):.0f} s]" if record and measure != "none" else ""
         prefix = "\r\033[K" if tty else ""
-        click.echo(f"{prefix}{_bar(finished['rows'], len(selected))} {v.row_line(one.rows[0])}{seconds}", err=True)
+        click.echo(f"{prefix}{_bar(finished['rows'], len(selected))} {row_line(one.rows[0])}{seconds}", err=True)
 
     v.run_rows(selected, v.load_records(output_json), options, on_start=on_start, on_done=on_done)
-    whole = measure == "all" and len(selected) == len(v.GRID)
+    whole = measure == "all" and len(selected) == len(GRID)
     report = update(time.monotonic() - started if whole else None)
     shown = v.Report([r for r in report.rows if r.row in selected], backend, command_text, steps)
-    click.echo(_table(shown))
-    for name, d in report.distributions().items():
-        if d["rows"]:
-            click.echo(f"{name}: {d['rows']} rows, |error| median {d['median']:.2%}, 90th percentile {d['p90']:.2%}, "
-                       f"worst {d['worst']:+.2%} ({d['worst_row']})")
+    click.echo(render_terminal(shown, report))
     failed = [r.row.id for r in shown.rows if r.status == "failed"]
     if failed:
         click.echo(f"{len(failed)} rows could not be measured (see the report): {', '.join(failed)}", err=True)
@@ -98,18 +97,3 @@ def _bar(done: int, total: int, width: int = 20) -> str:
     filled = width * done // total if total else width
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
 
-
-def _table(report) -> str:
-    from tabulate import tabulate
-
-    from zeroplan.measure.validate import TABLE_HEADERS, table_rows
-
-    # the terminal table: without the columns the row id already spells out
-    keep = [0, *range(9, len(TABLE_HEADERS))]
-    rows = [[_flag(cells[i]) for i in keep] for cells in table_rows(report)]
-    return tabulate(rows, headers=[TABLE_HEADERS[i] for i in keep], tablefmt="simple", disable_numparse=True)
-
-
-def _flag(cell: str) -> str:
-    """Markdown bold (a miss) as a trailing `!` in the terminal."""
-    return f"{cell[2:-2]}!" if cell.startswith("**") and cell.endswith("**") else cell

@@ -12,5 +12,8 @@ The only part of zeroplan that imports torch, and it does so lazily (inside func
 - `launcher`: `run_measurement`, which spawns local workers and collects their results (and
   `write_job` / `load_outputs` / `assemble_result` for torchrun launches);
 - `result`: the result dataclasses and their JSON;
-- `compare`: the estimate beside the measurement, error per category and peak (no torch).
+- `comparison`: the estimate beside the measurement, error per category and peak, and the
+  accuracy targets; `zeroplan measure` and the accuracy grid both use it (no torch);
+- `grid`: the accuracy grid as data (one `Row` per configuration); `validate`: running its rows,
+  the measurement cache, and the report's data (no torch; rendering is zeroplan.report.accuracy).
 """

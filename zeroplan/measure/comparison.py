@@ -1,11 +1,13 @@
-"""Estimate beside measurement: one configuration's estimate set against what its ranks measured.
+"""Estimate beside measurement: the one comparison `zeroplan measure` and the accuracy grid share.
 
-Works on plain JSON data, so that a local run (`MeasureResult.to_json_dict()`) and the assembled
-outputs of a torchrun launch compare the same way:
-- the estimate is `zeroplan.estimate.serialize.estimate_to_dict` (`zeroplan estimate --format json`);
-- the measurement is `zeroplan.measure.result.MeasureResult.to_json_dict()`.
+Both sides come in as plain data:
+- the estimate's phases as `zeroplan estimate --format json` has them (`phases`, made by
+  `zeroplan.estimate.serialize.phase_to_dict`);
+- per step, each rank's highest phase (`RankPeak`): `run_peaks` reads them from a
+  `MeasureResult.to_json_dict()`, `summary_peaks` from the grid's cached summary
+  (`zeroplan.measure.validate.summarize_measurement`).
 
-Definitions (the same as docs/accuracy.md, zeroplan/measure/validate.py):
+Definitions (docs/accuracy.md and docs/measure.md say the same):
 - a step is "steady" (steps 2 and later, optimizer states exist) or "first" (model and engine
   set-up, then step 1);
 - measured peak of a step: the highest phase peak of that step on the rank that peaks highest;
@@ -14,21 +16,47 @@ Definitions (the same as docs/accuracy.md, zeroplan/measure/validate.py):
   estimate's `overhead` (CUDA context, fragmentation) is not a tensor and the accounting cannot
   see it, so it is left out of the comparison and reported on its own;
 - error = estimate / measured - 1 (positive: the estimate is too high); None where nothing was
-  measured.
-Nothing here imports torch or click.
+  measured;
+- targets (issue 4 §3): the steady peak within 3%, the first-step peak within 5%, every category
+  within 5%; a category misses only when |estimate - measured| exceeds both 5% of the measured
+  bytes and the floor (64 KiB, or 1% of the step's measured peak if larger), so that a category
+  of a few bytes on both sides is not a miss.
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-CATEGORIES = ("params", "grads", "optimizer_states", "activations", "buffers", "temporaries")
-"""The categories the accounting records (result.py), in report order; the estimate's overhead is not one."""
+from zeroplan.estimate.result import CATEGORY_NAMES
+
+CATEGORIES = tuple(name for name in CATEGORY_NAMES if name != "overhead")
+"""The categories the accounting records (zeroplan/measure/result.py), in report order."""
 
 STEPS = ("steady", "first")
+DEVICE_COUNTERS = ("allocated_peak_bytes", "reserved_peak_bytes")  # torch.cuda max_memory_allocated / reserved
 
-_LABELS = {"optimizer_states": "optimizer states", "steady": "steady state", "first": "first step"}
+
+@dataclass(frozen=True)
+class Targets:
+    """How close the estimate must come (issue 4 §3)."""
+
+    steady: float = 0.03  # the steady-state peak
+    first: float = 0.05  # the first-step peak
+    category: float = 0.05  # every category of a step's peak ...
+    category_floor_bytes: int = 64 * 2**10  # ... beyond 64 KiB ...
+    category_floor_fraction: float = 0.01  # ... or 1% of the step's measured peak, whichever is larger
+
+    def peak_tolerance(self, step: str) -> float:
+        return self.steady if step == "steady" else self.first
+
+    def floor_bytes(self, measured_peak_bytes: int) -> int:
+        return max(self.category_floor_bytes, int(self.category_floor_fraction * measured_peak_bytes))
+
+
+TARGETS = Targets()
 
 
 def relative_error(estimated_bytes: int, measured_bytes: int) -> float | None:
@@ -38,22 +66,39 @@ def relative_error(estimated_bytes: int, measured_bytes: int) -> float | None:
 
 @dataclass(frozen=True)
 class Line:
-    """One row of the comparison: a category, or "peak"."""
+    """One line of a step's comparison: a category, or "peak" (which has no floor)."""
 
     name: str
     estimated_bytes: int
     measured_bytes: int
+    tolerance: float
+    floor_bytes: int = 0
 
     @property
     def error(self) -> float | None:
         return relative_error(self.estimated_bytes, self.measured_bytes)
 
+    @property
+    def below_floor(self) -> bool:
+        """Both sides below the floor: too small to judge."""
+        return self.estimated_bytes < self.floor_bytes and self.measured_bytes < self.floor_bytes
+
+    @property
+    def ok(self) -> bool:
+        allowed = max(self.tolerance * self.measured_bytes, self.floor_bytes)
+        return abs(self.estimated_bytes - self.measured_bytes) <= allowed
+
 
 @dataclass(frozen=True)
 class RankPeak:
+    """One rank's highest phase of a step, with the categories at it and the CUDA allocator's
+    peaks over the step's phases (None on CPU)."""
+
     rank: int
     phase: str
     peak_bytes: int
+    categories: Mapping[str, int] = field(default_factory=dict)
+    device: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -73,167 +118,114 @@ class StepComparison:
     def peak(self) -> Line:
         return self.lines[-1]
 
+    @property
+    def categories(self) -> dict[str, Line]:
+        return {line.name: line for line in self.lines[:-1]}
+
     def errors(self) -> dict[str, float | None]:
         return {line.name: line.error for line in self.lines}
 
-
-def _estimated_step_peak(estimate: dict[str, Any], step: str) -> dict[str, Any]:
-    """The estimate's highest phase of `step` in tensor bytes (the overhead is the same in every
-    phase of a run, so this is `Estimate.peak_of`; the first one wins a tie, as there)."""
-    phases = [p for p in estimate["phases"] if p["step"] == step]
-    return max(phases, key=lambda p: p["total"] - p["overhead"])
-
-
-def _measured_step_peak(rank: dict[str, Any], step: str) -> dict[str, Any] | None:
-    """The rank's highest phase of `step` from its summary (init phases belong to the first step)."""
-    found = [p for p in rank["summary"] if p["step"] == step]
-    return max(found, key=lambda p: p["peak_bytes"]) if found else None
+    def device_errors(self) -> dict[str, float | None] | None:
+        """The estimated tensor peak against each CUDA allocator peak, None on CPU."""
+        if self.device_peaks is None:
+            return None
+        return {name: relative_error(self.peak.estimated_bytes, self.device_peaks[name]) for name in DEVICE_COUNTERS}
 
 
-def _device_peaks(ranks: list[dict[str, Any]], step: str) -> dict[str, int] | None:
-    stages = ("init", "first") if step == "first" else ("steady",)
-    devices = [p["device"] for r in ranks for p in r["phases"] if p.get("device") and p["stage"] in stages]
-    if not devices:
+@dataclass(frozen=True)
+class Comparison:
+    """Every step a run reached, estimate against measurement."""
+
+    steps: dict[str, StepComparison]  # in STEPS order; a step no rank reached is absent
+
+    @property
+    def steady(self) -> StepComparison | None:
+        return self.steps.get("steady")
+
+    @property
+    def first(self) -> StepComparison | None:
+        return self.steps.get("first")
+
+    @property
+    def line_names(self) -> tuple[str, ...]:
+        """The lines of every step, in order: the categories, then "peak"."""
+        return (*CATEGORIES, "peak")
+
+    def misses(self) -> list[tuple[str, Line]]:
+        """What misses the targets, as (what, line): "peak" (the steady peak), "first step", then
+        the steady peak's categories; empty when every target is met."""
+        peaks = [("peak" if c.step == "steady" else "first step", c.peak) for c in self.steps.values()]
+        categories = list(self.steady.categories.items()) if self.steady else []
+        return [(what, line) for what, line in peaks + categories if not line.ok]
+
+
+def device_peaks(counters: Iterable[Mapping[str, int] | None]) -> dict[str, int] | None:
+    """The highest of each CUDA allocator counter over `counters`, None when there are none (CPU)."""
+    found = [c for c in counters if c]
+    if not found:
         return None
-    return {key: max(d.get(key, 0) for d in devices) for key in ("allocated_peak_bytes", "reserved_peak_bytes")}
+    return {name: max(c.get(name, 0) for c in found) for name in DEVICE_COUNTERS}
 
 
-def compare_step(estimate: dict[str, Any], measured: dict[str, Any], step: str) -> StepComparison | None:
-    """`step` of the estimate against the measurement; None when no rank reached that step (a
-    run that ran out of memory early)."""
-    peaks = [(rank, _measured_step_peak(rank, step)) for rank in measured["ranks"]]
-    peaks = [(rank, peak) for rank, peak in peaks if peak is not None]
+def _estimated_step_peak(phases: Sequence[Mapping[str, Any]], step: str) -> Mapping[str, Any]:
+    """The estimate's highest phase of `step` in tensor bytes (the overhead is the same in every
+    phase, so this is `Estimate.peak_of`; the first one wins a tie, as there)."""
+    return max((p for p in phases if p["step"] == step), key=lambda p: p["total"] - p["overhead"])
+
+
+def compare_step(phases: Sequence[Mapping[str, Any]], peaks: Sequence[RankPeak], step: str,
+                 targets: Targets = TARGETS) -> StepComparison | None:
+    """`step` of the estimate's `phases` against each rank's measured peak of it; None when no
+    rank reached that step (a run that ran out of memory early)."""
     if not peaks:
         return None
-    top_rank, top = max(peaks, key=lambda item: item[1]["peak_bytes"])
-    est = _estimated_step_peak(estimate, step)
-    lines = [Line(name, int(est[name]), int(top["categories"].get(name, 0))) for name in CATEGORIES]
-    lines.append(Line("peak", int(est["total"]) - int(est["overhead"]), int(top["peak_bytes"])))
+    top = max(peaks, key=lambda p: p.peak_bytes)
+    est = _estimated_step_peak(phases, step)
+    floor = targets.floor_bytes(top.peak_bytes)
+    lines = [Line(name, int(est[name]), int(top.categories.get(name, 0)), targets.category, floor) for name in CATEGORIES]
+    lines.append(Line("peak", int(est["total"]) - int(est["overhead"]), int(top.peak_bytes), targets.peak_tolerance(step)))
     return StepComparison(
         step=step,
-        rank=top_rank["rank"],
+        rank=top.rank,
         estimated_phase=est["phase"],
-        measured_phase=top["phase"],
+        measured_phase=top.phase,
         lines=tuple(lines),
-        rank_peaks=tuple(RankPeak(rank["rank"], peak["phase"], int(peak["peak_bytes"])) for rank, peak in peaks),
+        rank_peaks=tuple(peaks),
         estimated_overhead_bytes=int(est["overhead"]),
-        device_peaks=_device_peaks(measured["ranks"], step),
+        device_peaks=device_peaks([p.device for p in peaks]) if all(p.device for p in peaks) else None,
     )
 
 
-def compare_measurement(estimate: dict[str, Any], measured: dict[str, Any]) -> dict[str, StepComparison]:
-    """Every step the run reached ("steady", "first"), estimate against measurement."""
-    compared = {step: compare_step(estimate, measured, step) for step in STEPS}
-    return {step: c for step, c in compared.items() if c is not None}
+def compare(phases: Sequence[Mapping[str, Any]], peaks: Mapping[str, Sequence[RankPeak]],
+            targets: Targets = TARGETS) -> Comparison:
+    """Every step of `peaks` (by step, as `run_peaks` and `summary_peaks` give them) against the estimate's `phases`."""
+    compared = {step: compare_step(phases, peaks.get(step, ()), step, targets) for step in STEPS}
+    return Comparison({step: c for step, c in compared.items() if c is not None})
 
 
-def report_data(estimate: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
-    """The JSON of `zeroplan measure`: the measurement's JSON, plus `estimate` (the estimate's
-    JSON), `error` (per step: each category and the peak, estimate / measured - 1, null where
-    nothing was measured) and `comparison` (per step: the rank compared, both phases, and the
-    bytes behind each error)."""
-    compared = compare_measurement(estimate, measured)
+def run_peaks(measured: Mapping[str, Any]) -> dict[str, list[RankPeak]]:
+    """Per step, each rank's peak in a `MeasureResult.to_json_dict()`: its highest phase of the
+    step from `summary` (init phases belong to the first step), the allocator's peaks from `phases`."""
+    out: dict[str, list[RankPeak]] = {}
+    for step in STEPS:
+        stages = ("init", "first") if step == "first" else ("steady",)
+        out[step] = []
+        for rank in measured["ranks"]:
+            found = [p for p in rank["summary"] if p["step"] == step]
+            if not found:
+                continue
+            best = max(found, key=lambda p: p["peak_bytes"])
+            counters = device_peaks(p.get("device") for p in rank["phases"] if p["stage"] in stages)
+            out[step].append(RankPeak(rank["rank"], best["phase"], int(best["peak_bytes"]), best["categories"], counters))
+    return out
+
+
+def summary_peaks(summary: Mapping[str, Any]) -> dict[str, list[RankPeak]]:
+    """Per step, each rank's peak in the accuracy grid's cached summary: `ranks[]` with `steady`
+    and `first` (the highest phase of each) and, on CUDA, `device` (the allocator's peaks per step)."""
     return {
-        **measured,
-        "estimate": estimate,
-        "error": {step: c.errors() for step, c in compared.items()},
-        "comparison": {
-            step: {
-                "rank": c.rank,
-                "estimated_phase": c.estimated_phase,
-                "measured_phase": c.measured_phase,
-                "estimated": {line.name: line.estimated_bytes for line in c.lines},
-                "measured": {line.name: line.measured_bytes for line in c.lines},
-                "estimated_overhead": c.estimated_overhead_bytes,
-                "rank_peaks": [{"rank": p.rank, "phase": p.phase, "peak": p.peak_bytes} for p in c.rank_peaks],
-                **({"device": c.device_peaks} if c.device_peaks else {}),
-            }
-            for step, c in compared.items()
-        },
+        step: [RankPeak(r["rank"], r[step]["phase"], int(r[step]["peak_bytes"]), r[step]["categories"],
+                        (r.get("device") or {}).get(step))
+               for r in summary["ranks"] if r.get(step)]
+        for step in STEPS
     }
-
-
-# --------------------------------------------------------------------------------------------
-# The table
-
-
-def _amount(size_bytes: int, units: str) -> str:
-    from zeroplan.spec.units import bytes_in_unit
-
-    value = bytes_in_unit(size_bytes, units)
-    return f"{value:,.3f}"
-
-
-def _pct(error: float | None) -> str:
-    return "" if error is None else f"{error:+.1%}"
-
-
-def _header(data: dict[str, Any]) -> list[str]:
-    config = data["estimate"]["config"]
-    where = f"{data['world_size']} simulated ranks (fake backend)" if data["backend"] == "fake" else (
-        f"{data['world_size']} ranks ({data['backend']}, {data['device']})")
-    setup = [f"{data['engine']} ZeRO-{data['zero_stage']}", where, config["precision"], config["optimizer"],
-             f"micro-batch {config['micro_batch']} x {config['seq_len']} tokens"]
-    if config["grad_accum"] > 1:
-        setup.append(f"grad-accum {config['grad_accum']}")
-    if config["checkpointing"] != "none":
-        setup.append(f"checkpointing {config['checkpointing']}")
-    for what in ("optimizer", "params"):
-        if config[f"offload_{what}"] != "none":
-            setup.append(f"{what} offload {config[f'offload_{what}']}")
-    setup.append(f"{data['steps']} steps")
-    return [
-        f"{data['model']}: " + ", ".join(setup),
-        f"measured: {data['implementation']}; estimated: {data['estimate']['model']['implementation']}",
-    ]
-
-
-def render_table(data: dict[str, Any], units: str = "GiB") -> str:
-    """`report_data` as text: the categories at the peak and the peak, estimate beside
-    measurement with the error, for the steady state and the first step; the peak's phase; each
-    rank's peak; the CUDA allocator's peaks where measured; notes."""
-    from tabulate import tabulate
-
-    compared = _comparisons(data)
-    headers = [units, *(f"{step} {what}" for step in compared for what in ("est.", "meas.", "error"))]
-    rows = []
-    for i, name in enumerate((*CATEGORIES, "peak")):
-        row = [_LABELS.get(name, name)]
-        for c in compared.values():
-            line = c.lines[i]
-            row += [_amount(line.estimated_bytes, units), _amount(line.measured_bytes, units), _pct(line.error)]
-        rows.append(row)
-    rows.append(["peak phase", *(x for c in compared.values() for x in (c.estimated_phase, c.measured_phase, ""))])
-    table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True,
-                     colalign=("left",) + ("right",) * (len(headers) - 1))
-    out = _header(data) + ["steady: steps 2 and later; first: set-up and step 1; error = estimate / measured - 1", "", table, ""]
-    for c in compared.values():
-        ranks = ", ".join(f"rank {p.rank} {_amount(p.peak_bytes, units)} {units} ({p.phase})" for p in c.rank_peaks)
-        out.append(f"{_LABELS[c.step]} peak per rank: {ranks}; categories above are rank {c.rank}'s")
-    for c in compared.values():
-        if c.device_peaks:
-            allocated, reserved = c.device_peaks["allocated_peak_bytes"], c.device_peaks["reserved_peak_bytes"]
-            out.append(f"{_LABELS[c.step]} CUDA allocator: max allocated {_amount(allocated, units)} {units} "
-                       f"(estimate {_pct(relative_error(c.peak.estimated_bytes, allocated))}), "
-                       f"max reserved {_amount(reserved, units)} {units}")
-    overhead = max((c.estimated_overhead_bytes for c in compared.values()), default=0)
-    if overhead:
-        out.append(f"the estimate's overhead ({_amount(overhead, units)} {units}: CUDA context, fragmentation) "
-                   "is not a tensor and is left out of the comparison")
-    if not data["fits"]:
-        out.append(_oom_line(data, units))
-    notes = list(data.get("notes", []))
-    if notes:
-        out += ["", "Notes:"] + [f"- {note}" for note in notes]
-    return "\n".join(out) + "\n"
-
-
-def _comparisons(data: dict[str, Any]) -> dict[str, StepComparison]:
-    return compare_measurement(data["estimate"], {"ranks": data["ranks"]})
-
-
-def _oom_line(data: dict[str, Any], units: str) -> str:
-    failed = [r for r in data["ranks"] if not r["fits"]]
-    parts = [f"rank {r['rank']} at {r['phases'][-1]['phase'] if r['phases'] else 'start'} "
-             f"({r['oom_message']}), peak reached {_amount(r['peak'], units)} {units}" for r in failed]
-    return "DOES NOT FIT: ran out of device memory: " + "; ".join(parts)

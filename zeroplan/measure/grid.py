@@ -1,0 +1,185 @@
+"""The accuracy grid as data: one `Row` per configuration that `zeroplan validate` estimates and
+measures (a covering design, not a cross product; docs/accuracy.md, "Grid"), how rows are
+selected, and the specs each row runs. Nothing here runs or measures anything."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zeroplan.errors import SpecError
+
+# DeepSpeed "small buckets": buckets far below the default 5e8 elements, so that the buckets are
+# exercised rather than one buffer larger than the model; persistence 0 makes stage 3 shard every
+# tensor of the tiny models (the default 1e5 keeps them all whole). deepspeed/runtime/zero/config.py.
+SMALL_BUCKETS = {
+    "reduce_bucket_size": 100_000,
+    "allgather_bucket_size": 100_000,
+    "stage3_prefetch_bucket_size": 100_000,
+    "stage3_param_persistence_threshold": 0,
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration of the grid: a catalogue model, an engine set-up and a workload."""
+
+    model: str
+    engine: str  # torch, fsdp2, deepspeed
+    stage: int
+    precision: str = "fp32"
+    offload: bool = False  # fsdp2: CPUOffloadPolicy; deepspeed: offload_optimizer cpu
+    checkpointing: str = "none"
+    attention: str = "fused"  # fused (SDPA) or eager
+    micro_batch: int = 2
+    seq_len: int = 128
+    world: int = 2
+    simulate: bool = False  # the fake backend: one process standing for `world` ranks
+    small_buckets: bool = False  # deepspeed: SMALL_BUCKETS instead of DeepSpeed's defaults
+    quick: bool = False  # part of the CI slice (`--quick`, tests/test_accuracy_slice.py)
+
+    @property
+    def id(self) -> str:
+        setup = f"{self.engine}-{self.stage}" + ("+offload" if self.offload else "") + ("+smallbkt" if self.small_buckets else "")
+        ckpt = "ckpt" if self.checkpointing == "full" else "nockpt" if self.checkpointing == "none" else self.checkpointing
+        world = f"fake{self.world}" if self.simulate else f"w{self.world}"
+        parts = (self.model, setup, self.precision, ckpt, f"{self.micro_batch}x{self.seq_len}", world)
+        return "/".join(parts + (("eager",) if self.attention == "eager" else ()))
+
+    @property
+    def needs_cpu_adam(self) -> bool:
+        """DeepSpeed optimizer offload runs DeepSpeedCPUAdam, a JIT build (~1 min, 2 GB) the first time."""
+        return self.engine == "deepspeed" and self.offload
+
+    def training_fields(self, backend: str = "gloo") -> dict[str, Any]:
+        """The TrainingSpec fields of this row (device cuda for an nccl run, else cpu)."""
+        fields: dict[str, Any] = {
+            "engine": self.engine, "zero_stage": self.stage, "gpus": self.world, "precision": self.precision,
+            "micro_batch": self.micro_batch, "seq_len": self.seq_len, "checkpointing": self.checkpointing,
+            "attention": self.attention, "device": "cuda" if backend == "nccl" and not self.simulate else "cpu",
+        }
+        if self.offload:
+            fields["offload_optimizer"] = "cpu"
+            if self.engine == "fsdp2" and self.stage == 3:
+                fields["offload_params"] = "cpu"  # CPUOffloadPolicy moves parameters with the optimizer
+        if self.small_buckets:
+            fields["deepspeed"] = dict(SMALL_BUCKETS)
+        if self.engine == "deepspeed":
+            # measure builds the model whole, then deepspeed.initialize partitions it (no zero.Init)
+            fields["deepspeed"] = {**fields.get("deepspeed", {}), "zero_init": False}
+        return fields
+
+
+def _grid() -> tuple[Row, ...]:
+    """The covering design (docs/accuracy.md, "Grid"): every engine set-up on both tiny models,
+    with precision x checkpointing x batch covered pairwise over the main set-ups; llama-100m on
+    one row per main set-up; FSDP2 on llama-1b at 8 and 64 simulated ranks."""
+    # The L4 orthogonal array over (precision, checkpointing, micro-batch x seq): any two of the
+    # three factors take all four level pairs over its four runs.
+    l4 = (("fp32", "none", (2, 128)), ("fp32", "full", (4, 256)), ("bf16", "none", (4, 256)), ("bf16", "full", (2, 128)))
+    tiny = ("tiny-llama", "tiny-gpt2")
+    main = [  # (engine, stage, extra fields): all four L4 runs
+        ("torch", 0, {}), ("torch", 1, {}), ("fsdp2", 2, {}), ("fsdp2", 3, {}),
+        ("deepspeed", 1, {}), ("deepspeed", 2, {}), ("deepspeed", 3, {}),
+    ]
+    variants = [  # two L4 runs each (fp32 without, bf16 with checkpointing)
+        ("fsdp2", 2, {"offload": True}), ("fsdp2", 3, {"offload": True}),
+        ("deepspeed", 1, {"small_buckets": True}), ("deepspeed", 2, {"small_buckets": True}),
+        ("deepspeed", 3, {"small_buckets": True}),
+        ("deepspeed", 2, {"offload": True, "small_buckets": True}), ("deepspeed", 3, {"offload": True, "small_buckets": True}),
+    ]
+    # The CI slice: the first (fp32, no checkpointing, 2x128) run of these set-ups.
+    quick = {("torch", 0, ()), ("torch", 1, ()), ("fsdp2", 2, ()), ("fsdp2", 3, ()), ("deepspeed", 2, ("small_buckets",))}
+    rows: list[Row] = []
+    for k, (engine, stage, extra) in enumerate(main + variants):
+        runs = l4 if k < len(main) else (l4[0], l4[3])
+        for j, (precision, ckpt, (mb, seq)) in enumerate(runs):
+            # alternate the models so each sees both levels of every factor across set-ups
+            model = tiny[(k + (j in (1, 2))) % 2] if len(runs) == 4 else tiny[(j + k) % 2]
+            is_quick = j == 0 and (engine, stage, tuple(sorted(extra))) in quick
+            rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, micro_batch=mb, seq_len=seq,
+                            quick=is_quick, **extra))
+    # about 100M parameters: one row per main set-up, short sequences (each step is ~1e11 FLOP on CPU)
+    for engine, stage, precision, ckpt in (
+        ("torch", 0, "fp32", "none"), ("torch", 1, "bf16", "none"), ("fsdp2", 2, "bf16", "full"),
+        ("fsdp2", 3, "fp32", "none"), ("deepspeed", 2, "bf16", "none"), ("deepspeed", 3, "fp32", "full"),
+    ):
+        rows.append(Row("llama-100m", engine, stage, precision, checkpointing=ckpt))
+    # simulated worlds (fake backend, FSDP2 only): llama-1b at 8 and 64 ranks; one tiny row for CI
+    for stage, world, precision, ckpt in (
+        (2, 8, "bf16", "none"), (3, 8, "bf16", "none"), (3, 8, "fp32", "full"),
+        (2, 64, "bf16", "full"), (3, 64, "bf16", "none"), (3, 64, "fp32", "none"),
+    ):
+        rows.append(Row("llama-1b", "fsdp2", stage, precision, checkpointing=ckpt, world=world, simulate=True))
+    rows.append(Row("tiny-llama", "fsdp2", 3, "fp32", world=8, simulate=True, quick=True))
+    # Selective checkpointing (the attention core recomputed) and eager attention, on both tiny
+    # models: fused and eager, with and without autocast (the torch engine's bf16), GQA (tiny-llama)
+    # and fused q/k/v (tiny-gpt2).
+    for model, engine, stage, precision, ckpt, attention, (mb, seq) in (
+        ("tiny-llama", "torch", 0, "bf16", "selective", "eager", (2, 128)),
+        ("tiny-llama", "torch", 0, "bf16", "selective", "fused", (2, 128)),
+        ("tiny-llama", "fsdp2", 2, "bf16", "selective", "fused", (4, 256)),
+        ("tiny-llama", "deepspeed", 2, "bf16", "selective", "eager", (2, 128)),
+        ("tiny-gpt2", "fsdp2", 3, "fp32", "selective", "eager", (4, 256)),
+        ("tiny-gpt2", "torch", 1, "fp32", "none", "eager", (4, 256)),
+        # long sequences, where eager attention's backward (s x s gradients) is the block's peak
+        ("tiny-llama", "fsdp2", 3, "fp32", "none", "eager", (1, 1024)),
+        ("tiny-llama", "fsdp2", 2, "bf16", "selective", "eager", (1, 1024)),
+        ("tiny-llama", "fsdp2", 3, "fp32", "full", "eager", (1, 1024)),
+        ("tiny-llama", "torch", 1, "bf16", "none", "eager", (1, 1024)),
+        ("tiny-gpt2", "torch", 0, "bf16", "selective", "eager", (4, 256)),
+    ):
+        quick = (model, engine, ckpt, seq) == ("tiny-llama", "fsdp2", "selective", 1024)  # the CI slice's eager row
+        rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, attention=attention, micro_batch=mb, seq_len=seq,
+                        quick=quick))
+    rows.append(Row("tiny-llama", "deepspeed", 3, "fp32", checkpointing="selective", attention="eager", micro_batch=1,
+                    seq_len=1024, small_buckets=True))
+    return tuple(rows)
+
+
+GRID: tuple[Row, ...] = _grid()
+
+
+def select_rows(
+    rows: Sequence[Row], patterns: str | None = None, *, quick: bool = False, skip_deepspeed_offload: bool = False
+) -> list[Row]:
+    """The rows matching any of the comma-separated `patterns` (a glob on the row id, or a plain
+    substring when it has no `*?[`), only the CI slice with `quick`, without the rows that need
+    DeepSpeed's cpu_adam build with `skip_deepspeed_offload`."""
+    wanted = [p.strip() for p in (patterns or "").split(",") if p.strip()]
+
+    def matches(row: Row) -> bool:
+        if not wanted:
+            return True
+        return any(fnmatch.fnmatchcase(row.id, p) if any(c in p for c in "*?[") else p in row.id for p in wanted)
+
+    chosen = [r for r in rows if matches(r) and (r.quick or not quick) and not (skip_deepspeed_offload and r.needs_cpu_adam)]
+    if not chosen:
+        raise SpecError(f"rows: no row of the grid matches {patterns!r}" + (" in the --quick slice" if quick else ""))
+    return chosen
+
+
+def row_specs(row: Row, backend: str = "gloo"):
+    """(ModelSpec, TrainingSpec) of a row."""
+    from zeroplan.importers.catalog import resolve_model
+    from zeroplan.spec.training import TrainingSpec
+
+    return resolve_model(row.model), TrainingSpec(**row.training_fields(backend))
+
+
+def run_backend(row: Row, backend: str) -> str:
+    """The backend a row runs on: fake for simulated rows, else the run's (gloo or nccl)."""
+    return "fake" if row.simulate else backend
+
+
+def row_implementation(row: Row) -> str:
+    """The model code a row runs. Simulated rows run zeroplan's reference model: under fake
+    tensors transformers takes the run for tracing (utils/import_utils.py is_tracing) and builds
+    an explicit causal mask that a real run does not, so a Hugging Face model would measure
+    activations a real run never holds. The reference model mirrors transformers' Llama
+    (zeroplan/measure/reference_model.py); tests/test_measure_distributed.py checks that a
+    simulated reference run matches a real 2-rank one."""
+    return "reference" if row.simulate else "auto"
+

@@ -1,0 +1,47 @@
+"""What every renderer shares: the output formats, the category labels, amounts in a unit, and tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from zeroplan.spec.units import bytes_in_unit
+
+FORMATS = ("table", "json", "csv", "markdown")
+UNITS = ("GiB", "GB")
+
+CATEGORY_LABELS = {
+    "params": "params",
+    "grads": "grads",
+    "optimizer_states": "optimizer states",
+    "activations": "activations",
+    "buffers": "buffers",
+    "temporaries": "temporaries",
+    "overhead": "overhead",
+}
+"""Category keys of `per_gpu` and `phases[]`, in report order, with their table labels."""
+
+
+def amount(size_bytes: int, units: str, decimals: int = 2) -> str:
+    """`size_bytes` in `units` (GiB = 2^30, GB = 10^9, ...), with thousands separators; the caller labels the unit."""
+    return f"{bytes_in_unit(size_bytes, units):,.{decimals}f}"
+
+
+def percent(error: float | None) -> str:
+    """A signed relative error, e.g. +4.1%; empty where there is none (nothing was measured)."""
+    return "" if error is None else f"{error:+.1%}"
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], markdown: bool = False, left: int = 1,
+          colalign: Sequence[str] | None = None) -> str:
+    """A table whose cells are shown as given: the first `left` columns left-aligned and the rest
+    right-aligned (figures), unless `colalign` says otherwise; github-flavoured in markdown."""
+    from tabulate import tabulate  # imported when a table is drawn, not for json/csv
+
+    return tabulate(
+        rows,
+        headers=headers,
+        tablefmt="github" if markdown else "simple",
+        disable_numparse=True,
+        colalign=tuple(colalign) if colalign else ("left",) * left + ("right",) * (len(headers) - left),
+    )
