@@ -12,10 +12,11 @@ import pytest
 from click.testing import CliRunner
 
 from zeroplan.importers.catalog import resolve_model
-from zeroplan.plan.grid import compare, render_comparison
+from zeroplan.plan.grid import compare
 from zeroplan.errors import MissingDependencyError, SpecError
 from zeroplan.estimate import estimate
 from zeroplan.estimate.serialize import estimate_to_dict
+from zeroplan.report.compare import render_comparison
 from zeroplan.spec.model import ParamCountSpec
 from zeroplan.spec.training import Offload, TrainingSpec
 

@@ -21,8 +21,9 @@ from zeroplan.estimate.result import (
     PhaseBytes,
     Step,
 )
-from zeroplan.estimate.serialize import CATEGORIES, estimate_to_dict
-from zeroplan.report.estimate import CATEGORY_LABELS, model_rows, render_estimate, render_models
+from zeroplan.estimate.serialize import CATEGORIES, estimate_to_dict, model_rows
+from zeroplan.report.common import CATEGORY_LABELS
+from zeroplan.report.estimate import render_estimate, render_models
 from zeroplan.spec.training import TrainingSpec
 
 GIB = 2**30

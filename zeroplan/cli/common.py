@@ -13,7 +13,7 @@ from typing import Any, TypeVar, get_args
 import click
 
 from zeroplan.errors import ZeroplanError
-from zeroplan.report.estimate import FORMATS, UNITS
+from zeroplan.report.common import FORMATS, UNITS
 from zeroplan.spec.training import (
     Attention,
     Checkpointing,

@@ -36,7 +36,8 @@ def command(**options: Any) -> None:
       zeroplan compare --params 7.5e9 --engine paper --gpus 64 --units GB --format markdown
     """
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
-    from zeroplan.plan.grid import OFFLOAD_CHOICES, compare, render_comparison
+    from zeroplan.plan.grid import OFFLOAD_CHOICES, compare
+    from zeroplan.report.compare import render_comparison
     from zeroplan.importers.options import model_from_options
 
     stages = parse_int_list(options["zero_stages"], "--zero", 0, 3)

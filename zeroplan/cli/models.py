@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zeroplan.report.estimate import FORMATS
+from zeroplan.report.common import FORMATS
 
 
 @click.command("models")
@@ -19,6 +19,7 @@ def command(output_format: str) -> None:
       zeroplan models --format json
     """
     from zeroplan.importers.catalog import list_models
-    from zeroplan.report.estimate import model_rows, render_models
+    from zeroplan.estimate.serialize import model_rows
+    from zeroplan.report.estimate import render_models
 
     click.echo(render_models(model_rows(list_models()), output_format), nl=False)

@@ -17,6 +17,7 @@ All sizes are ints in bytes. Keys:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from zeroplan.estimate.result import CategoryBytes, Estimate, NodeBytes, PhaseBytes
@@ -67,3 +68,44 @@ def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_byte
         data["gpu_memory"] = gpu_memory_bytes
         data["fits"] = peak.total_bytes <= gpu_memory_bytes
     return data
+
+
+def gpu_memory_left_bytes(data: dict[str, Any]) -> int:
+    """What an estimate's GPU memory (`data` from `estimate_to_dict` with a GPU memory size) holds
+    beyond the peak; negative when the peak does not fit, by that much."""
+    return data["gpu_memory"] - data["per_gpu"]["peak"]
+
+
+def node_count(config: dict[str, Any]) -> int:
+    """The nodes of `config` (the `config` of `estimate_to_dict`: gpus_per_node resolved)."""
+    return config["gpus"] // config["gpus_per_node"]
+
+
+MODEL_COLUMNS = ("name", "params", "family", "layers", "hidden", "heads", "kv_heads", "experts", "vocab", "source")
+
+
+def model_rows(specs: Iterable[Any]) -> list[dict[str, Any]]:
+    """One row per catalogue model: its exact parameter count and shape (None where a model is
+    known only by its count), by family, then by size."""
+    from zeroplan.estimate.layout import param_layout
+
+    rows = []
+    for spec in specs:
+        if spec.kind == "params":
+            rows.append({column: None for column in MODEL_COLUMNS} | {"name": spec.name, "params": spec.params, "source": spec.source})
+            continue
+        rows.append(
+            {
+                "name": spec.name,
+                "params": param_layout(spec).total_params,
+                "family": spec.hf_model_type,
+                "layers": spec.num_layers,
+                "hidden": spec.hidden_size,
+                "heads": spec.num_heads,
+                "kv_heads": spec.kv_heads,
+                "experts": spec.num_experts,
+                "vocab": spec.vocab_size,
+                "source": spec.source,
+            }
+        )
+    return sorted(rows, key=lambda row: (row["family"] or "", row["params"]))

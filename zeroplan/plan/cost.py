@@ -106,6 +106,11 @@ class StepCost:
         return self.compute_s + self.recompute_s + self.communication_s + self.offload_s + self.optimizer_s
 
     @property
+    def tokens_per_s(self) -> float:
+        """Tokens one GPU trains per second."""
+        return self.tokens / self.step_s
+
+    @property
     def gpu_seconds_per_token(self) -> float:
         """The ranking key: GPU time per trained token (lower is cheaper)."""
         return self.step_s / self.tokens

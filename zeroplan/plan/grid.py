@@ -14,9 +14,6 @@ skipped with the reason, in `Comparison.skipped`.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,12 +21,9 @@ from pydantic import ValidationError
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate.result import Estimate
-from zeroplan.estimate.serialize import CATEGORIES, per_gpu_to_dict, per_node_to_dict
 from zeroplan.spec.training import Engine, Offload, TrainingSpec
-from zeroplan.spec.units import bytes_in_unit
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme", "cpu-optimizer", "nvme-optimizer")
-FORMATS = ("table", "json", "csv", "markdown")
 
 
 @dataclass(frozen=True)
@@ -49,20 +43,6 @@ class CompareRow:
         if self.baseline_peak_bytes is None:
             return None
         return 100.0 * (1 - self.estimate.peak_bytes / self.baseline_peak_bytes)
-
-    def as_dict(self) -> dict:
-        return {
-            "config": self.label,
-            "zero_stage": self.training.zero_stage,
-            "gpus": self.training.gpus,
-            "offload": self.offload,
-            "offload_optimizer": self.training.offload_optimizer.value,
-            "offload_params": self.training.offload_params.value,
-            "per_gpu": per_gpu_to_dict(self.estimate),  # the shapes of `zeroplan estimate --format json`
-            "per_node": per_node_to_dict(self.estimate.per_node),
-            "saving_vs_stage0_percent": None if self.saving_percent is None else round(self.saving_percent, 2),
-            "fits": self.fits,
-        }
 
 
 @dataclass(frozen=True)
@@ -164,67 +144,3 @@ def compare(
                     )
                 )
     return Comparison(getattr(model, "name", "model"), tuple(rows), tuple(skipped), gpu_memory_bytes, budget)
-
-
-# -- rendering -----------------------------------------------------------------------------------
-_HEADERS = ("config", "GPUs", "params", "grads", "optim", "activ", "buffers", "temps", "overhead", "peak",
-            "peak phase", "CPU/node", "NVMe/node", "saving", "fits")
-
-
-def _table_rows(comparison: Comparison, units: str) -> list[list[str]]:
-    def amount(size_bytes: int) -> str:
-        return f"{bytes_in_unit(size_bytes, units):,.2f}"
-
-    table = []
-    for row in comparison.rows:
-        peak = row.estimate.peak
-        cats = peak.categories
-        saving = "" if row.saving_percent is None else f"{row.saving_percent:.1f}%"
-        fits = "" if row.fits is None else ("yes" if row.fits else "NO")
-        table.append([
-            row.label, str(row.training.gpus), amount(cats.params), amount(cats.grads), amount(cats.optimizer_states),
-            amount(cats.activations), amount(cats.buffers), amount(cats.temporaries), amount(cats.overhead),
-            amount(peak.total_bytes), f"{peak.step.value} {peak.phase.value}", amount(row.estimate.per_node.cpu_bytes),
-            amount(row.estimate.per_node.nvme_bytes), saving, fits,
-        ])
-    return table
-
-
-def render_comparison(comparison: Comparison, fmt: str = "table", units: str = "GiB") -> str:
-    """The comparison as a table (per-GPU bytes at the peak, in `units`), JSON (ints), CSV or Markdown."""
-    if fmt == "json":
-        return json.dumps(
-            {
-                "model": comparison.model_name,
-                "gpu_memory": comparison.gpu_memory_bytes,
-                "budget": comparison.budget_bytes,
-                "rows": [row.as_dict() for row in comparison.rows],
-                "skipped": list(comparison.skipped),
-            },
-            indent=2,
-        )
-    if fmt == "csv":
-        out = io.StringIO()
-        writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(["config", "gpus", "offload", *(f"{c}_bytes" for c in CATEGORIES), "peak_bytes", "peak_step", "peak_phase",
-                         "cpu_per_node_bytes", "nvme_per_node_bytes", "saving_vs_stage0_percent", "fits"])
-        for row in comparison.rows:
-            data = row.as_dict()
-            writer.writerow([data["config"], data["gpus"], data["offload"], *(data["per_gpu"][c] for c in CATEGORIES),
-                             data["per_gpu"]["peak"], data["per_gpu"]["peak_step"], data["per_gpu"]["peak_phase"], data["per_node"]["cpu"],
-                             data["per_node"]["nvme"], "" if data["saving_vs_stage0_percent"] is None else data["saving_vs_stage0_percent"],
-                             "" if data["fits"] is None else data["fits"]])
-        return out.getvalue()
-    if fmt not in FORMATS:
-        raise SpecError(f"--format: unknown format {fmt!r}; use {', '.join(FORMATS)}")
-    from tabulate import tabulate
-
-    headers = [h if h in ("config", "GPUs", "peak phase", "saving", "fits") else f"{h} ({units})" for h in _HEADERS]
-    text = tabulate(_table_rows(comparison, units), headers=headers, tablefmt="github" if fmt == "markdown" else "simple",
-                    disable_numparse=True, colalign=("left",) + ("right",) * (len(headers) - 1))
-    lines = [f"{comparison.model_name}: per-GPU memory at the peak, {units} ({'2^30' if units == 'GiB' else '10^9'} bytes); "
-             "saving = peak below the ZeRO-0 baseline on the same GPU count", text]
-    if comparison.budget_bytes is not None:
-        lines.append(f"fits = peak <= {bytes_in_unit(comparison.budget_bytes, units):,.2f} {units}")
-    lines.extend(f"note: {note}" for note in comparison.skipped)
-    return "\n".join(lines) + "\n"

@@ -10,24 +10,12 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from zeroplan.estimate.serialize import MODEL_COLUMNS, gpu_memory_left_bytes, node_count
+from zeroplan.report.common import CATEGORY_LABELS, amount, table
 from zeroplan.spec.units import bytes_in_unit
-
-FORMATS = ("table", "json", "csv", "markdown")
-UNITS = ("GiB", "GB")
-
-CATEGORY_LABELS = {
-    "params": "params",
-    "grads": "grads",
-    "optimizer_states": "optimizer states",
-    "activations": "activations",
-    "buffers": "buffers",
-    "temporaries": "temporaries",
-    "overhead": "overhead",
-}
-"""Category keys of `per_gpu` and `phases[]`, in report order, with their table labels."""
 
 _SHORT_LABELS = CATEGORY_LABELS | {"optimizer_states": "opt states", "temporaries": "temps"}
 """Labels of the (wide) per-phase table."""
@@ -35,27 +23,10 @@ _SHORT_LABELS = CATEGORY_LABELS | {"optimizer_states": "opt states", "temporarie
 _PRECISION_LABELS = {"fp32": "fp32", "fp16": "fp16 mixed", "bf16": "bf16 mixed", "pure-bf16": "pure bf16"}
 
 
-def _amount(size_bytes: int, units: str) -> str:
-    return f"{bytes_in_unit(size_bytes, units):,.2f}"
-
-
-def _tabulate(rows: Sequence[Sequence[Any]], headers: Sequence[str], markdown: bool, left: int = 1) -> str:
-    """A table whose first `left` columns are text (left-aligned) and the rest figures."""
-    from tabulate import tabulate  # imported when a table is drawn, not for json/csv
-
-    return tabulate(
-        rows,
-        headers=headers,
-        tablefmt="github" if markdown else "simple",
-        disable_numparse=True,
-        colalign=("left",) * left + ("right",) * (len(headers) - left),
-    )
-
-
 def _describe_config(data: dict[str, Any]) -> str:
     """One line: engine, stage, world, precision, optimizer, batch, offload, device."""
     config = data["config"]
-    nodes = config["gpus"] // config["gpus_per_node"]
+    nodes = node_count(config)
     parts = [
         f"{data['engine']} ZeRO-{config['zero_stage']}",
         f"{config['gpus']} GPU{'s' if config['gpus'] > 1 else ''} ({nodes} node{'s' if nodes > 1 else ''} x {config['gpus_per_node']})",
@@ -90,19 +61,19 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
         _describe_config(data),
         "",
         heading(f"Per GPU at the peak ({per_gpu['peak_step']} step, {per_gpu['peak_phase']})"),
-        _tabulate(
-            [[label, _amount(per_gpu[key], units)] for key, label in CATEGORY_LABELS.items()]
-            + [["peak", _amount(per_gpu["peak"], units)]],
+        table(
+            [[label, amount(per_gpu[key], units)] for key, label in CATEGORY_LABELS.items()]
+            + [["peak", amount(per_gpu["peak"], units)]],
             ["category", units],
             markdown,
         ),
         "",
         heading(f"Per GPU by phase ({units})"),
-        _tabulate(
+        table(
             [
                 [f"{row['step']} {row['phase']}"]
-                + [_amount(row[key], units) for key in CATEGORY_LABELS]
-                + [_amount(row["total"], units), _peak_marker(row, per_gpu)]
+                + [amount(row[key], units) for key in CATEGORY_LABELS]
+                + [amount(row["total"], units), _peak_marker(row, per_gpu)]
                 for row in data["phases"]
             ],
             ["step phase", *_SHORT_LABELS.values(), "total", ""],
@@ -111,18 +82,18 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
         "",
         heading("Per node"),
         (
-            f"CPU RAM {_amount(per_node['cpu'], units)} {units} (pinned {_amount(per_node['pinned'], units)} {units}),"
-            f" NVMe {_amount(per_node['nvme'], units)} {units}"
+            f"CPU RAM {amount(per_node['cpu'], units)} {units} (pinned {amount(per_node['pinned'], units)} {units}),"
+            f" NVMe {amount(per_node['nvme'], units)} {units}"
         ),
     ]
     if "fits" in data:
-        free = data["gpu_memory"] - per_gpu["peak"]
+        free = gpu_memory_left_bytes(data)
         verdict = (
-            f"yes, {_amount(free, units)} {units} to spare"
+            f"yes, {amount(free, units)} {units} to spare"
             if data["fits"]
-            else f"no, {_amount(-free, units)} {units} over"
+            else f"no, {amount(-free, units)} {units} over"
         )
-        out += ["", f"Fits in {_amount(data['gpu_memory'], units)} {units} per GPU: {verdict}"]
+        out += ["", f"Fits in {amount(data['gpu_memory'], units)} {units} per GPU: {verdict}"]
     if data["notes"]:
         out += ["", heading("Notes")] + [f"- {note}" for note in data["notes"]]
     return "\n".join(out) + "\n"
@@ -156,38 +127,8 @@ def render_estimate(data: dict[str, Any], output_format: str = "table", units: s
     return _estimate_text(data, units, markdown=output_format == "markdown")
 
 
-MODEL_COLUMNS = ("name", "params", "family", "layers", "hidden", "heads", "kv_heads", "experts", "vocab", "source")
-
-
-def model_rows(specs: Iterable[Any]) -> list[dict[str, Any]]:
-    """One row per catalogue model: its exact parameter count and shape (None where a model is
-    known only by its count), by family, then by size."""
-    from zeroplan.estimate.layout import param_layout
-
-    rows = []
-    for spec in specs:
-        if spec.kind == "params":
-            rows.append({column: None for column in MODEL_COLUMNS} | {"name": spec.name, "params": spec.params, "source": spec.source})
-            continue
-        rows.append(
-            {
-                "name": spec.name,
-                "params": param_layout(spec).total_params,
-                "family": spec.hf_model_type,
-                "layers": spec.num_layers,
-                "hidden": spec.hidden_size,
-                "heads": spec.num_heads,
-                "kv_heads": spec.kv_heads,
-                "experts": spec.num_experts,
-                "vocab": spec.vocab_size,
-                "source": spec.source,
-            }
-        )
-    return sorted(rows, key=lambda row: (row["family"] or "", row["params"]))
-
-
 def render_models(rows: Sequence[dict[str, Any]], output_format: str = "table") -> str:
-    """The catalogue rows of `model_rows` in `output_format`."""
+    """The catalogue rows of `zeroplan.estimate.serialize.model_rows` in `output_format`."""
     if output_format == "json":
         return json.dumps(list(rows), indent=2) + "\n"
     if output_format == "csv":
@@ -197,8 +138,8 @@ def render_models(rows: Sequence[dict[str, Any]], output_format: str = "table") 
         writer.writerows(rows)
         return buffer.getvalue()
     shown = ["name", "family", "params", "layers", "hidden", "heads", "kv_heads", "experts", "vocab"]
-    table = [
+    cells = [
         [f"{row[column]:,}" if column == "params" else ("" if row[column] is None else str(row[column])) for column in shown]
         for row in rows
     ]
-    return _tabulate(table, shown, markdown=output_format == "markdown", left=2) + "\n"
+    return table(cells, shown, markdown=output_format == "markdown", left=2) + "\n"

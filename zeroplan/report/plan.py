@@ -5,13 +5,15 @@ from __future__ import annotations
 import csv
 import io
 import json
+from typing import TYPE_CHECKING
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate.serialize import per_gpu_to_dict, per_node_to_dict
-from zeroplan.plan.search import Plan, RankedConfig
-from zeroplan.spec.units import bytes_in_unit
+from zeroplan.report.common import FORMATS, amount, table
 
-FORMATS = ("table", "json", "csv", "markdown")
+if TYPE_CHECKING:
+    from zeroplan.plan.search import Plan, RankedConfig
+
 _GB = 10**9
 
 
@@ -85,14 +87,9 @@ def render_plan(plan: Plan, fmt: str = "table", units: str = "GiB") -> str:
         return out.getvalue()
     if fmt not in FORMATS:
         raise SpecError(f"--format: unknown format {fmt!r}; use {', '.join(FORMATS)}")
-    from tabulate import tabulate
-
-    def amount(size_bytes: int) -> str:
-        return f"{bytes_in_unit(size_bytes, units):,.2f}"
-
     limits = plan.limits
     lines = [
-        f"{plan.model_name}: {amount(limits.gpu_memory_bytes)} {units} per GPU, budget {amount(limits.budget_bytes)} {units} "
+        f"{plan.model_name}: {amount(limits.gpu_memory_bytes, units)} {units} per GPU, budget {amount(limits.budget_bytes, units)} {units} "
         f"after {limits.headroom:.0%} headroom; searched {plan.evaluated:,} configurations "
         f"({plan.estimate_calls:,} memory-model evaluations), {plan.fitting:,} fit",
     ]
@@ -102,17 +99,17 @@ def render_plan(plan: Plan, fmt: str = "table", units: str = "GiB") -> str:
             cost = config.cost
             rows.append([
                 str(config.rank), config.choice.label(), str(config.choice.gpus), f"{config.micro_batch} x {config.grad_accum}",
-                amount(config.estimate.peak_bytes), amount(config.estimate.per_node.cpu_bytes), f"{cost.step_s:.3f}",
-                f"{cost.tokens / cost.step_s:,.0f}", config.reason,
+                amount(config.estimate.peak_bytes, units), amount(config.estimate.per_node.cpu_bytes, units), f"{cost.step_s:.3f}",
+                f"{cost.tokens_per_s:,.0f}", config.reason,
             ])
         headers = ["#", "config", "GPUs", "micro x accum", f"peak ({units})", f"CPU/node ({units})", "step (s)",
                    "tokens/s/GPU", "why it ranks here"]
-        lines.append(tabulate(rows, headers=headers, tablefmt="github" if fmt == "markdown" else "simple",
-                              disable_numparse=True, colalign=("right", "left", "right", "right", "right", "right", "right", "right", "left")))
+        lines.append(table(rows, headers, markdown=fmt == "markdown",
+                           colalign=("right", "left", "right", "right", "right", "right", "right", "right", "left")))
         largest = plan.largest_micro_batch
         if largest is not None:
             lines.append(f"largest micro-batch that fits: {largest.micro_batch} ({largest.choice.label()} on "
-                         f"{largest.choice.gpus} GPUs, peak {amount(largest.estimate.peak_bytes)} {units}, rank {largest.rank})")
+                         f"{largest.choice.gpus} GPUs, peak {amount(largest.estimate.peak_bytes, units)} {units}, rank {largest.rank})")
     else:
         lines.append("nothing fits. Smallest changes that would:")
         lines.extend(f"  - {suggestion}" for suggestion in plan.suggestions)

@@ -5,10 +5,14 @@ imported only here and only when a picture is asked for."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from zeroplan.plan.grid import CATEGORIES, Comparison
 from zeroplan.errors import MissingDependencyError, SpecError
+from zeroplan.estimate.serialize import CATEGORIES
 from zeroplan.spec.units import bytes_in_unit
+
+if TYPE_CHECKING:
+    from zeroplan.plan.grid import Comparison
 
 _LABELS = {
     "params": "parameters",

@@ -1,0 +1,87 @@
+"""`zeroplan compare`'s output: a `Comparison` (zeroplan.plan.grid) as a table, JSON, CSV or
+Markdown. Formatting only."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import TYPE_CHECKING, Any
+
+from zeroplan.errors import SpecError
+from zeroplan.estimate.serialize import CATEGORIES, per_gpu_to_dict, per_node_to_dict
+from zeroplan.report.common import FORMATS, amount, table
+
+if TYPE_CHECKING:
+    from zeroplan.plan.grid import CompareRow, Comparison
+
+
+def row_to_dict(row: CompareRow) -> dict[str, Any]:
+    """One row of `zeroplan compare --format json`: bytes as ints, per GPU and per node as
+    `zeroplan estimate --format json` has them."""
+    return {
+        "config": row.label,
+        "zero_stage": row.training.zero_stage,
+        "gpus": row.training.gpus,
+        "offload": row.offload,
+        "offload_optimizer": row.training.offload_optimizer.value,
+        "offload_params": row.training.offload_params.value,
+        "per_gpu": per_gpu_to_dict(row.estimate),
+        "per_node": per_node_to_dict(row.estimate.per_node),
+        "saving_vs_stage0_percent": None if row.saving_percent is None else round(row.saving_percent, 2),
+        "fits": row.fits,
+    }
+
+
+_HEADERS = ("config", "GPUs", "params", "grads", "optim", "activ", "buffers", "temps", "overhead", "peak",
+            "peak phase", "CPU/node", "NVMe/node", "saving", "fits")
+
+
+def _table_rows(comparison: Comparison, units: str) -> list[list[str]]:
+    rows = []
+    for row in comparison.rows:
+        peak = row.estimate.peak
+        saving = "" if row.saving_percent is None else f"{row.saving_percent:.1f}%"
+        fits = "" if row.fits is None else ("yes" if row.fits else "NO")
+        amounts = [amount(size_bytes, units) for size_bytes in (*peak.categories, peak.total_bytes)]
+        rows.append([row.label, str(row.training.gpus), *amounts, f"{peak.step.value} {peak.phase.value}",
+                     amount(row.estimate.per_node.cpu_bytes, units), amount(row.estimate.per_node.nvme_bytes, units),
+                     saving, fits])
+    return rows
+
+
+def render_comparison(comparison: Comparison, fmt: str = "table", units: str = "GiB") -> str:
+    """The comparison as a table (per-GPU bytes at the peak, in `units`), JSON (ints), CSV or Markdown."""
+    if fmt == "json":
+        return json.dumps(
+            {
+                "model": comparison.model_name,
+                "gpu_memory": comparison.gpu_memory_bytes,
+                "budget": comparison.budget_bytes,
+                "rows": [row_to_dict(row) for row in comparison.rows],
+                "skipped": list(comparison.skipped),
+            },
+            indent=2,
+        )
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(["config", "gpus", "offload", *(f"{c}_bytes" for c in CATEGORIES), "peak_bytes", "peak_step", "peak_phase",
+                         "cpu_per_node_bytes", "nvme_per_node_bytes", "saving_vs_stage0_percent", "fits"])
+        for row in comparison.rows:
+            data = row_to_dict(row)
+            writer.writerow([data["config"], data["gpus"], data["offload"], *(data["per_gpu"][c] for c in CATEGORIES),
+                             data["per_gpu"]["peak"], data["per_gpu"]["peak_step"], data["per_gpu"]["peak_phase"], data["per_node"]["cpu"],
+                             data["per_node"]["nvme"], "" if data["saving_vs_stage0_percent"] is None else data["saving_vs_stage0_percent"],
+                             "" if data["fits"] is None else data["fits"]])
+        return out.getvalue()
+    if fmt not in FORMATS:
+        raise SpecError(f"--format: unknown format {fmt!r}; use {', '.join(FORMATS)}")
+    headers = [h if h in ("config", "GPUs", "peak phase", "saving", "fits") else f"{h} ({units})" for h in _HEADERS]
+    text = table(_table_rows(comparison, units), headers, markdown=fmt == "markdown")
+    lines = [f"{comparison.model_name}: per-GPU memory at the peak, {units} ({'2^30' if units == 'GiB' else '10^9'} bytes); "
+             "saving = peak below the ZeRO-0 baseline on the same GPU count", text]
+    if comparison.budget_bytes is not None:
+        lines.append(f"fits = peak <= {amount(comparison.budget_bytes, units)} {units}")
+    lines.extend(f"note: {note}" for note in comparison.skipped)
+    return "\n".join(lines) + "\n"
