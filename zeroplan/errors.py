@@ -23,3 +23,8 @@ class MeasureError(ZeroplanError):
 
 class MissingDependencyError(ZeroplanError):
     """An optional package is needed for this command; the message says how to install it."""
+
+
+class ZeroplanWarning(UserWarning):
+    """Input read as the engine reads it, though probably not as meant (a key the engine ignores):
+    the result is still computed; the CLI prints the message on one line on stderr."""

@@ -45,7 +45,7 @@ def command(**options: Any) -> None:
     offloads = parse_choice_list(options["offloads"], "--offload", OFFLOAD_CHOICES)
     _, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
-    base = base_training(options, stages, max(gpu_counts))
+    base = base_training(options, stages, max(gpu_counts), model)
     comparison = compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"])
     click.echo(render_comparison(comparison, options["output_format"], options["units"]), nl=False)
     if options["plot_file"]:

@@ -31,7 +31,7 @@ def command(**options: Any) -> None:
     from zeroplan.importers.options import model_from_options, training_spec_from_options
 
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
-    training = training_spec_from_options(options, options["config_file"])
+    training = training_spec_from_options(options, options["config_file"], model)
 
     from zeroplan.estimate import estimate
     from zeroplan.estimate.serialize import estimate_to_dict

@@ -87,16 +87,16 @@ def resolve_gpu(name: str | None, memory_bytes: int | None):
     return preset, memory_bytes if memory_bytes is not None else preset.memory_bytes
 
 
-def base_training(options: dict, stages: Iterable[int], gpus: int):
+def base_training(options: dict, stages: Iterable[int], gpus: int, model):
     """The TrainingSpec the grid varies: the options and --config at `gpus` GPUs, with the first of
     the searched `stages` the engine accepts (fsdp2 has no stage 0 or 1, torch no stage 2 or 3),
-    so that the base validates before the grid replaces its stage."""
+    so that the base validates before the grid replaces its stage. `model` fills the config's "auto" values."""
     from zeroplan.importers.options import training_spec_from_options
 
     first_error = None
     for stage in stages:
         try:
-            return training_spec_from_options({**options, "gpus": gpus, "zero_stage": stage}, options["config_file"])
+            return training_spec_from_options({**options, "gpus": gpus, "zero_stage": stage}, options["config_file"], model)
         except SpecError as error:
             first_error = first_error or error
     raise first_error

@@ -7,14 +7,16 @@ else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import click
 
-from zeroplan.errors import ZeroplanError
+from zeroplan.errors import ZeroplanError, ZeroplanWarning
 
 USER_ERROR_STATUS = 2
 
@@ -23,6 +25,24 @@ def fail(message: str) -> NoReturn:
     """Print `message` as one line on stderr and exit with status 2."""
     click.echo(f"Error: {' '.join(str(message).split())}", err=True)
     sys.exit(USER_ERROR_STATUS)
+
+
+@contextlib.contextmanager
+def warnings_on_one_line() -> Iterator[None]:
+    """Print each `ZeroplanWarning` (input read as the engine reads it, probably not as meant) as one
+    line on stderr, every time; other warnings keep Python's handling."""
+    with warnings.catch_warnings():  # restores the filters and showwarning on exit
+        warnings.simplefilter("always", ZeroplanWarning)
+        show = warnings.showwarning
+
+        def show_one_line(message, category, filename, lineno, file=None, line=None) -> None:
+            if issubclass(category, ZeroplanWarning):
+                click.echo(f"Warning: {' '.join(str(message).split())}", err=True)
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show_one_line
+        yield
 
 
 class LazyGroup(click.Group):
@@ -45,7 +65,8 @@ class LazyGroup(click.Group):
         three lines, and a library error would otherwise end in a traceback)."""
         extra.pop("standalone_mode", None)
         try:
-            status = super().main(args, prog_name, standalone_mode=False, **extra)
+            with warnings_on_one_line():
+                status = super().main(args, prog_name, standalone_mode=False, **extra)
         except click.UsageError as error:
             if type(error).__name__ == "NoArgsIsHelpError":  # `zeroplan` alone (click >= 8.2)
                 click.echo(error.ctx.get_help())

@@ -109,7 +109,7 @@ def command(**options: Any) -> None:
     assumptions = assumptions_for(speeds, **overrides)
 
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
-    base = base_training(options, space.zero_stages, max(gpu_counts))
+    base = base_training(options, space.zero_stages, max(gpu_counts), model)
     emit = options["emit"]
     if emit and emit[0] == "fsdp" and base.engine != Engine.FSDP2:
         raise SpecError("--emit fsdp: plan with --engine fsdp2, so that the plan models FSDP2's memory")

@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from zeroplan.errors import SpecError, UnknownModelError
+from zeroplan.importers.files import check_nesting, read_text
 from zeroplan.spec.model import ModelSpec, ParamCountSpec, TransformerSpec
 
 _MODEL_SPEC = TypeAdapter(ModelSpec)
@@ -74,22 +75,25 @@ def spec_from_data(data: Any, where: str) -> ModelSpec:
 
 
 def _read_toml(path: Path, where: str) -> dict[str, Any]:
+    text = read_text(path, "model file", where)
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         # tomllib's message already ends with "(at line L, column C)".
         raise SpecError(f"{where}: invalid TOML: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{where}: cannot read: {exc}") from None
+    except RecursionError:  # tomllib recurses into nested arrays and inline tables
+        raise SpecError(f"{where}: nested too deeply for a model file") from None
 
 
 def _read_json(path: Path, where: str) -> Any:
+    text = read_text(path, "model file", where)
+    check_nesting(text, where)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise SpecError(f"{where}: invalid JSON: {exc.msg} (at line {exc.lineno}, column {exc.colno})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{where}: cannot read: {exc}") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits (sys.get_int_max_str_digits)
+        raise SpecError(f"{where}: invalid JSON: {exc}") from None
 
 
 def load_spec_file(path: Path, where: str | None = None) -> ModelSpec:
@@ -129,10 +133,16 @@ def resolve_model(text: str) -> ModelSpec:
     if text in names:
         return _catalogue_spec(text)
     path = Path(text).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
+    if path.is_dir():  # a save_pretrained folder holds config.json (transformers looks there too)
+        if not (path / "config.json").is_file():
+            raise UnknownModelError(f"MODEL {text!r} is a directory without a config.json; give a folder written "
+                                    "by save_pretrained, a config.json or a spec file")
         return load_spec_file(path / "config.json", where=str(path / "config.json"))
     if path.is_file():
         return load_spec_file(path, where=text)
+    folded = {name.lower(): name for name in names}
+    if text.lower() in folded:
+        return _catalogue_spec(folded[text.lower()])
     if path.suffix in (".toml", ".json") or "/" in text:
         raise UnknownModelError(f"model file {text!r} does not exist")
     close = difflib.get_close_matches(text.lower(), list(names), n=3, cutoff=0.5)

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import ast
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
+from zeroplan.importers.files import MAX_NESTING, read_text
 from zeroplan.importers.values import (
     as_bool,
     as_int,
@@ -30,7 +32,7 @@ from zeroplan.importers.values import (
     merge_pin_memory,
     read_offload,
 )
-from zeroplan.errors import SpecError
+from zeroplan.errors import SpecError, ZeroplanWarning
 from zeroplan.spec.training import Precision
 
 ENGINE = "ColossalAI ZeRO"
@@ -56,13 +58,17 @@ _INT_KNOBS = {
     "max_live_parameters": "stage3_max_live_parameters",
     "max_reuse_distance": "stage3_max_reuse_distance",
     "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "sub_group_size": "sub_group_size",
 }
-# ColossalAI defaults that differ from DeepSpeed's (and so from DeepSpeedKnobs'): overlap_comm=False at
-# level 3 (DeepSpeed: True at stage 3); allgather_bucket_size=5000000000 at level 2 (DeepSpeed: 5e8).
+# ColossalAI defaults that differ from DeepSpeed's (and so from DeepSpeedKnobs'): overlap_comm=False and
+# sub_group_size=1000000000000 at level 3 (DeepSpeed: True, 1e9); allgather_bucket_size=5000000000 at
+# level 2 (DeepSpeed: 5e8).
 _LEVEL_DEFAULTS: dict[int, dict[str, object]] = {
     2: {"allgather_bucket_size": 5_000_000_000},
-    3: {"overlap_comm": False},
+    3: {"overlap_comm": False, "sub_group_size": 1_000_000_000_000},
 }
+# Module-level names this reader maps; a config with none of them has nothing to estimate from.
+_READ_NAMES = ("zero", "optimizer", "gradient_accumulation")
 # optimizer.type of ColossalAI's registry (colossalai/nn/optimizer), lower-cased; all Adam variants keep
 # the same two states per parameter.
 _OPTIMIZERS = {"adam": "adam", "fusedadam": "adam", "cpuadam": "adam", "hybridadam": "adam", "adamw": "adamw",
@@ -88,15 +94,16 @@ class _Source:
 
 def load_python_config(path: Path) -> tuple[dict[str, object], _Source]:
     """The module's names and values, evaluated from the syntax tree only."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise SpecError(f"{path}: cannot read config: {error.strerror or error}") from None
+    text = read_text(path, "config")
     try:
         tree = ast.parse(text, filename=str(path))
     except SyntaxError as error:
         hint = " (the docs' '...' stands for the rest of the options: remove it)" if "..." in text else ""
         raise SpecError(f"{path}:{error.lineno}:{error.offset}: invalid Python: {error.msg}{hint}") from None
+    except (MemoryError, RecursionError):  # CPython's parser on thousands of nested unary operators
+        raise SpecError(f"{path}: nested too deeply for a config file") from None
+    if _depth(tree) > 2 * MAX_NESTING:
+        raise SpecError(f"{path}: nested deeper than {MAX_NESTING} levels; not a config file")
     source = _Source(path)
     names: dict[str, object] = {}
     for statement in tree.body:
@@ -115,6 +122,16 @@ def load_python_config(path: Path) -> tuple[dict[str, object], _Source]:
             source.lines[target.id] = statement.lineno
             _record_lines(statement.value, target.id, source)
     return names, source
+
+
+def _depth(tree: ast.AST) -> int:
+    """Depth of the syntax tree, walked without recursion (the evaluator and messages recurse)."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 def _evaluate(node: ast.expr, names: Mapping[str, object], path: Path, source: _Source, at: list[str]) -> object:
@@ -194,6 +211,9 @@ def _describe(node: ast.AST) -> str:
 
 def settings_from_colossalai(names: Mapping[str, object], where: _Source) -> dict[str, object]:
     """Partial TrainingSpec mapping for a ColossalAI-style config's module names."""
+    if not any(name in names for name in _READ_NAMES):
+        raise SpecError(f"{where.path}: sets none of {', '.join(_READ_NAMES)}: nothing to read "
+                        "(ZeRO settings are written zero = dict(type='ZeroRedundancyOptimizer_Level_3', ...))")
     settings: dict[str, object] = {}
     accum = []
     if "gradient_accumulation" in names:  # colossalai.initialize reads gpc.config.gradient_accumulation
@@ -240,11 +260,13 @@ def _zero(zero: Mapping[str, object], where: _Source) -> dict[str, object]:
     if level == 3:
         param_config = options.get("offload_param_config")
         if isinstance(param_config, Mapping) and "fast_init" in param_config:
-            # The ColossalAI docs' third example has `fast_init=OFFLOAD_PARAM_MAX_IN_CPU` here; fast_init
-            # is an optimizer-offload option, so the value was meant for max_in_cpu. We do not guess.
-            raise fail(where, "zero.offload_param_config.fast_init",
-                       "is not a parameter-offload option (the ColossalAI docs' example has this typo): "
-                       "write max_in_cpu=... instead")
+            # The ColossalAI docs' third example has `fast_init=OFFLOAD_PARAM_MAX_IN_CPU` here: Level_3 reads
+            # only its own keys of offload_param_config, so the run ignores it, and so does the estimate.
+            field = "zero.offload_param_config.fast_init"
+            warnings.warn(f"{where(field)}: {field} is ignored by ColossalAI (a parameter-offload config has no "
+                          "fast_init; the ColossalAI docs' example has this typo): estimated without it; write "
+                          "max_in_cpu=... if a limit on parameters kept in CPU memory was meant", ZeroplanWarning)
+            param_config = {key: value for key, value in param_config.items() if key != "fast_init"}
         opt_device, opt_pin, _ = read_offload(options.get("offload_optimizer_config"), "zero.offload_optimizer_config",
                                               where, ENGINE, param=False)
         par_device, par_pin, par_knobs = read_offload(param_config, "zero.offload_param_config", where, ENGINE,

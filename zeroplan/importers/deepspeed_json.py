@@ -17,8 +17,11 @@ from __future__ import annotations
 import difflib
 import json
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
+from zeroplan.importers.files import check_nesting, read_text
+from zeroplan.importers.hf_config import is_hf_config
 from zeroplan.importers.values import (
     fail,
     as_bool,
@@ -45,7 +48,11 @@ _INT_KNOBS: dict[str, tuple[tuple[str, ...], int]] = {
     "stage3_max_live_parameters": (("stage3_max_live_parameters", "max_live_parameters"), 0),
     "stage3_max_reuse_distance": (("stage3_max_reuse_distance", "max_reuse_distance"), 0),
     "stage3_param_persistence_threshold": (("stage3_param_persistence_threshold", "param_persistence_threshold"), 0),
+    "sub_group_size": (("sub_group_size",), 0),
 }
+# The Hugging Face Trainer fills these "auto" values from the model's hidden size h (transformers
+# integrations/deepspeed.py, HfTrainerDeepSpeedConfig.trainer_config_finalize): the stage3_ ones at stage 3 only.
+_TRAINER_FILLED = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
 _BOOL_KNOBS = ("overlap_comm", "contiguous_gradients")
 
 # Every other key DeepSpeedZeroConfig accepts (field names and aliases), which we read past: they change
@@ -54,7 +61,7 @@ _BOOL_KNOBS = ("overlap_comm", "contiguous_gradients")
 _ZERO_OTHER_KEYS = frozenset({
     "stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
     "reduce_scatter", "use_multi_rank_bucket_allreduce", "allgather_partitions", "compute_grad_norm",
-    "load_from_fp32_weights", "elastic_checkpoint", "zenflow", "sub_group_size",
+    "load_from_fp32_weights", "elastic_checkpoint", "zenflow",
     "model_persistence_threshold", "stage3_model_persistence_threshold",
     "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save",
@@ -87,24 +94,74 @@ _TOP_LEVEL_KNOWN = frozenset({"zero_allow_untested_optimizer", "zero_force_ds_cp
 
 
 def load_json(path: Path) -> dict[str, object]:
+    """The config as DeepSpeed reads it (runtime/config.py, DeepSpeedConfig: `hjson.load` with
+    `object_pairs_hook=dict_raise_error_on_duplicate_keys`): JSON, or hjson (comments, trailing
+    commas) where the hjson package is installed; duplicate keys refused."""
+    text = read_text(path, "DeepSpeed config")
+    check_nesting(text, str(path))
+    if not text.strip():
+        raise SpecError(f"{path}: is empty; a DeepSpeed config is a JSON object")
+    hook = partial(_no_duplicate_keys, path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise SpecError(f"{path}: cannot read DeepSpeed config: {error.strerror or error}") from None
-    try:
-        config = json.loads(text)
+        config = json.loads(text, object_pairs_hook=hook)
     except json.JSONDecodeError as error:
-        raise SpecError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") from None
+        config = _read_hjson(text, hook)
+        if config is None:
+            hint = "" if _hjson() is not None else (
+                " (DeepSpeed reads its config with hjson, which allows comments and trailing commas: "
+                "pip install hjson, or zeroplan[deepspeed], to read it the same way)")
+            raise SpecError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}{hint}") from None
+    except ValueError as error:  # an integer of more than 4,300 digits (sys.get_int_max_str_digits)
+        raise SpecError(f"{path}: invalid JSON: {error}") from None
     if not isinstance(config, dict):
         raise SpecError(f"{path}: a DeepSpeed config must be a JSON object, got {type(config).__name__}")
+    if not config:
+        raise SpecError(f"{path}: is an empty JSON object: no DeepSpeed settings to read")
+    if is_hf_config(config):
+        raise SpecError(f"{path}: is a model config (it has model_type), not a DeepSpeed config; give it as MODEL")
     return config
 
 
-def settings_from_deepspeed(config: Mapping[str, object], where: Where, gpus: int | None = None) -> dict[str, object]:
-    """Partial TrainingSpec mapping for one DeepSpeed config (see the module docstring)."""
+def _no_duplicate_keys(path: Path, pairs: list[tuple[str, object]]) -> dict[str, object]:
+    config = dict(pairs)
+    if len(config) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(key for key, _value in pairs if key in seen or seen.add(key))
+        raise SpecError(f"{path}: duplicate key {duplicate!r}; DeepSpeed refuses duplicate keys")
+    return config
+
+
+def _hjson():
+    try:
+        import hjson
+    except ImportError:
+        return None
+    return hjson
+
+
+def _read_hjson(text: str, hook) -> dict[str, object] | None:
+    """The hjson reading of a document that is not JSON, or None where hjson is missing, fails,
+    or reads something other than an object (it reads a lone word as a string)."""
+    hjson = _hjson()
+    if hjson is None:
+        return None
+    try:
+        config = hjson.loads(text, object_pairs_hook=hook)
+    except (ValueError, OverflowError, RecursionError):  # HjsonDecodeError is a ValueError; 1e400 overflows
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def settings_from_deepspeed(config: Mapping[str, object], where: Where, gpus: int | None = None,
+                            hidden_size: int | None = None) -> dict[str, object]:
+    """Partial TrainingSpec mapping for one DeepSpeed config (see the module docstring).
+
+    `hidden_size` is the model's, for the "auto" values the Hugging Face Trainer fills from it;
+    None where the model has none (a parameter count), which makes such an "auto" an error.
+    """
     _check_top_level(config, where)
     settings: dict[str, object] = {"engine": "deepspeed"}
-    settings.update(_zero_settings(config, where))
+    settings.update(_zero_settings(config, where, hidden_size))
     precision = _precision(config, where)
     if precision is not None:
         settings["precision"] = precision
@@ -128,7 +185,7 @@ def _check_top_level(config: Mapping[str, object], where: Where) -> None:
             raise fail(where, f"{key}.enabled", "is true: zeroplan does not model this precision mode; use fp16 or bf16")
 
 
-def _zero_settings(config: Mapping[str, object], where: Where) -> dict[str, object]:
+def _zero_settings(config: Mapping[str, object], where: Where, hidden_size: int | None) -> dict[str, object]:
     zero = config.get("zero_optimization")
     if zero is None:
         return {"zero_stage": 0}  # DeepSpeedZeroConfig.stage defaults to 0
@@ -150,6 +207,7 @@ def _zero_settings(config: Mapping[str, object], where: Where) -> dict[str, obje
         if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw not in (0, 1, 2, 3):
             raise fail(where, "zero_optimization.stage", f"must be 0, 1, 2 or 3, got {raw!r}")
         stage = int(raw)
+    zero = {**zero, **_trainer_filled(zero, stage, hidden_size, where)}
 
     knobs: dict[str, object] = {}
     for knob, (names, minimum) in _INT_KNOBS.items():
@@ -197,6 +255,21 @@ def _zero_settings(config: Mapping[str, object], where: Where) -> dict[str, obje
     if knobs:
         settings["deepspeed"] = knobs
     return settings
+
+
+def _trainer_filled(zero: Mapping[str, object], stage: int, hidden_size: int | None, where: Where) -> dict[str, int]:
+    """The values the Hugging Face Trainer writes over "auto" (see _TRAINER_FILLED)."""
+    auto = [key for key in _TRAINER_FILLED if is_auto(zero.get(key))]
+    if not auto:
+        return {}
+    if hidden_size is None:
+        raise fail(where, f"zero_optimization.{auto[0]}", "is \"auto\", which the Hugging Face Trainer fills from "
+                   "the model's hidden size, unknown here (a --params model has none): write a number")
+    filled = {"reduce_bucket_size": hidden_size * hidden_size}
+    if stage == 3:  # the Trainer's is_zero3(): an "auto" stage is not 3
+        filled.update(stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size),
+                      stage3_param_persistence_threshold=10 * hidden_size)
+    return {key: value for key, value in filled.items() if key in auto}
 
 
 def _precision(config: Mapping[str, object], where: Where) -> str | None:
@@ -324,6 +397,7 @@ def write_deepspeed_config(training: TrainingSpec) -> dict[str, object]:
         "stage3_max_live_parameters": knobs.stage3_max_live_parameters,
         "stage3_max_reuse_distance": knobs.stage3_max_reuse_distance,
         "stage3_param_persistence_threshold": knobs.stage3_param_persistence_threshold,
+        "sub_group_size": knobs.sub_group_size,
         "offload_optimizer": _offload_section(training.offload_optimizer, knobs.offload_pin_memory),
         "offload_param": {
             **_offload_section(training.offload_params, knobs.offload_pin_memory),

@@ -77,12 +77,14 @@ def validation_message(error: ValidationError, source: str | None = None) -> str
     return (where + count + "; ".join(problems)).replace("\n", " ")
 
 
-def training_spec_from_options(options: Mapping[str, Any], config_file: str | Path | None = None) -> TrainingSpec:
+def training_spec_from_options(options: Mapping[str, Any], config_file: str | Path | None = None,
+                               model: ModelSpec | None = None) -> TrainingSpec:
     """The TrainingSpec for these options over the values read from `config_file`.
 
     `options` maps TrainingSpec field names to values, None (or an empty tuple, for a repeatable
     option) meaning "not given"; other keys (the CLI passes all of its options) are ignored. `config_file` is a DeepSpeed JSON or a
-    ColossalAI-style Python config (`zeroplan.importers.training_config.read_training_config`).
+    ColossalAI-style Python config (`zeroplan.importers.training_config.read_training_config`);
+    `model` is the model it trains, whose hidden size fills the Hugging Face Trainer's "auto" values.
     """
     from pydantic import ValidationError
 
@@ -93,7 +95,8 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
         from zeroplan.importers.training_config import read_training_config
 
         # --gpus lets a DeepSpeed train_batch_size be split into micro-batch and accumulation.
-        values.update(read_training_config(config_file, gpus=options.get("gpus")))
+        values.update(read_training_config(config_file, gpus=options.get("gpus"),
+                                           hidden_size=getattr(model, "hidden_size", None)))
     values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) not in (None, ())})
     try:
         return TrainingSpec.model_validate(values)

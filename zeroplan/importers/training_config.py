@@ -21,19 +21,22 @@ from zeroplan.errors import SpecError
 __all__ = ["read_training_config", "write_deepspeed_config", "write_fsdp2_snippet"]
 
 
-def read_training_config(path: str | Path, *, gpus: int | None = None) -> dict[str, object]:
+def read_training_config(path: str | Path, *, gpus: int | None = None,
+                         hidden_size: int | None = None) -> dict[str, object]:
     """Training settings found in an engine config file.
 
     `gpus` is the data-parallel world size if the caller knows it. DeepSpeed needs it to split a
     `train_batch_size` given without both `train_micro_batch_size_per_gpu` and
     `gradient_accumulation_steps`; when all three are given and `gpus` is None, the world size they
-    imply is returned as "gpus".
+    imply is returned as "gpus". `hidden_size` is the model's, from which the Hugging Face Trainer
+    fills some "auto" values of a DeepSpeed config (None: the model has none, and such an "auto"
+    is an error).
     """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix == ".json":
         config = load_json(path)
-        return settings_from_deepspeed(config, lambda _field: str(path), gpus)
+        return settings_from_deepspeed(config, lambda _field: str(path), gpus, hidden_size)
     if suffix == ".py":
         names, source = load_python_config(path)
         return settings_from_colossalai(names, source)

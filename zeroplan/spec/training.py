@@ -81,6 +81,10 @@ class DeepSpeedKnobs(BaseModel):
     stage3_param_persistence_threshold: int = Field(
         100_000, ge=0, description="Tensors smaller than this stay whole on every rank (stage 3)."
     )
+    sub_group_size: int = Field(
+        1_000_000_000, ge=0, description="Elements per optimizer sub-group (stage 3): the step, and NVMe swapping, "
+        "work one sub-group at a time."
+    )
     zero_init: bool = Field(
         True,
         description="Stage 3: the model is built inside deepspeed.zero.Init, so no rank ever holds it whole "

@@ -55,8 +55,6 @@ MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 NORM_BYTES = 8
 # zero/offload_config.py: offload_optimizer.buffer_count default (NVMe swap buffers).
 OPTIMIZER_SWAP_BUFFERS = 4
-# zero/config.py: sub_group_size default; stage 3 steps the fp32 partition sub-group by sub-group.
-SUB_GROUP_SIZE = 1_000_000_000
 
 def _plus(base: Point, **more: int) -> Point:
     out = dict(base)
@@ -752,7 +750,7 @@ def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
         # the update. `_prepare_fp32_grad_for_sub_group`: flatten(averaged_gradients).to(fp32)
         # as the sub-group's .grad (an extra P3 x b flatten when b != 4), then the optimizer
         # steps the sub-group (torch AdamW: two temporaries of the sub-group).
-        sub_group = min(p3, SUB_GROUP_SIZE)
+        sub_group = _largest_sub_group(run, p3)
         stepping_base = dict(base, params=partitions_dev)
         if run.offload_opt:
             stepping = dict(stepping_base, optimizer_states=opt(master + states))
@@ -783,6 +781,12 @@ def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
     return _Fixed(init, tuple(steps), host, {"walk": walk})
 
 
+def _largest_sub_group(run: _Run, p3: int) -> int:
+    """Elements of the largest optimizer sub-group of a rank's P3-element partition."""
+    # stage3.py `_create_fp16_sub_groups`: tensors join a sub-group until it holds sub_group_size elements
+    return min(p3, max(run.training.deepspeed.sub_group_size, ceil_div(run.largest, run.n)))
+
+
 def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int) -> tuple[int, int]:
     """(host, NVMe) bytes per rank of stage 3 offload on a GPU machine.
 
@@ -801,7 +805,7 @@ def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int
         host += optimizer + grads
     elif run.training.offload_optimizer == Offload.NVME:
         nvme += optimizer
-        host += grads + OPTIMIZER_SWAP_BUFFERS * min(p3, SUB_GROUP_SIZE) * FP32_BYTES
+        host += grads + OPTIMIZER_SWAP_BUFFERS * _largest_sub_group(run, p3) * FP32_BYTES
     if run.training.offload_params == Offload.CPU:
         host += partitions
     elif run.training.offload_params == Offload.NVME:

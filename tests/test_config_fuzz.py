@@ -1,0 +1,152 @@
+"""Random config documents through `zeroplan estimate MODEL --config FILE` (issue 10): whatever the
+file holds, the command ends with status 0 or 2, a user error is one line on stderr, and nothing
+escapes as an exception. Examples are bounded in number and time so that this runs in CI in
+about half a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zeroplan.cli import cli
+from zeroplan.importers.colossalai_py import _INT_KNOBS as COLOSSALAI_INT_KEYS
+from zeroplan.importers.colossalai_py import _LEVEL_KEYS as COLOSSALAI_LEVEL_KEYS
+from zeroplan.importers.deepspeed_json import BF16_KEYS, FP16_KEYS, ZERO_KEYS
+from zeroplan.importers.values import OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS
+
+FUZZ = settings(max_examples=120, deadline=timedelta(seconds=5), derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def estimate_with(name: str, content: str | bytes):
+    """`zeroplan estimate llama-100m --config <name>` on a file holding `content`."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content, encoding="utf-8", errors="surrogatepass")
+        return CliRunner().invoke(cli, ["estimate", "llama-100m", "--gpus", "8", "--config", str(path)])
+
+
+def check(result) -> None:
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code in (0, 2), (result.exit_code, result.output)
+    messages = [line for line in result.stderr.splitlines() if line.strip()]
+    if result.exit_code == 2:
+        assert len(messages) == 1 and messages[0].startswith("Error: "), result.stderr
+    else:
+        assert result.stdout.strip(), "exit 0 with no estimate"
+        assert all(line.startswith("Warning: ") for line in messages), result.stderr
+
+
+# ---------------------------------------------------------------- values a config may hold
+
+_numbers = st.one_of(
+    st.integers(-2, 4), st.integers(-10**12, 10**12), st.sampled_from([0, 1, 5e8, 1e9, 1e100, 2.5, -1.0]),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+_scalars = st.one_of(_numbers, st.booleans(), st.none(), st.sampled_from(["auto", "cpu", "nvme", "none", "AdamW", ""]),
+                     st.text(max_size=8))
+_json_values = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                               st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+                            max_leaves=12)
+
+
+def _sections(keys, values) -> st.SearchStrategy[dict]:
+    return st.dictionaries(st.sampled_from(sorted(keys)), values, max_size=6)
+
+
+_offload = st.one_of(_sections(OFFLOAD_OPTIMIZER_KEYS | OFFLOAD_PARAM_KEYS, _scalars), _scalars)
+_zero = st.one_of(
+    st.booleans(),
+    _sections(ZERO_KEYS, _scalars).flatmap(lambda zero: st.fixed_dictionaries(
+        {}, optional={"offload_optimizer": _offload, "offload_param": _offload}).map(lambda offload: {**zero, **offload})),
+)
+_deepspeed = st.fixed_dictionaries({}, optional={
+    "zero_optimization": _zero,
+    "fp16": st.one_of(_sections(FP16_KEYS, _scalars), _scalars),
+    "bf16": st.one_of(_sections(BF16_KEYS, _scalars), _scalars),
+    "optimizer": st.one_of(st.fixed_dictionaries({"type": _scalars}), _scalars),
+    "train_batch_size": _scalars, "train_micro_batch_size_per_gpu": _scalars, "gradient_accumulation_steps": _scalars,
+    "model_type": st.just("llama"), "steps_per_print": _scalars,
+})
+
+
+def _json_text(value) -> str:
+    return json.dumps(value, allow_nan=True)
+
+
+# Ways a hand-edited JSON file differs from JSON: comments, trailing commas, cut short, doubled keys.
+_damage = st.sampled_from([
+    lambda text: text,
+    lambda text: "// a comment\n" + text,
+    lambda text: text.replace("}", ",}", 1),
+    lambda text: text[: len(text) // 2],
+    lambda text: text.replace("{", '{"stage": 1, "stage": 2, ', 1),
+    lambda text: "[" * 5000 + text + "]" * 5000,
+    lambda text: "\ufeff" + text,
+])
+
+
+@FUZZ
+@given(st.one_of(_deepspeed, _json_values), _damage)
+def test_random_deepspeed_json_never_escapes(document, damage):
+    check(estimate_with("ds.json", damage(_json_text(document))))
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=200), st.text(max_size=200)))
+def test_random_bytes_as_json_or_python_never_escape(content):
+    check(estimate_with("ds.json", content))
+    check(estimate_with("zero.py", content))
+
+
+# ---------------------------------------------------------------- ColossalAI-style Python
+
+
+def _python(value) -> str:
+    """Python source for a value: dicts alternately as dict(...) calls and literals."""
+    if isinstance(value, dict):
+        if all(isinstance(key, str) and key.isidentifier() for key in value) and len(value) % 2 == 0:
+            return "dict(" + ", ".join(f"{key}={_python(item)}" for key, item in value.items()) + ")"
+        return "{" + ", ".join(f"{key!r}: {_python(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_python(item) for item in value) + "]"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "float('nan')" if math.isnan(value) else ("1e400" if value > 0 else "-1e400")
+    return repr(value)
+
+
+_colossalai_keys = sorted(set().union(*COLOSSALAI_LEVEL_KEYS.values()) | set(COLOSSALAI_INT_KEYS))
+_colossalai_zero = st.fixed_dictionaries(
+    {"type": st.one_of(st.sampled_from([f"ZeroRedundancyOptimizer_Level_{level}" for level in (1, 2, 3, 4)]), _scalars)},
+    optional={"offload_optimizer_config": _offload, "offload_param_config": st.one_of(
+        _offload, st.just({"device": "cpu", "fast_init": 10**9}))},
+).flatmap(lambda zero: _sections(_colossalai_keys, _scalars).map(lambda more: {**more, **zero}))
+# Statements a config must not contain, or that hold nothing to read (first: hypothesis favours it).
+_odd_statements = st.sampled_from([
+    "import os", "x = open('f')", "y = 2 ** 5", "z = " + "[" * 300 + "]" * 300, "w = " + "-" * 100_000 + "1",
+    "v = " + "dict(a=" * 100 + "1" + ")" * 100, "zero = dict(type='ZeroRedundancyOptimizer_Level_3', ...)",
+    '"""doc"""', "BATCH_SIZE = 8", "\ufeffzero = dict(type='ZeroRedundancyOptimizer_Level_2')",
+])
+_statements = st.lists(st.one_of(
+    _odd_statements,
+    _colossalai_zero.map(lambda zero: f"zero = {_python(zero)}"),
+    _json_values.map(lambda value: f"optimizer = {_python(value)}"),
+    _scalars.map(lambda value: f"gradient_accumulation = {_python(value)}"),
+), max_size=3)
+
+
+@FUZZ
+@given(_statements)
+def test_random_colossalai_python_never_escapes(statements):
+    check(estimate_with("zero.py", "\n".join(statements) + "\n"))
