@@ -595,6 +595,8 @@ def parse_gpu_counts(text: str) -> tuple[int, ...]:
             low, high = (int(part) for part in text.split("-", 1))
             if low < 1 or high < low:
                 raise ValueError
+            if high > MAX_GPUS:
+                raise SpecError(f"--gpus: at most {MAX_GPUS:,} GPUs, got {text!r}")
             counts, gpus = [], low
             while gpus <= high:
                 counts.append(gpus)
@@ -610,4 +612,3 @@ def parse_gpu_counts(text: str) -> tuple[int, ...]:
     if max(counts) > MAX_GPUS:
         raise SpecError(f"--gpus: at most {MAX_GPUS:,} GPUs, got {text!r}")
     return counts
-
