@@ -201,7 +201,7 @@ def test_cpu_device_has_no_cuda_overhead():
 def test_eight_bit_adam_states_follow_bitsandbytes_layout():
     # bitsandbytes Optimizer2State.init_state: state1/state2 uint8 plus absmax1/absmax2 fp32 per
     # 2048-element block; torch AdamW: exp_avg and exp_avg_sq fp32.
-    model = ParamCountSpec(params=2048 * 1000)
+    model = ParamCountSpec(params=2048 * 1000, largest_layer_params=2048 * 1000)
     adamw = estimate(model, TrainingSpec(engine="fsdp2", zero_stage=3, gpus=1, precision="fp32", optimizer="adamw"))
     eight = estimate(model, TrainingSpec(engine="fsdp2", zero_stage=3, gpus=1, precision="fp32", optimizer="adam8bit"))
     assert adamw.peak_of(Step.STEADY).categories.optimizer_states == 2 * 4 * 2048 * 1000

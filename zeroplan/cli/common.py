@@ -7,6 +7,7 @@ over a `--config` file and the spec's defaults. Help texts are the spec's field 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar, get_args
 
@@ -58,6 +59,16 @@ class GpuMemoryType(click.ParamType):
             return gpu_memory_bytes(value, param.opts[0] if param else "size")
         except ZeroplanError as error:
             self.fail(str(error).split(": ", 1)[-1], param, ctx)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange without nan and infinity: its range checks compare, and nan passes every comparison."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 def _help(field: str) -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from zeroplan.cli.common import output_options
+from zeroplan.cli.common import FiniteFloatRange, output_options
 from zeroplan.cli.grid_options import estimate_options_except, gpu_memory_options
 
 
@@ -18,7 +18,7 @@ from zeroplan.cli.grid_options import estimate_options_except, gpu_memory_option
               help="Offload choices: none, cpu, nvme (optimizer states at stages 1-2, optimizer states and parameters at "
                    "stage 3), cpu-optimizer, nvme-optimizer (optimizer states only, any stage >= 1).")
 @gpu_memory_options
-@click.option("--headroom", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+@click.option("--headroom", type=FiniteFloatRange(0, 1, max_open=True), default=0.0, show_default=True,
               help="Fraction of GPU memory to keep free when deciding whether a config fits.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), metavar="FILE.png",
               help="Also draw the per-GPU breakdown as stacked bars (needs matplotlib: pip install 'zeroplan[plot]').")
@@ -40,6 +40,10 @@ def command(**options: Any) -> None:
     from zeroplan.report.compare import render_comparison
     from zeroplan.importers.options import model_from_options
 
+    from zeroplan.spec.files import writable_file
+
+    if options["plot_file"]:
+        writable_file(options["plot_file"], "--plot")  # before the grid is estimated
     stages = parse_int_list(options["zero_stages"], "--zero", 0, 3)
     gpu_counts = parse_int_list(options["gpu_counts"], "--gpus", 1)
     offloads = parse_choice_list(options["offloads"], "--offload", OFFLOAD_CHOICES)

@@ -40,7 +40,7 @@ def estimate_options_except(names: Iterable[str]) -> Callable[[F], F]:
 
 
 def gpu_memory_options(function: F) -> F:
-    """--gpu NAME (a preset: memory and, for plan, speeds) and --gpu-memory SIZE|NAME (memory only; wins over --gpu's)."""
+    """--gpu NAME (a preset: memory and, for plan, speeds) or --gpu-memory SIZE|NAME (memory only)."""
     for decorator in reversed([
         click.option("--gpu", "gpu", metavar="NAME", help="GPU preset (memory, FLOP/s, bandwidths from its datasheet): "
                      "a100-40gb, a100-80gb, h100-80gb, h200-141gb, l4-24gb, rtx4090-24gb, mi300x-192gb."),
@@ -50,14 +50,27 @@ def gpu_memory_options(function: F) -> F:
     return function
 
 
+def list_items(text: str, field: str) -> tuple[str, ...]:
+    """'8, 16' -> ('8', '16'); an empty item ('8,,16') or a repeated one is a mistake, not a value to skip."""
+    items = tuple(part.strip() for part in str(text).split(","))
+    if not any(items):
+        raise SpecError(f"{field}: empty list")
+    if "" in items:
+        raise SpecError(f"{field}: empty item in {text!r}; write a comma-separated list such as 8,16")
+    repeated = sorted({item for item in items if items.count(item) > 1})
+    if repeated:
+        raise SpecError(f"{field}: {', '.join(repeated)} listed more than once in {text!r}")
+    return items
+
+
 def parse_int_list(text: str, field: str, low: int = 0, high: int | None = None) -> tuple[int, ...]:
     """'0,1,2,3' -> (0, 1, 2, 3), each checked against [low, high]."""
     try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
+        values = tuple(int(part) for part in list_items(text, field))
     except ValueError:
         raise SpecError(f"{field}: cannot read {text!r}; write a comma-separated list such as 0,1,2,3") from None
-    if not values:
-        raise SpecError(f"{field}: empty list")
+    if len(set(values)) < len(values):
+        raise SpecError(f"{field}: a value is listed more than once in {text!r}")
     for value in values:
         if value < low or (high is not None and value > high):
             bound = f"{low}-{high}" if high is not None else f">= {low}"
@@ -68,9 +81,7 @@ def parse_int_list(text: str, field: str, low: int = 0, high: int | None = None)
 def parse_choice_list(text: str, field: str, choices: Iterable[str]) -> tuple[str, ...]:
     """'none,cpu' -> ('none', 'cpu'), each one of `choices`."""
     allowed = tuple(choices)
-    values = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not values:
-        raise SpecError(f"{field}: empty list")
+    values = list_items(text, field)
     for value in values:
         if value not in allowed:
             raise SpecError(f"{field}: unknown choice {value!r}; use {', '.join(allowed)}")
@@ -78,13 +89,16 @@ def parse_choice_list(text: str, field: str, choices: Iterable[str]) -> tuple[st
 
 
 def resolve_gpu(name: str | None, memory_bytes: int | None):
-    """(preset or None, GPU memory in bytes or None) from --gpu and --gpu-memory."""
+    """(preset or None, GPU memory in bytes or None) from --gpu or --gpu-memory (one of them: both
+    name the memory, and silently preferring one would answer for a GPU the user did not mean)."""
     if name is None:
         return None, memory_bytes
+    if memory_bytes is not None:
+        raise SpecError("--gpu and --gpu-memory both give the GPU's memory; give one of them")
     from zeroplan.importers.gpus import get_gpu
 
     preset = get_gpu(name)
-    return preset, memory_bytes if memory_bytes is not None else preset.memory_bytes
+    return preset, preset.memory_bytes
 
 
 def base_training(options: dict, stages: Iterable[int], gpus: int, model):

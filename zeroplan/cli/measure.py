@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from zeroplan.cli.common import model_options, training_options
+from zeroplan.cli.common import FiniteFloatRange, model_options, training_options
 from zeroplan.errors import MissingDependencyError, SpecError
 from zeroplan.spec.units import REPORT_UNITS
 
@@ -25,7 +25,7 @@ reached) is still printed and written; 2 is a user error or a failed run, as for
 @click.option("--simulate", is_flag=True, help="One process simulating --nproc ranks (fake tensors and process group; fsdp2 only).")
 @click.option("--backend", type=click.Choice(["gloo", "nccl"]), help="gloo: CPU processes; nccl: one process per GPU. [default: nccl where GPUs are visible, else gloo]")
 @click.option("--steps", type=click.IntRange(min=2), default=2, show_default=True, help="Training steps (step 1 creates the optimizer states; 2 and later are the steady state).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Seconds before every worker is stopped.")
+@click.option("--timeout", "timeout_s", type=FiniteFloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Seconds before every worker is stopped.")
 @click.option("--implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True, help="Model code: hf (transformers), reference (zeroplan's own), auto (hf where installed).")
 @click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table", show_default=True, help="Output on stdout; json is a stable contract with sizes in bytes.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also write the JSON to FILE (atomically; nothing is written when the run fails).")
@@ -50,6 +50,10 @@ def command(**options: Any) -> None:
     """
     from zeroplan.importers.options import model_from_options, training_spec_from_options
 
+    from zeroplan.spec.files import writable_file
+
+    if options["output"] is not None:
+        writable_file(options["output"], "--output")  # before the run, not after it
     nproc, simulate = options["nproc"], options["simulate"]
     if simulate and options["backend"]:
         raise click.UsageError(f"--simulate runs the fake backend; leave out --backend {options['backend']}")

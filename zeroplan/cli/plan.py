@@ -6,14 +6,15 @@ from typing import Any
 
 import click
 
-from zeroplan.cli.common import output_options
+from zeroplan.cli.common import FiniteFloatRange, output_options
 from zeroplan.cli.grid_options import estimate_options_except, gpu_memory_options
+from zeroplan.plan.limits import MAX_MICRO_BATCH
 
 _GB = 10**9
 
 
 def _rate(name: str, field: str, unit: str, help_text: str):
-    return click.option(name, field, type=click.FloatRange(min=0, min_open=True), metavar=unit, help=help_text)
+    return click.option(name, field, type=FiniteFloatRange(min=0, min_open=True), metavar=unit, help=help_text)
 
 
 @click.command("plan")
@@ -23,18 +24,19 @@ def _rate(name: str, field: str, unit: str, help_text: str):
 @gpu_memory_options
 @click.option("--cpu-memory", "cpu_memory", metavar="SIZE", help="Host memory per node for offload (e.g. 1TiB); unlimited if not given.")
 @click.option("--nvme", "nvme", metavar="SIZE", help="NVMe space per node; NVMe offload is searched only when given.")
-@click.option("--headroom", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
+@click.option("--headroom", type=FiniteFloatRange(0, 1, max_open=True), default=0.05, show_default=True,
               help="Fraction of GPU memory kept free: a config fits when its peak <= (1 - headroom) x GPU memory.")
 @click.option("--global-batch", "global_batch", type=click.IntRange(min=1), metavar="N",
               help="Sequences per optimizer step over all GPUs; grad accumulation = N / (micro-batch x GPUs).")
-@click.option("--zero", "zero_stages", default="0,1,2,3", show_default=True, metavar="LIST", help="ZeRO stages to search.")
+@click.option("--zero", "zero_stages", metavar="LIST", help="ZeRO stages to search [default: every stage the engine runs].")
 @click.option("--offload", "offloads", default="none,cpu", show_default=True, metavar="LIST",
               help="Offload targets to search (none, cpu, nvme); nvme also needs --nvme.")
 @click.option("--checkpointing", "checkpointing_modes", default="none,selective,full", show_default=True, metavar="LIST",
               help="Activation checkpointing modes to search.")
 @click.option("--micro-batches", "micro_batches", type=click.Choice(["pow2", "all"]), default="pow2", show_default=True,
               help="Micro-batches searched: powers of two, or every whole number, up to --max-micro-batch.")
-@click.option("--max-micro-batch", "max_micro_batch", type=click.IntRange(min=1), default=1024, show_default=True, metavar="N")
+@click.option("--max-micro-batch", "max_micro_batch", type=click.IntRange(1, MAX_MICRO_BATCH), default=1024, show_default=True, metavar="N",
+              help=f"Largest micro-batch searched (at most {MAX_MICRO_BATCH:,}).")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="How many configurations to show.")
 @_rate("--gpu-tflops", "gpu_tflops", "TFLOPS", "Override the GPU's dense BF16 peak.")
 @_rate("--gpu-link-bandwidth", "intra_node_gbps", "GB/s", "GPU-to-GPU bandwidth inside a node, one direction [default: half the preset's NVLink].")
@@ -42,7 +44,7 @@ def _rate(name: str, field: str, unit: str, help_text: str):
 @_rate("--pcie-bandwidth", "pcie_gbps", "GB/s", "GPU-host bandwidth, one direction [default: half the preset's PCIe].")
 @_rate("--cpu-memory-bandwidth", "cpu_memory_gbps", "GB/s", "CPU memory bandwidth per node for the offloaded optimizer [default: 300].")
 @_rate("--nvme-bandwidth", "nvme_gbps", "GB/s", "NVMe bandwidth per node [default: 7].")
-@click.option("--max-efficiency", type=click.FloatRange(0, 1, min_open=True), help="Best fraction of peak FLOP/s a step reaches [default: 0.5].")
+@click.option("--max-efficiency", type=FiniteFloatRange(0, 1, min_open=True), help="Best fraction of peak FLOP/s a step reaches [default: 0.5].")
 @click.option("--half-efficiency-tokens", type=click.IntRange(min=0), help="Tokens per micro-batch at half of --max-efficiency [default: 1024].")
 @click.option("--emit", nargs=2, type=(click.Choice(["deepspeed", "fsdp"]), click.Path(dir_okay=False)), metavar="deepspeed|fsdp FILE",
               help="Write the best plan as a DeepSpeed JSON config, or as an FSDP2 Python snippet (with --engine fsdp2).")
@@ -72,15 +74,22 @@ def command(**options: Any) -> None:
     from zeroplan.spec.training import Checkpointing, Engine, Offload
     from zeroplan.spec.units import parse_size_bytes
 
+    from zeroplan.spec.files import writable_file
+
+    if options["emit"]:
+        writable_file(options["emit"][1], "--emit")  # before the search, not after it
     preset, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     if gpu_memory is None:
         raise click.UsageError("give the GPU: --gpu NAME (e.g. h100-80gb) or --gpu-memory SIZE (e.g. 80GiB)")
     if options["global_batch"] is not None and options["grad_accum"] is not None:
         raise click.UsageError("--global-batch sets the gradient accumulation; do not give --grad-accum too")
+    offload_choices = parse_choice_list(options["offloads"], "--offload", [o.value for o in Offload])
+    if "nvme" in offload_choices and options["nvme"] is None:
+        raise click.UsageError("--offload nvme needs --nvme SIZE, the NVMe space per node (e.g. --nvme 8TB)")
     gpu_counts = parse_gpu_counts(options["gpu_counts"])
     space = SearchSpace(
-        zero_stages=parse_int_list(options["zero_stages"], "--zero", 0, 3),
-        offload_targets=tuple(Offload(o) for o in parse_choice_list(options["offloads"], "--offload", [o.value for o in Offload])),
+        zero_stages=None if options["zero_stages"] is None else parse_int_list(options["zero_stages"], "--zero", 0, 3),
+        offload_targets=tuple(Offload(o) for o in offload_choices),
         checkpointing=tuple(Checkpointing(c) for c in parse_choice_list(options["checkpointing_modes"], "--checkpointing", [c.value for c in Checkpointing])),
         gpu_counts=gpu_counts,
         max_micro_batch=options["max_micro_batch"],
@@ -109,7 +118,7 @@ def command(**options: Any) -> None:
     assumptions = assumptions_for(speeds, **overrides)
 
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
-    base = base_training(options, space.zero_stages, max(gpu_counts), model)
+    base = base_training(options, space.zero_stages or (0, 1, 2, 3), max(gpu_counts), model)
     emit = options["emit"]
     if emit and emit[0] == "fsdp" and base.engine != Engine.FSDP2:
         raise SpecError("--emit fsdp: plan with --engine fsdp2, so that the plan models FSDP2's memory")
@@ -127,15 +136,15 @@ def _bytes_per_s(gbps: float | None) -> float | None:
 
 def _emit(kind: str, path: str, training) -> None:
     import json
-    from pathlib import Path
 
     from zeroplan.importers.training_config import write_deepspeed_config, write_fsdp2_snippet
+    from zeroplan.spec.files import write_atomic
 
     if kind == "deepspeed":
         text = json.dumps(write_deepspeed_config(training), indent=2) + "\n"
     else:
         text = write_fsdp2_snippet(training)
-    Path(path).write_text(text, encoding="utf-8")
+    write_atomic(path, text, "--emit")
     extra = f" --checkpointing {training.checkpointing.value}" if training.checkpointing.value != "none" else ""
     click.echo(
         f"wrote {path} ({kind}, plan #1); check it with: zeroplan estimate MODEL --config {path} --gpus {training.gpus} "

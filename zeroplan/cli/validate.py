@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from zeroplan.cli.common import FiniteFloatRange
+
 from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S, MEASURE_MODES
 
 
@@ -25,7 +27,7 @@ from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S
                    "every row against the cached measurements).")
 @click.option("--steps", type=click.IntRange(min=2), default=DEFAULT_STEPS, show_default=True,
               help="Training steps per measurement (step 1 is the first step, later ones the steady state).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=DEFAULT_TIMEOUT_S, show_default=True,
+@click.option("--timeout", "timeout_s", type=FiniteFloatRange(min=1), default=DEFAULT_TIMEOUT_S, show_default=True,
               help="Seconds allowed per row.")
 @click.option("--output-md", type=click.Path(dir_okay=False, path_type=Path),
               help="Markdown report [default: docs/accuracy.md; docs/accuracy_gpu.md with --backend nccl].")

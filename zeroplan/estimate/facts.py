@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.estimate.layout import ParamTensor, param_layout
+from zeroplan.errors import SpecError
 from zeroplan.estimate.caches import MISSING, IdentityCache, memo
+from zeroplan.estimate.layout import ParamTensor, param_layout
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
 
@@ -80,12 +81,29 @@ def _count_facts(spec: ParamCountSpec) -> ModelFacts:
     return _facts(spec.name, groups, trainable)
 
 
+def _gathers_layers(training: TrainingSpec) -> bool:
+    """Engines whose peak holds the largest gathered layer: FSDP2 (any stage), DeepSpeed ZeRO-3."""
+    engine = training.engine.value
+    return engine == "fsdp2" or (engine == "deepspeed" and training.zero_stage == 3)
+
+
+def _gathering_engine(training: TrainingSpec) -> str:
+    return "FSDP2" if training.engine.value == "fsdp2" else "DeepSpeed ZeRO-3"
+
+
 # Facts by the spec's identity and the frozen groups: the memos above hash a pydantic spec field
 # by field, which the planner would pay at every evaluation.
 _BY_IDENTITY = IdentityCache(256)
 
 
 def model_facts(spec: TransformerSpec | ParamCountSpec, training: TrainingSpec) -> ModelFacts:
+    if isinstance(spec, ParamCountSpec) and spec.largest_layer_params is None and _gathers_layers(training):
+        # Taking the whole model as one layer would gather all of it at once (45 GiB instead of
+        # 5.4 GiB for 7.5e9 parameters at ZeRO-3 on 64 GPUs); DeepSpeed's own estimator asks for it too.
+        raise SpecError(
+            "largest_layer_params: a model known by its parameter count needs its largest layer (--largest-layer) "
+            f"under {_gathering_engine(training)}, which gathers one layer at a time"
+        )
     freeze = tuple(sorted(training.freeze)) if training.freeze else ()
     facts = _BY_IDENTITY.get(spec, freeze)
     if facts is MISSING:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pydantic and the specs are imported when first needed, not 
     from zeroplan.spec.model import ModelSpec
     from zeroplan.spec.training import TrainingSpec
 
+MAX_COUNT = 10**15  # a quadrillion parameters: 1,000x the largest model trained; beyond it only typos (1e400)
 _COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 _COUNT_PATTERN = re.compile(r"^\s*([0-9][0-9_,]*\.?[0-9]*(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
 
@@ -37,6 +38,8 @@ def parse_count(text: str, field: str) -> int:
         number = Decimal(match.group(1).replace("_", "").replace(",", "")) * _COUNT_SUFFIX[match.group(2).upper()]
     except InvalidOperation:
         raise SpecError(f"{field}: cannot read count {text!r}; write e.g. 6738415616, 7.5e9 or 7B") from None
+    if number > MAX_COUNT:
+        raise SpecError(f"{field}: {text!r} is more than 10^15; write e.g. 7.5e9 or 70B")
     if number != number.to_integral_value():
         raise SpecError(f"{field}: {text!r} is not a whole number")
     if number < 1:

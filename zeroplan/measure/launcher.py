@@ -141,11 +141,13 @@ def run_measurement(
     Raises MeasureError when a rank fails (naming it and its exception) or the run times out."""
     if not isinstance(model, TransformerSpec):
         raise MeasureError(f"model: {model.name} is known by its parameter count only; measure needs a transformer spec")
+    if training.engine.value == "paper":  # refused here, before any worker starts
+        raise MeasureError("engine: paper is the ZeRO paper's accounting, not a program to run; measure torch, fsdp2 or deepspeed")
     if nproc < 1:
         raise MeasureError(f"nproc: must be at least 1, got {nproc}")
     if steps < 1:
         raise MeasureError(f"steps: must be at least 1, got {steps}")
-    if timeout_s <= 0:
+    if not 0 < timeout_s < float("inf"):  # nan fails both comparisons: it would switch the timeout off
         raise MeasureError(f"timeout: must be positive, got {timeout_s:g} s")
     if simulate:
         if backend not in (None, "fake"):

@@ -38,16 +38,9 @@ EXIT_OOM = 3
 
 def write_json_atomic(path: str, data: dict) -> None:
     """Write `data` to `path` so that a reader sees the whole file or none: temp file, then rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    from zeroplan.spec.files import write_atomic
+
+    write_atomic(path, json.dumps(data))
 
 
 def _inject_fault(rank: int) -> None:

@@ -143,4 +143,6 @@ def compare(
                         fits=None if budget is None else estimate.peak_bytes <= budget,
                     )
                 )
+    if not rows:  # an empty table with exit 0 would read as an answer
+        raise SpecError(f"nothing to compare: every combination was skipped ({'; '.join(skipped)})")
     return Comparison(getattr(model, "name", "model"), tuple(rows), tuple(skipped), gpu_memory_bytes, budget)

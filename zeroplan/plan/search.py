@@ -25,13 +25,14 @@ from typing import Literal, NamedTuple
 
 from pydantic import ValidationError
 
-from zeroplan.plan.cost import Assumptions, ModelFlops, StepCost, StepCostModel, model_flops, step_cost_model
 from zeroplan.errors import SpecError
 from zeroplan.estimate import Fit
 from zeroplan.estimate.activations import memory_checkpointing
 from zeroplan.estimate.facts import model_facts
 from zeroplan.estimate.result import Estimate
-from zeroplan.spec.training import Checkpointing, Offload, TrainingSpec
+from zeroplan.plan.cost import Assumptions, ModelFlops, StepCost, StepCostModel, model_flops, step_cost_model
+from zeroplan.plan.limits import MAX_GPUS
+from zeroplan.spec.training import ENGINE_STAGES, Checkpointing, Engine, Offload, TrainingSpec
 
 Estimator = Callable[..., Estimate]
 
@@ -46,7 +47,7 @@ class SearchSpace:
     (`micro_batches="pow2"`) or every whole number up to it ("all"); with `global_batch`, only
     those that divide global_batch / gpus (grad_accum makes up the rest)."""
 
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    zero_stages: tuple[int, ...] | None = None  # None: every stage the engine runs (ENGINE_STAGES)
     offload_targets: tuple[Offload, ...] = (Offload.NONE, Offload.CPU)
     checkpointing: tuple[Checkpointing, ...] = (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
     gpu_counts: tuple[int, ...] = (8,)
@@ -333,11 +334,13 @@ class Planner:
         targets = [t for t in space.offload_targets if t != Offload.NVME or limits.nvme_bytes is not None]
         valid, notes = [], []
         for gpus in space.gpu_counts:
-            for stage in space.zero_stages:
-                if stage == 0:
+            for stage in space.zero_stages or ENGINE_STAGES[self.base.engine]:
+                if stage == 0 or self.base.engine == Engine.TORCH:  # DDP and ZeroRedundancyOptimizer do not offload
                     offloads = [(Offload.NONE, Offload.NONE)]
                 elif stage < 3:
                     offloads = [(target, Offload.NONE) for target in targets]
+                elif self.base.engine == Engine.FSDP2:  # CPUOffloadPolicy moves parameters and optimizer together
+                    offloads = [(target, target) for target in targets]
                 else:
                     offloads = [(opt, params) for opt in targets for params in targets]
                 for opt, params in offloads:
@@ -592,6 +595,8 @@ def parse_gpu_counts(text: str) -> tuple[int, ...]:
             low, high = (int(part) for part in text.split("-", 1))
             if low < 1 or high < low:
                 raise ValueError
+            if high > MAX_GPUS:
+                raise SpecError(f"--gpus: at most {MAX_GPUS:,} GPUs, got {text!r}")
             counts, gpus = [], low
             while gpus <= high:
                 counts.append(gpus)
@@ -602,5 +607,8 @@ def parse_gpu_counts(text: str) -> tuple[int, ...]:
         raise SpecError(f"--gpus: cannot read {text!r}; write 8, 8,16,64 or a range 8-64 (doubling)") from None
     if any(count < 1 for count in counts):
         raise SpecError(f"--gpus: counts must be at least 1, got {text!r}")
+    if len(set(counts)) < len(counts):
+        raise SpecError(f"--gpus: a count is listed more than once in {text!r}")
+    if max(counts) > MAX_GPUS:
+        raise SpecError(f"--gpus: at most {MAX_GPUS:,} GPUs, got {text!r}")
     return counts
-

@@ -21,6 +21,11 @@ class Engine(str, Enum):
     PAPER = "paper"  # the ZeRO paper's idealised 2Ψ + 2Ψ + KΨ accounting, nothing else
 
 
+# The ZeRO stages each engine runs: fsdp2's reshard_after_forward False/True are stages 2/3, torch's
+# DDP and DDP + ZeroRedundancyOptimizer are stages 0/1.
+ENGINE_STAGES = {Engine.DEEPSPEED: (0, 1, 2, 3), Engine.FSDP2: (2, 3), Engine.TORCH: (0, 1), Engine.PAPER: (0, 1, 2, 3)}
+
+
 class Precision(str, Enum):
     """Numeric format of parameters, gradients and the optimizer's master copy."""
 

@@ -24,6 +24,8 @@ UNIT_BYTES = {
 
 REPORT_UNITS = ("GiB", "GB", "MiB", "MB")
 
+MAX_SIZE_BYTES = 2**60  # 1 EiB: far above any machine; a larger number is a typo, and inf/1e400 cannot be counted
+
 _SIZE_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -38,6 +40,8 @@ def parse_size_bytes(text: str, field: str) -> int:
     number, unit = float(match.group(1)), match.group(2).upper() or "B"
     if unit not in UNIT_BYTES:
         raise SpecError(f"{field}: unknown unit {match.group(2)!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    if not number * UNIT_BYTES[unit] <= MAX_SIZE_BYTES:  # also catches inf from 1e400
+        raise SpecError(f"{field}: size {text!r} is larger than 1 EiB; write e.g. 80GiB")
     size_bytes = int(number * UNIT_BYTES[unit])
     if size_bytes <= 0:
         raise SpecError(f"{field}: size must be positive, got {text!r}")

@@ -176,6 +176,9 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
         notes.append(padding)
     if z.offloaded:
         host = z.host_bytes * training.node_gpus
+        if training.offload_params != training.offload_optimizer:  # one policy, fully_shard(offload_policy=...)
+            notes.append("fsdp2: CPUOffloadPolicy keeps the parameter and gradient shards on the host with the optimizer "
+                         "states, so offload_params follows offload_optimizer")
         if training.device == Device.CPU:
             notes.append(f"CPU run: the {z.host_bytes:,} offloaded bytes per rank share the one memory; on GPUs they sit on the host")
     return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if training.device == Device.CPU else host), tuple(notes))
