@@ -174,3 +174,41 @@ def test_summary_takes_steady_and_first_peaks_per_rank_and_the_gpu_counters():
     one_step = MeasureResult("gloo", "torch", 0, 1, "impl", "m", [RankResult(0, [phase(1, "backward", 9)])], steps=1)
     with pytest.raises(MeasureError, match="rank 0 has no steady-state step"):
         v.summarize_measurement(one_step)
+
+
+def test_cli_fails_when_rows_could_not_be_measured_and_leaves_no_lock(tmp_path, monkeypatch):
+    """Issue 10: every row failing exited 0 and left `.r.json.lock` beside the report."""
+    rows = select_rows(GRID, "tiny-llama/torch-0/*/nockpt/*")
+    monkeypatch.setattr(v, "measure_row", lambda row, options: {"fingerprint": v.fingerprint(row, "gloo", options.steps),
+                                                                "failure": "rank 0 failed: made up for the test"})
+    result = CliRunner().invoke(cli, ["validate", "--rows", "tiny-llama/torch-0/*/nockpt/*", "--output-json",
+                                      str(tmp_path / "r.json"), "--output-md", str(tmp_path / "r.md")])
+    assert result.exit_code == 1, result.output
+    assert f"{len(rows)} of {len(rows)} rows could not be measured" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]  # the lock file is gone
+
+
+def test_cli_checks_its_outputs_before_measuring(tmp_path, monkeypatch):
+    monkeypatch.setattr(v, "measure_row", lambda row, options: pytest.fail("measured before the outputs were checked"))
+    result = CliRunner().invoke(cli, ["validate", "--rows", GRID[0].id, "--output-json", str(tmp_path / "no" / "r.json"),
+                                      "--output-md", str(tmp_path / "r.md")])
+    assert result.exit_code == 2
+    assert result.output.startswith("Error: --output-json: directory") and "does not exist" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_outside_a_checkout_the_reports_must_be_named(tmp_path, monkeypatch):
+    """Run from an installed copy, the default was ./docs/ of whatever directory the user stood in."""
+    monkeypatch.setattr(v, "checkout_docs", lambda: None)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["validate", "--measure", "none"])
+    assert result.exit_code == 2
+    assert "give --output-md and --output-json" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_lock_is_exclusive_and_removed(tmp_path):
+    lock = tmp_path / ".r.json.lock"
+    with v._locked(lock):
+        assert lock.exists()
+    assert not lock.exists()

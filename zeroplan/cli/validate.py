@@ -33,8 +33,8 @@ from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S
               help="Markdown report [default: docs/accuracy.md; docs/accuracy_gpu.md with --backend nccl].")
 @click.option("--output-json", type=click.Path(dir_okay=False, path_type=Path),
               help="JSON report, also the measurement cache [default: docs/accuracy.json; docs/accuracy_gpu.json with nccl].")
-@click.option("--reasons", type=click.Path(dir_okay=False, path_type=Path), default=Path("docs/accuracy_reasons.toml"),
-              show_default=True, help="Why rows miss the targets: \"row id or glob\" = \"reason\".")
+@click.option("--reasons", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Why rows miss the targets: \"row id or glob\" = \"reason\" [default: the checkout's docs/accuracy_reasons.toml].")
 def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, timeout_s, output_md, output_json, reasons):
     """Estimate and measure a grid of configurations (models x engines x stages x precision x offload x
     checkpointing x batch x world size), one row at a time, and report the estimate's error per row
@@ -52,11 +52,19 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
     from zeroplan.measure.grid import GRID, select_rows
     from zeroplan.report.accuracy import render_terminal, row_line, write_report
 
-    default_md, default_json = v.default_outputs(backend)
-    output_md, output_json = output_md or default_md, output_json or default_json
+    from zeroplan.spec.files import writable_file
+
+    defaults = v.default_outputs(backend)
+    if defaults is None and (output_md is None or output_json is None):
+        raise click.UsageError("outside a zeroplan checkout there is no docs/ folder to write to: give --output-md and --output-json")
+    output_md, output_json = output_md or defaults[0], output_json or defaults[1]
+    writable_file(output_md, "--output-md")  # checked before the first row runs, lock file's folder included
+    writable_file(output_json, "--output-json")
+    if reasons is None and v.checkout_docs() is not None:
+        reasons = v.checkout_docs() / "accuracy_reasons.toml"
     selected = select_rows(GRID, patterns, quick=quick, skip_deepspeed_offload=skip_deepspeed_offload)
     options = v.RunOptions(backend=backend, steps=steps, timeout_s=timeout_s, measure=measure)
-    reason_map = v.load_reasons(reasons)
+    reason_map = v.load_reasons(reasons) if reasons is not None else {}
     command_text = "zeroplan validate" + (" --backend nccl" if backend == "nccl" else "")
     started = time.monotonic()
     measured: dict = {}  # this run's records, merged into the JSON after every row
@@ -90,9 +98,10 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
     shown = v.Report([r for r in report.rows if r.row in selected], backend, command_text, steps)
     click.echo(render_terminal(shown, report))
     failed = [r.row.id for r in shown.rows if r.status == "failed"]
-    if failed:
-        click.echo(f"{len(failed)} rows could not be measured (see the report): {', '.join(failed)}", err=True)
     click.echo(f"wrote {output_md} and {output_json}", err=True)
+    if failed:  # a grid with holes is not a result: the status says so, not only the text
+        click.echo(f"{len(failed)} of {len(shown.rows)} rows could not be measured (see the report): {', '.join(failed)}", err=True)
+        sys.exit(1)
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:

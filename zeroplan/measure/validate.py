@@ -20,10 +20,12 @@ import fnmatch
 import hashlib
 import json
 import math
+import os
 import statistics
 import time
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -295,12 +297,7 @@ def update_report(
     """Merge `new_records` into the cache (the JSON report at `json_path`), build the report and
     `write` it, under a lock file, so that two `zeroplan validate` runs sharing the JSON (say one
     re-measuring a few rows while the whole grid runs) keep each other's measurements."""
-    import fcntl
-
-    lock_path = Path(json_path).with_name(f".{Path(json_path).name}.lock")
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _locked(Path(json_path).with_name(f".{Path(json_path).name}.lock")):
         records = load_records(json_path) | new_records
         if wall_seconds is None and Path(json_path).exists():  # a partial run keeps the last whole run's time
             wall_seconds = json.loads(Path(json_path).read_text()).get("wall_seconds")
@@ -309,7 +306,40 @@ def update_report(
     return report
 
 
-def default_outputs(backend: str) -> tuple[Path, Path]:
-    """docs/accuracy.{md,json} for CPU runs, docs/accuracy_gpu.{md,json} for nccl."""
+@contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """An exclusive flock on `lock_path`, removed when released. A waiter that wakes on a file
+    already removed (its inode no longer at the path) locks the new one instead."""
+    import fcntl
+
+    while True:
+        lock = open(lock_path, "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()
+    try:
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)  # still holding the lock: nobody else owns this path
+        lock.close()
+
+
+def checkout_docs() -> Path | None:
+    """The `docs/` folder of the zeroplan checkout this code runs from, None for an installed copy:
+    the reports' default home, never a `docs/` made in whatever directory the command runs in."""
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    return docs if (docs / "accuracy_reasons.toml").is_file() else None
+
+
+def default_outputs(backend: str) -> tuple[Path, Path] | None:
+    """The checkout's docs/accuracy.{md,json} for CPU runs, docs/accuracy_gpu.{md,json} for nccl;
+    None outside a checkout."""
+    docs = checkout_docs()
+    if docs is None:
+        return None
     stem = "accuracy_gpu" if backend == "nccl" else "accuracy"
-    return Path("docs") / f"{stem}.md", Path("docs") / f"{stem}.json"
+    return docs / f"{stem}.md", docs / f"{stem}.json"
