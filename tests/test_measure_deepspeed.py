@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from zeroplan.estimate.layout import param_layout
+from zeroplan.estimate.result import Step
 from zeroplan.errors import MeasureError, MissingDependencyError
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import TrainingSpec
@@ -97,8 +98,8 @@ def test_user_json_must_agree_with_the_training_spec():
         user_config(config, _training(zero_stage=2), N)
     with pytest.raises(MeasureError, match="gradient_accumulation_steps is 4 but the training spec says grad_accum 1"):
         user_config({**config, "gradient_accumulation_steps": 4}, _training(zero_stage=3), N)
-    with pytest.raises(MeasureError, match="no optimizer section"):
-        user_config({"zero_optimization": {"stage": 2}}, _training(zero_stage=2), N)
+    # no optimizer section: the runner passes a client torch optimizer, as the Hugging Face Trainer does
+    assert "optimizer" not in user_config({"zero_optimization": {"stage": 2}}, _training(zero_stage=2), N)
     # Hugging Face style "auto" batch sizes take the training spec's values (2 x 1 micro-batches x N ranks).
     filled = user_config({**config, "train_batch_size": "auto"}, _training(zero_stage=3), N)
     assert (filled["train_micro_batch_size_per_gpu"], filled["train_batch_size"]) == (2, 2 * N)
@@ -220,3 +221,22 @@ def test_user_json_bf16_with_fp32_accumulation_runs_bf16_optimizer():
         assert forward["grads"] == flat * FP32
         assert forward["params"] == flat * 2
         assert forward["optimizer_states"] == P12 * FP32
+
+
+@pytest.mark.distributed
+def test_user_json_without_an_optimizer_section_runs_the_client_torch_optimizer():
+    """Issue 10: measure required an optimizer section that estimate does not (and the AdamW one it
+    suggested meant a fused_adam build of over ten minutes on CPU). Without one, DeepSpeed steps
+    the client optimizer it is given, as under the Hugging Face Trainer: torch AdamW here."""
+    pytest.importorskip("deepspeed")
+    from zeroplan.estimate import estimate
+    from zeroplan.measure.launcher import as_measured, run_measurement
+
+    config = {"train_batch_size": "auto", "zero_optimization": {"stage": 2, "reduce_bucket_size": 50_000}}
+    training = _training(zero_stage=2, precision="fp32", deepspeed={"reduce_bucket_size": 50_000})
+    result = run_measurement(TINY, training, nproc=N, backend="gloo", steps=2, timeout_s=400, engine_config=config)
+    expected = estimate(TINY, as_measured(training))
+    for rank in result.ranks:
+        steady = _phase(rank, 2, "optimizer_step").categories
+        # within the client AdamW's step counter: one 4-byte tensor per flat partition (not modelled)
+        assert 0 <= steady["optimizer_states"] - expected.peak_of(Step.STEADY).categories.optimizer_states <= 4

@@ -126,8 +126,6 @@ def user_config(config: dict, training: TrainingSpec, world_size: int) -> dict:
     for key, (theirs, field, ours) in agree.items():
         if theirs != ours:
             raise MeasureError(f"config: {key} is {theirs} but the training spec says {field} {ours}")
-    if "optimizer" not in merged:
-        raise MeasureError("config: the DeepSpeed JSON has no optimizer section; add one (e.g. AdamW)")
     return merged
 
 
@@ -143,7 +141,9 @@ class DeepSpeedRunner:
             config = deepspeed_config(training, ctx)
         trainable = [p for p in model.parameters() if p.requires_grad]
         client_optimizer = None
-        if "optimizer" not in config:  # SGD: a client optimizer (DeepSpeed's config has no SGD)
+        if "optimizer" not in config:
+            # A client torch optimizer, as DeepSpeed runs a JSON without an optimizer section (what the
+            # Hugging Face Trainer passes: its own torch AdamW); also SGD, which DeepSpeed's config lacks.
             client_optimizer = make_optimizer(trainable, training)
         self.model = model
         self.config = config
