@@ -35,6 +35,7 @@ from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_byt
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
     Point,
+    Setup,
     ceil_div,
     early_gradients,
     largest_point,
@@ -43,7 +44,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
+from zeroplan.spec.training import Device, Offload, Optimizer, Precision
 
 # stage_1_and_2.py `__init__`: the flat group is padded to `nccl_start_alignment_factor` (2) x N.
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -97,11 +98,8 @@ class _Run(NamedTuple):
     cpu_run: bool
     offload_opt: bool
     offload_par: bool
-    training: TrainingSpec
+    setup: Setup  # also the key of what is cached per configuration (`_Fixed`)
     facts: ModelFacts
-    # The training spec's fields that `_Fixed` depends on (not the micro-batch, sequence length,
-    # checkpointing; of grad_accum only whether it is above 1: keep it so when using grad_accum).
-    key: tuple
 
 
 # Layouts by the identity of their ModelFacts (facts.py returns the same object for a model), at
@@ -140,44 +138,29 @@ def _derived(layout: _Layout, key: tuple, compute: Callable[[], Any]) -> Any:
         return value
 
 
-def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
-    b = FP32_BYTES if training.precision == Precision.FP32 else HALF_BYTES
+def _run(facts: ModelFacts, setup: Setup) -> _Run:
+    b = FP32_BYTES if setup.precision == Precision.FP32 else HALF_BYTES
     layout = _layout(facts)
-    offload_opt = training.offload_optimizer != Offload.NONE
+    offload_opt = setup.offload_optimizer != Offload.NONE
     # Optimizer step temporaries. torch AdamW on CPU is the single-tensor path
     # (torch/optim/adam.py `_single_tensor_adam`: `denom = (exp_avg_sq.sqrt() / c).add_(eps)`,
     # two fp32 temporaries of the tensor being stepped). FusedAdam (ops/adam/fused_adam.py,
     # multi_tensor_applier) and DeepSpeedCPUAdam (ops/adam/cpu_adam.py) update in place; SGD
     # updates in place.
-    adamish = training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW)
-    rate = 2 * FP32_BYTES if (adamish and training.device == Device.CPU and not offload_opt) else 0
+    adamish = setup.optimizer in (Optimizer.ADAM, Optimizer.ADAMW)
+    rate = 2 * FP32_BYTES if (adamish and setup.device == Device.CPU and not offload_opt) else 0
     return _Run(
-        n=training.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, layout=layout,
+        n=setup.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, layout=layout,
         numels=layout.numels, groups_backward=layout.groups_backward, gathered_backward=layout.gathered_backward,
         largest=layout.largest, tied_head=layout.tied_head, adam_temporary_rate=rate,
-        cpu_run=training.device == Device.CPU, offload_opt=offload_opt,
-        offload_par=training.offload_params != Offload.NONE, training=training, facts=facts,
-        key=(training.zero_stage, training.gpus, training.precision, training.optimizer, training.offload_optimizer,
-             training.offload_params, training.device, training.grad_accum > 1, _knob_values(training.deepspeed)),
+        cpu_run=setup.device == Device.CPU, offload_opt=offload_opt,
+        offload_par=setup.offload_params != Offload.NONE, setup=setup, facts=facts,
     )
-
-
-# The knobs' values by the identity of their (frozen) model: keys built from the values let equal
-# knobs in another object hit the caches without pydantic's field-by-field __eq__, and the
-# planner's specs share one knobs object, so the tuple is built once.
-_KNOB_VALUES = IdentityCache(256)
-
-
-def _knob_values(knobs: Any) -> tuple:
-    values = _KNOB_VALUES.get(knobs)
-    if values is MISSING:
-        values = _KNOB_VALUES.put(knobs, (), tuple(knobs.__dict__.values()))
-    return values
 
 
 def _states(run: _Run, numel: int) -> int:
     """Adam moments (fp32, lazily at the first step) or SGD momentum of `numel` master elements."""
-    return optimizer_state_bytes(numel, run.training.optimizer, FP32_BYTES)
+    return optimizer_state_bytes(numel, run.setup.optimizer, FP32_BYTES)
 
 
 # -- activations along backward ----------------------------------------------------------------
@@ -288,7 +271,7 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
     fwd = _forward_activations(acts)
     bwd = _backward_start(acts)
     phases = []
-    if run.training.precision == Precision.FP32:
+    if run.setup.precision == Precision.FP32:
         # No wrapper: torch AdamW/FusedAdam on the module parameters, states at the first step;
         # per-tensor step temporaries.
         temps = run.adam_temporary_rate * run.largest
@@ -307,7 +290,7 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
     # `initialize_optimizer_states` steps the optimizer on zero gradients (fp16/unfused_optimizer.py,
     # fp16/fused_optimizer.py).
     master = psi * FP32_BYTES
-    if run.training.device == Device.CPU:
+    if run.setup.device == Device.CPU:
         # FP16_UnfusedOptimizer: per-parameter fp32 clones; step: `fp32.grad = fp16.grad.to(fp32)`
         # per parameter, the 16-bit gradients still alive; torch AdamW per tensor.
         step_grads = grads + psi * FP32_BYTES
@@ -412,7 +395,7 @@ def _stage1_grads(layout: _Layout, b: int) -> tuple[tuple[int, int], ...]:
 @dataclass(frozen=True)
 class _Fixed:
     """A stage's phases and moments that do not depend on the activations: cached per model and
-    training spec apart from the micro-batch, sequence length and checkpointing (`_Run.key`)."""
+    training spec apart from the micro-batch, sequence length and checkpointing (`Setup`)."""
 
     init: PhaseBytes
     # per step (first, steady): what forward and backward hold besides the activations and what
@@ -424,7 +407,7 @@ class _Fixed:
 
 
 def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], int]:
-    fixed = _derived(run.layout, ("stage 1-2", run.key), partial(_stage12_fixed, run))
+    fixed = _derived(run.layout, ("stage 1-2", run.setup), partial(_stage12_fixed, run))
     numbers = fixed.numbers
     first_index, groups, bucket_now = numbers["first_index"], numbers["groups"], numbers["bucket_now"]
     fwd = _forward_activations(acts)
@@ -476,9 +459,9 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
 
 
 def _stage12_fixed(run: _Run) -> _Fixed:
-    training, knobs = run.training, run.training.deepspeed
+    setup, knobs = run.setup, run.setup.deepspeed
     b, n = run.b, run.n
-    stage = training.zero_stage
+    stage = setup.zero_stage
     overlap = bool(knobs.overlap_comm)  # zero/config.py: overlap_comm defaults to False for 1-2
     alignment = NCCL_START_ALIGNMENT_FACTOR * n
     flat = ceil_div(run.trainable, alignment) * alignment
@@ -509,16 +492,16 @@ def _stage12_fixed(run: _Run) -> _Fixed:
         host_grads = partition * FP32_BYTES
         host_buffers = partition * b + run.largest * b
         device_buffers = run.largest * b
-        if training.grad_accum > 1:  # `accumulated_grads_in_cpu`: owned slices, model dtype
+        if setup.accumulating:  # `accumulated_grads_in_cpu`: owned slices, model dtype
             host_grads += partition * b
     on_device = not run.offload_opt or run.cpu_run  # a CPU run has one memory
 
     def host(value: int) -> int:
         return value if on_device else 0
 
-    ga = training.grad_accum
+    accumulating = setup.accumulating
     moving = stage == 2 or overlap
-    bucket_now = 0 if stage == 1 and ga > 1 else bucket  # already carried
+    bucket_now = 0 if stage == 1 and accumulating else bucket  # already carried
     kept = 0 if run.offload_opt else owned  # offload copies straight to the host gradient
     # `flatten_dense_tensors_aligned`: the old per-parameter storages and the flat copy.
     flatten = {"params": params + run.trainable * b}
@@ -535,9 +518,9 @@ def _stage12_fixed(run: _Run) -> _Fixed:
         # since only the boundary reduces); stage 2 keeps the owned partition (`all_grad_tensors`)
         # or, offloaded, `accumulated_grads_in_cpu` (in host_grads).
         carried: Point = {}
-        if ga > 1 and stage == 1:
+        if accumulating and stage == 1:
             carried = {"grads": run.trainable * b, "buffers": bucket}
-        elif ga > 1 and not run.offload_opt:
+        elif accumulating and not run.offload_opt:
             carried = {"grads": owned}
         during = _plus(base, **carried)
 
@@ -582,7 +565,7 @@ def _stage12_fixed(run: _Run) -> _Fixed:
         "owned_early": owned_by_rank[-1] * b,
         "before": _contenders(tuple((i, 0) for i in range(first_index)), groups - 1),
         # with gradients carried between micro-batches, none are added along backward
-        "grads_along": _derived(layout, ("stage 1 grads", grads_b := 0 if ga > 1 and (stage == 1 or not run.offload_opt) else b),
+        "grads_along": _derived(layout, ("stage 1 grads", grads_b := 0 if accumulating and (stage == 1 or not run.offload_opt) else b),
                                 partial(_stage1_grads, layout, grads_b)),
     }
     return _Fixed(init, tuple(steps), host_bytes, numbers)
@@ -640,7 +623,7 @@ class _Walk3:
 
 
 def _stage3_walk(run: _Run, facts: ModelFacts) -> _Walk3:
-    knobs, n, b = run.training.deepspeed, run.n, run.b
+    knobs, n, b = run.setup.deepspeed, run.n, run.b
     threshold = knobs.stage3_param_persistence_threshold
     key = ("stage 3", n, b, threshold, knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters,
            knobs.stage3_prefetch_bucket_size, knobs.reduce_bucket_size)
@@ -691,7 +674,7 @@ def _backward_extra(run: _Run, acts: ActivationBytes | None, start: Point, gathe
 
 
 def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], tuple[int, int]]:
-    fixed = _derived(run.layout, ("stage 3", run.key), partial(_stage3_fixed, run, facts))
+    fixed = _derived(run.layout, ("stage 3", run.setup), partial(_stage3_fixed, run, facts))
     walk, b = fixed.numbers["walk"], run.b
     fwd = _forward_activations(acts)
     # The trace is complete from the second micro-batch of the first step on: the steady step's
@@ -703,7 +686,7 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
                             walk.warm_reductions))
     phases = [fixed.init]
     for step, base, _, optimizer_step in fixed.steps:
-        if step == Step.FIRST and run.training.grad_accum == 1:  # no trace yet
+        if step == Step.FIRST and not run.setup.accumulating:  # no trace yet
             # No trace yet: each submodule's parameters are gathered at its pre-forward and
             # pre-backward hooks and released after it (`release_sub_module`), persistent ones
             # too (measured: a run with every tensor persistent peaks as one with none in its
@@ -721,7 +704,7 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
 
 
 def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
-    training, knobs = run.training, run.training.deepspeed
+    knobs = run.setup.deepspeed
     b = run.b
     walk = _stage3_walk(run, facts)
     p3_all, p3, persistent = walk.p3_all, walk.p3, walk.persistent
@@ -745,7 +728,7 @@ def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
     for step in (Step.FIRST, Step.STEADY):
         held = states if step == Step.STEADY else 0
         # persistent parameters stay gathered once the trace is complete (after the first micro-batch)
-        persist = persistent * b if step == Step.STEADY or training.grad_accum > 1 else 0
+        persist = persistent * b if step == Step.STEADY or run.setup.accumulating else 0
         base = {"params": partitions_dev + persist, "optimizer_states": opt(master + held),
                 "grads": opt(grad_partitions + offload_grads), "buffers": bucket}
         # `step`: all parameters are released, persistent ones included, and re-gathered after
@@ -770,7 +753,7 @@ def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
     # partitions into one buffer, `_create_fp32_partitions`, and `initialize_optimizer_states`
     # makes a P3 x 4 zero gradient (temporary without offload) before the bucket and gradient
     # partitions.
-    if training.deepspeed.zero_init:
+    if knobs.zero_init:
         built = {"params": partitions + run.largest * b}
     else:
         built = {"params": run.total * b}
@@ -795,16 +778,16 @@ def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int
     """
     if run.cpu_run:
         return 0, 0
-    knobs = run.training.deepspeed
+    knobs = run.setup.deepspeed
     host = nvme = 0
-    if run.training.offload_optimizer == Offload.CPU:
+    if run.setup.offload_optimizer == Offload.CPU:
         host += optimizer + grads
-    elif run.training.offload_optimizer == Offload.NVME:
+    elif run.setup.offload_optimizer == Offload.NVME:
         nvme += optimizer
         host += grads + OPTIMIZER_SWAP_BUFFERS * min(p3, SUB_GROUP_SIZE) * FP32_BYTES
-    if run.training.offload_params == Offload.CPU:
+    if run.setup.offload_params == Offload.CPU:
         host += partitions
-    elif run.training.offload_params == Offload.NVME:
+    elif run.setup.offload_params == Offload.NVME:
         nvme += partitions
         host += knobs.offload_buffer_count * knobs.offload_buffer_size * run.b
     return host, nvme
@@ -882,29 +865,29 @@ def _steady_gathering(gathered_backward: tuple[tuple[int, ...], ...], n: int, th
 # -- entry point ----------------------------------------------------------------------------------
 
 
-def estimate_deepspeed(facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None) -> EngineEstimate:
-    run = _run(facts, training)
+def estimate_deepspeed(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
+    run = _run(facts, setup)
     host = nvme = 0
-    if training.zero_stage == 0:
+    if setup.zero_stage == 0:
         phases = _stage0(run, acts)
-    elif training.zero_stage in (1, 2):
+    elif setup.zero_stage in (1, 2):
         phases, host = _stage12(run, acts)  # spec: stages 1-2 offload to cpu only
     else:
         phases, (host, nvme) = _stage3(run, facts, acts)
-    per_node, notes = _derived(run.layout, ("per node and notes", run.key, training.gpus_per_node),
-                               partial(_per_node_and_notes, training, run.b, host, nvme))
+    per_node, notes = _derived(run.layout, ("per node and notes", setup),
+                               partial(_per_node_and_notes, setup, run.b, host, nvme))
     return EngineEstimate(tuple(phases), per_node, notes)
 
 
-def _per_node_and_notes(training: TrainingSpec, b: int, host: int, nvme: int) -> tuple[NodeBytes, tuple[str, ...]]:
+def _per_node_and_notes(setup: Setup, b: int, host: int, nvme: int) -> tuple[NodeBytes, tuple[str, ...]]:
     notes = []
-    if training.precision == Precision.PURE_BF16:
+    if setup.precision == Precision.PURE_BF16:
         notes.append("pure-bf16: DeepSpeed keeps an fp32 master and fp32 states; estimated as bf16 mixed precision")
-    per_node = NodeBytes(cpu_bytes=host * training.node_gpus,
-                         pinned_bytes=host * training.node_gpus if training.deepspeed.offload_pin_memory else 0,
-                         nvme_bytes=nvme * training.node_gpus)
-    bucket = training.deepspeed.reduce_bucket_size * b
-    if training.zero_stage >= 1 and bucket >= 2**30:
-        notes.append(f"reduce bucket of {bucket:,} bytes (reduce_bucket_size {training.deepspeed.reduce_bucket_size:,} "
+    per_node = NodeBytes(cpu_bytes=host * setup.node_gpus,
+                         pinned_bytes=host * setup.node_gpus if setup.deepspeed.offload_pin_memory else 0,
+                         nvme_bytes=nvme * setup.node_gpus)
+    bucket = setup.deepspeed.reduce_bucket_size * b
+    if setup.zero_stage >= 1 and bucket >= 2**30:
+        notes.append(f"reduce bucket of {bucket:,} bytes (reduce_bucket_size {setup.deepspeed.reduce_bucket_size:,} "
                      "elements, allocated whole whatever the model size); lower it to save memory")
     return per_node, tuple(notes)

@@ -32,6 +32,8 @@ from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
+    Point,
+    Setup,
     ceil_div,
     early_gradients,
     largest_point,
@@ -40,7 +42,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
+from zeroplan.spec.training import Device, Offload, Precision
 
 
 def _padded_shard(numel: int, rows: int, world: int) -> int:
@@ -97,12 +99,12 @@ class _Sizes(NamedTuple):
 
 
 @memo(maxsize=4096)
-def _sizes(facts: ModelFacts, n: int, precision: Precision, offload: Offload, device: Device, zero_stage: int,
-           accumulating: bool, reshard_root: bool | None, optimizer: Optimizer) -> _Sizes:
+def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
+    n, precision, device, optimizer = setup.gpus, setup.precision, setup.device, setup.optimizer
     storage = HALF_BYTES if precision == Precision.PURE_BF16 else FP32_BYTES
     gathered = FP32_BYTES if precision == Precision.FP32 else HALF_BYTES
     reduce = storage  # reduce_dtype fp32 under mixed precision, the model dtype otherwise
-    offloaded = offload == Offload.CPU
+    offloaded = setup.offload_optimizer == Offload.CPU
     on_device = not offloaded or device == Device.CPU  # a CPU run has one memory
 
     root_shard, block_shard, shard_total, trainable_shard, largest_local, block_train, root_train = _shards(facts, n)
@@ -128,8 +130,8 @@ def _sizes(facts: ModelFacts, n: int, precision: Precision, offload: Offload, de
     root_reduce_in = root_train * n * reduce
     h2d_copy = 0 if on_device else max(root_shard, block_shard) * storage
 
-    reshard = zero_stage == 3
-    root_reshards = reshard if reshard_root is None else reshard_root
+    reshard = setup.zero_stage == 3
+    root_reshards = reshard if setup.reshard_root is None else setup.reshard_root
     # Blocks whose unsharded parameters are held while block `i` runs: itself under ZeRO-3; under
     # ZeRO-2 (reshard_after_forward=False) every block from the forward until its post-backward.
     held_blocks = 1 if reshard else num_blocks
@@ -139,8 +141,8 @@ def _sizes(facts: ModelFacts, n: int, precision: Precision, offload: Offload, de
     # FSDPParam.unsharded_accumulated_grad in the reduce dtype (to_accumulated_grad_if_needed),
     # so the last micro-batch starts with the whole model's unsharded gradients; its
     # post-backwards reduce-scatter and free them block by block.
-    accum_root = root_train * n * reduce if accumulating else 0
-    accum_block = block_train * n * reduce if accumulating else 0
+    accum_root = root_train * n * reduce if setup.accumulating else 0
+    accum_block = block_train * n * reduce if setup.accumulating else 0
     held_grads = accum_root + num_blocks * accum_block
     host_bytes = 0
     if offloaded:
@@ -151,15 +153,11 @@ def _sizes(facts: ModelFacts, n: int, precision: Precision, offload: Offload, de
                   host_bytes)
 
 
-def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None) -> EngineEstimate:
-    z = _sizes(facts, training.gpus, training.precision, training.offload_optimizer, training.device, training.zero_stage,
-               training.grad_accum > 1, training.fsdp2.reshard_root_after_forward, training.optimizer)
+def estimate_fsdp2(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
+    z = _sizes(facts, setup)
     # The forward and backward moments are the same in every step; only the states differ.
-    forward = _forward(acts, z.num_blocks, z.reshard, z.held_grads, z.root_gathered, z.block_gathered, z.h2d_copy)
-    backward = _backward(
-        acts, z.num_blocks, z.reshard, z.root_reshards, z.held_blocks, z.held_grads, z.root_gathered, z.block_gathered,
-        z.head_grads, z.tied_grad, z.first_grads, z.block_grads, z.root_grads, z.block_shard_grads, z.block_reduce_in,
-        z.root_reduce_in, z.h2d_copy, z.accum_root, z.accum_block)
+    forward = _forward(acts, z)
+    backward = _backward(acts, z)
     phases: list[PhaseBytes] = []
     for step, held_states in ((Step.FIRST, 0), (Step.STEADY, z.states)):
         base = dict(params=z.sharded_params, optimizer_states=held_states)
@@ -171,14 +169,14 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
                             optimizer_states=z.states, temporaries=z.temporaries))
     host = 0
     notes = []
-    padding = _padding_note(facts, training.gpus)
+    padding = _padding_note(facts, setup.gpus)
     if padding:
         notes.append(padding)
     if z.offloaded:
-        host = z.host_bytes * training.node_gpus
-        if training.device == Device.CPU:
+        host = z.host_bytes * setup.node_gpus
+        if setup.device == Device.CPU:
             notes.append(f"CPU run: the {z.host_bytes:,} offloaded bytes per rank share the one memory; on GPUs they sit on the host")
-    return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if training.device == Device.CPU else host), tuple(notes))
+    return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if setup.device == Device.CPU else host), tuple(notes))
 
 
 @memo(maxsize=1024)
@@ -197,7 +195,7 @@ def _padding_note(facts: ModelFacts, n: int) -> str | None:
             f"FSDP group")
 
 
-def _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathered, h2d_copy) -> dict[str, int]:
+def _forward(acts: ActivationBytes | None, z: _Sizes) -> Point:
     """The largest moment of the forward pass (torch/distributed/fsdp/_fully_shard/).
 
     `FSDPParamGroup.wait_for_unshard` in forward keeps the previous unit's flat all-gather output
@@ -210,6 +208,8 @@ def _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathere
     (_fsdp_state._post_forward), so the loss is computed with the root's parameters and the
     last block's all-gather output only (ZeRO-3).
     """
+    num_blocks, reshard, held_grads, h2d_copy = z.num_blocks, z.reshard, z.held_grads, z.h2d_copy
+    root_gathered, block_gathered = z.root_gathered, z.block_gathered
     earlier = 0 if reshard else max(num_blocks - 1, 0)  # unsharded blocks before the last
     acts_before_last = acts.embedding + max(num_blocks - 1, 0) * acts.saved_per_block if acts else 0
     points = [
@@ -231,9 +231,7 @@ def _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathere
     return largest_point(*points)
 
 
-def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
-              head_grads, tied_grad, first_grads, block_grads, root_grads, block_shard_grads, block_reduce_in,
-              root_reduce_in, h2d_copy, accum_root, accum_block) -> dict[str, int]:
+def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
     """The largest moment of the backward pass (torch/distributed/fsdp/_fully_shard/).
 
     - Start: the root's pre-backward re-gathers it if it resharded (all-gather output and
@@ -250,9 +248,13 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
       reduce-scatter input), then the root's post_backward: its reduce-scatter input next to its
       unsharded gradients.
     """
+    num_blocks, reshard, held_blocks, held_grads, h2d_copy = z.num_blocks, z.reshard, z.held_blocks, z.held_grads, z.h2d_copy
+    root_gathered, block_gathered, tied_grad, head_grads = z.root_gathered, z.block_gathered, z.tied_grad, z.head_grads
+    block_grads, block_shard_grads, block_reduce_in = z.block_grads, z.block_shard_grads, z.block_reduce_in
+    accum_root, accum_block = z.accum_root, z.accum_block
     points = []
     acts_start = acts.forward_end if acts else 0
-    if root_reshards and reshard:
+    if z.root_reshards and reshard:
         points.append(dict(buffers=2 * root_gathered + h2d_copy, grads=held_grads, activations=acts_start))
     if acts is not None:
         # Saved tensors are activations; what backward allocates (the logits' gradients, the
@@ -272,7 +274,7 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
         buffers = root_gathered + blocks_held * block_gathered + prefetch + (block_reduce_in if j else 0) + h2d_copy
         points.append(dict(
             buffers=buffers,
-            grads=accum_root + (num_blocks - j) * accum_block + head_grads + first_grads + j * block_shard_grads,
+            grads=accum_root + (num_blocks - j) * accum_block + head_grads + z.first_grads + j * block_shard_grads,
             activations=acts.block_backward_saved(num_blocks - j) if acts else 0,
             temporaries=(acts.block_backward_temporary if acts else 0) + tied_grad,
         ))
@@ -304,11 +306,11 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
     # the head's pending gradient, the embedding's and their sum are alive together, none a
     # .grad yet.
     points.append(dict(buffers=root_gathered + (block_reduce_in if num_blocks else 0),
-                       grads=accum_root + root_grads - tied_grad + blocks_done,
+                       grads=accum_root + z.root_grads - tied_grad + blocks_done,
                        temporaries=3 * tied_grad))
     # foreach_reduce copies the root's unsharded gradients into its reduce-scatter input and
     # frees them (`unsharded_grads.clear()`) before allocating the reduce-scatter output.
-    points.append(dict(buffers=root_reduce_in, grads=accum_root + blocks_done + root_grads))
+    points.append(dict(buffers=z.root_reduce_in, grads=accum_root + blocks_done + z.root_grads))
     # Then the reduce-scatter into the root's shard (smaller). On gloo, ProcessGroupGloo reduces
     # a copy of the whole input (measured: a storage of the input's size alive inside the
     # collective); NCCL and the fake backend do not. The training spec does not say which

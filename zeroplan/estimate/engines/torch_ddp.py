@@ -23,6 +23,7 @@ from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
+    Setup,
     early_gradients,
     largest_point,
     phase,
@@ -30,7 +31,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, Step
-from zeroplan.spec.training import Precision, TrainingSpec
+from zeroplan.spec.training import Precision
 
 
 def zero_redundancy_shards(numels: list[int], world_size: int) -> list[list[int]]:
@@ -53,17 +54,15 @@ def _largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[int, ...]:
     return tuple(max(zero_redundancy_shards(numels, world_size), key=sum))
 
 
-def estimate_torch(
-    facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None
-) -> EngineEstimate:
-    element = HALF_BYTES if training.precision == Precision.PURE_BF16 else FP32_BYTES
-    local = _largest_local_shard(facts, training.gpus if training.zero_stage == 1 else 1)
+def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
+    element = HALF_BYTES if setup.precision == Precision.PURE_BF16 else FP32_BYTES
+    local = _largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1)
     params = facts.total_params * element
     grads = facts.trainable_params * element
     buckets = facts.trainable_params * element  # DDP reducer buckets, allocated at wrap time
-    states = optimizer_state_bytes(sum(local), training.optimizer, element)
-    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, training.optimizer, training.device)
-    accumulating = training.grad_accum > 1  # .grad survives between micro-batches
+    states = optimizer_state_bytes(sum(local), setup.optimizer, element)
+    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, setup.optimizer, setup.device)
+    accumulating = setup.accumulating  # .grad survives between micro-batches
     head_numel, tied_numel, first_numel = early_gradients(facts)
     block_numel = max((g.params for g in facts.groups if g.role == "block" and not g.frozen), default=0)
     num_blocks = acts.num_blocks if acts else 0
@@ -101,6 +100,6 @@ def estimate_torch(
                   optimizer_states=states, temporaries=temporaries)
         )
     notes = []
-    if training.zero_stage == 1:
+    if setup.zero_stage == 1:
         notes.append(f"ZeroRedundancyOptimizer: largest rank holds states for {sum(local):,} of {facts.trainable_params:,} elements")
     return EngineEstimate(tuple(phases), NodeBytes(), tuple(notes))
