@@ -349,6 +349,11 @@ def _first_reduction(groups_backward: tuple[tuple[int, ...], ...], bucket_elemen
 
 
 @memo(maxsize=4096)  # shared by the stages and offload targets of one model
+def _owned_by_rank(layout: _Layout, partition: int, n: int) -> tuple[int, ...]:
+    return _owned_elements(layout.numels, partition, n)
+
+
+@memo(maxsize=4096)  # shared by the stages and offload targets of one model
 def _bucket_walks(layout: _Layout, buckets: int) -> tuple[int, int, int]:
     """(`_first_reduction`, `_last_fill` in backward order, `_last_fill` in parameter order)."""
     backward = tuple(x for g in layout.groups_backward for x in g)
@@ -460,7 +465,7 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     layout, buckets = run.layout, knobs.reduce_bucket_size
     # (The walks over every tensor below are cached by the few integers they depend on, so that
     # the stages and offload targets of one model share them.)
-    owned_by_rank = _owned_elements(run.layout.numels, partition, n)
+    owned_by_rank = _owned_by_rank(layout, partition, n)
     owned = max(owned_by_rank) * b
     # `setup_buckets`: `reduce_bucket_size` elements, always (not capped by the model), two with
     # overlap_comm; at the first gradient hook of every backward, freed by
