@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zeroplan.estimate.layout import param_layout
-from zeroplan.estimate.caches import MISSING, IdentityCache
+from zeroplan.estimate.caches import memo
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Attention, Checkpointing, Engine, Precision, TrainingSpec
 
@@ -389,12 +389,6 @@ def memory_checkpointing(training: TrainingSpec) -> Checkpointing:
     return training.checkpointing
 
 
-# Activations by the spec's identity (hashing a pydantic spec walks all its fields) and the
-# training fields they depend on: the planner asks for the same ones for every stage, offload and
-# GPU count.
-_BY_IDENTITY = IdentityCache(4096)
-
-
 def _autocast(training: TrainingSpec) -> bool:
     """Does the run keep fp32 parameters and compute under torch.autocast (`_Widths`)?"""
     return training.engine == Engine.TORCH and training.precision in (Precision.BF16, Precision.FP16)
@@ -402,14 +396,11 @@ def _autocast(training: TrainingSpec) -> bool:
 
 def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
     """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens."""
-    autocast = _autocast(training)
-    fields = (training.micro_batch, training.seq_len, training.checkpointing, training.attention, autocast, act_bytes)
-    acts = _BY_IDENTITY.get(spec, fields)
-    if acts is MISSING:
-        acts = _BY_IDENTITY.put(spec, fields, _activation_bytes(spec, *fields))
-    return acts
+    return _activation_bytes(spec, training.micro_batch, training.seq_len, training.checkpointing, training.attention,
+                             _autocast(training), act_bytes)
 
 
+@memo(maxsize=4096)  # the planner asks for the same activations for every stage, offload and GPU count
 def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, checkpointing: Checkpointing,
                       attention: Attention, autocast: bool, act_bytes: int) -> ActivationBytes:
     w = _Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)

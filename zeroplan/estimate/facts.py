@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroplan.estimate.layout import ParamTensor, param_layout
-from zeroplan.estimate.caches import MISSING, IdentityCache, memo
+from zeroplan.estimate.caches import memo
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
 
@@ -80,15 +80,6 @@ def _count_facts(spec: ParamCountSpec) -> ModelFacts:
     return _facts(spec.name, groups, trainable)
 
 
-# Facts by the spec's identity and the frozen groups: the memos above hash a pydantic spec field
-# by field, which the planner would pay at every evaluation.
-_BY_IDENTITY = IdentityCache(256)
-
-
 def model_facts(spec: TransformerSpec | ParamCountSpec, training: TrainingSpec) -> ModelFacts:
     freeze = tuple(sorted(training.freeze)) if training.freeze else ()
-    facts = _BY_IDENTITY.get(spec, freeze)
-    if facts is MISSING:
-        facts = _transformer_facts(spec, freeze) if isinstance(spec, TransformerSpec) else _count_facts(spec)
-        _BY_IDENTITY.put(spec, freeze, facts)
-    return facts
+    return _transformer_facts(spec, freeze) if isinstance(spec, TransformerSpec) else _count_facts(spec)
