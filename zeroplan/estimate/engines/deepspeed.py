@@ -159,8 +159,8 @@ def _activation_along(run: _Run, acts: ActivationBytes | None, index: int) -> in
 def _hook_along(run: _Run, acts: ActivationBytes | None, index: int) -> int:
     """Activations at a weight gradient's hook inside module group `index`: a block's saved (and
     recomputed) tensors without the activation gradients in flight at its peak (activations.py
-    `block_backward_transient`). Measured: stage 3's bucket reductions and stage 2's offload
-    norms do not coincide with a block's peak (tiny-llama and tiny-gpt2, with checkpointing)."""
+    `block_backward_transient`): they do not coincide with a block's peak (measured: see
+    docs/engines/deepspeed.md, "Where the hooks fire")."""
     along = _activation_along(run, acts, index)
     if along and 0 < index < len(run.layout.groups_backward) - 1:
         # the hooks fire as the weights' gradients come: at the MLP's moment of the block, also
@@ -176,18 +176,8 @@ def _contenders(entries: tuple[tuple[int, ...], ...], last: int) -> tuple[tuple[
     whatever the micro-batch: the others need not be evaluated. `last` is the embedding's index;
     the blocks are 1 .. last - 1, the head 0.
 
-    Why this is exact. (1) Along the blocks the activations are a convex function of the index:
-    `block_backward_peak(left)` is embedding + left x saved_per_block - freed + temporary with
-    `freed` the same for every block (activations.py `block_backward_saved`), affine in the index,
-    and `_hook_along`'s max(affine, 0) is convex. So where the block entries' costs lie on one line
-    in the index, cost + activations is convex over that run: no entry inside it exceeds both
-    ends, and one inside that equals the largest while the first end does not would need a convex
-    function above its chord. Only the two ends of each run can be the first largest.
-    (2) From the head to the first block the activations never grow (the head and the last block
-    both run with every block's saved tensors, each later block with one fewer, saved_per_block
-    >= 0), and the hook's value is no larger than the head's. So an entry before `last` whose cost
-    is no larger than an earlier entry's never wins. The embedding's entry always stays.
-    tests/test_deepspeed_profile_fast.py checks the profile with every entry kept against this one.
+    Exact because the activations are convex along the blocks and never grow from the head to
+    the first block: the proof is in docs/engines/deepspeed.md ("Why `_contenders` is exact").
     """
     ends: list[tuple[int, ...]] = []
     line: list[tuple[int, ...]] = []  # block entries on one line in the index
@@ -623,10 +613,8 @@ def _stage3_walk(facts: ModelFacts, n: int, b: int, knobs: DeepSpeedSizes) -> _W
         layout.gathered_backward, n, threshold, knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters,
         knobs.stage3_prefetch_bucket_size)
     reductions = _stage3_reductions(layout.groups_backward, n, knobs.reduce_bucket_size)
-    # A coalesced fetch (`_all_gather_dtype`) holds its flat buffer until the handle's `wait()`
-    # has copied each parameter out (`AllGatherCoalescedHandle.wait`): measured with the whole
-    # model kept, the forward's prefetch (up to `stage3_prefetch_bucket_size` elements) is alive
-    # twice until the head's forward.
+    # `AllGatherCoalescedHandle.wait` holds the flat buffer until every parameter is copied out:
+    # with the whole model kept, the forward's prefetch is alive twice (docs/engines/deepspeed.md).
     keep_all = gathered_at_head >= gatherable
     prefetch = min(gatherable, knobs.stage3_prefetch_bucket_size) if keep_all else 0
     module_all = [x * b for x in _leaf_gathered(layout.gathered_backward, n)]
@@ -684,11 +672,8 @@ def _stage3(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], 
     phases = [fixed.init]
     for step, base, _, optimizer_step in fixed.steps:
         if step == Step.FIRST and not run.setup.accumulating:  # no trace yet
-            # No trace yet: each submodule's parameters are gathered at its pre-forward and
-            # pre-backward hooks and released after it (`release_sub_module`), persistent ones
-            # too (measured: a run with every tensor persistent peaks as one with none in its
-            # first step). Hooks sit on the leaf modules (a Linear holds one weight, as each of
-            # the model's tensors here), so one tensor is gathered at a time.
+            # `release_sub_module` frees each leaf module's parameters after its hook, persistent
+            # ones too: one tensor gathered at a time (docs/engines/deepspeed.md, "The first step").
             forward = largest_point({"activations": fwd}, {"buffers": walk.largest_leaf})
             extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions)
         else:
@@ -800,8 +785,7 @@ def _stage3_reductions(groups_backward: tuple[tuple[int, ...], ...], n: int, buc
     `__avg_scatter_grads` -> comm/coalesced_collectives.py `reduce_scatter_coalesced` builds a
     flat copy of every gradient in the bucket, each padded to a multiple of N (`torch.cat`),
     while the triggering gradient waits in its .grad. The epilogue reduces what is left at the
-    end of backward; measured (llama-100m, whole model in one bucket): the last gradient produced
-    is still held then, beside the flat copy.
+    end of backward, the last gradient produced still held (measured: docs/engines/deepspeed.md).
     """
     found: dict[int, tuple[int, int, int]] = {}
     filled = last = 0

@@ -196,18 +196,9 @@ def _padding_note(facts: ModelFacts, n: int) -> str | None:
 
 
 def _forward(acts: ActivationBytes | None, z: _Sizes) -> Point:
-    """The largest moment of the forward pass (torch/distributed/fsdp/_fully_shard/).
-
-    `FSDPParamGroup.wait_for_unshard` in forward keeps the previous unit's flat all-gather output
-    (comm_ctx.all_gather_state) until the next unit's copy-out: it drops the state, but its local
-    `prev_all_gather_state` holds the output until the function returns, after the copy-out. So
-    while block i copies out, the previous unit's all-gather output, block i's and block i's
-    unsharded parameters are live together (3 blocks' worth; 2 roots' and 2 blocks' for block
-    0); measured so on 2 gloo ranks. Under ZeRO-2 (reshard_after_forward=False) every earlier
-    block stays unsharded too. The root's post-forward frees the last all-gather output
-    (_fsdp_state._post_forward), so the loss is computed with the root's parameters and the
-    last block's all-gather output only (ZeRO-3).
-    """
+    """The largest moment of the forward pass: while block i copies out, the previous unit's
+    all-gather output is still held (`FSDPParamGroup.wait_for_unshard`); the moments are in
+    docs/engines/fsdp2.md ("Forward")."""
     num_blocks, reshard, held_grads, h2d_copy = z.num_blocks, z.reshard, z.held_grads, z.h2d_copy
     root_gathered, block_gathered = z.root_gathered, z.block_gathered
     earlier = 0 if reshard else max(num_blocks - 1, 0)  # unsharded blocks before the last
@@ -232,22 +223,9 @@ def _forward(acts: ActivationBytes | None, z: _Sizes) -> Point:
 
 
 def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
-    """The largest moment of the backward pass (torch/distributed/fsdp/_fully_shard/).
-
-    - Start: the root's pre-backward re-gathers it if it resharded (all-gather output and
-      unsharded parameters both live during the copy-out), then prefetches the last block
-      (`_backward_prefetch`: its all-gather output is held until that block's pre-backward).
-    - Loss backward: the root and the prefetched all-gather output, no gradient yet.
-    - Block j processed (the (j+1)-th from the end): the root's unsharded parameters, the block's
-      own, the next block's prefetched all-gather output (none for the first block), the previous
-      block's reduce-scatter input (kept in comm_ctx.reduce_scatter_states until this block's
-      post-backward pops it: reduce_scatter_max_input_buffers = 1), the sharded gradients of the
-      j blocks done, the root's unsharded head gradients and this block's first gradient.
-      The terms are linear in j between the ends, so j in {0, 1, L-2, L-1} covers the maximum.
-    - End: the embedding's backward (every block's sharded gradient, the last block's held
-      reduce-scatter input), then the root's post_backward: its reduce-scatter input next to its
-      unsharded gradients.
-    """
+    """The largest moment of the backward pass: its start, the loss's backward, blocks j in
+    {0, 1, L-2, L-1} (the terms are linear in j between the ends), the end; what each holds is
+    in docs/engines/fsdp2.md ("Backward")."""
     num_blocks, reshard, held_blocks, held_grads, h2d_copy = z.num_blocks, z.reshard, z.held_blocks, z.held_grads, z.h2d_copy
     root_gathered, block_gathered, tied_grad, head_grads = z.root_gathered, z.block_gathered, z.tied_grad, z.head_grads
     block_grads, block_shard_grads, block_reduce_in = z.block_grads, z.block_shard_grads, z.block_reduce_in
@@ -311,9 +289,6 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
     # foreach_reduce copies the root's unsharded gradients into its reduce-scatter input and
     # frees them (`unsharded_grads.clear()`) before allocating the reduce-scatter output.
     points.append(dict(buffers=z.root_reduce_in, grads=accum_root + blocks_done + z.root_grads))
-    # Then the reduce-scatter into the root's shard (smaller). On gloo, ProcessGroupGloo reduces
-    # a copy of the whole input (measured: a storage of the input's size alive inside the
-    # collective); NCCL and the fake backend do not. The training spec does not say which
-    # backend a CPU run uses, so that copy is not modelled (llama-100m fsdp2 z2 bf16 with
-    # checkpointing on gloo peaks there: -2.4%).
+    # Then the reduce-scatter into the root's shard (smaller). gloo's copy of the whole input
+    # is not modelled (NCCL makes none): docs/engines/fsdp2.md ("What is not modelled").
     return largest_point(*points)

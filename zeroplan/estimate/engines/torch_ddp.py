@@ -74,15 +74,8 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
             phases.append(phase(step, Phase.INIT, **base))
         grads_before = grads if accumulating else 0
         phases.append(phase(step, Phase.FORWARD, **base, grads=grads_before, activations=max(acts.forward_peak, acts.blocks_end_peak) if acts else 0))
-        # Backward: the loss's backward (every saved tensor, the fp32 gradients of the logits),
-        # then each block's (activations.py block_backward_peak) with the .grad of the head, of
-        # the blocks done and of this block's output projection (AccumulateGrad stores each as it
-        # comes; a tied head's gradient waits in autograd's input buffer until the embedding's
-        # backward), then the end, every .grad present. Linear in the blocks done
-        # between the ends. What backward allocates and no one names at the end of the phase
-        # (logits' gradients, the recomputed block, gradients in flight) is temporaries.
-        # The end: the embedding's backward meets a tied head's pending gradient in autograd's
-        # input buffer; AccumulateGrad clones their sum into .grad while both are still alive.
+        # Backward's moments: the loss's, each block's (linear in the blocks done between the
+        # ends), the end with every .grad present (docs/engines/torch.md).
         points = [dict(grads=grads, temporaries=2 * tied_numel * element)]
         if acts is not None:
             points.append(dict(grads=grads_before, activations=acts.forward_end, temporaries=acts.logits_grad))
