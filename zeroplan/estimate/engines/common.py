@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from zeroplan.estimate.activations import ActivationBytes
-from zeroplan.estimate.caches import memo
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.spec.training import DeepSpeedKnobs, Device, Offload, Optimizer, Precision, TrainingSpec
@@ -88,7 +87,6 @@ def step_temporary_bytes(largest_numel: int, total_numel: int, state_element_byt
     return total_numel * state_element_bytes
 
 
-@memo(maxsize=4096)
 def early_gradients(facts: ModelFacts) -> tuple[int, int, int]:
     """Gradient elements alive early in backward: the output head's .grad (lm_head and the final
     norm), the tied head's gradient, and a block's output projection's .grad (the first gradient
