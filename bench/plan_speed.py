@@ -161,7 +161,7 @@ def main() -> None:
         "and the first that does not are both evaluated). Evaluations use `zeroplan.estimate.fit`, the same",
         "profile as `estimate()` without building the per-phase result (tested equal); a choice whose",
         "activations equal another's (selective checkpointing under fused attention) shares that choice's",
-        "evaluations. The cyclic garbage collector is paused during a plan. The rest is a few float operations",
+        "evaluations. The rest is a few float operations",
         "per configuration.",
         "",
         "Reading the numbers: the rate grows with the micro-batches per choice, because the evaluations per",

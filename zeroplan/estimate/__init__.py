@@ -13,7 +13,7 @@ from typing import NamedTuple
 from zeroplan.estimate import caches
 from zeroplan.estimate.activations import activation_bytes
 from zeroplan.estimate.dtypes import state_bytes
-from zeroplan.estimate.engines.common import EngineEstimate
+from zeroplan.estimate.engines.common import EngineEstimate, setup_of
 from zeroplan.estimate.engines.deepspeed import estimate_deepspeed
 from zeroplan.estimate.engines.fsdp2 import estimate_fsdp2
 from zeroplan.estimate.engines.paper import estimate_paper
@@ -54,10 +54,11 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     else:
         implementation = "parameter count only"
         notes = ("model given by parameter count: activations are not estimated",)
+    setup = setup_of(training)
     if training.engine == Engine.PAPER:
-        result, overhead = estimate_paper(facts, training, dtypes), 0
+        result, overhead = estimate_paper(facts, setup, dtypes), 0
     else:
-        result, overhead = _PROFILES[training.engine](facts, training, acts), overhead_bytes(training)
+        result, overhead = _PROFILES[training.engine](facts, setup, acts), overhead_bytes(training)
     return _Profiled(facts, implementation, result, overhead, notes + result.notes if result.notes else notes)
 
 

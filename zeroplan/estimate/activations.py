@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zeroplan.estimate.layout import param_layout
-from zeroplan.estimate.caches import MISSING, IdentityCache
+from zeroplan.estimate.caches import memo
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Attention, Checkpointing, Engine, Precision, TrainingSpec
 
@@ -212,16 +212,12 @@ def _attention_saved_per_token(spec: TransformerSpec, attention: Attention, chec
     kv_width = spec.kv_heads * spec.dim_per_head
     act = w.comp
     out = act * q_width  # attention output, read by o_proj
-    # The fused kernel's fp32 log-sum-exp per head. Under selective checkpointing the recomputation
-    # rebuilds it, but it stays counted: at most 4 bytes per head per token and block (0.04% of
-    # llama-2-7b's block), conservative, and it keeps selective under fused attention equal to
-    # no checkpointing without autocast (`memory_checkpointing`).
+    # The fused kernel's fp32 log-sum-exp per head, counted under selective checkpointing too
+    # (conservative; keeps `memory_checkpointing` exact): docs/engines/activations.md.
     lse = FP32_BYTES * spec.num_heads if attention == Attention.FUSED else 0
     if checkpointing == Checkpointing.SELECTIVE:
         # The core runs under checkpoint: its inputs stay alive for the recomputation (q, and k
-        # and v before repeat_kv), nothing it saves does (measured on tiny-llama, eager, fp32:
-        # 2,302 bytes per token and block fewer than without checkpointing, of which 256 go to
-        # the mask the checkpoints keep: `_eager_mask_bytes`).
+        # and v before repeat_kv), nothing it saves does (measured: docs/engines/activations.md).
         return _core_inputs_per_token(spec, w) + out + lse
     if attention == Attention.FUSED:
         # q and k after rotary (or GPT-2's c_attn output), v; under autocast the casts SDPA saves.
@@ -245,15 +241,13 @@ def _attention_backward_per_token(spec: TransformerSpec, checkpointing: Checkpoi
 
     Alive then: the softmax's incoming gradient (fp32 when the softmax upcasts, after the cast's
     backward) and its result, computed in the softmax's dtype before its cast to the scores'
-    dtype: 2 x f x a x s (measured in bf16 too: 8 bytes per score); the gradient of the block's
+    dtype: 2 x f x a x s; the gradient of the block's
     output (residual width) and of the repeated v (q width), which waits for the softmax branch
     (autograd runs the most recently created node first). Saved tensors still alive: the first
     norm's, q and k as q @ k^T saved them (one storage of q, k and v for GPT-2's split c_attn),
     and the softmax output; v's copy and the cast probabilities were freed with the backward of
-    probs @ v, the MLP's and the second norm's with theirs. Measured, tiny-llama, fp32, eager, 1 x
-    1024 tokens per rank: 33.0 MiB of temporaries (33.0 here) without checkpointing, 49.5 (49.5)
-    under selective checkpointing, where the core's tensors come back as temporaries. Fused
-    kernels keep no s x s tensor: not modelled for them."""
+    probs @ v, the MLP's and the second norm's with theirs (measured: docs/engines/activations.md).
+    Fused kernels keep no s x s tensor: not modelled for them."""
     h = spec.hidden_size
     q_width = spec.num_heads * spec.dim_per_head
     kv_width = spec.kv_heads * spec.dim_per_head
@@ -278,17 +272,15 @@ def _eager_mask_bytes(micro_batch: int, seq_len: int, w: _Widths) -> int:
     """Eager attention reads an explicit causal mask (masking_utils `eager_mask`: batch x 1 x s x s
     in the embeddings' dtype), built once per forward. Without checkpointing no backward needs it;
     a checkpointed core (selective) or block (full) keeps it among its inputs until that block's
-    backward, so the first block's keeps it to the end of backward (measured: 4 MiB at 1 x 1024
-    tokens in fp32, under full checkpointing)."""
+    backward, so the first block's keeps it to the end of backward (docs/engines/activations.md)."""
     return micro_batch * seq_len * seq_len * w.resid
 
 
 def _core_inputs_per_token(spec: TransformerSpec, w: _Widths) -> int:
     """What a checkpointed attention core keeps for its recomputation: q, and k and v before
     repeat_kv. Under autocast the rotary embedding's cos and sin are in the fp32 residual dtype,
-    so q and k after it are fp32 (type promotion) until the core casts them (measured: torch
-    engine, bf16, +4% of the activations over the 16-bit casts the kernel saves without
-    checkpointing)."""
+    so q and k after it are fp32 (type promotion) until the core casts them
+    (docs/engines/activations.md)."""
     q_width = spec.num_heads * spec.dim_per_head
     kv_width = spec.kv_heads * spec.dim_per_head
     qk = w.resid if (w.autocast and spec.position_embedding == "rotary") else w.comp
@@ -363,8 +355,8 @@ def _block_backward_transient_per_token(spec: TransformerSpec, w: _Widths) -> in
     gradient (intermediate width); the product's backward (aten mul) then returns two more
     gradients of intermediate width while that one is alive (torch/csrc/autograd/
     FunctionsManual.cpp mul_tensor_backward, one per factor). Allocated: h + 3 x inner; freed:
-    the product (`_block_backward_freed_per_token`). Seen on tiny-llama and tiny-gpt2 (fsdp2,
-    gloo): the peak of the last block's backward sits there.
+    the product (`_block_backward_freed_per_token`). The last block's backward peaks there
+    (measured: docs/engines/activations.md).
     """
     k = spec.experts_per_token if spec.is_moe else 1
     return w.resid * spec.hidden_size + 3 * k * w.comp * spec.intermediate_size
@@ -389,12 +381,6 @@ def memory_checkpointing(training: TrainingSpec) -> Checkpointing:
     return training.checkpointing
 
 
-# Activations by the spec's identity (hashing a pydantic spec walks all its fields) and the
-# training fields they depend on: the planner asks for the same ones for every stage, offload and
-# GPU count.
-_BY_IDENTITY = IdentityCache(4096)
-
-
 def _autocast(training: TrainingSpec) -> bool:
     """Does the run keep fp32 parameters and compute under torch.autocast (`_Widths`)?"""
     return training.engine == Engine.TORCH and training.precision in (Precision.BF16, Precision.FP16)
@@ -402,14 +388,11 @@ def _autocast(training: TrainingSpec) -> bool:
 
 def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
     """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens."""
-    autocast = _autocast(training)
-    fields = (training.micro_batch, training.seq_len, training.checkpointing, training.attention, autocast, act_bytes)
-    acts = _BY_IDENTITY.get(spec, fields)
-    if acts is MISSING:
-        acts = _BY_IDENTITY.put(spec, fields, _activation_bytes(spec, *fields))
-    return acts
+    return _activation_bytes(spec, training.micro_batch, training.seq_len, training.checkpointing, training.attention,
+                             _autocast(training), act_bytes)
 
 
+@memo(maxsize=4096)  # the same for every stage, offload and GPU count: warm plans take 16-22% longer without it
 def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, checkpointing: Checkpointing,
                       attention: Attention, autocast: bool, act_bytes: int) -> ActivationBytes:
     w = _Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
@@ -447,8 +430,7 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
     if spec.position_embedding == "rotary":
         # LlamaRotaryEmbedding.forward: cos and sin of 1 x seq x head_dim, cast to the embeddings'
         # dtype, shared by the batch and every block; each block's rotary multiply saves them
-        # (checkpointed blocks keep them as inputs) until the first block's backward. Measured:
-        # the -0.6% left in tiny-llama's activations at 2 x 128 tokens before they were counted.
+        # (checkpointed blocks keep them as inputs) until the first block's backward.
         # Partial rotary (GPT-NeoX, Phi-3) rotates fewer dimensions: counted at full head width.
         embedding += 2 * seq_len * spec.dim_per_head * w.resid
     if checkpointing != Checkpointing.NONE and attention == Attention.EAGER:

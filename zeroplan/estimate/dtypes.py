@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeroplan.estimate.caches import memo
 from zeroplan.spec.training import Optimizer, Precision
 
 FP32_BYTES = 4
@@ -53,7 +52,6 @@ def optimizer_state_bytes(numel: int, optimizer: Optimizer, element_bytes: int) 
     return optimizer_state_count(optimizer) * numel * element_bytes
 
 
-@memo(maxsize=None)  # a few enum pairs; the planner asks for each thousands of times
 def state_bytes(precision: Precision, optimizer: Optimizer) -> StateBytes:
     """Bytes per parameter for `precision` trained with `optimizer`."""
     if precision == Precision.FP32:

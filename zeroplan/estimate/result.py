@@ -58,9 +58,7 @@ class CategoryBytes(NamedTuple):
         return dict(zip(CATEGORY_NAMES, self))
 
     def with_overhead(self, overhead: int) -> "CategoryBytes":
-        # overhead is the last field; tuple.__new__ skips the keyword handling of the generated
-        # __new__ (estimate() calls this for every phase of every estimate)
-        return tuple.__new__(CategoryBytes, (*self[:-1], self[-1] + overhead))
+        return self._replace(overhead=self.overhead + overhead)
 
     def __add__(self, other: "CategoryBytes") -> "CategoryBytes":  # type: ignore[override]
         """Category by category (not tuple concatenation)."""

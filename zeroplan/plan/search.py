@@ -16,10 +16,8 @@ and every verdict of the search against a full estimate.
 
 from __future__ import annotations
 
-import gc
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -156,11 +154,12 @@ class Planner:
         self._fit = fitter
         self.estimate_calls = 0  # estimates and fits
         self._validated: dict[Choice, TrainingSpec | str] = {}  # validated without checkpointing, by choice
-        self._estimates: dict[tuple[Choice, int, int], Estimate] = {}
-        self._fits: dict[tuple[Choice, int, int], Fit | Estimate] = {}
+        # by (memory twin, micro-batch, accumulation): a fit, replaced by the full estimate once one is made
+        self._evaluations: dict[tuple[Choice, int, int], Fit | Estimate] = {}
         self._costs: dict[Choice, StepCostModel] = {}
-        self._twins: dict[Choice, Choice] = {}
-        self._memory_modes: dict[Checkpointing, Checkpointing] = {}
+        # the checkpointing mode whose activations each mode's equal (the base's attention, engine, precision)
+        self._memory_modes = {mode: memory_checkpointing(base.model_copy(update={"checkpointing": mode}))
+                              for mode in Checkpointing}
         self._flops: ModelFlops | None = None
         # The base's fields, with its knob models as objects: validation keeps a model instance
         # as it is, so every spec shares them (the estimator's caches find equal knobs by identity).
@@ -224,38 +223,28 @@ class Planner:
         """The choice whose estimates `choice` shares: itself, or with the checkpointing mode whose
         activations its own equal (`memory_checkpointing`: selective under fused attention keeps
         what no checkpointing keeps). Only the step cost tells the two apart."""
-        twin = self._twins.get(choice)
-        if twin is None:
-            # it depends on the attention kernel, engine and precision: the base's, in every choice
-            modes = self._memory_modes
-            if choice.checkpointing not in modes:
-                modes[choice.checkpointing] = memory_checkpointing(self.base.model_copy(update={"checkpointing": choice.checkpointing}))
-            checkpointing = modes[choice.checkpointing]
-            twin = self._twins[choice] = choice if checkpointing == choice.checkpointing else choice._replace(checkpointing=checkpointing)
-        return twin
+        checkpointing = self._memory_modes[choice.checkpointing]
+        return choice if checkpointing == choice.checkpointing else choice._replace(checkpointing=checkpointing)
 
     def estimate_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Estimate:
         """The full estimate of one configuration, cached and shared with its memory twin (built
         from its fit where there is one)."""
         key = (self.memory_twin(choice), micro_batch, grad_accum)
-        found = self._estimates.get(key)
-        if found is None:
-            decided = self._fits.get(key)
-            if isinstance(decided, Fit):
-                found = decided.estimate()
-            else:
-                found = self.estimate(self.training(key[0], micro_batch, grad_accum))
-            self._estimates[key] = found
+        found = self._evaluations.get(key)
+        if isinstance(found, Fit):
+            found = self._evaluations[key] = found.estimate()
+        elif found is None:
+            found = self._evaluations[key] = self.estimate(self.training(key[0], micro_batch, grad_accum))
         return found
 
     def fit_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Fit | Estimate:
         """The peak and host bytes of one configuration (`zeroplan.estimate.fit`), cached (the
         suggestions re-search with other limits) and shared with its memory twin."""
         key = (self.memory_twin(choice), micro_batch, grad_accum)
-        found = self._fits.get(key) or self._estimates.get(key)
+        found = self._evaluations.get(key)
         if found is None:
             self.estimate_calls += 1
-            found = self._fits[key] = self._fit(self.model, self.training(key[0], micro_batch, grad_accum))
+            found = self._evaluations[key] = self._fit(self.model, self.training(key[0], micro_batch, grad_accum))
         return found
 
     def fitting_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits, hint: int | None = None) -> int:
@@ -458,27 +447,7 @@ def plan(
     if space.global_batch is not None and all(space.global_batch % gpus for gpus in space.gpu_counts):
         counts = ", ".join(str(g) for g in space.gpu_counts)
         raise SpecError(f"--global-batch: {space.global_batch} is not divisible by the GPU count ({counts})")
-    with _cyclic_gc_paused():
-        # A planner made here is dropped (reference counting) before the collector resumes, which
-        # then has only the plan's few objects to look at, not every cached estimate.
-        return _plan(planner or Planner(model, base, assumptions, estimator), model, space, limits, assumptions, top)
-
-
-@contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector. The search allocates hundreds of thousands of small
-    tuples and dicts and makes no reference cycles (reference counting frees all of it), but
-    every 700 net allocations of container objects start a collection of the young ones, and
-    every hundred of those walks all of the planner's cached results: measured, 15% of a 250-fit
-    search (bench/plan_speed.py, the llama-3-70b global-batch row). Whatever a cycle might hold
-    is collected once the collector resumes; one the caller had disabled stays disabled."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+    return _plan(planner or Planner(model, base, assumptions, estimator), model, space, limits, assumptions, top)
 
 
 def _plan(planner: Planner, model, space: SearchSpace, limits: Limits, assumptions: Assumptions, top: int) -> Plan:

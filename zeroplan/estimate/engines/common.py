@@ -1,15 +1,62 @@
-"""Pieces every engine profile shares: the optimizer step's temporaries, sharding arithmetic,
-and the per-phase record."""
+"""Pieces every engine profile shares: what a profile reads of the training spec (`Setup`), the
+optimizer step's temporaries, sharding arithmetic, and the per-phase record."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from zeroplan.estimate.activations import ActivationBytes
-from zeroplan.estimate.caches import memo
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.training import Device, Optimizer
+from zeroplan.spec.training import DeepSpeedKnobs, Device, Offload, Optimizer, Precision, TrainingSpec
+
+
+class DeepSpeedSizes(NamedTuple):
+    """The `zero_optimization` knobs the DeepSpeed profile reads (spec/training.py DeepSpeedKnobs)."""
+
+    reduce_bucket_size: int
+    overlap_comm: bool | None
+    stage3_prefetch_bucket_size: int
+    stage3_max_live_parameters: int
+    stage3_max_reuse_distance: int
+    stage3_param_persistence_threshold: int
+    zero_init: bool
+    offload_pin_memory: bool
+    offload_buffer_count: int
+    offload_buffer_size: int
+    sub_group_size: int
+
+
+class Setup(NamedTuple):
+    """What the engine profiles read of a `TrainingSpec`: the world, the dtypes and where the states
+    live, not the batch (the activations carry that). Plain values, so it keys the profiles' caches."""
+
+    zero_stage: int
+    gpus: int
+    node_gpus: int
+    precision: Precision
+    optimizer: Optimizer
+    offload_optimizer: Offload
+    offload_params: Offload
+    device: Device
+    accumulating: bool  # grad_accum > 1: the profiles keep one accumulated gradient, whatever the count
+    deepspeed: DeepSpeedSizes
+    reshard_root: bool | None  # FSDP2's reshard_root_after_forward
+
+
+def deepspeed_sizes(knobs: DeepSpeedKnobs) -> DeepSpeedSizes:
+    return DeepSpeedSizes(
+        knobs.reduce_bucket_size, knobs.overlap_comm, knobs.stage3_prefetch_bucket_size, knobs.stage3_max_live_parameters,
+        knobs.stage3_max_reuse_distance, knobs.stage3_param_persistence_threshold, knobs.zero_init,
+        knobs.offload_pin_memory, knobs.offload_buffer_count, knobs.offload_buffer_size, knobs.sub_group_size)
+
+
+def setup_of(training: TrainingSpec) -> Setup:
+    """The one place a training spec becomes what the engine profiles read."""
+    return Setup(training.zero_stage, training.gpus, training.node_gpus, training.precision, training.optimizer,
+                 training.offload_optimizer, training.offload_params, training.device, training.grad_accum > 1,
+                 deepspeed_sizes(training.deepspeed), training.fsdp2.reshard_root_after_forward)
 
 
 @dataclass(frozen=True)
@@ -41,7 +88,6 @@ def step_temporary_bytes(largest_numel: int, total_numel: int, state_element_byt
     return total_numel * state_element_bytes
 
 
-@memo(maxsize=4096)
 def early_gradients(facts: ModelFacts) -> tuple[int, int, int]:
     """Gradient elements alive early in backward: the output head's .grad (lm_head and the final
     norm), the tied head's gradient, and a block's output projection's .grad (the first gradient

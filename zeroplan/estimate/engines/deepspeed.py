@@ -15,26 +15,27 @@ The basic optimizer for Adam/AdamW is torch's AdamW on a CPU run (the measure ru
 The measure runner builds the model in fp32 before `deepspeed.initialize` casts it.
 
 Speed (the planner asks thousands of times): what does not depend on the activations is built once
-per model and configuration (`_Fixed`, `_derived`), and the maxima along backward are evaluated
+per model and configuration (`_stage12_fixed`, `_stage3_fixed`), and the maxima along backward are evaluated
 only at the module groups that can hold them (`_contenders`); tests/test_deepspeed_profile_fast.py
-holds the result to a golden file and to the slow path that evaluates every group.
+holds the result to the slow path that evaluates every group, over random models and configurations.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from zeroplan.estimate.activations import ActivationBytes
-from zeroplan.estimate.caches import MISSING, IdentityCache
+from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
+    DeepSpeedSizes,
     EngineEstimate,
     Point,
+    Setup,
     ceil_div,
     early_gradients,
     largest_point,
@@ -43,7 +44,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
+from zeroplan.spec.training import Device, Offload, Optimizer, Precision
 
 # stage_1_and_2.py `__init__`: the flat group is padded to `nccl_start_alignment_factor` (2) x N.
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -63,7 +64,9 @@ def _plus(base: Point, **more: int) -> Point:
     return out
 
 
-@dataclass(frozen=True)
+# eq=False: hashed and compared by identity, as ModelFacts is (one layout per model, `_layout`),
+# so that it keys the caches below without hashing every tensor.
+@dataclass(frozen=True, eq=False)
 class _Layout:
     """A model's tensors as the profile walks them, derived once per ModelFacts."""
 
@@ -73,45 +76,27 @@ class _Layout:
     tied_head: int  # elements of a tied head's gradient, held by autograd until the embedding's backward
     first_block: int  # elements of a block's first gradients in backward (common.py `early_gradients`)
     largest: int  # the largest trainable tensor
-    # Sizes derived from this layout and a few integers (ranks, bucket sizes, knobs): `_derived`.
-    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 class _Run(NamedTuple):
-    """The sizes every stage needs, derived from the model facts and the training spec (a named
-    tuple: built once per estimate, and a frozen dataclass's __init__ costs several times more)."""
+    """The sizes every stage needs, derived from the model facts and the `Setup` (and hashable: it
+    keys the cached parts of each stage, `_stage12_fixed` and `_stage3_fixed`)."""
 
     n: int
     b: int  # model dtype (params, gradients; DeepSpeed's communication and accumulation default)
     total: int  # all parameter elements
     trainable: int
     layout: _Layout
-    numels: tuple[int, ...]  # trainable tensors in parameter order (embedding first)
-    groups_backward: tuple[tuple[int, ...], ...]  # trainable tensors per module group, backward order
-    gathered_backward: tuple[tuple[int, ...], ...]  # all tensors (frozen too) per group, backward order
-    largest: int  # largest trainable tensor
-    tied_head: int  # elements of a tied head's gradient, held by autograd until the embedding's backward
     adam_temporary_rate: int  # bytes of step temporaries per element of the tensor stepped at once
     cpu_run: bool
     offload_opt: bool
     offload_par: bool
-    training: TrainingSpec
+    setup: Setup
     facts: ModelFacts
-    # The training spec's fields that `_Fixed` depends on (not the micro-batch, sequence length,
-    # checkpointing; of grad_accum only whether it is above 1: keep it so when using grad_accum).
-    key: tuple
 
 
-# Layouts by the identity of their ModelFacts (facts.py returns the same object for a model), at
-# most 256 models; each layout's `derived` holds at most _DERIVED_LIMIT entries.
-_LAYOUTS = IdentityCache(256)
-_DERIVED_LIMIT = 4096
-
-
+@memo(maxsize=256)  # measured: DeepSpeed plans take 2-4x longer without it
 def _layout(facts: ModelFacts) -> _Layout:
-    layout = _LAYOUTS.get(facts)
-    if layout is not MISSING:
-        return layout
     # parameter order (model.parameters()): each copy of a block in turn
     numels = tuple(t.numel for g in facts.groups if not g.frozen for _ in range(g.count) for t in g.tensors)
     # Module groups in backward order (the head first); a frozen group has no gradients but
@@ -123,59 +108,31 @@ def _layout(facts: ModelFacts) -> _Layout:
         backward.extend([() if g.frozen else tensors] * g.count)
         gathered.extend([tensors] * g.count)
     _, tied, first_block = early_gradients(facts)
-    return _LAYOUTS.put(facts, (), _Layout(numels, tuple(backward), tuple(gathered), tied, first_block, max(numels, default=0)))
+    return _Layout(numels, tuple(backward), tuple(gathered), tied, first_block, max(numels, default=0))
 
 
-def _derived(layout: _Layout, key: tuple, compute: Callable[[], Any]) -> Any:
-    """`compute()`, cached in the layout under `key`: sizes that depend on the model and a few
-    integers only, not on the micro-batch (the planner varies that the most)."""
-    try:
-        return layout.derived[key]
-    except KeyError:
-        if len(layout.derived) >= _DERIVED_LIMIT:
-            layout.derived.clear()
-        value = layout.derived[key] = compute()
-        return value
-
-
-def _run(facts: ModelFacts, training: TrainingSpec) -> _Run:
-    b = FP32_BYTES if training.precision == Precision.FP32 else HALF_BYTES
+def _run(facts: ModelFacts, setup: Setup) -> _Run:
+    b = FP32_BYTES if setup.precision == Precision.FP32 else HALF_BYTES
     layout = _layout(facts)
-    offload_opt = training.offload_optimizer != Offload.NONE
+    offload_opt = setup.offload_optimizer != Offload.NONE
     # Optimizer step temporaries. torch AdamW on CPU is the single-tensor path
     # (torch/optim/adam.py `_single_tensor_adam`: `denom = (exp_avg_sq.sqrt() / c).add_(eps)`,
     # two fp32 temporaries of the tensor being stepped). FusedAdam (ops/adam/fused_adam.py,
     # multi_tensor_applier) and DeepSpeedCPUAdam (ops/adam/cpu_adam.py) update in place; SGD
     # updates in place.
-    adamish = training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW)
-    rate = 2 * FP32_BYTES if (adamish and training.device == Device.CPU and not offload_opt) else 0
+    adamish = setup.optimizer in (Optimizer.ADAM, Optimizer.ADAMW)
+    rate = 2 * FP32_BYTES if (adamish and setup.device == Device.CPU and not offload_opt) else 0
     return _Run(
-        n=training.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, layout=layout,
-        numels=layout.numels, groups_backward=layout.groups_backward, gathered_backward=layout.gathered_backward,
-        largest=layout.largest, tied_head=layout.tied_head, adam_temporary_rate=rate,
-        cpu_run=training.device == Device.CPU, offload_opt=offload_opt,
-        offload_par=training.offload_params != Offload.NONE, training=training, facts=facts,
-        key=(training.zero_stage, training.gpus, training.precision, training.optimizer, training.offload_optimizer,
-             training.offload_params, training.device, training.grad_accum > 1, _knob_values(training.deepspeed)),
+        n=setup.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, layout=layout,
+        adam_temporary_rate=rate,
+        cpu_run=setup.device == Device.CPU, offload_opt=offload_opt,
+        offload_par=setup.offload_params != Offload.NONE, setup=setup, facts=facts,
     )
-
-
-# The knobs' values by the identity of their (frozen) model: keys built from the values let equal
-# knobs in another object hit the caches without pydantic's field-by-field __eq__, and the
-# planner's specs share one knobs object, so the tuple is built once.
-_KNOB_VALUES = IdentityCache(256)
-
-
-def _knob_values(knobs: Any) -> tuple:
-    values = _KNOB_VALUES.get(knobs)
-    if values is MISSING:
-        values = _KNOB_VALUES.put(knobs, (), tuple(knobs.__dict__.values()))
-    return values
 
 
 def _states(run: _Run, numel: int) -> int:
     """Adam moments (fp32, lazily at the first step) or SGD momentum of `numel` master elements."""
-    return optimizer_state_bytes(numel, run.training.optimizer, FP32_BYTES)
+    return optimizer_state_bytes(numel, run.setup.optimizer, FP32_BYTES)
 
 
 # -- activations along backward ----------------------------------------------------------------
@@ -187,27 +144,27 @@ def _activation_along(run: _Run, acts: ActivationBytes | None, index: int) -> in
     loss's own backward comes before any parameter gradient: `_backward_start`. A tied head's
     gradient waits in autograd's input buffer from the head's backward to the embedding's
     (common.py `early_gradients`), counted with the activations as `zeroplan measure` does."""
-    groups = len(run.groups_backward)
+    groups = len(run.layout.groups_backward)
     if acts is None or acts.num_blocks + 2 != groups:  # a count-only model: no activations
         return 0
     if index == groups - 1:
         return acts.embedding
     # the head (index 0) runs with every block's saved tensors, as the last block (index 1) does
     left = acts.num_blocks + 1 - max(index, 1)
-    return acts.block_backward_peak(left) + run.tied_head * run.b
+    return acts.block_backward_peak(left) + run.layout.tied_head * run.b
 
 
 def _hook_along(run: _Run, acts: ActivationBytes | None, index: int) -> int:
     """Activations at a weight gradient's hook inside module group `index`: a block's saved (and
     recomputed) tensors without the activation gradients in flight at its peak (activations.py
-    `block_backward_transient`). Measured: stage 3's bucket reductions and stage 2's offload
-    norms do not coincide with a block's peak (tiny-llama and tiny-gpt2, with checkpointing)."""
+    `block_backward_transient`): they do not coincide with a block's peak (measured: see
+    docs/engines/deepspeed.md, "Where the hooks fire")."""
     along = _activation_along(run, acts, index)
-    if along and 0 < index < len(run.groups_backward) - 1:
+    if along and 0 < index < len(run.layout.groups_backward) - 1:
         # the hooks fire as the weights' gradients come: at the MLP's moment of the block, also
         # where its attention core peaks later (eager attention)
         left = acts.num_blocks + 1 - index
-        return max(acts.block_mlp_peak(left) + run.tied_head * run.b - acts.block_backward_transient, 0)
+        return max(acts.block_mlp_peak(left) + run.layout.tied_head * run.b - acts.block_backward_transient, 0)
     return along
 
 
@@ -217,18 +174,8 @@ def _contenders(entries: tuple[tuple[int, ...], ...], last: int) -> tuple[tuple[
     whatever the micro-batch: the others need not be evaluated. `last` is the embedding's index;
     the blocks are 1 .. last - 1, the head 0.
 
-    Why this is exact. (1) Along the blocks the activations are a convex function of the index:
-    `block_backward_peak(left)` is embedding + left x saved_per_block - freed + temporary with
-    `freed` the same for every block (activations.py `block_backward_saved`), affine in the index,
-    and `_hook_along`'s max(affine, 0) is convex. So where the block entries' costs lie on one line
-    in the index, cost + activations is convex over that run: no entry inside it exceeds both
-    ends, and one inside that equals the largest while the first end does not would need a convex
-    function above its chord. Only the two ends of each run can be the first largest.
-    (2) From the head to the first block the activations never grow (the head and the last block
-    both run with every block's saved tensors, each later block with one fewer, saved_per_block
-    >= 0), and the hook's value is no larger than the head's. So an entry before `last` whose cost
-    is no larger than an earlier entry's never wins. The embedding's entry always stays.
-    tests/test_deepspeed_profile_fast.py checks the profile with every entry kept against this one.
+    Exact because the activations are convex along the blocks and never grow from the head to
+    the first block: the proof is in docs/engines/deepspeed.md ("Why `_contenders` is exact").
     """
     ends: list[tuple[int, ...]] = []
     line: list[tuple[int, ...]] = []  # block entries on one line in the index
@@ -281,15 +228,15 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
     grads = psi * b
     # engine.py `allreduce_gradients` -> `buffered_allreduce_fallback` -> `allreduce_no_retain`:
     # a flat copy of the gradients (chunks of MEMORY_OPT_ALLREDUCE_SIZE) at the end of backward.
-    flat_allreduce = min(psi, MEMORY_OPT_ALLREDUCE_SIZE + run.largest) * b
+    flat_allreduce = min(psi, MEMORY_OPT_ALLREDUCE_SIZE + run.layout.largest) * b
     states = _states(run, psi)
     fwd = _forward_activations(acts)
     bwd = _backward_start(acts)
     phases = []
-    if run.training.precision == Precision.FP32:
+    if run.setup.precision == Precision.FP32:
         # No wrapper: torch AdamW/FusedAdam on the module parameters, states at the first step;
         # per-tensor step temporaries.
-        temps = run.adam_temporary_rate * run.largest
+        temps = run.adam_temporary_rate * run.layout.largest
         for step in (Step.FIRST, Step.STEADY):
             held = states if step == Step.STEADY else 0
             if step == Step.FIRST:
@@ -305,11 +252,11 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
     # `initialize_optimizer_states` steps the optimizer on zero gradients (fp16/unfused_optimizer.py,
     # fp16/fused_optimizer.py).
     master = psi * FP32_BYTES
-    if run.training.device == Device.CPU:
+    if run.setup.device == Device.CPU:
         # FP16_UnfusedOptimizer: per-parameter fp32 clones; step: `fp32.grad = fp16.grad.to(fp32)`
         # per parameter, the 16-bit gradients still alive; torch AdamW per tensor.
         step_grads = grads + psi * FP32_BYTES
-        step_temps = run.adam_temporary_rate * run.largest
+        step_temps = run.adam_temporary_rate * run.layout.largest
         init_extra = {"grads": grads + psi * FP32_BYTES, "temporaries": step_temps}  # the zero-gradient step
     else:
         # FP16_Optimizer.step: `p.grad.to(fp32)` per parameter, then `_flatten_dense_tensors` of
@@ -389,12 +336,19 @@ def _first_reduction(groups_backward: tuple[tuple[int, ...], ...], bucket_elemen
     return len(groups_backward)
 
 
+@memo(maxsize=4096)  # shared by stages and offloads: a cold 70B plan over 8-256 GPUs takes 12% longer without it
+def _owned_by_rank(layout: _Layout, partition: int, n: int) -> tuple[int, ...]:
+    return _owned_elements(layout.numels, partition, n)
+
+
+@memo(maxsize=4096)  # shared by stages and offloads: cold plans take 16-21% longer without it
 def _bucket_walks(layout: _Layout, buckets: int) -> tuple[int, int, int]:
     """(`_first_reduction`, `_last_fill` in backward order, `_last_fill` in parameter order)."""
     backward = tuple(x for g in layout.groups_backward for x in g)
     return _first_reduction(layout.groups_backward, buckets), _last_fill(backward, buckets), _last_fill(layout.numels, buckets)
 
 
+@memo(maxsize=4096)  # shared by offloads: a cold 70B plan over 8-256 GPUs takes 12% longer without it
 def _stage1_grads(layout: _Layout, b: int) -> tuple[tuple[int, int], ...]:
     """Stage 1 (`_contenders` of): (backward index, gradient bytes at that module group's
     backward peak): the gradients of the groups before it, and a block's first gradients."""
@@ -407,54 +361,65 @@ def _stage1_grads(layout: _Layout, b: int) -> tuple[tuple[int, int], ...]:
     return _contenders(tuple(entries), len(groups) - 1)
 
 
+class _StepMoments(NamedTuple):
+    """One step's moments that do not depend on the activations."""
+
+    step: Step
+    during: Point  # what forward and backward hold besides the activations and what backward adds
+    settled: Point | None  # the largest of backward's moments without activations (stages 1-2)
+    optimizer_step: PhaseBytes
+
+
 @dataclass(frozen=True)
-class _Fixed:
-    """A stage's phases and moments that do not depend on the activations: cached per model and
-    training spec apart from the micro-batch, sequence length and checkpointing (`_Run.key`)."""
+class _Fixed12:
+    """Stages 1-2 apart from the activations: cached per model and `Setup` (not the micro-batch,
+    sequence length or checkpointing)."""
 
     init: PhaseBytes
-    # per step (first, steady): what forward and backward hold besides the activations and what
-    # backward adds at them; the largest of backward's moments without activations (or None);
-    # the optimizer step's phase
-    steps: tuple[tuple[Step, Point, Point | None, PhaseBytes], ...]
-    host: Any  # stages 1-2: host bytes per rank; stage 3: (host, NVMe) bytes per rank
-    numbers: dict[str, Any]  # what the moments with activations need
+    steps: tuple[_StepMoments, ...]  # first, steady
+    host_bytes: int  # per rank
+    moving: bool  # gradients move into the bucket at their hooks (stage 2, or stage 1 with overlap_comm)
+    first_index: int  # backward module index of the first reduction (`_first_reduction`)
+    groups: int  # module groups
+    bucket_now: int  # bytes of the reduce bucket allocated in this micro-batch
+    owned_early: int  # bytes of the partition allocated at the first reduction (the last rank's)
+    before: tuple[tuple[int, ...], ...]  # `_contenders` among the module groups before the first reduction
+    grads_along: tuple[tuple[int, int], ...]  # stage 1: `_stage1_grads`
 
 
 def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], int]:
-    fixed = _derived(run.layout, ("stage 1-2", run.key), partial(_stage12_fixed, run))
-    numbers = fixed.numbers
-    first_index, groups, bucket_now = numbers["first_index"], numbers["groups"], numbers["bucket_now"]
+    fixed = _stage12_fixed(run)
+    first_index, groups, bucket_now = fixed.first_index, fixed.groups, fixed.bucket_now
     fwd = _forward_activations(acts)
     # Backward's moments with activations are the same in both steps; each step adds its own
     # `during` to them (the largest is the one that adds the most), so they are found once.
     # The bucket appears at the first parameter's gradient hook, after the loss's backward.
     points = [{"activations": _backward_start(acts)}]
-    if numbers["moving"]:
+    if fixed.moving:
         # Stage 2 (and stage 1 with overlap_comm, at the boundary: `process_gradients`) moves
         # each gradient into the bucket at its hook. The rank owning the last parameters
         # allocates its `grads_in_partition` at the first reduction; a later micro-batch
         # fills a second one, added into the first at its end.
         if first_index:  # modules before the first reduction: the bucket, no partition yet
-            most = max(_activation_along(run, acts, i) for i, _ in numbers["before"])
+            most = max(_activation_along(run, acts, i) for i, _ in fixed.before)
             points.append({"activations": most, "buffers": bucket_now})
         acts_at_first = _activation_along(run, acts, first_index) if first_index < groups else 0
         points.append({"activations": acts_at_first, "buffers": bucket_now,
-                       "grads": 0 if run.offload_opt else numbers["owned_early"]})
+                       "grads": 0 if run.offload_opt else fixed.owned_early})
         if run.offload_opt:
             # Offloaded, each owned gradient is copied to the host after
             # `set_norm_for_param_grad_in_gpu` takes its norm in `get_norm_dtype()` (fp64
             # where supported: a copy of the tensor), while the next gradient waits in .grad.
             hook = _hook_along(run, acts, first_index) if first_index < groups else 0
-            points.append({"activations": hook, "buffers": bucket_now, "grads": run.largest * run.b,
-                           "temporaries": run.largest * NORM_BYTES})
+            points.append({"activations": hook, "buffers": bucket_now, "grads": run.layout.largest * run.b,
+                           "temporaries": run.layout.largest * NORM_BYTES})
     else:
         # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
         # boundary's `reduce_gradients` walks them through the bucket (`_stage12_fixed`).
         # At a block's backward peak, the gradients of the modules before it exist, and the
         # block's output projection's (common.py `early_gradients`, its first gradients).
         best: tuple[int, int] | None = None
-        for index, grads_now in numbers["grads_along"]:
+        for index, grads_now in fixed.grads_along:
             along = _activation_along(run, acts, index)
             if best is None or along + grads_now > best[0] + best[1]:
                 best = (along, grads_now)
@@ -470,13 +435,14 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             peak = settled
         phases.append(phase(step, Phase.BACKWARD, **peak))
         phases.append(optimizer_step)
-    return phases, fixed.host
+    return phases, fixed.host_bytes
 
 
-def _stage12_fixed(run: _Run) -> _Fixed:
-    training, knobs = run.training, run.training.deepspeed
+@memo(maxsize=4096)  # the planner varies the micro-batch most: warm plans take 14-26% longer without it
+def _stage12_fixed(run: _Run) -> _Fixed12:
+    setup, knobs = run.setup, run.setup.deepspeed
     b, n = run.b, run.n
-    stage = training.zero_stage
+    stage = setup.zero_stage
     overlap = bool(knobs.overlap_comm)  # zero/config.py: overlap_comm defaults to False for 1-2
     alignment = NCCL_START_ALIGNMENT_FACTOR * n
     flat = ceil_div(run.trainable, alignment) * alignment
@@ -487,14 +453,14 @@ def _stage12_fixed(run: _Run) -> _Fixed:
     layout, buckets = run.layout, knobs.reduce_bucket_size
     # (The walks over every tensor below are cached by the few integers they depend on, so that
     # the stages and offload targets of one model share them.)
-    owned_by_rank = _derived(layout, ("owned", partition, n), partial(_owned_elements, run.numels, partition, n))
+    owned_by_rank = _owned_by_rank(layout, partition, n)
     owned = max(owned_by_rank) * b
     # `setup_buckets`: `reduce_bucket_size` elements, always (not capped by the model), two with
     # overlap_comm; at the first gradient hook of every backward, freed by
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
     bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
-    first_index, last_fill, last_fill_forward = _derived(layout, ("bucket walks", buckets), partial(_bucket_walks, layout, buckets))
-    groups = len(run.groups_backward)
+    first_index, last_fill, last_fill_forward = _bucket_walks(layout, buckets)
+    groups = len(run.layout.groups_backward)
 
     # Optimizer offload (stage_1_and_2.py `__init__`, `initialize_optimizer_states`): the fp32
     # master, its fp32 gradient (kept from init), a P12 x b copy of the partition
@@ -505,18 +471,18 @@ def _stage12_fixed(run: _Run) -> _Fixed:
     device_buffers = 0
     if run.offload_opt:
         host_grads = partition * FP32_BYTES
-        host_buffers = partition * b + run.largest * b
-        device_buffers = run.largest * b
-        if training.grad_accum > 1:  # `accumulated_grads_in_cpu`: owned slices, model dtype
+        host_buffers = partition * b + run.layout.largest * b
+        device_buffers = run.layout.largest * b
+        if setup.accumulating:  # `accumulated_grads_in_cpu`: owned slices, model dtype
             host_grads += partition * b
     on_device = not run.offload_opt or run.cpu_run  # a CPU run has one memory
 
     def host(value: int) -> int:
         return value if on_device else 0
 
-    ga = training.grad_accum
+    accumulating = setup.accumulating
     moving = stage == 2 or overlap
-    bucket_now = 0 if stage == 1 and ga > 1 else bucket  # already carried
+    bucket_now = 0 if stage == 1 and accumulating else bucket  # already carried
     kept = 0 if run.offload_opt else owned  # offload copies straight to the host gradient
     # `flatten_dense_tensors_aligned`: the old per-parameter storages and the flat copy.
     flatten = {"params": params + run.trainable * b}
@@ -533,9 +499,9 @@ def _stage12_fixed(run: _Run) -> _Fixed:
         # since only the boundary reduces); stage 2 keeps the owned partition (`all_grad_tensors`)
         # or, offloaded, `accumulated_grads_in_cpu` (in host_grads).
         carried: Point = {}
-        if ga > 1 and stage == 1:
+        if accumulating and stage == 1:
             carried = {"grads": run.trainable * b, "buffers": bucket}
-        elif ga > 1 and not run.offload_opt:
+        elif accumulating and not run.offload_opt:
             carried = {"grads": owned}
         during = _plus(base, **carried)
 
@@ -552,7 +518,7 @@ def _stage12_fixed(run: _Run) -> _Fixed:
             # freeing each .grad as it is copied into the bucket and filling the owned partition
             # (the last micro-batch accumulates into the kept .grad); the first rank allocates its
             # partition at the first overflow, with the rest still in .grad.
-            filled = _bucket_fill(run.numels, buckets)
+            filled = _bucket_fill(run.layout.numels, buckets)
             first_rank = 0 if run.offload_opt else owned_by_rank[0] * b
             settled = [_plus(base, buffers=bucket, grads=(run.trainable - filled) * b + first_rank)]
             # Each reduction flattens the bucket's contents (`average_tensor`): at the first one
@@ -571,19 +537,18 @@ def _stage12_fixed(run: _Run) -> _Fixed:
             stepping = dict(base, optimizer_states=master + states, grads=partition * FP32_BYTES,
                             temporaries=run.adam_temporary_rate * partition)
             step_point = largest_point(convert, stepping)
-        steps.append((step, during, largest_point(*settled), phase(step, Phase.OPTIMIZER_STEP, **step_point)))
+        steps.append(_StepMoments(step, during, largest_point(*settled), phase(step, Phase.OPTIMIZER_STEP, **step_point)))
     host_bytes = (master + states + host_grads + host_buffers) if run.offload_opt and not run.cpu_run else 0
-    numbers = {
-        "moving": moving, "first_index": first_index, "groups": groups, "bucket_now": bucket_now,
+    # with gradients carried between micro-batches, none are added along backward
+    grads_b = 0 if accumulating and (stage == 1 or not run.offload_opt) else b
+    return _Fixed12(
+        init, tuple(steps), host_bytes, moving, first_index, groups, bucket_now,
         # The last rank owns the head, whose gradients come first in backward: it allocates its
         # partition at the first reduction during backward, the others later.
-        "owned_early": owned_by_rank[-1] * b,
-        "before": _contenders(tuple((i, 0) for i in range(first_index)), groups - 1),
-        # with gradients carried between micro-batches, none are added along backward
-        "grads_along": _derived(layout, ("stage 1 grads", grads_b := 0 if ga > 1 and (stage == 1 or not run.offload_opt) else b),
-                                partial(_stage1_grads, layout, grads_b)),
-    }
-    return _Fixed(init, tuple(steps), host_bytes, numbers)
+        owned_early=owned_by_rank[-1] * b,
+        before=_contenders(tuple((i, 0) for i in range(first_index)), groups - 1),
+        grads_along=_stage1_grads(layout, grads_b),
+    )
 
 
 # -- stage 3 --------------------------------------------------------------------------------------
@@ -637,36 +602,29 @@ class _Walk3:
     warm_reductions: tuple[tuple[int, ...], ...]
 
 
-def _stage3_walk(run: _Run, facts: ModelFacts) -> _Walk3:
-    knobs, n, b = run.training.deepspeed, run.n, run.b
+@memo(maxsize=4096)  # shared by offloads: cold plans take 20-78% longer without it
+def _stage3_walk(facts: ModelFacts, n: int, b: int, knobs: DeepSpeedSizes) -> _Walk3:
+    layout = _layout(facts)
     threshold = knobs.stage3_param_persistence_threshold
-    key = ("stage 3", n, b, threshold, knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters,
-           knobs.stage3_prefetch_bucket_size, knobs.reduce_bucket_size)
-
-    def compute() -> _Walk3:
-        p3_all, p3, persistent, gatherable = _stage3_sizes(facts, n, threshold)
-        gathered_at_head, gathered_in_backward = _steady_gathering(
-            run.gathered_backward, n, threshold, knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters,
-            knobs.stage3_prefetch_bucket_size)
-        reductions = _stage3_reductions(run.groups_backward, n, knobs.reduce_bucket_size)
-        # A coalesced fetch (`_all_gather_dtype`) holds its flat buffer until the handle's `wait()`
-        # has copied each parameter out (`AllGatherCoalescedHandle.wait`): measured with the whole
-        # model kept, the forward's prefetch (up to `stage3_prefetch_bucket_size` elements) is alive
-        # twice until the head's forward.
-        keep_all = gathered_at_head >= gatherable
-        prefetch = min(gatherable, knobs.stage3_prefetch_bucket_size) if keep_all else 0
-        module_all = [x * b for x in _leaf_gathered(run.gathered_backward, n)]
-        last = len(run.groups_backward) - 1
-        cold = [(i, g) for i, g in enumerate(module_all)]
-        warm = [(i, g * b) for i, g in enumerate(gathered_in_backward)]
-        cold_reductions = [(i, module_all[i] + (flat + trigger) * b, module_all[i] + flat * b, trigger * b)
-                           for i, flat, trigger in reductions]
-        warm_reductions = [(i, (gathered_in_backward[i] + flat + trigger) * b, (gathered_in_backward[i] + flat) * b,
-                            trigger * b) for i, flat, trigger in reductions]
-        return _Walk3(p3_all, p3, persistent, gathered_at_head, prefetch, max(module_all, default=0),
-                      *(_contenders(tuple(entries), last) for entries in (cold, cold_reductions, warm, warm_reductions)))
-
-    return _derived(run.layout, key, compute)
+    p3_all, p3, persistent, gatherable = _stage3_sizes(facts, n, threshold)
+    gathered_at_head, gathered_in_backward = _steady_gathering(
+        layout.gathered_backward, n, threshold, knobs.stage3_max_reuse_distance, knobs.stage3_max_live_parameters,
+        knobs.stage3_prefetch_bucket_size)
+    reductions = _stage3_reductions(layout.groups_backward, n, knobs.reduce_bucket_size)
+    # `AllGatherCoalescedHandle.wait` holds the flat buffer until every parameter is copied out:
+    # with the whole model kept, the forward's prefetch is alive twice (docs/engines/deepspeed.md).
+    keep_all = gathered_at_head >= gatherable
+    prefetch = min(gatherable, knobs.stage3_prefetch_bucket_size) if keep_all else 0
+    module_all = [x * b for x in _leaf_gathered(layout.gathered_backward, n)]
+    last = len(layout.groups_backward) - 1
+    cold = [(i, g) for i, g in enumerate(module_all)]
+    warm = [(i, g * b) for i, g in enumerate(gathered_in_backward)]
+    cold_reductions = [(i, module_all[i] + (flat + trigger) * b, module_all[i] + flat * b, trigger * b)
+                       for i, flat, trigger in reductions]
+    warm_reductions = [(i, (gathered_in_backward[i] + flat + trigger) * b, (gathered_in_backward[i] + flat) * b,
+                        trigger * b) for i, flat, trigger in reductions]
+    return _Walk3(p3_all, p3, persistent, gathered_at_head, prefetch, max(module_all, default=0),
+                  *(_contenders(tuple(entries), last) for entries in (cold, cold_reductions, warm, warm_reductions)))
 
 
 def _backward_extra(run: _Run, acts: ActivationBytes | None, start: Point, gathered: tuple[tuple[int, ...], ...],
@@ -688,9 +646,19 @@ def _backward_extra(run: _Run, acts: ActivationBytes | None, start: Point, gathe
     return best
 
 
-def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], tuple[int, int]]:
-    fixed = _derived(run.layout, ("stage 3", run.key), partial(_stage3_fixed, run, facts))
-    walk, b = fixed.numbers["walk"], run.b
+@dataclass(frozen=True)
+class _Fixed3:
+    """Stage 3 apart from the activations: cached per model and `Setup`."""
+
+    init: PhaseBytes
+    steps: tuple[_StepMoments, ...]  # first, steady
+    host: tuple[int, int]  # (host, NVMe) bytes per rank
+    walk: _Walk3
+
+
+def _stage3(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], tuple[int, int]]:
+    fixed = _stage3_fixed(run)
+    walk, b = fixed.walk, run.b
     fwd = _forward_activations(acts)
     # The trace is complete from the second micro-batch of the first step on: the steady step's
     # moments, also the first step's when it accumulates.
@@ -701,12 +669,9 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
                             walk.warm_reductions))
     phases = [fixed.init]
     for step, base, _, optimizer_step in fixed.steps:
-        if step == Step.FIRST and run.training.grad_accum == 1:  # no trace yet
-            # No trace yet: each submodule's parameters are gathered at its pre-forward and
-            # pre-backward hooks and released after it (`release_sub_module`), persistent ones
-            # too (measured: a run with every tensor persistent peaks as one with none in its
-            # first step). Hooks sit on the leaf modules (a Linear holds one weight, as each of
-            # the model's tensors here), so one tensor is gathered at a time.
+        if step == Step.FIRST and not run.setup.accumulating:  # no trace yet
+            # `release_sub_module` frees each leaf module's parameters after its hook, persistent
+            # ones too: one tensor gathered at a time (docs/engines/deepspeed.md, "The first step").
             forward = largest_point({"activations": fwd}, {"buffers": walk.largest_leaf})
             extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions)
         else:
@@ -718,10 +683,11 @@ def _stage3(run: _Run, facts: ModelFacts, acts: ActivationBytes | None) -> tuple
     return phases, fixed.host
 
 
-def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
-    training, knobs = run.training, run.training.deepspeed
+@memo(maxsize=4096)  # warm plans take 13-19% longer without it
+def _stage3_fixed(run: _Run) -> _Fixed3:
+    knobs = run.setup.deepspeed
     b = run.b
-    walk = _stage3_walk(run, facts)
+    walk = _stage3_walk(run.facts, run.n, b, knobs)
     p3_all, p3, persistent = walk.p3_all, walk.p3, walk.persistent
     partitions = p3_all * b  # `lp_param_buffer` (or the offload_param host buffer)
     master = p3 * FP32_BYTES  # `fp32_partitioned_groups_flat`, a separate copy even in fp32
@@ -743,7 +709,7 @@ def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
     for step in (Step.FIRST, Step.STEADY):
         held = states if step == Step.STEADY else 0
         # persistent parameters stay gathered once the trace is complete (after the first micro-batch)
-        persist = persistent * b if step == Step.STEADY or training.grad_accum > 1 else 0
+        persist = persistent * b if step == Step.STEADY or run.setup.accumulating else 0
         base = {"params": partitions_dev + persist, "optimizer_states": opt(master + held),
                 "grads": opt(grad_partitions + offload_grads), "buffers": bucket}
         # `step`: all parameters are released, persistent ones included, and re-gathered after
@@ -760,7 +726,7 @@ def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
                           temporaries=run.adam_temporary_rate * sub_group)
             stepping = largest_point(convert, update)
         after = dict(base, params=partitions_dev + persistent * b, optimizer_states=opt(master + states))
-        steps.append((step, base, None, phase(step, Phase.OPTIMIZER_STEP, **largest_point(stepping, after))))
+        steps.append(_StepMoments(step, base, None, phase(step, Phase.OPTIMIZER_STEP, **largest_point(stepping, after))))
     # Without zero.Init the model is built whole, then partitioned in `deepspeed.initialize`;
     # under `deepspeed.zero.Init` (partition_parameters.py `_post_init_method`) each module's
     # parameters are partitioned as the module is built, so at most one whole tensor exists
@@ -768,23 +734,23 @@ def _stage3_fixed(run: _Run, facts: ModelFacts) -> _Fixed:
     # partitions into one buffer, `_create_fp32_partitions`, and `initialize_optimizer_states`
     # makes a P3 x 4 zero gradient (temporary without offload) before the bucket and gradient
     # partitions.
-    if training.deepspeed.zero_init:
-        built = {"params": partitions + run.largest * b}
+    if knobs.zero_init:
+        built = {"params": partitions + run.layout.largest * b}
     else:
         built = {"params": run.total * b}
     defrag = {"params": 2 * partitions}
     opt_init = {"params": partitions, "optimizer_states": opt(master),
                 "temporaries": 0 if run.offload_opt else opt(fp32_grad), "grads": opt(offload_grads)}
-    first_base = steps[0][1]
+    first_base = steps[0].during
     init = phase(Step.FIRST, Phase.INIT, **largest_point(built, defrag, opt_init, dict(first_base, params=partitions)))
     host = _stage3_host(run, p3, partitions, master + states, grad_partitions + fp32_grad)
-    return _Fixed(init, tuple(steps), host, {"walk": walk})
+    return _Fixed3(init, tuple(steps), host, walk)
 
 
 def _largest_sub_group(run: _Run, p3: int) -> int:
     """Elements of the largest optimizer sub-group of a rank's P3-element partition."""
     # stage3.py `_create_fp16_sub_groups`: tensors join a sub-group until it holds sub_group_size elements
-    return min(p3, max(run.training.deepspeed.sub_group_size, ceil_div(run.largest, run.n)))
+    return min(p3, max(run.setup.deepspeed.sub_group_size, ceil_div(run.layout.largest, run.n)))
 
 
 def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int) -> tuple[int, int]:
@@ -799,16 +765,16 @@ def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int
     """
     if run.cpu_run:
         return 0, 0
-    knobs = run.training.deepspeed
+    knobs = run.setup.deepspeed
     host = nvme = 0
-    if run.training.offload_optimizer == Offload.CPU:
+    if run.setup.offload_optimizer == Offload.CPU:
         host += optimizer + grads
-    elif run.training.offload_optimizer == Offload.NVME:
+    elif run.setup.offload_optimizer == Offload.NVME:
         nvme += optimizer
         host += grads + OPTIMIZER_SWAP_BUFFERS * _largest_sub_group(run, p3) * FP32_BYTES
-    if run.training.offload_params == Offload.CPU:
+    if run.setup.offload_params == Offload.CPU:
         host += partitions
-    elif run.training.offload_params == Offload.NVME:
+    elif run.setup.offload_params == Offload.NVME:
         nvme += partitions
         host += knobs.offload_buffer_count * knobs.offload_buffer_size * run.b
     return host, nvme
@@ -823,8 +789,7 @@ def _stage3_reductions(groups_backward: tuple[tuple[int, ...], ...], n: int, buc
     `__avg_scatter_grads` -> comm/coalesced_collectives.py `reduce_scatter_coalesced` builds a
     flat copy of every gradient in the bucket, each padded to a multiple of N (`torch.cat`),
     while the triggering gradient waits in its .grad. The epilogue reduces what is left at the
-    end of backward; measured (llama-100m, whole model in one bucket): the last gradient produced
-    is still held then, beside the flat copy.
+    end of backward, the last gradient produced still held (measured: docs/engines/deepspeed.md).
     """
     found: dict[int, tuple[int, int, int]] = {}
     filled = last = 0
@@ -886,29 +851,28 @@ def _steady_gathering(gathered_backward: tuple[tuple[int, ...], ...], n: int, th
 # -- entry point ----------------------------------------------------------------------------------
 
 
-def estimate_deepspeed(facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None) -> EngineEstimate:
-    run = _run(facts, training)
+def estimate_deepspeed(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
+    run = _run(facts, setup)
     host = nvme = 0
-    if training.zero_stage == 0:
+    if setup.zero_stage == 0:
         phases = _stage0(run, acts)
-    elif training.zero_stage in (1, 2):
+    elif setup.zero_stage in (1, 2):
         phases, host = _stage12(run, acts)  # spec: stages 1-2 offload to cpu only
     else:
-        phases, (host, nvme) = _stage3(run, facts, acts)
-    per_node, notes = _derived(run.layout, ("per node and notes", run.key, training.gpus_per_node),
-                               partial(_per_node_and_notes, training, run.b, host, nvme))
+        phases, (host, nvme) = _stage3(run, acts)
+    per_node, notes = _per_node_and_notes(setup, run.b, host, nvme)
     return EngineEstimate(tuple(phases), per_node, notes)
 
 
-def _per_node_and_notes(training: TrainingSpec, b: int, host: int, nvme: int) -> tuple[NodeBytes, tuple[str, ...]]:
+def _per_node_and_notes(setup: Setup, b: int, host: int, nvme: int) -> tuple[NodeBytes, tuple[str, ...]]:
     notes = []
-    if training.precision == Precision.PURE_BF16:
+    if setup.precision == Precision.PURE_BF16:
         notes.append("pure-bf16: DeepSpeed keeps an fp32 master and fp32 states; estimated as bf16 mixed precision")
-    per_node = NodeBytes(cpu_bytes=host * training.node_gpus,
-                         pinned_bytes=host * training.node_gpus if training.deepspeed.offload_pin_memory else 0,
-                         nvme_bytes=nvme * training.node_gpus)
-    bucket = training.deepspeed.reduce_bucket_size * b
-    if training.zero_stage >= 1 and bucket >= 2**30:
-        notes.append(f"reduce bucket of {bucket:,} bytes (reduce_bucket_size {training.deepspeed.reduce_bucket_size:,} "
+    per_node = NodeBytes(cpu_bytes=host * setup.node_gpus,
+                         pinned_bytes=host * setup.node_gpus if setup.deepspeed.offload_pin_memory else 0,
+                         nvme_bytes=nvme * setup.node_gpus)
+    bucket = setup.deepspeed.reduce_bucket_size * b
+    if setup.zero_stage >= 1 and bucket >= 2**30:
+        notes.append(f"reduce bucket of {bucket:,} bytes (reduce_bucket_size {setup.deepspeed.reduce_bucket_size:,} "
                      "elements, allocated whole whatever the model size); lower it to save memory")
     return per_node, tuple(notes)

@@ -32,6 +32,8 @@ from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
+    Point,
+    Setup,
     ceil_div,
     early_gradients,
     largest_point,
@@ -40,14 +42,13 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
+from zeroplan.spec.training import Device, Offload, Precision
 
 
 def _padded_shard(numel: int, rows: int, world: int) -> int:
     return ceil_div(rows, world) * (numel // rows)
 
 
-@memo(maxsize=4096)
 def _shards(facts: ModelFacts, n: int) -> tuple[int, int, int, int, int, int, int]:
     """Per-rank padded elements: root unit, largest block, all, trainable, largest trainable
     tensor, one block's trainable, the root's trainable."""
@@ -94,15 +95,16 @@ class _Sizes(NamedTuple):
     accum_root: int
     accum_block: int
     host_bytes: int  # per rank, offloaded to the host
+    padding_note: str | None  # `_padding_note`
 
 
-@memo(maxsize=4096)
-def _sizes(facts: ModelFacts, n: int, precision: Precision, offload: Offload, device: Device, zero_stage: int,
-           accumulating: bool, reshard_root: bool | None, optimizer: Optimizer) -> _Sizes:
+@memo(maxsize=4096)  # measured: a warm FSDP2 plan takes 14% longer without it
+def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
+    n, precision, device, optimizer = setup.gpus, setup.precision, setup.device, setup.optimizer
     storage = HALF_BYTES if precision == Precision.PURE_BF16 else FP32_BYTES
     gathered = FP32_BYTES if precision == Precision.FP32 else HALF_BYTES
     reduce = storage  # reduce_dtype fp32 under mixed precision, the model dtype otherwise
-    offloaded = offload == Offload.CPU
+    offloaded = setup.offload_optimizer == Offload.CPU
     on_device = not offloaded or device == Device.CPU  # a CPU run has one memory
 
     root_shard, block_shard, shard_total, trainable_shard, largest_local, block_train, root_train = _shards(facts, n)
@@ -128,8 +130,8 @@ def _sizes(facts: ModelFacts, n: int, precision: Precision, offload: Offload, de
     root_reduce_in = root_train * n * reduce
     h2d_copy = 0 if on_device else max(root_shard, block_shard) * storage
 
-    reshard = zero_stage == 3
-    root_reshards = reshard if reshard_root is None else reshard_root
+    reshard = setup.zero_stage == 3
+    root_reshards = reshard if setup.reshard_root is None else setup.reshard_root
     # Blocks whose unsharded parameters are held while block `i` runs: itself under ZeRO-3; under
     # ZeRO-2 (reshard_after_forward=False) every block from the forward until its post-backward.
     held_blocks = 1 if reshard else num_blocks
@@ -139,8 +141,8 @@ def _sizes(facts: ModelFacts, n: int, precision: Precision, offload: Offload, de
     # FSDPParam.unsharded_accumulated_grad in the reduce dtype (to_accumulated_grad_if_needed),
     # so the last micro-batch starts with the whole model's unsharded gradients; its
     # post-backwards reduce-scatter and free them block by block.
-    accum_root = root_train * n * reduce if accumulating else 0
-    accum_block = block_train * n * reduce if accumulating else 0
+    accum_root = root_train * n * reduce if setup.accumulating else 0
+    accum_block = block_train * n * reduce if setup.accumulating else 0
     held_grads = accum_root + num_blocks * accum_block
     host_bytes = 0
     if offloaded:
@@ -148,18 +150,14 @@ def _sizes(facts: ModelFacts, n: int, precision: Precision, offload: Offload, de
     return _Sizes(num_blocks, offloaded, sharded_params, sharded_grads, states, temporaries, root_gathered, block_gathered,
                   head_grads, tied_grad, first_grads, root_grads, block_grads, block_shard_grads, block_reduce_in,
                   root_reduce_in, h2d_copy, reshard, root_reshards, held_blocks, held_grads, accum_root, accum_block,
-                  host_bytes)
+                  host_bytes, _padding_note(facts, n, shard_total))
 
 
-def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None) -> EngineEstimate:
-    z = _sizes(facts, training.gpus, training.precision, training.offload_optimizer, training.device, training.zero_stage,
-               training.grad_accum > 1, training.fsdp2.reshard_root_after_forward, training.optimizer)
+def estimate_fsdp2(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
+    z = _sizes(facts, setup)
     # The forward and backward moments are the same in every step; only the states differ.
-    forward = _forward(acts, z.num_blocks, z.reshard, z.held_grads, z.root_gathered, z.block_gathered, z.h2d_copy)
-    backward = _backward(
-        acts, z.num_blocks, z.reshard, z.root_reshards, z.held_blocks, z.held_grads, z.root_gathered, z.block_gathered,
-        z.head_grads, z.tied_grad, z.first_grads, z.block_grads, z.root_grads, z.block_shard_grads, z.block_reduce_in,
-        z.root_reduce_in, z.h2d_copy, z.accum_root, z.accum_block)
+    forward = _forward(acts, z)
+    backward = _backward(acts, z)
     phases: list[PhaseBytes] = []
     for step, held_states in ((Step.FIRST, 0), (Step.STEADY, z.states)):
         base = dict(params=z.sharded_params, optimizer_states=held_states)
@@ -171,25 +169,23 @@ def estimate_fsdp2(facts: ModelFacts, training: TrainingSpec, acts: ActivationBy
                             optimizer_states=z.states, temporaries=z.temporaries))
     host = 0
     notes = []
-    padding = _padding_note(facts, training.gpus)
+    padding = z.padding_note
     if padding:
         notes.append(padding)
     if z.offloaded:
-        host = z.host_bytes * training.node_gpus
-        if training.offload_params != training.offload_optimizer:  # one policy, fully_shard(offload_policy=...)
+        host = z.host_bytes * setup.node_gpus
+        if setup.offload_params != setup.offload_optimizer:  # one policy, fully_shard(offload_policy=...)
             notes.append("fsdp2: CPUOffloadPolicy keeps the parameter and gradient shards on the host with the optimizer "
                          "states, so offload_params follows offload_optimizer")
-        if training.device == Device.CPU:
+        if setup.device == Device.CPU:
             notes.append(f"CPU run: the {z.host_bytes:,} offloaded bytes per rank share the one memory; on GPUs they sit on the host")
-    return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if training.device == Device.CPU else host), tuple(notes))
+    return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if setup.device == Device.CPU else host), tuple(notes))
 
 
-@memo(maxsize=1024)
-def _padding_note(facts: ModelFacts, n: int) -> str | None:
+def _padding_note(facts: ModelFacts, n: int, padded: int) -> str | None:
     """A warning when dim-0 padding (`_padded_shard`) makes the shards much larger than an even
     split: tensors with fewer rows than ranks, e.g. Mixtral's expert tensors (8 experts on dim 0)
     on 64 ranks, where each rank holds 1/8 of every expert tensor and gathers 8x its size."""
-    padded = _shards(facts, n)[2]
     even = ceil_div(facts.total_params, n)
     if padded <= 1.25 * even:
         return None
@@ -200,19 +196,12 @@ def _padding_note(facts: ModelFacts, n: int) -> str | None:
             f"FSDP group")
 
 
-def _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathered, h2d_copy) -> dict[str, int]:
-    """The largest moment of the forward pass (torch/distributed/fsdp/_fully_shard/).
-
-    `FSDPParamGroup.wait_for_unshard` in forward keeps the previous unit's flat all-gather output
-    (comm_ctx.all_gather_state) until the next unit's copy-out: it drops the state, but its local
-    `prev_all_gather_state` holds the output until the function returns, after the copy-out. So
-    while block i copies out, the previous unit's all-gather output, block i's and block i's
-    unsharded parameters are live together (3 blocks' worth; 2 roots' and 2 blocks' for block
-    0); measured so on 2 gloo ranks. Under ZeRO-2 (reshard_after_forward=False) every earlier
-    block stays unsharded too. The root's post-forward frees the last all-gather output
-    (_fsdp_state._post_forward), so the loss is computed with the root's parameters and the
-    last block's all-gather output only (ZeRO-3).
-    """
+def _forward(acts: ActivationBytes | None, z: _Sizes) -> Point:
+    """The largest moment of the forward pass: while block i copies out, the previous unit's
+    all-gather output is still held (`FSDPParamGroup.wait_for_unshard`); the moments are in
+    docs/engines/fsdp2.md ("Forward")."""
+    num_blocks, reshard, held_grads, h2d_copy = z.num_blocks, z.reshard, z.held_grads, z.h2d_copy
+    root_gathered, block_gathered = z.root_gathered, z.block_gathered
     earlier = 0 if reshard else max(num_blocks - 1, 0)  # unsharded blocks before the last
     acts_before_last = acts.embedding + max(num_blocks - 1, 0) * acts.saved_per_block if acts else 0
     points = [
@@ -234,28 +223,17 @@ def _forward(acts, num_blocks, reshard, held_grads, root_gathered, block_gathere
     return largest_point(*points)
 
 
-def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads, root_gathered, block_gathered,
-              head_grads, tied_grad, first_grads, block_grads, root_grads, block_shard_grads, block_reduce_in,
-              root_reduce_in, h2d_copy, accum_root, accum_block) -> dict[str, int]:
-    """The largest moment of the backward pass (torch/distributed/fsdp/_fully_shard/).
-
-    - Start: the root's pre-backward re-gathers it if it resharded (all-gather output and
-      unsharded parameters both live during the copy-out), then prefetches the last block
-      (`_backward_prefetch`: its all-gather output is held until that block's pre-backward).
-    - Loss backward: the root and the prefetched all-gather output, no gradient yet.
-    - Block j processed (the (j+1)-th from the end): the root's unsharded parameters, the block's
-      own, the next block's prefetched all-gather output (none for the first block), the previous
-      block's reduce-scatter input (kept in comm_ctx.reduce_scatter_states until this block's
-      post-backward pops it: reduce_scatter_max_input_buffers = 1), the sharded gradients of the
-      j blocks done, the root's unsharded head gradients and this block's first gradient.
-      The terms are linear in j between the ends, so j in {0, 1, L-2, L-1} covers the maximum.
-    - End: the embedding's backward (every block's sharded gradient, the last block's held
-      reduce-scatter input), then the root's post_backward: its reduce-scatter input next to its
-      unsharded gradients.
-    """
+def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
+    """The largest moment of the backward pass: its start, the loss's backward, blocks j in
+    {0, 1, L-2, L-1} (the terms are linear in j between the ends), the end; what each holds is
+    in docs/engines/fsdp2.md ("Backward")."""
+    num_blocks, reshard, held_blocks, held_grads, h2d_copy = z.num_blocks, z.reshard, z.held_blocks, z.held_grads, z.h2d_copy
+    root_gathered, block_gathered, tied_grad, head_grads = z.root_gathered, z.block_gathered, z.tied_grad, z.head_grads
+    block_grads, block_shard_grads, block_reduce_in = z.block_grads, z.block_shard_grads, z.block_reduce_in
+    accum_root, accum_block = z.accum_root, z.accum_block
     points = []
     acts_start = acts.forward_end if acts else 0
-    if root_reshards and reshard:
+    if z.root_reshards and reshard:
         points.append(dict(buffers=2 * root_gathered + h2d_copy, grads=held_grads, activations=acts_start))
     if acts is not None:
         # Saved tensors are activations; what backward allocates (the logits' gradients, the
@@ -275,7 +253,7 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
         buffers = root_gathered + blocks_held * block_gathered + prefetch + (block_reduce_in if j else 0) + h2d_copy
         points.append(dict(
             buffers=buffers,
-            grads=accum_root + (num_blocks - j) * accum_block + head_grads + first_grads + j * block_shard_grads,
+            grads=accum_root + (num_blocks - j) * accum_block + head_grads + z.first_grads + j * block_shard_grads,
             activations=acts.block_backward_saved(num_blocks - j) if acts else 0,
             temporaries=(acts.block_backward_temporary if acts else 0) + tied_grad,
         ))
@@ -307,14 +285,11 @@ def _backward(acts, num_blocks, reshard, root_reshards, held_blocks, held_grads,
     # the head's pending gradient, the embedding's and their sum are alive together, none a
     # .grad yet.
     points.append(dict(buffers=root_gathered + (block_reduce_in if num_blocks else 0),
-                       grads=accum_root + root_grads - tied_grad + blocks_done,
+                       grads=accum_root + z.root_grads - tied_grad + blocks_done,
                        temporaries=3 * tied_grad))
     # foreach_reduce copies the root's unsharded gradients into its reduce-scatter input and
     # frees them (`unsharded_grads.clear()`) before allocating the reduce-scatter output.
-    points.append(dict(buffers=root_reduce_in, grads=accum_root + blocks_done + root_grads))
-    # Then the reduce-scatter into the root's shard (smaller). On gloo, ProcessGroupGloo reduces
-    # a copy of the whole input (measured: a storage of the input's size alive inside the
-    # collective); NCCL and the fake backend do not. The training spec does not say which
-    # backend a CPU run uses, so that copy is not modelled (llama-100m fsdp2 z2 bf16 with
-    # checkpointing on gloo peaks there: -2.4%).
+    points.append(dict(buffers=z.root_reduce_in, grads=accum_root + blocks_done + z.root_grads))
+    # Then the reduce-scatter into the root's shard (smaller). gloo's copy of the whole input
+    # is not modelled (NCCL makes none): docs/engines/fsdp2.md ("What is not modelled").
     return largest_point(*points)

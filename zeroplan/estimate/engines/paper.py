@@ -13,35 +13,35 @@ partition it reads) or the parameter partition to the host or NVMe.
 from __future__ import annotations
 
 from zeroplan.estimate.dtypes import StateBytes
-from zeroplan.estimate.engines.common import EngineEstimate, phase
+from zeroplan.estimate.engines.common import EngineEstimate, Setup, phase
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, Step
-from zeroplan.spec.training import Offload, TrainingSpec
+from zeroplan.spec.training import Offload
 
 
-def estimate_paper(facts: ModelFacts, training: TrainingSpec, dtypes: StateBytes) -> EngineEstimate:
-    n = training.gpus
+def estimate_paper(facts: ModelFacts, setup: Setup, dtypes: StateBytes) -> EngineEstimate:
+    n = setup.gpus
     psi, trainable = facts.total_params, facts.trainable_params
-    stage = training.zero_stage
+    stage = setup.zero_stage
     params = psi * dtypes.param / (n if stage >= 3 else 1)
     grads = trainable * dtypes.grad / (n if stage >= 2 else 1)
     states = trainable * dtypes.k / (n if stage >= 1 else 1)
     host = nvme = 0.0
-    if training.offload_optimizer != Offload.NONE:
+    if setup.offload_optimizer != Offload.NONE:
         moved = states + (grads if stage >= 2 else 0)
-        if training.offload_optimizer == Offload.CPU:
+        if setup.offload_optimizer == Offload.CPU:
             host += moved
         else:
             nvme += moved
         states = 0
         grads = grads if stage < 2 else 0
-    if training.offload_params != Offload.NONE:
-        if training.offload_params == Offload.CPU:
+    if setup.offload_params != Offload.NONE:
+        if setup.offload_params == Offload.CPU:
             host += params
         else:
             nvme += params
         params = 0
-    gpus_per_node = training.node_gpus
+    gpus_per_node = setup.node_gpus
     only = phase(Step.STEADY, Phase.OPTIMIZER_STEP, params=int(params), grads=int(grads), optimizer_states=int(states))
     per_node = NodeBytes(cpu_bytes=int(host * gpus_per_node), pinned_bytes=0, nvme_bytes=int(nvme * gpus_per_node))
     note = "paper engine: model states only (ZeRO paper Table 1 accounting); no activations, buffers or overhead"

@@ -23,6 +23,7 @@ from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
+    Setup,
     early_gradients,
     largest_point,
     phase,
@@ -30,7 +31,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, Step
-from zeroplan.spec.training import Precision, TrainingSpec
+from zeroplan.spec.training import Precision
 
 
 def zero_redundancy_shards(numels: list[int], world_size: int) -> list[list[int]]:
@@ -44,7 +45,7 @@ def zero_redundancy_shards(numels: list[int], world_size: int) -> list[list[int]
     return shards
 
 
-@memo(maxsize=1024)
+@memo(maxsize=1024)  # a greedy walk over every tensor: torch-engine plans take 3-20x longer without it
 def _largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[int, ...]:
     """The trainable tensors of the rank with the most elements (all of them without sharding)."""
     numels = facts.trainable_numels() or [facts.trainable_params]
@@ -53,17 +54,15 @@ def _largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[int, ...]:
     return tuple(max(zero_redundancy_shards(numels, world_size), key=sum))
 
 
-def estimate_torch(
-    facts: ModelFacts, training: TrainingSpec, acts: ActivationBytes | None
-) -> EngineEstimate:
-    element = HALF_BYTES if training.precision == Precision.PURE_BF16 else FP32_BYTES
-    local = _largest_local_shard(facts, training.gpus if training.zero_stage == 1 else 1)
+def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
+    element = HALF_BYTES if setup.precision == Precision.PURE_BF16 else FP32_BYTES
+    local = _largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1)
     params = facts.total_params * element
     grads = facts.trainable_params * element
     buckets = facts.trainable_params * element  # DDP reducer buckets, allocated at wrap time
-    states = optimizer_state_bytes(sum(local), training.optimizer, element)
-    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, training.optimizer, training.device)
-    accumulating = training.grad_accum > 1  # .grad survives between micro-batches
+    states = optimizer_state_bytes(sum(local), setup.optimizer, element)
+    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, setup.optimizer, setup.device)
+    accumulating = setup.accumulating  # .grad survives between micro-batches
     head_numel, tied_numel, first_numel = early_gradients(facts)
     block_numel = max((g.params for g in facts.groups if g.role == "block" and not g.frozen), default=0)
     num_blocks = acts.num_blocks if acts else 0
@@ -75,15 +74,8 @@ def estimate_torch(
             phases.append(phase(step, Phase.INIT, **base))
         grads_before = grads if accumulating else 0
         phases.append(phase(step, Phase.FORWARD, **base, grads=grads_before, activations=max(acts.forward_peak, acts.blocks_end_peak) if acts else 0))
-        # Backward: the loss's backward (every saved tensor, the fp32 gradients of the logits),
-        # then each block's (activations.py block_backward_peak) with the .grad of the head, of
-        # the blocks done and of this block's output projection (AccumulateGrad stores each as it
-        # comes; a tied head's gradient waits in autograd's input buffer until the embedding's
-        # backward), then the end, every .grad present. Linear in the blocks done
-        # between the ends. What backward allocates and no one names at the end of the phase
-        # (logits' gradients, the recomputed block, gradients in flight) is temporaries.
-        # The end: the embedding's backward meets a tied head's pending gradient in autograd's
-        # input buffer; AccumulateGrad clones their sum into .grad while both are still alive.
+        # Backward's moments: the loss's, each block's (linear in the blocks done between the
+        # ends), the end with every .grad present (docs/engines/torch.md).
         points = [dict(grads=grads, temporaries=2 * tied_numel * element)]
         if acts is not None:
             points.append(dict(grads=grads_before, activations=acts.forward_end, temporaries=acts.logits_grad))
@@ -101,6 +93,6 @@ def estimate_torch(
                   optimizer_states=states, temporaries=temporaries)
         )
     notes = []
-    if training.zero_stage == 1:
+    if setup.zero_stage == 1:
         notes.append(f"ZeroRedundancyOptimizer: largest rank holds states for {sum(local):,} of {facts.trainable_params:,} elements")
     return EngineEstimate(tuple(phases), NodeBytes(), tuple(notes))
