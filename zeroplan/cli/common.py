@@ -13,7 +13,7 @@ from typing import Any, TypeVar, get_args
 import click
 
 from zeroplan.errors import ZeroplanError
-from zeroplan.report.estimate import FORMATS, UNITS
+from zeroplan.report.estimate import FORMATS
 from zeroplan.spec.training import (
     Attention,
     Checkpointing,
@@ -24,6 +24,7 @@ from zeroplan.spec.training import (
     Precision,
     TrainingSpec,
 )
+from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -123,7 +124,7 @@ GPU_MEMORY_OPTION = click.option(
 
 OUTPUT_OPTIONS = [
     click.option("--format", "output_format", type=click.Choice(FORMATS), default="table", show_default=True, help="Output format; json is a stable contract with sizes in bytes."),
-    click.option("--units", "units", type=click.Choice(UNITS), default="GiB", show_default=True, help="GiB = 2^30 bytes, GB = 10^9 bytes (json is always bytes)."),
+    click.option("--units", "units", type=click.Choice(REPORT_UNITS), default="GiB", show_default=True, help=REPORT_UNITS_HELP),
 ]
 
 

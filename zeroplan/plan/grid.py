@@ -26,7 +26,7 @@ from zeroplan.errors import SpecError
 from zeroplan.estimate.result import Estimate
 from zeroplan.estimate.serialize import CATEGORIES, per_gpu_to_dict, per_node_to_dict
 from zeroplan.spec.training import Engine, Offload, TrainingSpec
-from zeroplan.spec.units import bytes_in_unit
+from zeroplan.spec.units import UNIT_POWERS, bytes_in_unit
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme", "cpu-optimizer", "nvme-optimizer")
 FORMATS = ("table", "json", "csv", "markdown")
@@ -222,7 +222,7 @@ def render_comparison(comparison: Comparison, fmt: str = "table", units: str = "
     headers = [h if h in ("config", "GPUs", "peak phase", "saving", "fits") else f"{h} ({units})" for h in _HEADERS]
     text = tabulate(_table_rows(comparison, units), headers=headers, tablefmt="github" if fmt == "markdown" else "simple",
                     disable_numparse=True, colalign=("left",) + ("right",) * (len(headers) - 1))
-    lines = [f"{comparison.model_name}: per-GPU memory at the peak, {units} ({'2^30' if units == 'GiB' else '10^9'} bytes); "
+    lines = [f"{comparison.model_name}: per-GPU memory at the peak, {units} ({UNIT_POWERS[units]} bytes); "
              "saving = peak below the ZeRO-0 baseline on the same GPU count", text]
     if comparison.budget_bytes is not None:
         lines.append(f"fits = peak <= {bytes_in_unit(comparison.budget_bytes, units):,.2f} {units}")
