@@ -128,14 +128,17 @@ def test_contenders_keep_ends_of_lines_and_records():
     assert deepspeed._contenders(entries, 6) == ((0, 5), (1, 10), (3, 30), (5, 40), (6, 0))
 
 
-@settings(max_examples=300, deadline=None)
-@given(numels=st.lists(st.integers(1, 50), min_size=2, max_size=30), ranks=st.integers(1, 12))
-def test_owned_elements_by_bisection_equal_the_definition(numels, ranks):
-    """`_owned_elements` finds each rank's tensors by bisection; the definition (stage_1_and_2.py
-    `copy_grads_in_partition`) is the sum of the whole tensors meeting the rank's slice of the
-    flat group, padded to 2 x ranks (the last rank's slice runs to the end)."""
+@settings(max_examples=500, deadline=None)
+@given(numels=st.lists(st.integers(1, 50), min_size=2, max_size=30), ranks=st.integers(1, 300),
+       padding=st.integers(0, 3))
+def test_owned_elements_by_runs_equal_the_definition(numels, ranks, padding):
+    """`_owned_elements` computes each run of interchangeable ranks once; the definition
+    (stage_1_and_2.py `copy_grads_in_partition`) is, rank by rank, the sum of the whole tensors
+    meeting the rank's slice of the flat group, padded to 2 x ranks (the last rank's slice runs to
+    the end). Up to 300 ranks for at most 30 tensors: most slices fall inside one tensor or the
+    padding (`padding` more alignments of it, as a larger group would leave)."""
     alignment = 2 * ranks
-    partition = -(-sum(numels) // alignment) * alignment // ranks
+    partition = (-(-sum(numels) // alignment) + padding) * alignment // ranks
     expected = [0] * ranks
     start = 0
     for numel in numels:
@@ -144,4 +147,7 @@ def test_owned_elements_by_bisection_equal_the_definition(numels, ranks):
             if start < high and start + numel > low:
                 expected[rank] += numel
         start += numel
-    assert deepspeed._owned_elements(tuple(numels), partition, ranks) == tuple(expected)
+    runs = deepspeed._owned_elements(tuple(numels), partition, ranks)
+    assert all(count >= 1 for count, _ in runs)
+    assert len(runs) <= min(ranks, 2 * len(numels) + 1)
+    assert tuple(elements for count, elements in runs for _ in range(count)) == tuple(expected)

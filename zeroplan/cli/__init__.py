@@ -1,7 +1,8 @@
 """The `zeroplan` command line: a thin click layer over the library.
 
 Each command is a module of this package exposing `command` (a click command), loaded only when
-it runs. To add one, write `zeroplan/cli/<name>.py` and list it in COMMANDS.
+it runs. To add one, write `zeroplan/cli/<name>.py` and list it in COMMANDS with the first
+sentence of its help.
 """
 
 from __future__ import annotations
@@ -13,14 +14,25 @@ import click
 from zeroplan import __version__
 from zeroplan.cli.group import LazyGroup
 
+# command name (its module under zeroplan.cli) -> the first sentence of its help, which
+# `zeroplan --help` lists without importing the command (tests/test_cli_startup.py holds them equal)
 COMMANDS = {
-    # command name -> module under zeroplan.cli holding `command`
-    "compare": "compare",
-    "estimate": "estimate",
-    "measure": "measure",
-    "models": "models",
-    "plan": "plan",
-    "validate": "validate",
+    "compare": "Compare the per-GPU memory of MODEL over ZeRO stages x GPU counts x offload targets: one row "
+               "per configuration with its breakdown at the peak, host memory per node, the saving against ZeRO-0 "
+               "on the same GPU count, and whether it fits.",
+    "estimate": "Estimate the memory per GPU of training MODEL: by category at the peak, phase by phase, and per "
+                "node under offload.",
+    "measure": "Run real training steps of MODEL on --nproc ranks and print the memory each rank used, by category "
+               "at the peak, beside the estimate for the same configuration, with the error (estimate / measured - "
+               "1), for the steady state and the first step.",
+    "models": "List the models MODEL can name, with their exact parameter counts (as Hugging Face transformers "
+              "instantiates them).",
+    "plan": "Find the configurations of MODEL that fit the GPUs (ZeRO stage x offload x checkpointing x micro-batch, "
+            "and GPU counts when a range is given), rank them by an estimated step cost, and say why each ranks "
+            "where it does.",
+    "validate": "Estimate and measure a grid of configurations (models x engines x stages x precision x offload x "
+                "checkpointing x batch x world size), one row at a time, and report the estimate's error per row "
+                "and category with its distribution.",
 }
 
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar, get_args
 import click
 
 from zeroplan.errors import ZeroplanError
-from zeroplan.report.common import FORMATS, UNITS
+from zeroplan.report.common import FORMATS
 from zeroplan.spec.training import (
     Attention,
     Checkpointing,
@@ -25,6 +25,7 @@ from zeroplan.spec.training import (
     Precision,
     TrainingSpec,
 )
+from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -134,7 +135,7 @@ GPU_MEMORY_OPTION = click.option(
 
 OUTPUT_OPTIONS = [
     click.option("--format", "output_format", type=click.Choice(FORMATS), default="table", show_default=True, help="Output format; json is a stable contract with sizes in bytes."),
-    click.option("--units", "units", type=click.Choice(UNITS), default="GiB", show_default=True, help="GiB = 2^30 bytes, GB = 10^9 bytes (json is always bytes)."),
+    click.option("--units", "units", type=click.Choice(REPORT_UNITS), default="GiB", show_default=True, help=REPORT_UNITS_HELP),
 ]
 
 

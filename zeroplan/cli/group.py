@@ -46,19 +46,28 @@ def warnings_on_one_line() -> Iterator[None]:
 
 
 class LazyGroup(click.Group):
-    """A group whose commands live in modules of `zeroplan.cli`, imported on first use."""
+    """A group whose commands live in modules of `zeroplan.cli` named after them, imported on
+    first use; `commands` maps each name to its summary (the first sentence of its help)."""
 
     def __init__(self, *args: Any, commands: Mapping[str, str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.command_modules = dict(commands)
+        self.summaries = dict(commands)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return list(self.command_modules)
+        return list(self.summaries)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name not in self.command_modules:
+        if cmd_name not in self.summaries:
             return None
-        return importlib.import_module(f"zeroplan.cli.{self.command_modules[cmd_name]}").command
+        return importlib.import_module(f"zeroplan.cli.{cmd_name}").command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """click's listing of the commands, from the summaries: importing the commands would cost
+        `zeroplan --help` several times click's own start-up (pydantic, the estimator)."""
+        limit = formatter.width - 6 - max(map(len, self.summaries))  # as click.Group.format_commands
+        rows = [(name, click.Command(name, help=summary).get_short_help_str(limit)) for name, summary in self.summaries.items()]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> Any:
         """click's main, with user errors reported on one line (click prints usage and a hint over

@@ -10,7 +10,7 @@ import click
 
 from zeroplan.cli.common import FiniteFloatRange, model_options, training_options
 from zeroplan.errors import MissingDependencyError, SpecError
-from zeroplan.spec.units import REPORT_UNITS
+from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
 IMPLEMENTATIONS = ("auto", "hf", "reference")  # zeroplan.measure.workload.IMPLEMENTATIONS (that module imports torch)
 EXIT_DOES_NOT_FIT = 3
@@ -29,7 +29,7 @@ reached) is still printed and written; 2 is a user error or a failed run, as for
 @click.option("--implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True, help="Model code: hf (transformers), reference (zeroplan's own), auto (hf where installed).")
 @click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table", show_default=True, help="Output on stdout; json is a stable contract with sizes in bytes.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also write the JSON to FILE (atomically; nothing is written when the run fails).")
-@click.option("--units", type=click.Choice(REPORT_UNITS), default="GiB", show_default=True, help="GiB/MiB = 2^30/2^20 bytes, GB/MB = 10^9/10^6 bytes (json is always bytes).")
+@click.option("--units", type=click.Choice(REPORT_UNITS), default="GiB", show_default=True, help=REPORT_UNITS_HELP)
 def command(**options: Any) -> None:
     """Run real training steps of MODEL on --nproc ranks and print the memory each rank used,
     by category at the peak, beside the estimate for the same configuration, with the error

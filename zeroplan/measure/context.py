@@ -6,23 +6,65 @@ process per CUDA GPU) and `fake` (one process simulating N ranks under FakeTenso
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
-
-import torch
-import torch.distributed as dist
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zeroplan.errors import MeasureError
 
+if TYPE_CHECKING:  # torch is imported inside the functions that run in a rank: the launcher needs none
+    import torch
+
 BACKENDS = ("gloo", "nccl", "fake")
+# The NVIDIA driver lists each GPU of a Linux host here, one folder per PCI device (no CUDA call).
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
 def default_backend() -> str:
     """nccl where CUDA GPUs are visible, otherwise gloo."""
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+    return "nccl" if visible_cuda_devices() > 0 else "gloo"
+
+
+def visible_cuda_devices() -> int:
+    """The CUDA devices a rank's torch will see, read without importing torch (which would cost
+    the launcher more than a CPU run's whole set-up): the GPUs the NVIDIA driver lists, narrowed
+    by CUDA_VISIBLE_DEVICES, none for a CPU build of torch. A rank that finds fewer (a CUDA build
+    without a local tag, ROCm) fails at `device_for`, naming its rank."""
+    if _torch_local_version() == "cpu":  # the CPU wheels are versioned "2.x.y+cpu"
+        return 0
+    try:
+        physical = sum(1 for _ in NVIDIA_GPUS.iterdir())
+    except OSError:  # no NVIDIA driver (not Linux, no GPU)
+        return 0
+    return _narrowed(physical, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _torch_local_version() -> str:
+    try:
+        return importlib.metadata.version("torch").partition("+")[2]
+    except importlib.metadata.PackageNotFoundError:
+        return "cpu"  # no torch: `zeroplan measure` says so before asking for a backend
+
+
+def _narrowed(physical: int, visible: str | None) -> int:
+    """Devices left by CUDA_VISIBLE_DEVICES, as CUDA reads it: indices or GPU-/MIG- UUIDs, up to
+    the first invalid entry ("-1" hides every device)."""
+    if visible is None:
+        return physical
+    count = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry.startswith(("GPU-", "MIG-")) and not (entry.isdigit() and int(entry) < physical):
+            break
+        count += 1
+    return min(count, physical)
 
 
 def device_for(backend: str, local_rank: int) -> torch.device:
     """cuda:<local_rank> for nccl; cpu for gloo, and for fake (fake CUDA tensors abort on a CPU build)."""
+    import torch
+
     if backend == "nccl":
         if local_rank >= torch.cuda.device_count():
             raise MeasureError(f"nproc: local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
@@ -32,6 +74,9 @@ def device_for(backend: str, local_rank: int) -> torch.device:
 
 def init_process_group(backend: str, rank: int, world_size: int, init_method: str | None) -> None:
     """Join the process group: `init_method` (file:// or env://) for gloo/nccl; a FakeStore for fake."""
+    import torch
+    import torch.distributed as dist
+
     if backend == "fake":
         # Registers the "fake" backend: torch/testing/_internal/distributed/fake_pg.py
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -75,10 +120,14 @@ class CudaProbe(MemoryProbe):
         self.device = device
 
     def begin_phase(self) -> None:
+        import torch
+
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def end_phase(self) -> dict[str, int]:
+        import torch
+
         torch.cuda.synchronize(self.device)
         stats = torch.cuda.memory_stats(self.device)
         return {name: int(stats.get(key, 0)) for name, key in self.KEYS.items()}

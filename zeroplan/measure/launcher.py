@@ -160,10 +160,10 @@ def run_measurement(
     if backend not in ("gloo", "nccl", "fake"):
         raise MeasureError(f"backend: {backend!r} is not one of gloo, nccl, fake")
     if backend == "nccl":
-        import torch
+        from zeroplan.measure.context import visible_cuda_devices
 
-        if nproc > torch.cuda.device_count():
-            raise MeasureError(f"nproc: {nproc} ranks need {nproc} GPUs, {torch.cuda.device_count()} are visible")
+        if nproc > (visible := visible_cuda_devices()):
+            raise MeasureError(f"nproc: {nproc} ranks need {nproc} GPUs, {visible} are visible")
     if backend == "fake" and training.engine.value != "fsdp2":
         raise MeasureError(f"engine: --simulate runs fsdp2 only (the fake backend needs fake tensors), not {training.engine.value}")
 

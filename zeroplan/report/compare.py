@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from zeroplan.errors import SpecError
 from zeroplan.estimate.serialize import CATEGORIES, per_gpu_to_dict, per_node_to_dict
 from zeroplan.report.common import FORMATS, amount, table
+from zeroplan.spec.units import UNIT_POWERS
 
 if TYPE_CHECKING:
     from zeroplan.plan.grid import CompareRow, Comparison
@@ -79,7 +80,7 @@ def render_comparison(comparison: Comparison, fmt: str = "table", units: str = "
         raise SpecError(f"--format: unknown format {fmt!r}; use {', '.join(FORMATS)}")
     headers = [h if h in ("config", "GPUs", "peak phase", "saving", "fits") else f"{h} ({units})" for h in _HEADERS]
     text = table(_table_rows(comparison, units), headers, markdown=fmt == "markdown")
-    lines = [f"{comparison.model_name}: per-GPU memory at the peak, {units} ({'2^30' if units == 'GiB' else '10^9'} bytes); "
+    lines = [f"{comparison.model_name}: per-GPU memory at the peak, {units} ({UNIT_POWERS[units]} bytes); "
              "saving = peak below the ZeRO-0 baseline on the same GPU count", text]
     if comparison.budget_bytes is not None:
         lines.append(f"fits = peak <= {amount(comparison.budget_bytes, units)} {units}")

@@ -1,7 +1,7 @@
 """Formatting only: results as a table (tabulate), JSON, CSV or Markdown.
 
 Everything here renders the plain data of `zeroplan.estimate.serialize` (bytes as ints), so all
-formats agree with the JSON contract. Bytes become GiB (2^30, the default) or GB (10^9) only
+formats agree with the JSON contract. Bytes become GiB (2^30, the default), GB, MiB or MB only
 here, and every figure is labelled with the unit it was divided by.
 """
 

@@ -23,6 +23,10 @@ UNIT_BYTES = {
 }
 
 REPORT_UNITS = ("GiB", "GB", "MiB", "MB")
+"""The units every command's --units accepts (bytes per unit: UNIT_BYTES)."""
+REPORT_UNITS_HELP = "GiB/MiB = 2^30/2^20 bytes, GB/MB = 10^9/10^6 bytes (json is always bytes)."
+UNIT_POWERS = {"GiB": "2^30", "GB": "10^9", "MiB": "2^20", "MB": "10^6"}
+"""Each report unit as the power it divides by, for table headings."""
 
 MAX_SIZE_BYTES = 2**60  # 1 EiB: far above any machine; a larger number is a typo, and inf/1e400 cannot be counted
 

@@ -278,24 +278,36 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
 # -- stages 1 and 2 -------------------------------------------------------------------------------
 
 
-def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> tuple[int, ...]:
-    """Each rank's `grads_in_partition` elements: stage_1_and_2.py `copy_grads_in_partition`
-    sizes it as the sum of the whole tensors that intersect the rank's [r·P, (r+1)·P) slice (the
-    last rank's slice holds the padding, so it runs to the end)."""
+def _owned_elements(numels: tuple[int, ...], partition: int, n: int) -> tuple[tuple[int, int], ...]:
+    """Each rank's `grads_in_partition` elements, as runs of (ranks, elements) in rank order:
+    stage_1_and_2.py `copy_grads_in_partition` sizes it as the sum of the whole tensors that
+    intersect the rank's [r·P, (r+1)·P) slice (the last rank's slice holds the padding, so it runs
+    to the end). Neighbouring ranks whose slices meet the same tensors own the same elements, so
+    each run is computed once: at most two per tensor, however many ranks there are."""
     if len(numels) <= 1:
         # A model given by a parameter count has no tensor boundaries: partitions are exact, as
         # in DeepSpeed's own estimate_zero2_model_states_mem_needs.
-        return (partition,) * n
-    # Prefix sums over the flat order: the tensors meeting a slice are a run, found by bisection
-    # (two per rank, not a pass over every tensor: the planner asks for every GPU count).
+        return ((n, partition),)
+    # Prefix sums over the flat order: the tensors meeting a slice are a run, found by bisection.
     prefix = [0, *accumulate(numels)]
     starts, ends = prefix[:-1], prefix[1:]
-    owned = []
-    for rank in range(n):
+    runs = []
+    rank = 0
+    while rank < n - 1:
         first = bisect_right(ends, rank * partition)  # the first tensor ending inside or after the slice
-        after = bisect_left(starts, (rank + 1) * partition) if rank < n - 1 else len(numels)
-        owned.append(prefix[after] - prefix[first] if after > first else 0)
-    return tuple(owned)
+        after = bisect_left(starts, (rank + 1) * partition)  # the first tensor starting after it
+        # The next rank meeting other tensors: its slice starts at or past the end of `first`,
+        # or ends past the start of `after`.
+        next_rank = n - 1
+        if first < len(numels):
+            next_rank = min(next_rank, -(-ends[first] // partition))
+        if after < len(numels):
+            next_rank = min(next_rank, starts[after] // partition)
+        runs.append((next_rank - rank, prefix[after] - prefix[first] if after > first else 0))
+        rank = next_rank
+    first = bisect_right(ends, (n - 1) * partition)
+    runs.append((1, prefix[-1] - prefix[first]))
+    return tuple(runs)
 
 
 def _bucket_fill(numels: tuple[int, ...], bucket_elements: int) -> int:
@@ -337,7 +349,7 @@ def _first_reduction(groups_backward: tuple[tuple[int, ...], ...], bucket_elemen
 
 
 @memo(maxsize=4096)  # shared by stages and offloads: a cold 70B plan over 8-256 GPUs takes 12% longer without it
-def _owned_by_rank(layout: _Layout, partition: int, n: int) -> tuple[int, ...]:
+def _owned_runs(layout: _Layout, partition: int, n: int) -> tuple[tuple[int, int], ...]:
     return _owned_elements(layout.numels, partition, n)
 
 
@@ -453,8 +465,8 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     layout, buckets = run.layout, knobs.reduce_bucket_size
     # (The walks over every tensor below are cached by the few integers they depend on, so that
     # the stages and offload targets of one model share them.)
-    owned_by_rank = _owned_by_rank(layout, partition, n)
-    owned = max(owned_by_rank) * b
+    owned_runs = _owned_runs(layout, partition, n)
+    owned = max(elements for _, elements in owned_runs) * b
     # `setup_buckets`: `reduce_bucket_size` elements, always (not capped by the model), two with
     # overlap_comm; at the first gradient hook of every backward, freed by
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
@@ -519,7 +531,7 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
             # (the last micro-batch accumulates into the kept .grad); the first rank allocates its
             # partition at the first overflow, with the rest still in .grad.
             filled = _bucket_fill(run.layout.numels, buckets)
-            first_rank = 0 if run.offload_opt else owned_by_rank[0] * b
+            first_rank = 0 if run.offload_opt else owned_runs[0][1] * b
             settled = [_plus(base, buffers=bucket, grads=(run.trainable - filled) * b + first_rank)]
             # Each reduction flattens the bucket's contents (`average_tensor`): at the first one
             # every gradient is still a .grad or in the bucket; at the last, the partition is full.
@@ -545,7 +557,7 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
         init, tuple(steps), host_bytes, moving, first_index, groups, bucket_now,
         # The last rank owns the head, whose gradients come first in backward: it allocates its
         # partition at the first reduction during backward, the others later.
-        owned_early=owned_by_rank[-1] * b,
+        owned_early=owned_runs[-1][1] * b,
         before=_contenders(tuple((i, 0) for i in range(first_index)), groups - 1),
         grads_along=_stage1_grads(layout, grads_b),
     )

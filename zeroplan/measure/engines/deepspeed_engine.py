@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from zeroplan.importers.deepspeed_json import write_deepspeed_config
 from zeroplan.errors import MeasureError, MissingDependencyError
@@ -37,6 +35,9 @@ from zeroplan.measure.engines import (
     optimizer_class_and_kwargs,
 )
 from zeroplan.spec.training import Offload, Optimizer, Precision, TrainingSpec
+
+if TYPE_CHECKING:  # imported where used: the launcher checks a --config with `user_config`, without torch
+    import torch
 
 EXTENSIONS_ENV = "ZEROPLAN_TORCH_EXTENSIONS_DIR"
 """Where DeepSpeed's JIT-built ops are cached; else TORCH_EXTENSIONS_DIR; else ~/.cache/zeroplan."""
@@ -209,6 +210,8 @@ _BUFFERS = (
 
 def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
     """Tensors held in `value`: a tensor, or lists/tuples/dicts of them (dict values)."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         return [value] if value.device.type != "meta" else []
     if depth > 3:
@@ -272,6 +275,8 @@ def _swap_buffers(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def deepspeed_tensors(engine: Any, model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
     """The tensors a DeepSpeed engine holds now, by category (docs/engines/deepspeed.md)."""
+    import torch
+
     optimizer = engine.optimizer
     params = list(model.parameters())
     zero3 = any(hasattr(p, "ds_tensor") for p in params)
