@@ -8,7 +8,6 @@ from typing import Any
 from zeroplan.spec.units import bytes_in_unit
 
 FORMATS = ("table", "json", "csv", "markdown")
-UNITS = ("GiB", "GB")
 
 CATEGORY_LABELS = {
     "params": "params",
