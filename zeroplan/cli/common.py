@@ -15,6 +15,7 @@ import click
 
 from zeroplan.errors import ZeroplanError
 from zeroplan.report.common import FORMATS
+from zeroplan.spec.program import ActivationOffload, GradSync, Loss, ModelInit, OptimizerImpl, Recipe
 from zeroplan.spec.training import (
     Attention,
     Checkpointing,
@@ -115,6 +116,19 @@ TRAINING_OPTIONS = [
     click.option("--attention", "attention", type=_choice(Attention), help=_help("attention")),
     click.option("--engine", "engine", type=_choice(Engine), help=_help("engine")),
     click.option("--device", "device", type=_choice(Device), help=_help("device")),
+    # The training program (zeroplan/spec/program.py): a recipe's defaults, each knob overridable.
+    click.option("--recipe", "recipe", type=_choice(Recipe), help=_help("recipe")),
+    click.option("--model-init", "model_init", type=_choice(ModelInit), help=_help("model_init")),
+    click.option("--dropout", "dropout", type=FiniteFloatRange(0, 1, max_open=True), metavar="P", help=_help("dropout")),
+    click.option("--grad-sync", "grad_sync", type=_choice(GradSync), help=_help("grad_sync")),
+    click.option("--ddp/--no-ddp", "ddp", default=None, help=_help("ddp")),
+    click.option("--optimizer-impl", "optimizer_impl", type=_choice(OptimizerImpl), help=_help("optimizer_impl")),
+    click.option("--optimizer-in-backward/--no-optimizer-in-backward", "optimizer_in_backward", default=None,
+                 help=_help("optimizer_in_backward")),
+    click.option("--loss", "loss", type=_choice(Loss), help=_help("loss")),
+    click.option("--loss-chunks", "loss_chunks", type=_POSITIVE, metavar="N", help=_help("loss_chunks")),
+    click.option("--activation-offload", "activation_offload", type=_choice(ActivationOffload), help=_help("activation_offload")),
+    click.option("--checkpoint-every", "checkpoint_every", type=_POSITIVE, metavar="N", help=_help("checkpoint_every")),
     click.option(
         "--freeze", "freeze", multiple=True, metavar="GROUP",
         # tuple[Literal["embeddings", "blocks", "final"], ...] -> the literal's values

@@ -66,7 +66,10 @@ def command(**options: Any) -> None:
         raise click.UsageError(f"--device {options['device']} does not match a {backend} run, which measures {device} memory; leave out --device")
 
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
-    training = training_spec_from_options(options | {"gpus": nproc, "device": device}, options["config_file"], model)
+    from zeroplan.measure.launcher import DEFAULT_RECIPE
+
+    recipe = options["recipe"] or DEFAULT_RECIPE
+    training = training_spec_from_options(options | {"gpus": nproc, "device": device, "recipe": recipe}, options["config_file"], model)
     engine_config = None
     if training.engine.value == "deepspeed":
         _require("deepspeed", "engine deepspeed needs DeepSpeed; install it with: pip install 'zeroplan[deepspeed]'")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from zeroplan.estimate.result import CategoryBytes, Estimate, NodeBytes, PhaseBytes
 
 if TYPE_CHECKING:
+    from zeroplan.spec.program import Program
     from zeroplan.spec.training import TrainingSpec
 
 CATEGORIES = tuple(CategoryBytes().as_dict())
@@ -62,12 +63,18 @@ def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_byte
         "phases": [phase_to_dict(phase) for phase in estimate.phases],
         "per_node": per_node_to_dict(estimate.per_node),
         "config": config,
+        "program": program_to_dict(training.program),
         "notes": list(estimate.notes),
     }
     if gpu_memory_bytes is not None:
         data["gpu_memory"] = gpu_memory_bytes
         data["fits"] = peak.total_bytes <= gpu_memory_bytes
     return data
+
+
+def program_to_dict(program: Program) -> dict[str, Any]:
+    """The resolved training program: every knob's value, the recipe's default where none was given."""
+    return {name: value.value if hasattr(value, "value") else value for name, value in program._asdict().items()}
 
 
 def gpu_memory_left_bytes(data: dict[str, Any]) -> int:

@@ -39,6 +39,7 @@ class Row:
     simulate: bool = False  # the fake backend: one process standing for `world` ranks
     small_buckets: bool = False  # deepspeed: SMALL_BUCKETS instead of DeepSpeed's defaults
     quick: bool = False  # part of the CI slice (`--quick`, tests/test_accuracy_slice.py)
+    recipe: str = "plain"  # the program measured: zeroplan's own loop unless a row names another
 
     @property
     def id(self) -> str:
@@ -59,6 +60,7 @@ class Row:
             "engine": self.engine, "zero_stage": self.stage, "gpus": self.world, "precision": self.precision,
             "micro_batch": self.micro_batch, "seq_len": self.seq_len, "checkpointing": self.checkpointing,
             "attention": self.attention, "device": "cuda" if backend == "nccl" and not self.simulate else "cpu",
+            "recipe": self.recipe,
         }
         if self.offload:
             fields["offload_optimizer"] = "cpu"

@@ -31,6 +31,8 @@ from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
 
 POLL_S = 0.05
+DEFAULT_RECIPE = "plain"  # measure runs zeroplan's own loop unless --recipe names a program it runs
+RUNNABLE_RECIPES = ("plain",)
 
 
 def as_measured(training: TrainingSpec) -> TrainingSpec:
@@ -141,6 +143,8 @@ def run_measurement(
     Raises MeasureError when a rank fails (naming it and its exception) or the run times out."""
     if not isinstance(model, TransformerSpec):
         raise MeasureError(f"model: {model.name} is known by its parameter count only; measure needs a transformer spec")
+    if training.recipe.value not in RUNNABLE_RECIPES:
+        raise MeasureError(f"recipe: measure runs {', '.join(RUNNABLE_RECIPES)} so far, not {training.recipe.value}")
     if training.engine.value == "paper":  # refused here, before any worker starts
         raise MeasureError("engine: paper is the ZeRO paper's accounting, not a program to run; measure torch, fsdp2 or deepspeed")
     if nproc < 1:

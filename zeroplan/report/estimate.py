@@ -45,6 +45,22 @@ def _describe_config(data: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _describe_program(data: dict[str, Any]) -> str:
+    """One line: the recipe and the program knobs it resolved to."""
+    program = data["program"]
+    loss = f"{program['loss']} loss" + (f" ({program['loss_chunks']} chunks)" if program["loss"] == "chunked" else "")
+    parts = [
+        f"model init {program['model_init']}",
+        f"gradient sync {program['grad_sync']}" if data["config"]["grad_accum"] > 1 else None,
+        "DDP" if program["ddp"] else None,
+        f"{program['optimizer_impl']} {data['config']['optimizer']}",
+        "optimizer in backward" if program["optimizer_in_backward"] else None,
+        loss,
+        "activations offloaded to cpu" if program["activation_offload"] == "cpu" else None,
+    ]
+    return f"recipe {program['recipe']}: " + ", ".join(part for part in parts if part)
+
+
 def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
     model, per_gpu, per_node = data["model"], data["per_gpu"], data["per_node"]
 
@@ -59,6 +75,7 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
             f" activation model: {model['implementation']}"
         ),
         _describe_config(data),
+        _describe_program(data),
         "",
         heading(f"Per GPU at the peak ({per_gpu['peak_step']} step, {per_gpu['peak_phase']})"),
         table(

@@ -9,6 +9,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from zeroplan.spec.program import (
+    KNOBS,
+    ActivationOffload,
+    GradSync,
+    Loss,
+    ModelInit,
+    OptimizerImpl,
+    Program,
+    Recipe,
+    resolve_program,
+)
+
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -55,6 +67,7 @@ class Checkpointing(str, Enum):
 
     NONE = "none"
     SELECTIVE = "selective"  # recompute attention's core only
+    OP = "op"  # torchtitan's per-op policy: save matmul outputs (every other one) and attention, recompute the rest
     FULL = "full"  # keep each block's input only, recompute the block in backward
 
 
@@ -134,6 +147,29 @@ class TrainingSpec(BaseModel):
     freeze: tuple[Literal["embeddings", "blocks", "final"], ...] = Field(
         (), description="Module groups that do not train (no gradients, no optimizer states)."
     )
+    recipe: Recipe = Field(Recipe.HF_TRAINER, description="The training program whose defaults fill the knobs left unset: "
+                           "hf-trainer (transformers.Trainer with accelerate or DeepSpeed), torchtitan, torchtune, "
+                           "or plain (zeroplan measure's own loop).")
+    model_init: ModelInit | None = Field(None, description="Where the weights are when the engine takes the model: host "
+                                         "(loaded, cast and moved by the engine), device (built on the GPU), meta "
+                                         "(sharded, then materialised), zero-init (deepspeed.zero.Init). [default: the recipe's]")
+    dropout: float | None = Field(None, ge=0, lt=1, description="Dropout probability of every dropout layer, over "
+                                  "the model config's rates. [default: the model's]")
+    grad_sync: GradSync | None = Field(None, description="Under accumulation, reduce gradients on the last micro-batch "
+                                       "only (no_sync) or on every one. [default: the recipe's]")
+    ddp: bool | None = Field(None, description="Wrap a single rank in DistributedDataParallel (engine torch). "
+                             "[default: the recipe's; the Trainer and torchtune do not]")
+    optimizer_impl: OptimizerImpl | None = Field(None, description="Kernel of a torch optimizer: fused, foreach or for-loop "
+                                                 "(its step's temporaries differ). [default: the recipe's]")
+    optimizer_in_backward: bool | None = Field(None, description="Step each parameter in its gradient hook and free "
+                                               "the gradient at once (torchtune optimizer_in_bwd). [default: the recipe's]")
+    loss: Loss | None = Field(None, description="Loss computation: standard (whole fp32 logits), chunked, or "
+                              "fused-linear (logits never materialised). [default: the recipe's]")
+    loss_chunks: int | None = Field(None, ge=1, description="Chunks of a chunked loss. [default: the recipe's, 8]")
+    activation_offload: ActivationOffload | None = Field(None, description="Keep saved activations in host memory "
+                                                         "(cpu). [default: the recipe's]")
+    checkpoint_every: int | None = Field(None, ge=1, description="With full checkpointing, checkpoint every Nth block "
+                                         "only (torchtitan selective_ac_option = N). [default: every block]")
     deepspeed: DeepSpeedKnobs = Field(default_factory=DeepSpeedKnobs, description="DeepSpeed zero_optimization knobs.")
     fsdp2: FSDP2Knobs = Field(default_factory=FSDP2Knobs, description="FSDP2 knobs.")
 
@@ -160,7 +196,33 @@ class TrainingSpec(BaseModel):
             if self.offload_params != Offload.NONE and self.offload_optimizer != self.offload_params:
                 # CPUOffloadPolicy moves sharded parameters, gradients and the optimizer step together.
                 raise ValueError("engine fsdp2 offloads parameters and optimizer together: set offload_optimizer cpu too")
+        self._check_program()
         return self
+
+    def _check_program(self) -> None:
+        """Knobs that do not apply to the engine or recipe (issue 11, bad input)."""
+        if self.recipe in (Recipe.TORCHTITAN, Recipe.TORCHTUNE) and self.engine == Engine.DEEPSPEED:
+            raise ValueError(f"recipe {self.recipe.value} runs FSDP2 (or one GPU with engine torch), not deepspeed")
+        program = self.program
+        if program.optimizer_in_backward:
+            if self.engine == Engine.DEEPSPEED:
+                raise ValueError("optimizer_in_backward: DeepSpeed steps its own optimizer; use engine torch or fsdp2")
+            if self.grad_accum > 1:
+                raise ValueError("optimizer_in_backward steps at every backward, so it cannot accumulate gradients (grad_accum 1)")
+        if self.loss_chunks is not None and program.loss != Loss.CHUNKED:
+            raise ValueError(f"loss_chunks applies to a chunked loss, not loss {program.loss.value}")
+        if program.model_init == ModelInit.ZERO_INIT and not (self.engine == Engine.DEEPSPEED and self.zero_stage == 3):
+            raise ValueError("model_init zero-init is deepspeed.zero.Init, which needs engine deepspeed at zero_stage 3")
+        if self.ddp and self.engine != Engine.TORCH:
+            raise ValueError(f"ddp applies to engine torch; engine {self.engine.value} wraps the model itself")
+        if self.checkpoint_every is not None and self.checkpointing != Checkpointing.FULL:
+            raise ValueError("checkpoint_every chooses which blocks full checkpointing recomputes: set checkpointing full")
+
+    @property
+    def program(self) -> Program:
+        """Every program knob resolved: the explicit ones over the recipe's defaults."""
+        return resolve_program(self.recipe, self.engine.value, self.zero_stage, self.gpus, self.device.value,
+                               {name: getattr(self, name) for name in KNOBS})
 
     @property
     def node_gpus(self) -> int:
