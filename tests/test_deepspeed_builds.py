@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from worker_processes import alive
+from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build
 from zeroplan.measure.deepspeed_build import ops_for
-from zeroplan.measure.processes import kill_sessions, remove_stale_lock, spawn, working_in
+from zeroplan.measure.processes import exit_status, kill_sessions, remove_stale_lock, spawn, working_in
 from zeroplan.spec.training import TrainingSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,11 +59,9 @@ def test_stopping_a_worker_ends_the_compilers_it_started(worker):
     proc = spawn([sys.executable, "-c", FAKE_NINJA, worker], env=_env(), stdout=subprocess.PIPE)
     compiler = int(proc.stdout.readline())
     try:
-        if worker == "exit":
-            proc.wait(timeout=BOUND_S)
-        else:  # the old way: the worker's process group, which the compiler is not in
+        if worker == "stay":  # the old way: the worker's process group, which the compiler is not in
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=BOUND_S)
+        _wait_for(lambda: exit_status(proc) is not None, "the worker to end")  # not reaped, as in the launcher
         assert alive(compiler)
         kill_sessions([proc])
         _wait_for(lambda: not alive(compiler), "the compiler to end", 10)
@@ -127,17 +126,31 @@ def test_the_ops_a_run_builds():
     assert ops_for(_training(zero_stage=2), offload, cuda=False) == ("deepspeed_shm_comm", "cpu_adam")
 
 
+def _no_build(*args, **kwargs):
+    raise AssertionError("a build process was started")
+
+
 def test_built_ops_start_no_build(tmp_path, monkeypatch):
     monkeypatch.setenv(deepspeed_build.EXTENSIONS_ENV, str(tmp_path))
-    (tmp_path / "cpu_adam").mkdir()
-    (tmp_path / "cpu_adam" / "cpu_adam.so").touch()
-    messages, started = [], []
-    deepspeed_build.build_ahead(("cpu_adam",), env=_env(), workdir=tmp_path, announce=messages.append, started=started)
-    assert (messages, started) == ([], [])
+    monkeypatch.setattr(deepspeed_build, "spawn", _no_build)
+    (deepspeed_build.ops_dir() / "cpu_adam").mkdir(parents=True)
+    (deepspeed_build.ops_dir() / "cpu_adam" / "cpu_adam.so").touch()
+    messages = []
+    deepspeed_build.build_ahead(("cpu_adam",), env=_env(), announce=messages.append)
+    assert messages == []
 
 
-def test_the_announcement_names_the_op_its_time_and_the_folder(tmp_path):
-    assert deepspeed_build.announcement("cpu_adam", tmp_path) == (
+def test_a_failed_build_is_one_line_naming_the_op(tmp_path, monkeypatch):
+    # the build process does not know this op: it exits with its usage line, as a compiler error would
+    monkeypatch.setenv(deepspeed_build.EXTENSIONS_ENV, str(tmp_path))
+    monkeypatch.setitem(deepspeed_build.OPS, "no_such_op", deepspeed_build.Op("NoSuchBuilder", "no_such_op", "a moment"))
+    with pytest.raises(MeasureError, match=r"^building DeepSpeed's no_such_op failed: usage: .*known ops: deepspeed_shm_comm"):
+        deepspeed_build.build_ahead(("no_such_op",), env=_env(), announce=print, timeout_s=BOUND_S)
+
+
+def test_the_announcement_names_the_op_its_time_and_the_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(deepspeed_build.EXTENSIONS_ENV, str(tmp_path))
+    assert deepspeed_build.announcement("cpu_adam") == (
         f"compiling DeepSpeed's cpu_adam, about a minute, once (kept in {tmp_path}; not part of the timeout)"
     )
 
@@ -153,7 +166,9 @@ def test_ctrl_c_during_a_build_ends_the_command_its_compilers_and_their_lock(tmp
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs deepspeed")
     folder = tmp_path / "ext"
-    build = folder / "deepspeed_shm_comm"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(deepspeed_build.EXTENSIONS_ENV, str(folder))
+        build = deepspeed_build.ops_dir() / "deepspeed_shm_comm"
     stderr = tmp_path / "stderr"
     env = _env() | {deepspeed_build.EXTENSIONS_ENV: str(folder)}
     argv = [sys.executable, "-m", "zeroplan", "measure", "tiny-llama", "--engine", "deepspeed", "--zero", "1",
@@ -179,8 +194,23 @@ def test_ctrl_c_during_a_build_ends_the_command_its_compilers_and_their_lock(tmp
 
 
 @pytest.mark.distributed
-def test_a_built_op_is_found_without_starting_a_build(deepspeed_ops, tmp_path):
+def test_a_built_op_is_found_without_starting_a_build(deepspeed_ops, monkeypatch):
     deepspeed_ops("deepspeed_shm_comm")
-    messages, started = [], []
-    deepspeed_build.build_ahead(("deepspeed_shm_comm",), env=_env(), workdir=tmp_path, announce=messages.append, started=started)
-    assert (messages, started) == ([], [])
+    monkeypatch.setattr(deepspeed_build, "spawn", _no_build)
+    messages = []
+    deepspeed_build.build_ahead(("deepspeed_shm_comm",), env=_env(), announce=messages.append)
+    assert messages == []
+
+
+def test_each_environment_builds_into_its_own_folder(tmp_path, monkeypatch):
+    """Two virtual environments sharing one folder rebuild each other's ops at every run (ninja
+    sees other include paths): the folder is keyed on Python, torch, DeepSpeed and the venv."""
+    monkeypatch.setenv(deepspeed_build.EXTENSIONS_ENV, str(tmp_path))
+    here = deepspeed_build.ops_dir()
+    assert here.parent == tmp_path
+    assert here.name.startswith(f"py{sys.version_info.major}{sys.version_info.minor}-torch")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+    assert deepspeed_build.ops_dir() != here
+    # a process given torch_env() finds the same folder, not a subfolder of it
+    monkeypatch.setattr(os, "environ", dict(os.environ, **deepspeed_build.torch_env()))
+    assert deepspeed_build.ops_dir() == Path(os.environ["TORCH_EXTENSIONS_DIR"])

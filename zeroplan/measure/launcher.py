@@ -30,7 +30,7 @@ from typing import Callable
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build
-from zeroplan.measure.processes import kill_sessions, spawn
+from zeroplan.measure.processes import exit_status, kill_sessions, spawn
 from zeroplan.measure.result import MeasureResult, RankResult
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
@@ -67,7 +67,7 @@ def _package_root() -> str:
     return str(Path(zeroplan.__file__).resolve().parent.parent)
 
 
-def _child_env(backend: str) -> dict[str, str]:
+def child_env(backend: str | None) -> dict[str, str]:
     """The environment of every child: this package importable, DeepSpeed on its CPU accelerator for gloo."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
@@ -77,7 +77,7 @@ def _child_env(backend: str) -> dict[str, str]:
 
 
 def _worker_env(rank: int, world_size: int, nproc: int, backend: str) -> dict[str, str]:
-    env = _child_env(backend)
+    env = child_env(backend)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(nproc))
     if backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = "lo"
@@ -158,8 +158,7 @@ def run_measurement(
     training = as_measured(training)
     processes = 1 if backend == "fake" else nproc
     workdir = Path(tempfile.mkdtemp(prefix="zeroplan-measure-"))
-    procs: list[subprocess.Popen] = []  # every child (a build, the workers): killed in `finally`
-    workers: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen] = []
     ops: tuple[str, ...] = ()  # DeepSpeed's JIT ops this run may build
     # SIGTERM ends the launcher like Ctrl-C: through the `finally` that kills the workers.
     main_thread = threading.current_thread() is threading.main_thread()
@@ -173,7 +172,7 @@ def run_measurement(
         )
         if training.engine.value == "deepspeed":
             ops = deepspeed_build.ops_for(training, engine_config, cuda=backend == "nccl")
-            deepspeed_build.build_ahead(ops, env=_child_env(backend), workdir=workdir, announce=announce, started=procs)
+            deepspeed_build.build_ahead(ops, env=child_env(backend), announce=announce)
         port = str(_free_port()) if backend == "nccl" else None
         for rank in range(processes):
             env = _worker_env(rank, nproc, processes, backend)
@@ -181,18 +180,17 @@ def run_measurement(
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
             log = open(workdir / f"rank{rank}.log", "wb")
             with log:
-                workers.append(
+                procs.append(
                     spawn(
                         [sys.executable, "-m", "zeroplan.measure.worker", "--job", str(job_path),
                          "--output", str(workdir / f"rank{rank}.json")],
                         env=env, stdout=log,
                     )
                 )
-            procs.append(workers[-1])
-        outcomes = _wait(workers, workdir, timeout_s, steps)
+        outcomes = _wait(procs, workdir, timeout_s, steps)
     finally:
         kill_sessions(procs)
-        deepspeed_build.remove_stale_locks(ops)  # the lock of a build just killed
+        deepspeed_build.remove_stale_locks(ops)  # the lock of a build the workers started
         shutil.rmtree(workdir, ignore_errors=True)
         if main_thread:
             signal.signal(signal.SIGTERM, previous_sigterm)
@@ -203,7 +201,7 @@ def _wait(procs: list[subprocess.Popen], workdir: Path, timeout_s: float, steps:
     """Wait for every worker; the first failure or out-of-memory ends the run."""
     deadline = time.monotonic() + timeout_s
     while True:
-        codes = [proc.poll() for proc in procs]
+        codes = [exit_status(proc) for proc in procs]
         if any(code not in (None, 0) for code in codes):
             _raise_first_failure(codes, workdir)
             return [o for o in (_read(workdir / f"rank{r}.json") for r in range(len(procs))) if _out_of_memory(o)]

@@ -62,17 +62,31 @@ def session_members(session_ids: set[int]) -> list[int]:
     return found
 
 
+def exit_status(proc: subprocess.Popen) -> int | None:
+    """`proc`'s exit status (negative: killed by that signal), or None while it runs; unlike
+    `proc.poll()` it does not reap `proc`, so its pid, the id of its session, cannot be reused
+    by another program's session before `kill_sessions` has swept it."""
+    if not hasattr(os, "waitid"):
+        return proc.poll()
+    if proc.returncode is not None:
+        return proc.returncode
+    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if info is None or info.si_pid == 0:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
 def kill_sessions(procs: list[subprocess.Popen]) -> None:
     """SIGKILL every process in the sessions of `procs` (each started by `spawn`), then reap `procs`."""
-    sessions = {proc.pid for proc in procs}
+    # Only sessions whose leader is not reaped yet (alive or a zombie): their id cannot be reused.
+    sessions = {proc.pid for proc in procs if proc.returncode is None}
+    for pid in sessions:
+        _signal_group(pid)
     # By session, not by process group or by walking children: ninja starts each compiler in a
     # new process group, and a compiler whose parent died is reparented away from the tree, but
     # both keep the session that start_new_session gave the child.
-    for proc in procs:
-        if proc.poll() is None:
-            _signal_group(proc.pid)
     deadline = time.monotonic() + SWEEP_S
-    while PROC.is_dir():
+    while sessions and PROC.is_dir():
         members = session_members(sessions)
         if not members or time.monotonic() > deadline:
             break
@@ -87,8 +101,6 @@ def kill_sessions(procs: list[subprocess.Popen]) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not wait on the process
             pass
-    for proc in procs:  # without /proc: what is left of each group
-        _signal_group(proc.pid)
 
 
 def _signal_group(pgid: int) -> None:

@@ -10,7 +10,7 @@ because the accounting asks for the categories from inside its dispatch hook.
 On a machine without CUDA, DeepSpeed runs on its CPU accelerator (`DS_ACCELERATOR=cpu`, gloo).
 It JIT-compiles C++ ops at first use: a shared-memory comm op at every `deepspeed.initialize`
 (about 35 s cold) and `cpu_adam` for optimizer offload (about 60 s, 2 GB of RAM). The build cache
-is kept in `extensions_dir()` so each builds once per machine; the launcher builds the ops a run
+is kept in `ops_dir()` so each builds once per machine and environment; the launcher builds the ops a run
 needs before it starts the workers (zeroplan/measure/deepspeed_build.py).
 
 Choices that change memory, mirrored by the estimator (docs/engines/deepspeed.md):
@@ -30,7 +30,7 @@ import torch
 
 from zeroplan.config_files.deepspeed_json import write_deepspeed_config
 from zeroplan.errors import MeasureError, MissingDependencyError
-from zeroplan.measure.deepspeed_build import EXTENSIONS_ENV, extensions_dir  # noqa: F401 - EXTENSIONS_ENV re-exported
+from zeroplan.measure.deepspeed_build import EXTENSIONS_ENV, extensions_dir, ops_dir, torch_env  # noqa: F401 - re-exported
 from zeroplan.measure.engines import (
     RunContext,
     make_optimizer,
@@ -43,9 +43,8 @@ def _prepare_environment(ctx: RunContext) -> None:
     """Must run before `import deepspeed`: it picks its accelerator when imported."""
     if not ctx.is_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    folder = extensions_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    os.environ.update(torch_env())
+    ops_dir().mkdir(parents=True, exist_ok=True)
 
 
 def _import_deepspeed():
