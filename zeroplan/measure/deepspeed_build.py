@@ -29,13 +29,14 @@ from pathlib import Path
 from typing import Callable
 
 from zeroplan.errors import MeasureError
-from zeroplan.measure.processes import exit_status, kill_sessions, remove_stale_lock, spawn
+from zeroplan.measure.processes import exit_status, kill_sessions, last_line, remove_stale_lock, spawn
 from zeroplan.spec.training import Offload, TrainingSpec
 
+MODULE = "zeroplan.measure.deepspeed_build"  # __name__ is __main__ under python -m
 EXTENSIONS_ENV = "ZEROPLAN_TORCH_EXTENSIONS_DIR"
 """Where DeepSpeed's JIT-built ops are cached; else TORCH_EXTENSIONS_DIR; else ~/.cache/zeroplan."""
 POLL_S = 0.5  # while a build runs: how often to read its report
-SWEEP_S = 5.0  # and how often to look for a lock left by a build that died (a scan of /proc)
+LOCK_CHECK_S = 5.0  # and how often to look for a lock left by a build that died (a scan of /proc)
 
 
 def extensions_dir() -> Path:
@@ -131,12 +132,12 @@ def build_ahead(
         proc = None
         try:
             with open(log_path, "wb") as log:
-                proc = spawn([sys.executable, "-m", __name__, "--child", *missing], env=env, stdout=subprocess.PIPE, stderr=log)
+                proc = spawn([sys.executable, "-m", MODULE, "--child", *missing], env=env, stdout=subprocess.PIPE, stderr=log)
             current = _follow(proc, missing, folder, announce, timeout_s)
             while (status := exit_status(proc)) is None:  # its report closed as it exited
                 time.sleep(0.02)
             if status != 0:
-                detail = _last_line(log_path) or f"exit status {status}"
+                detail = last_line(log_path) or f"exit status {status}"
                 raise MeasureError(f"building DeepSpeed's {OPS[current].label} failed: {detail}")
         finally:
             if proc is not None:
@@ -148,7 +149,7 @@ def build_ahead(
 def _follow(proc: subprocess.Popen, missing: tuple[str, ...], folder: Path, announce, timeout_s: float | None) -> str:
     """Read the child's report until it exits; return the op it was at last."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    next_sweep = time.monotonic() + SWEEP_S
+    next_sweep = time.monotonic() + LOCK_CHECK_S
     current, pending = missing[0], b""
     while True:
         ready, _, _ = select.select([proc.stdout], [], [], POLL_S)
@@ -167,7 +168,7 @@ def _follow(proc: subprocess.Popen, missing: tuple[str, ...], folder: Path, anno
             raise MeasureError(f"building DeepSpeed's {OPS[current].label} took more than {timeout_s:g} s; stopped it")
         if time.monotonic() > next_sweep:  # a build that died elsewhere must not keep this one waiting
             remove_stale_locks(missing)
-            next_sweep = time.monotonic() + SWEEP_S
+            next_sweep = time.monotonic() + LOCK_CHECK_S
 
 
 def remove_stale_locks(names: tuple[str, ...]) -> None:
@@ -177,14 +178,6 @@ def remove_stale_locks(names: tuple[str, ...]) -> None:
         remove_stale_lock(folder / name / "lock")
 
 
-def _last_line(path: Path) -> str:
-    try:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return ""
-    return lines[-1].strip() if lines else ""
-
-
 def main(argv: list[str] | None = None) -> None:
     """`OP...`: build them in a child process, as `measure` does; `--child OP...`: be that child."""
     args = sys.argv[1:] if argv is None else argv
@@ -192,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     names = args[1:] if child else args
     unknown = [name for name in names if name not in OPS]
     if unknown or not names:
-        sys.exit(f"usage: python -m {__name__} OP...; known ops: {', '.join(OPS)}")
+        sys.exit(f"usage: python -m {MODULE} OP...; known ops: {', '.join(OPS)}")
     if not child:
         from zeroplan.measure.launcher import child_env
 
@@ -202,6 +195,8 @@ def main(argv: list[str] | None = None) -> None:
             build_ahead(tuple(names), env=env, announce=print)
         except MeasureError as error:
             sys.exit(str(error))
+        except KeyboardInterrupt:
+            sys.exit("interrupted; the build was stopped")
         print(f"{', '.join(names)} ready in {ops_dir()} ({time.monotonic() - started:.0f} s)")
         return
     _build_here(names)

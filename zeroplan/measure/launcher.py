@@ -30,7 +30,7 @@ from typing import Callable
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build
-from zeroplan.measure.processes import exit_status, kill_sessions, spawn
+from zeroplan.measure.processes import exit_status, kill_sessions, last_line, spawn
 from zeroplan.measure.result import MeasureResult, RankResult
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
@@ -99,14 +99,6 @@ def _read(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return ""
-    return lines[-1].strip() if lines else ""
 
 
 def run_measurement(
@@ -239,7 +231,7 @@ def _raise_first_failure(codes: list[int | None], workdir: Path) -> None:
         error.worker_traceback = outcome.get("traceback", "")  # for --verbose output
         raise error
     rank = min(rank for rank, code in enumerate(codes) if code not in (None, 0))
-    detail = _last_line(workdir / f"rank{rank}.log") or "no output"
+    detail = last_line(workdir / f"rank{rank}.log") or "no output"
     raise MeasureError(f"rank {rank} exited with status {codes[rank]}: {detail}")
 
 

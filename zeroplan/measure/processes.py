@@ -180,3 +180,12 @@ def remove_stale_lock(lock: Path) -> str:
     except FileNotFoundError:
         return "none"
     return "removed"
+
+
+def last_line(log: Path) -> str:
+    """The last non-empty line of a child's log: the one-line reason it failed."""
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""

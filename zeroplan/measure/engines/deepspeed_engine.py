@@ -10,8 +10,8 @@ because the accounting asks for the categories from inside its dispatch hook.
 On a machine without CUDA, DeepSpeed runs on its CPU accelerator (`DS_ACCELERATOR=cpu`, gloo).
 It JIT-compiles C++ ops at first use: a shared-memory comm op at every `deepspeed.initialize`
 (about 35 s cold) and `cpu_adam` for optimizer offload (about 60 s, 2 GB of RAM). The build cache
-is kept in `ops_dir()` so each builds once per machine and environment; the launcher builds the ops a run
-needs before it starts the workers (zeroplan/measure/deepspeed_build.py).
+is kept in `ops_dir()` so each builds once per machine and environment; the launcher builds the
+ops a run needs before it starts the workers (zeroplan/measure/deepspeed_build.py).
 
 Choices that change memory, mirrored by the estimator (docs/engines/deepspeed.md):
 - Adam/AdamW is DeepSpeed's config optimizer: torch's AdamW (`torch_adam: true`) on CPU, where
