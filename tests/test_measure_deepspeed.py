@@ -4,8 +4,9 @@ memory physics measured on 2 real gloo ranks (docs/engines/deepspeed.md).
 The distributed cases run the real launcher and worker on a tiny Llama (139,584 parameters) with
 a reduce bucket of 2e6 elements (8 MB of fp32) so that the bucket stands out of everything else
 the model holds. A cold machine first JIT-builds DeepSpeed's shm comm op (about 35 s, once,
-cached in ~/.cache/zeroplan/torch_extensions; see .ci/deepspeed_cache.sh); after that each run
-takes 10-20 s. The optimizer-offload case also builds cpu_adam (about 60 s, 2 GB): it is slow.
+cached in ~/.cache/zeroplan/torch_extensions; see .ci/deepspeed_cache.sh), in the session fixture
+`deepspeed_ops` (tests/conftest.py), before any run's clock starts; after that each run takes
+10-20 s. The optimizer-offload case also builds cpu_adam (about 60 s, 2 GB): it is slow.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def _phase(rank, step: int, name: str):
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["stage1", "stage2"])
-def stage12(request):
+def stage12(request, deepspeed_ops):
+    deepspeed_ops("deepspeed_shm_comm")
     return request.param, _measure(_training(zero_stage=request.param))
 
 
@@ -160,7 +162,8 @@ def test_stage12_adam_reads_a_one_nth_fp32_gradient_partition(stage12):
 
 
 @pytest.fixture(scope="module")
-def stage3():
+def stage3(deepspeed_ops):
+    deepspeed_ops("deepspeed_shm_comm")
     return _measure(_training(zero_stage=3, deepspeed={"stage3_param_persistence_threshold": 0}))
 
 
@@ -185,10 +188,11 @@ def test_stage3_allocates_the_reduce_bucket_in_initialize(stage3):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_stage2_optimizer_offload_keeps_an_fp32_gradient_partition_and_staging_buffers():
+def test_stage2_optimizer_offload_keeps_an_fp32_gradient_partition_and_staging_buffers(deepspeed_ops):
     """With offload_optimizer cpu, stage 2 creates at init the fp32 gradient partition CPU Adam
     reads (P12), a model-dtype copy of the partition for the update (P12) and two gradient
     staging buffers of the largest tensor's size (stage_1_and_2.py, __init__)."""
+    deepspeed_ops("deepspeed_shm_comm", "cpu_adam")
     result = _measure(_training(zero_stage=2, offload_optimizer="cpu", deepspeed={"reduce_bucket_size": 50_000}))
     for rank in result.ranks:
         engine = _phase(rank, 0, "engine").categories
@@ -200,12 +204,12 @@ def test_stage2_optimizer_offload_keeps_an_fp32_gradient_partition_and_staging_b
 
 
 @pytest.mark.distributed
-def test_user_json_bf16_with_fp32_accumulation_runs_bf16_optimizer():
+def test_user_json_bf16_with_fp32_accumulation_runs_bf16_optimizer(deepspeed_ops):
     """The user's JSON is what runs: bf16 with data_types.grad_accum_dtype fp32 at stage 1 is
     DeepSpeed's BF16_Optimizer (engine.py, _do_optimizer_sanity_check), which keeps an fp32
     gradient accumulator for the whole model from init (bf16_optimizer.py, fp32_groups_gradients_flat)
     where DeepSpeedZeroOptimizer would keep none."""
-    pytest.importorskip("deepspeed")
+    deepspeed_ops("deepspeed_shm_comm")
     from zeroplan.measure.launcher import run_measurement
 
     config = {

@@ -5,10 +5,12 @@
 - nccl: one process per visible GPU, joined through env:// on 127.0.0.1 and a free port;
 - fake (`simulate=True`): one process simulating `nproc` ranks (FakeTensorMode + fake process
   group), for worlds and models larger than the machine.
-Each worker runs in its own session, so that killing its process group also ends whatever it
-started (compilers, DeepSpeed's helpers). Any rank that fails ends the run at once with an error
-naming the rank; a timeout or Ctrl-C kills every worker; a rank that runs out of device memory
-makes the result "does not fit" with the peak it reached.
+Each worker runs in its own session, and stopping it kills that whole session, so whatever it
+started (compilers, DeepSpeed's helpers) ends with it (`processes.kill_sessions`). A DeepSpeed run
+first builds the C++ ops it needs that are not built yet, in one process, saying so, before the
+workers and their timeout start (`deepspeed_build`). Any rank that fails ends the run at once with
+an error naming the rank; a timeout or Ctrl-C kills every worker (and a build); a rank that runs
+out of device memory makes the result "does not fit" with the peak it reached.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from zeroplan.errors import MeasureError
+from zeroplan.measure import deepspeed_build
+from zeroplan.measure.processes import exit_status, kill_sessions, last_line, spawn
 from zeroplan.measure.result import MeasureResult, RankResult
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
@@ -64,9 +69,17 @@ def _package_root() -> str:
     return str(Path(zeroplan.__file__).resolve().parent.parent)
 
 
-def _worker_env(rank: int, world_size: int, nproc: int, backend: str) -> dict[str, str]:
+def child_env(backend: str | None) -> dict[str, str]:
+    """The environment of every child: this package importable, DeepSpeed on its CPU accelerator for gloo."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
+    if backend == "gloo":
+        env.setdefault("DS_ACCELERATOR", "cpu")  # as deepspeed_engine._prepare_environment
+    return env
+
+
+def _worker_env(rank: int, world_size: int, nproc: int, backend: str) -> dict[str, str]:
+    env = child_env(backend)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(nproc))
     if backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = "lo"
@@ -75,38 +88,12 @@ def _worker_env(rank: int, world_size: int, nproc: int, backend: str) -> dict[st
     return env
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGKILL this worker if the launcher dies without cleaning up (itself SIGKILLed)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1  # linux/prctl.h
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _terminate_as_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
-    """SIGKILL every worker's process group, then reap the workers."""
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the pid
-            except ProcessLookupError:
-                pass
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not wait on the process
-            pass
-    # A worker can exit before its children: end what is left of each group.
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+def _announce(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _read(path: Path) -> dict | None:
@@ -114,14 +101,6 @@ def _read(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return ""
-    return lines[-1].strip() if lines else ""
 
 
 def run_measurement(
@@ -135,10 +114,13 @@ def run_measurement(
     timeout_s: float = 600.0,
     implementation: str = "auto",
     engine_config: dict | None = None,
+    announce: Callable[[str], None] = _announce,
 ) -> MeasureResult:
     """Run `steps` training steps of `model` under `training` on `nproc` local ranks and return
     what every rank measured. `backend` None picks nccl where GPUs are visible, else gloo;
-    `simulate` runs one fake-backend process standing for `nproc` ranks.
+    `simulate` runs one fake-backend process standing for `nproc` ranks. `announce` is told of a
+    DeepSpeed op build before it starts (default: a line on stderr); the build is not part of
+    `timeout_s`.
 
     Raises MeasureError when a rank fails (naming it and its exception) or the run times out."""
     if not isinstance(model, TransformerSpec):
@@ -175,6 +157,7 @@ def run_measurement(
     processes = 1 if backend == "fake" else nproc
     workdir = Path(tempfile.mkdtemp(prefix="zeroplan-measure-"))
     procs: list[subprocess.Popen] = []
+    ops: tuple[str, ...] = ()  # DeepSpeed's JIT ops this run may build
     # SIGTERM ends the launcher like Ctrl-C: through the `finally` that kills the workers.
     main_thread = threading.current_thread() is threading.main_thread()
     previous_sigterm = signal.signal(signal.SIGTERM, _terminate_as_interrupt) if main_thread else None
@@ -185,6 +168,9 @@ def run_measurement(
             job_path, model, training, backend=backend, steps=steps, world_size=nproc,
             init_method=init_method, implementation=implementation, engine_config=engine_config,
         )
+        if training.engine.value == "deepspeed":
+            ops = deepspeed_build.ops_for(training, engine_config, cuda=backend == "nccl")
+            deepspeed_build.build_ahead(ops, env=child_env(backend), announce=announce)
         port = str(_free_port()) if backend == "nccl" else None
         for rank in range(processes):
             env = _worker_env(rank, nproc, processes, backend)
@@ -193,16 +179,16 @@ def run_measurement(
             log = open(workdir / f"rank{rank}.log", "wb")
             with log:
                 procs.append(
-                    subprocess.Popen(
+                    spawn(
                         [sys.executable, "-m", "zeroplan.measure.worker", "--job", str(job_path),
                          "--output", str(workdir / f"rank{rank}.json")],
-                        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                        start_new_session=True, preexec_fn=_die_with_parent,
+                        env=env, stdout=log,
                     )
                 )
         outcomes = _wait(procs, workdir, timeout_s, steps)
     finally:
-        _kill(procs)
+        kill_sessions(procs)
+        deepspeed_build.remove_stale_locks(ops)  # the lock of a build the workers started
         shutil.rmtree(workdir, ignore_errors=True)
         if main_thread:
             signal.signal(signal.SIGTERM, previous_sigterm)
@@ -213,7 +199,7 @@ def _wait(procs: list[subprocess.Popen], workdir: Path, timeout_s: float, steps:
     """Wait for every worker; the first failure or out-of-memory ends the run."""
     deadline = time.monotonic() + timeout_s
     while True:
-        codes = [proc.poll() for proc in procs]
+        codes = [exit_status(proc) for proc in procs]
         if any(code not in (None, 0) for code in codes):
             _raise_first_failure(codes, workdir)
             return [o for o in (_read(workdir / f"rank{r}.json") for r in range(len(procs))) if _out_of_memory(o)]
@@ -251,7 +237,7 @@ def _raise_first_failure(codes: list[int | None], workdir: Path) -> None:
         error.worker_traceback = outcome.get("traceback", "")  # for --verbose output
         raise error
     rank = min(rank for rank, code in enumerate(codes) if code not in (None, 0))
-    detail = _last_line(workdir / f"rank{rank}.log") or "no output"
+    detail = last_line(workdir / f"rank{rank}.log") or "no output"
     raise MeasureError(f"rank {rank} exited with status {codes[rank]}: {detail}")
 
 

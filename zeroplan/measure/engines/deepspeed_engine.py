@@ -10,7 +10,8 @@ because the accounting asks for the categories from inside its dispatch hook.
 On a machine without CUDA, DeepSpeed runs on its CPU accelerator (`DS_ACCELERATOR=cpu`, gloo).
 It JIT-compiles C++ ops at first use: a shared-memory comm op at every `deepspeed.initialize`
 (about 35 s cold) and `cpu_adam` for optimizer offload (about 60 s, 2 GB of RAM). The build cache
-is kept in `extensions_dir()` so each builds once per machine.
+is kept in `ops_dir()` so each builds once per machine and environment; the launcher builds the
+ops a run needs before it starts the workers (zeroplan/measure/deepspeed_build.py).
 
 Choices that change memory, mirrored by the estimator (docs/engines/deepspeed.md):
 - Adam/AdamW is DeepSpeed's config optimizer: torch's AdamW (`torch_adam: true`) on CPU, where
@@ -23,11 +24,11 @@ Choices that change memory, mirrored by the estimator (docs/engines/deepspeed.md
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zeroplan.importers.deepspeed_json import write_deepspeed_config
 from zeroplan.errors import MeasureError, MissingDependencyError
+from zeroplan.measure.deepspeed_build import EXTENSIONS_ENV, extensions_dir, ops_dir, torch_env  # noqa: F401 - re-exported
 from zeroplan.measure.engines import (
     RunContext,
     make_optimizer,
@@ -39,23 +40,13 @@ from zeroplan.spec.training import Offload, Optimizer, Precision, TrainingSpec
 if TYPE_CHECKING:  # imported where used: the launcher checks a --config with `user_config`, without torch
     import torch
 
-EXTENSIONS_ENV = "ZEROPLAN_TORCH_EXTENSIONS_DIR"
-"""Where DeepSpeed's JIT-built ops are cached; else TORCH_EXTENSIONS_DIR; else ~/.cache/zeroplan."""
-
-
-def extensions_dir() -> Path:
-    """The kept build folder for DeepSpeed's JIT ops (torch.utils.cpp_extension reads TORCH_EXTENSIONS_DIR)."""
-    chosen = os.environ.get(EXTENSIONS_ENV) or os.environ.get("TORCH_EXTENSIONS_DIR")
-    return Path(chosen).expanduser() if chosen else Path.home() / ".cache" / "zeroplan" / "torch_extensions"
-
 
 def _prepare_environment(ctx: RunContext) -> None:
     """Must run before `import deepspeed`: it picks its accelerator when imported."""
     if not ctx.is_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    folder = extensions_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    os.environ.update(torch_env())
+    ops_dir().mkdir(parents=True, exist_ok=True)
 
 
 def _import_deepspeed():
