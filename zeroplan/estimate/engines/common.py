@@ -9,6 +9,7 @@ from typing import NamedTuple
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.spec.program import Program
 from zeroplan.spec.training import DeepSpeedKnobs, Device, Offload, Optimizer, Precision, TrainingSpec
 
 
@@ -43,6 +44,7 @@ class Setup(NamedTuple):
     accumulating: bool  # grad_accum > 1: the profiles keep one accumulated gradient, whatever the count
     deepspeed: DeepSpeedSizes
     reshard_root: bool | None  # FSDP2's reshard_root_after_forward
+    program: Program  # the training program around the engine, every knob resolved (spec/program.py)
 
 
 def deepspeed_sizes(knobs: DeepSpeedKnobs) -> DeepSpeedSizes:
@@ -56,7 +58,7 @@ def setup_of(training: TrainingSpec) -> Setup:
     """The one place a training spec becomes what the engine profiles read."""
     return Setup(training.zero_stage, training.gpus, training.node_gpus, training.precision, training.optimizer,
                  training.offload_optimizer, training.offload_params, training.device, training.grad_accum > 1,
-                 deepspeed_sizes(training.deepspeed), training.fsdp2.reshard_root_after_forward)
+                 deepspeed_sizes(training.deepspeed), training.fsdp2.reshard_root_after_forward, training.program)
 
 
 @dataclass(frozen=True)
