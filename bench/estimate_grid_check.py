@@ -9,6 +9,9 @@ pass in the reverse order records `zeroplan.estimate.fit`'s peak, from other cac
 
     python bench/estimate_grid_check.py --write /tmp/grid-before.json      # on the old commit
     python bench/estimate_grid_check.py --against /tmp/grid-before.json    # on the new one: exit 1 on a change
+
+With `--recipe plain` every configuration names that recipe and only the bytes are compared (not
+the echoed config): the plain recipe must reproduce the estimates from before the program knobs.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def _model(name: str):
     return resolve_model(name)
 
 
-def configurations() -> list[tuple[str, dict]]:
+def configurations(recipe: str | None = None) -> list[tuple[str, dict]]:
     """(model name, TrainingSpec fields) of every valid configuration checked, in evaluation order."""
     rng = random.Random(SEED)
     seen, points = set(), []
@@ -78,6 +81,8 @@ def configurations() -> list[tuple[str, dict]]:
         fields["fsdp2"] = rng.choice(FSDP2_KNOBS)
         fields["freeze"] = list(fields["freeze"])
         key = json.dumps([model, fields], sort_keys=True)
+        if recipe is not None:
+            fields["recipe"] = recipe
         if key in seen:
             continue
         seen.add(key)
@@ -89,14 +94,16 @@ def configurations() -> list[tuple[str, dict]]:
     return points
 
 
-def run_all() -> dict[str, dict]:
-    points = configurations()
+def run_all(recipe: str | None = None) -> dict[str, dict]:
+    points = configurations(recipe)
     models = {name: _model(name) for name in MODELS}
     results: dict[str, dict] = {}
     specs = [TrainingSpec(**fields) for _, fields in points]
-    keys = [json.dumps([model, fields], sort_keys=True) for model, fields in points]
+    keys = [json.dumps([model, {k: v for k, v in fields.items() if k != "recipe"}], sort_keys=True) for model, fields in points]
     for (model, _), training, key in zip(points, specs, keys):
         results[key] = estimate_to_dict(estimate(models[model], training), training)
+        if recipe is not None:  # the bytes only
+            results[key] = {k: v for k, v in results[key].items() if k not in ("config", "program")}
     for (model, _), training, key in reversed(list(zip(points, specs, keys))):
         found = fit(models[model], training)
         results[key]["fit"] = {"peak": found.peak_bytes, "per_node": vars(found.per_node)}
@@ -108,8 +115,9 @@ def main() -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", type=Path, help="write this checkout's estimates to a JSON file")
     group.add_argument("--against", type=Path, help="compare this checkout's estimates with a file from --write")
+    parser.add_argument("--recipe", help="give every configuration this recipe and compare the bytes only")
     args = parser.parse_args()
-    results = run_all()
+    results = run_all(args.recipe)
     if args.write:
         args.write.write_text(json.dumps(results, sort_keys=True))
         print(f"{len(results)} configurations written to {args.write}")
