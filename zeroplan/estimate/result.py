@@ -80,8 +80,7 @@ class PhaseBytes(NamedTuple):
         return sum(self.categories)
 
 
-@dataclass(frozen=True)
-class NodeBytes:
+class NodeBytes(NamedTuple):
     """Host-side memory per node under offload (pinned buffers included) and NVMe use."""
 
     cpu_bytes: int = 0
@@ -89,8 +88,7 @@ class NodeBytes:
     nvme_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class ModelSummary:
+class ModelSummary(NamedTuple):
     name: str
     params: int
     trainable_params: int

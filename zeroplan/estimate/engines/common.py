@@ -3,7 +3,6 @@ optimizer step's temporaries, sharding arithmetic, and the per-phase record."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from zeroplan.estimate.activations import ActivationBytes
@@ -61,8 +60,7 @@ def setup_of(training: TrainingSpec) -> Setup:
                  deepspeed_sizes(training.deepspeed), training.fsdp2.reshard_root_after_forward, training.program)
 
 
-@dataclass(frozen=True)
-class EngineEstimate:
+class EngineEstimate(NamedTuple):
     phases: tuple[PhaseBytes, ...]
     per_node: NodeBytes
     notes: tuple[str, ...] = ()
