@@ -5,11 +5,11 @@ zeroplan.measure.validate. Formatting only."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zeroplan.report.common import percent, table
+from zeroplan.spec.files import write_atomic
 
 if TYPE_CHECKING:
     from zeroplan.measure.comparison import Comparison, Line
@@ -266,20 +266,12 @@ def report_json(report: Report) -> dict[str, Any]:
     }
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_report(report: Report, markdown_path: Path | None, json_path: Path | None) -> None:
     """The JSON and the markdown, each written whole (a temporary file, then a rename)."""
     if json_path is not None:
-        _write_atomic(json_path, json.dumps(report_json(report), indent=1) + "\n")
+        write_atomic(json_path, json.dumps(report_json(report), indent=1) + "\n", "--output-json")
     if markdown_path is not None:
-        _write_atomic(markdown_path, render_markdown(report))
+        write_atomic(markdown_path, render_markdown(report), "--output-md")
 
 
 def render_terminal(shown: Report, whole: Report) -> str:
