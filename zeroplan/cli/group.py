@@ -93,9 +93,9 @@ class LazyGroup(click.Group):
 
             if not isinstance(error, ValidationError):
                 raise
-            from zeroplan.importers.options import validation_message
+            from zeroplan.spec.validation import describe_validation_error
 
-            fail(validation_message(error))
+            fail(describe_validation_error(error))
         # standalone_mode=False returns the exit code of `ctx.exit(code)` (--help, --version) or the
         # command's return value (None).
         sys.exit(status if isinstance(status, int) else 0)

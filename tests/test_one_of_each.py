@@ -1,0 +1,106 @@
+"""One of each (issue 9): each idea written once, and every part that needs it reads that one.
+
+A category list, a pydantic error formatter and a file reader, a configuration label, a
+bytes-per-state table, and one "vary a spec" operation.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from zeroplan.errors import SpecError
+from zeroplan.estimate.result import CATEGORY_NAMES, TENSOR_CATEGORIES, CategoryBytes
+from zeroplan.spec.training import TrainingSpec
+from zeroplan.spec.validation import describe_validation_error
+
+PACKAGE = Path(__file__).resolve().parent.parent / "zeroplan"
+
+
+# -- the category list ---------------------------------------------------------------------------
+def test_the_category_list_is_the_result_type():
+    assert CATEGORY_NAMES == CategoryBytes._fields
+    assert TENSOR_CATEGORIES == tuple(name for name in CATEGORY_NAMES if name != "overhead")
+
+
+def _category_lists(path: Path) -> list[int]:
+    """Lines of `path` where a tuple, list or set literal names four or more categories."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            names = {item.value for item in node.elts if isinstance(item, ast.Constant)}
+            if len(names & set(CATEGORY_NAMES)) >= 4:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_spells_the_category_list_again():
+    copies = {str(path.relative_to(PACKAGE)): lines for path in sorted(PACKAGE.rglob("*.py"))
+              if (lines := _category_lists(path))}
+    assert copies == {}
+
+
+def test_measure_reads_the_one_list():
+    from zeroplan.measure.comparison import CATEGORIES as compared
+    from zeroplan.measure.engines import ENGINE_CATEGORIES
+
+    assert compared == TENSOR_CATEGORIES
+    assert ENGINE_CATEGORIES == ("params", "grads", "optimizer_states", "buffers")  # issue 3: what a runner reports
+
+
+# -- the pydantic error formatter ----------------------------------------------------------------
+def _error(values: dict, model=TrainingSpec) -> ValidationError:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(values)
+    return info.value
+
+
+def test_formatter_suggests_the_closest_key():
+    assert describe_validation_error(_error({"zero_stag": 3}), schema=TrainingSpec) == (
+        "zero_stag: unknown key (did you mean zero_stage?)")
+    nested = _error({"deepspeed": {"reduce_bucket": 1}})
+    assert describe_validation_error(nested, "ds.json", TrainingSpec) == (
+        "ds.json: deepspeed.reduce_bucket: unknown key (did you mean reduce_bucket_size?)")
+
+
+def test_formatter_without_a_schema_still_names_the_key():
+    assert describe_validation_error(_error({"zero_stag": 3})) == "zero_stag: unknown key"
+
+
+def test_formatter_names_the_value_and_counts_the_problems():
+    assert describe_validation_error(_error({"gpus": 0})) == "gpus: Input should be greater than or equal to 1 (got 0)"
+    two = describe_validation_error(_error({"gpus": 0, "seq_len": "long"}), "cfg.py")
+    assert two.startswith("2 errors in cfg.py: gpus: ")
+    assert "seq_len: Input should be a valid integer, unable to parse string as an integer (got 'long')" in two
+    assert describe_validation_error(_error({"gpus": 3, "gpus_per_node": 2})) == (
+        "gpus 3 is not divisible by gpus_per_node 2")  # a rule across fields names them itself
+
+
+def test_model_files_and_training_options_use_the_one_formatter(tmp_path):
+    from zeroplan.importers.catalog import resolve_model
+    from zeroplan.importers.options import training_spec_from_options
+
+    path = tmp_path / "m.toml"
+    path.write_text('name = "m"\nparams = 1000\nlargest_layer_param = 10\n')
+    with pytest.raises(SpecError, match=r"m\.toml: largest_layer_param: unknown key \(did you mean largest_layer_params\?\)$"):
+        resolve_model(str(path))
+    with pytest.raises(SpecError, match=r"^micro_batch: Input should be greater than or equal to 1 \(got 0\)$"):
+        training_spec_from_options({"micro_batch": 0})
+
+
+def test_one_wording_for_malformed_json(tmp_path):
+    from zeroplan.importers.catalog import resolve_model
+    from zeroplan.importers.training_config import read_training_config
+
+    messages = []
+    for name, reader in (("model.json", resolve_model), ("ds.json", read_training_config)):
+        path = tmp_path / name
+        path.write_text('{\n  "a": 1\n]\n')  # a bracket that closes nothing (DeepSpeed's hjson allows a trailing comma)
+        with pytest.raises(SpecError) as info:
+            reader(str(path))
+        messages.append(str(info.value).replace(name, "FILE"))
+    assert messages[0].endswith(": invalid JSON: Expecting ',' delimiter (at line 3, column 1)")
+    assert messages[1].startswith(messages[0])  # (and a hint to install hjson where it is missing)
