@@ -7,6 +7,7 @@ bytes-per-state table, and one "vary a spec" operation.
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,61 @@ def test_one_wording_for_malformed_json(tmp_path):
         messages.append(str(info.value).replace(name, "FILE"))
     assert messages[0].endswith(": invalid JSON: Expecting ',' delimiter (at line 3, column 1)")
     assert messages[1].startswith(messages[0])  # (and a hint to install hjson where it is missing)
+
+
+# -- the label of a configuration ----------------------------------------------------------------
+def test_compare_and_plan_name_a_configuration_alike():
+    from zeroplan.importers.catalog import resolve_model
+    from zeroplan.plan.grid import compare
+    from zeroplan.plan.search import Choice
+    from zeroplan.spec.training import Checkpointing, Offload, config_label
+
+    model = resolve_model("llama-2-7b")
+    rows = compare(model, TrainingSpec(gpus=8, zero_stage=3), stages=(3,), offloads=("cpu", "cpu-optimizer")).rows
+    compared = {(row.training.offload_optimizer, row.training.offload_params): row.label for row in rows}
+    for (optimizer, params), label in compared.items():
+        assert Choice(3, optimizer, params, Checkpointing.NONE, 8).label() == label
+    assert compared == {(Offload.CPU, Offload.CPU): "ZeRO-3 + opt->cpu + params->cpu", (Offload.CPU, Offload.NONE): "ZeRO-3 + opt->cpu"}
+    assert config_label(1, checkpointing=Checkpointing.FULL) == "ZeRO-1 + ckpt full"
+
+
+def test_compare_and_plan_print_the_same_label(tmp_path):
+    from click.testing import CliRunner
+
+    from zeroplan.cli import cli
+
+    common = ["llama-2-7b", "--gpus", "8", "--gpu", "h100-80gb", "--format", "json"]
+    compared = json.loads(CliRunner().invoke(cli, ["compare", *common, "--zero", "3", "--offload", "cpu"]).output)
+    planned = json.loads(CliRunner().invoke(cli, ["plan", *common, "--zero", "3", "--offload", "cpu",
+                                                   "--checkpointing", "none", "--top", "10"]).output)
+    compare_labels = {row["config"] for row in compared["rows"]}
+    plan_labels = {row["config"] for row in planned["top"]}
+    assert "ZeRO-3 + opt->cpu + params->cpu" in compare_labels & plan_labels
+
+
+# -- varying a spec ------------------------------------------------------------------------------
+def test_a_varied_spec_is_validated_and_keeps_the_rest():
+    base = TrainingSpec(gpus=16, gpus_per_node=8, seq_len=4096, deepspeed={"reduce_bucket_size": 10})
+    varied = base.varied(zero_stage=3, gpus=4)
+    assert (varied.zero_stage, varied.gpus, varied.gpus_per_node, varied.seq_len) == (3, 4, 4, 4096)  # a world below a node is that node
+    assert varied.deepspeed is base.deepspeed  # shared, not copied: the estimator's caches key on the knob models
+    with pytest.raises(SpecError, match=r"^offload_params requires zero_stage 3 \(got zero_stage 2\)$"):
+        base.varied(zero_stage=2, offload_params="cpu")
+    with pytest.raises(SpecError, match=r"^zero_stag: unknown key \(did you mean zero_stage\?\)$"):
+        base.varied(zero_stag=2)
+
+
+def test_compare_and_plan_skip_an_invalid_combination_for_the_same_reason():
+    from zeroplan.importers.catalog import resolve_model
+    from zeroplan.plan.cost import assumptions_for
+    from zeroplan.plan.grid import compare
+    from zeroplan.importers.gpus import get_gpu
+    from zeroplan.plan.search import Choice, Planner
+    from zeroplan.spec.training import Checkpointing, Offload
+
+    model = resolve_model("llama-2-7b")
+    base = TrainingSpec(gpus=8, zero_stage=1)
+    reason = "offload_optimizer requires zero_stage 1 or higher (ZeRO-Offload partitions the states)"
+    assert f"skipped ZeRO-0 offload cpu on 8 GPUs: {reason}" in compare(model, base, stages=(0, 1), offloads=("cpu",)).skipped
+    planner = Planner(model, base, assumptions_for(get_gpu("h100-80gb")))
+    assert planner._checked(Choice(0, Offload.CPU, Offload.NONE, Checkpointing.NONE, 8)) == f"ZeRO-0 + opt->cpu on 8 GPUs skipped: {reason}"

@@ -17,11 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pydantic import ValidationError
-
 from zeroplan.errors import SpecError
 from zeroplan.estimate.result import Estimate
-from zeroplan.spec.training import Engine, Offload, TrainingSpec
+from zeroplan.spec.training import Engine, Offload, TrainingSpec, config_label
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme", "cpu-optimizer", "nvme-optimizer")
 
@@ -65,23 +63,16 @@ def _offloads(stage: int, choice: str) -> tuple[Offload, Offload]:
 
 
 def _label(training: TrainingSpec) -> str:
-    text = f"ZeRO-{training.zero_stage}"
-    if training.offload_optimizer != Offload.NONE:
-        text += f" + opt->{training.offload_optimizer.value}"
-    if training.offload_params != Offload.NONE:
-        text += f" + params->{training.offload_params.value}"
-    return text
+    """What the grid varies: the stage and the offloads (the base's checkpointing is every row's)."""
+    return config_label(training.zero_stage, training.offload_optimizer, training.offload_params)
 
 
 def _spec(base: TrainingSpec, **changes) -> TrainingSpec | str:
-    values = base.model_dump()
-    values.update(changes)
-    if base.gpus_per_node is not None and values["gpus"] < base.gpus_per_node:
-        values["gpus_per_node"] = values["gpus"]  # a world smaller than one node is that node
+    """`base` with `changes`, or why that combination is invalid."""
     try:
-        return TrainingSpec.model_validate(values)
-    except ValidationError as error:
-        return "; ".join(str(item["msg"]).removeprefix("Value error, ") for item in error.errors())
+        return base.varied(**changes)
+    except SpecError as error:
+        return str(error)
 
 
 def compare(

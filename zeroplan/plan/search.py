@@ -21,8 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from pydantic import ValidationError
-
 from zeroplan.errors import SpecError
 from zeroplan.estimate import Fit
 from zeroplan.estimate.activations import memory_checkpointing
@@ -30,7 +28,7 @@ from zeroplan.estimate.facts import model_facts
 from zeroplan.estimate.result import Estimate
 from zeroplan.plan.cost import Assumptions, ModelFlops, StepCost, StepCostModel, model_flops, step_cost_model
 from zeroplan.plan.limits import MAX_GPUS
-from zeroplan.spec.training import ENGINE_STAGES, Checkpointing, Engine, Offload, TrainingSpec
+from zeroplan.spec.training import ENGINE_STAGES, Checkpointing, Engine, Offload, TrainingSpec, config_label
 
 Estimator = Callable[..., Estimate]
 
@@ -83,14 +81,7 @@ class Choice(NamedTuple):
     gpus: int
 
     def label(self) -> str:
-        text = f"ZeRO-{self.zero_stage}"
-        if self.offload_optimizer != Offload.NONE:
-            text += f" opt->{self.offload_optimizer.value}"
-        if self.offload_params != Offload.NONE:
-            text += f" params->{self.offload_params.value}"
-        if self.checkpointing != Checkpointing.NONE:
-            text += f" ckpt {self.checkpointing.value}"
-        return text
+        return config_label(self.zero_stage, self.offload_optimizer, self.offload_params, self.checkpointing)
 
 
 @dataclass(frozen=True)
@@ -161,9 +152,6 @@ class Planner:
         self._memory_modes = {mode: memory_checkpointing(base.model_copy(update={"checkpointing": mode}))
                               for mode in Checkpointing}
         self._flops: ModelFlops | None = None
-        # The base's fields, with its knob models as objects: validation keeps a model instance
-        # as it is, so every spec shares them (the estimator's caches find equal knobs by identity).
-        self._base_values = dict(base.model_dump(exclude={"deepspeed", "fsdp2"}), deepspeed=base.deepspeed, fsdp2=base.fsdp2)
 
     # -- building blocks -------------------------------------------------------------------------
     def estimate(self, training: TrainingSpec) -> Estimate:
@@ -183,22 +171,12 @@ class Planner:
         return found
 
     def _validate(self, choice: Choice) -> TrainingSpec | str:
-        values = dict(self._base_values)
-        values.update(
-            zero_stage=choice.zero_stage,
-            offload_optimizer=choice.offload_optimizer,
-            offload_params=choice.offload_params,
-            checkpointing=choice.checkpointing,
-            gpus=choice.gpus,
-        )
-        if self.base.gpus_per_node is not None and choice.gpus < self.base.gpus_per_node:
-            values["gpus_per_node"] = choice.gpus
         try:
-            return TrainingSpec.model_validate(values)
-        except ValidationError as error:
-            message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in error.errors())
-            offloads = Choice(choice.zero_stage, choice.offload_optimizer, choice.offload_params, Checkpointing.NONE, choice.gpus)
-            return f"{offloads.label()} on {choice.gpus} GPUs skipped: {message}"
+            return self.base.varied(zero_stage=choice.zero_stage, offload_optimizer=choice.offload_optimizer,
+                                    offload_params=choice.offload_params, checkpointing=choice.checkpointing, gpus=choice.gpus)
+        except SpecError as error:
+            label = config_label(choice.zero_stage, choice.offload_optimizer, choice.offload_params)
+            return f"{label} on {choice.gpus} GPUs skipped: {error}"
 
     def training(self, choice: Choice, micro_batch: int, grad_accum: int) -> TrainingSpec:
         checked = self._checked(choice)

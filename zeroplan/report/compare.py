@@ -35,7 +35,8 @@ def row_to_dict(row: CompareRow) -> dict[str, Any]:
     }
 
 
-_HEADERS = ("config", "GPUs", "params", "grads", "optim", "activ", "buffers", "temps", "overhead", "peak",
+_SHORT = {"optimizer_states": "optim", "activations": "activ", "temporaries": "temps"}  # the wide table's headers
+_HEADERS = ("config", "GPUs", *(_SHORT.get(name, name) for name in CATEGORY_NAMES), "peak",
             "peak phase", "CPU/node", "NVMe/node", "saving", "fits")
 
 
