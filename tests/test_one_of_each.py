@@ -163,3 +163,26 @@ def test_compare_and_plan_skip_an_invalid_combination_for_the_same_reason():
     assert f"skipped ZeRO-0 offload cpu on 8 GPUs: {reason}" in compare(model, base, stages=(0, 1), offloads=("cpu",)).skipped
     planner = Planner(model, base, assumptions_for(get_gpu("h100-80gb")))
     assert planner._checked(Choice(0, Offload.CPU, Offload.NONE, Checkpointing.NONE, 8)) == f"ZeRO-0 + opt->cpu on 8 GPUs skipped: {reason}"
+
+
+# -- the bytes-per-state table -------------------------------------------------------------------
+@pytest.mark.parametrize("precision, optimizer, touched", [
+    # read+write the updated weight and each state, read the gradient, write the 16-bit copy
+    ("bf16", "adamw", 2 * 4 + 2 * 8 + 4 + 2),  # ZeRO paper 3.1: fp32 master, two fp32 moments
+    ("fp16", "sgd", 2 * 4 + 2 * 4 + 4 + 2),
+    ("fp32", "adamw", 2 * 4 + 2 * 8 + 4),
+    ("pure-bf16", "adam", 2 * 2 + 2 * 4 + 2),
+    ("bf16", "adam8bit", 2 * 4 + 2 * 2 * (1 + 4 / 2048) + 4 + 2),  # bitsandbytes: uint8 states + an fp32 absmax per 2048
+])
+def test_the_step_cost_reads_the_estimators_bytes_per_state(precision, optimizer, touched):
+    from zeroplan.estimate.dtypes import state_bytes
+    from zeroplan.plan.cost import _optimizer_bytes_per_param
+    from zeroplan.spec.training import Optimizer, Precision
+
+    assert _optimizer_bytes_per_param(state_bytes(Precision(precision), Optimizer(optimizer))) == touched
+
+
+def test_the_step_cost_keeps_no_table_of_its_own():
+    tree = ast.parse((PACKAGE / "plan" / "cost.py").read_text())
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    assert not names & {"Optimizer", "Precision"}  # what a state weighs comes from estimate.dtypes
