@@ -186,3 +186,47 @@ def test_the_step_cost_keeps_no_table_of_its_own():
     tree = ast.parse((PACKAGE / "plan" / "cost.py").read_text())
     names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
     assert not names & {"Optimizer", "Precision"}  # what a state weighs comes from estimate.dtypes
+
+
+# -- the library names fields, the command line names options ------------------------------------
+def _raised_texts(path: Path) -> list[str]:
+    """The string pieces of every `raise` in `path`."""
+    texts = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            texts += [part.value for part in ast.walk(node.exc) if isinstance(part, ast.Constant) and isinstance(part.value, str)]
+    return texts
+
+
+def test_the_planner_names_no_option_in_its_errors():
+    flagged = {str(path.relative_to(PACKAGE)): [text for text in _raised_texts(path) if "--" in text]
+               for path in sorted((PACKAGE / "plan").rglob("*.py"))}
+    assert {path: texts for path, texts in flagged.items() if texts} == {}
+
+
+def test_library_fields_are_named_by_their_options_on_the_command_line():
+    from zeroplan.errors import FieldError
+    from zeroplan.plan.search import Limits, parse_gpu_counts
+
+    with pytest.raises(FieldError, match=r"^headroom: must be in \[0, 1\), got 1$") as info:
+        Limits(gpu_memory_bytes=1, headroom=1)
+    from zeroplan.cli.common import user_message
+
+    assert user_message(info.value) == "--headroom: must be in [0, 1), got 1"
+    with pytest.raises(FieldError) as info:
+        parse_gpu_counts("eight")
+    assert user_message(info.value) == "--gpus: cannot read 'eight'; write 8, 8,16,64 or a range 8-64 (doubling)"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "8", "--global-batch", "12"], "Error: --global-batch: 12 is not divisible by the GPU count (8)"),
+    (["--gpus", "8-x"], "Error: --gpus: cannot read '8-x'; write 8, 8,16,64 or a range 8-64 (doubling)"),
+])
+def test_plan_errors_name_the_option(args, message):
+    from click.testing import CliRunner
+
+    from zeroplan.cli import cli
+
+    result = CliRunner().invoke(cli, ["plan", "llama-2-7b", "--gpu", "h100-80gb", *args])
+    assert result.exit_code == 2
+    assert result.output.strip() == message

@@ -87,7 +87,9 @@ class LazyGroup(click.Group):
         except click.Abort:
             fail("aborted")
         except ZeroplanError as error:
-            fail(str(error))
+            from zeroplan.cli.common import user_message
+
+            fail(user_message(error))
         except Exception as error:
             from pydantic import ValidationError
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from zeroplan.errors import SpecError
+from zeroplan.errors import FieldError, SpecError
 from zeroplan.estimate.result import Estimate
 from zeroplan.spec.training import Engine, Offload, TrainingSpec, config_label
 
@@ -90,12 +90,12 @@ def compare(
         from zeroplan.estimate import estimate as estimator
     for choice in offloads:
         if choice not in OFFLOAD_CHOICES:
-            raise SpecError(f"--offload: unknown choice {choice!r}; use {', '.join(OFFLOAD_CHOICES)}")
+            raise FieldError("offloads", f"unknown choice {choice!r}; use {', '.join(OFFLOAD_CHOICES)}")
     for stage in stages:
         if stage not in (0, 1, 2, 3):
-            raise SpecError(f"--zero: stage must be 0, 1, 2 or 3, got {stage}")
+            raise FieldError("stages", f"stage must be 0, 1, 2 or 3, got {stage}")
     if not 0 <= headroom < 1:
-        raise SpecError(f"--headroom: must be in [0, 1), got {headroom}")
+        raise FieldError("headroom", f"must be in [0, 1), got {headroom}")
     budget = None if gpu_memory_bytes is None else int(gpu_memory_bytes * (1 - headroom))
     rows, skipped = [], []
     for gpus in gpu_counts or (base.gpus,):

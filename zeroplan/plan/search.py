@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from zeroplan.errors import SpecError
+from zeroplan.errors import FieldError, SpecError
 from zeroplan.estimate import Fit
 from zeroplan.estimate.activations import memory_checkpointing
 from zeroplan.estimate.facts import model_facts
@@ -63,7 +63,7 @@ class Limits:
 
     def __post_init__(self) -> None:
         if not 0 <= self.headroom < 1:
-            raise SpecError(f"--headroom: must be in [0, 1), got {self.headroom}")
+            raise FieldError("headroom", f"must be in [0, 1), got {self.headroom}")
 
     @property
     def budget_bytes(self) -> int:
@@ -421,10 +421,10 @@ def plan(
 ) -> Plan:
     """Search `space` for configurations of `model` that fit `limits`, cheapest first."""
     if space.global_batch is not None and space.global_batch < 1:
-        raise SpecError(f"--global-batch: must be at least 1, got {space.global_batch}")
+        raise FieldError("global_batch", f"must be at least 1, got {space.global_batch}")
     if space.global_batch is not None and all(space.global_batch % gpus for gpus in space.gpu_counts):
         counts = ", ".join(str(g) for g in space.gpu_counts)
-        raise SpecError(f"--global-batch: {space.global_batch} is not divisible by the GPU count ({counts})")
+        raise FieldError("global_batch", f"{space.global_batch} is not divisible by the GPU count ({counts})")
     return _plan(planner or Planner(model, base, assumptions, estimator), model, space, limits, assumptions, top)
 
 
@@ -543,7 +543,7 @@ def parse_gpu_counts(text: str) -> tuple[int, ...]:
             if low < 1 or high < low:
                 raise ValueError
             if high > MAX_GPUS:
-                raise SpecError(f"--gpus: at most {MAX_GPUS:,} GPUs, got {text!r}")
+                raise FieldError("gpu_counts", f"at most {MAX_GPUS:,} GPUs, got {text!r}")
             counts, gpus = [], low
             while gpus <= high:
                 counts.append(gpus)
@@ -551,11 +551,11 @@ def parse_gpu_counts(text: str) -> tuple[int, ...]:
             return tuple(counts)
         counts = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise SpecError(f"--gpus: cannot read {text!r}; write 8, 8,16,64 or a range 8-64 (doubling)") from None
+        raise FieldError("gpu_counts", f"cannot read {text!r}; write 8, 8,16,64 or a range 8-64 (doubling)") from None
     if any(count < 1 for count in counts):
-        raise SpecError(f"--gpus: counts must be at least 1, got {text!r}")
+        raise FieldError("gpu_counts", f"counts must be at least 1, got {text!r}")
     if len(set(counts)) < len(counts):
-        raise SpecError(f"--gpus: a count is listed more than once in {text!r}")
+        raise FieldError("gpu_counts", f"a count is listed more than once in {text!r}")
     if max(counts) > MAX_GPUS:
-        raise SpecError(f"--gpus: at most {MAX_GPUS:,} GPUs, got {text!r}")
+        raise FieldError("gpu_counts", f"at most {MAX_GPUS:,} GPUs, got {text!r}")
     return counts
