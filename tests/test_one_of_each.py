@@ -230,3 +230,28 @@ def test_plan_errors_name_the_option(args, message):
     result = CliRunner().invoke(cli, ["plan", "llama-2-7b", "--gpu", "h100-80gb", *args])
     assert result.exit_code == 2
     assert result.output.strip() == message
+
+
+# -- commands hold no decisions ------------------------------------------------------------------
+def test_the_cost_assumptions_are_made_by_the_library():
+    from zeroplan.importers.gpus import get_gpu
+    from zeroplan.plan.cost import DEFAULT_SPEEDS_GPU, assumptions_for
+
+    default = get_gpu(DEFAULT_SPEEDS_GPU)
+    assumed = assumptions_for(None, gpu_tflops=100.0, pcie_gbps=32.0, max_efficiency=None)
+    assert assumed.gpu_flops_per_s == 100e12 and assumed.pcie_bytes_per_s == 32e9  # TFLOP/s and GB/s, as typed
+    assert assumed.hbm_bytes_per_s == default.hbm_bytes_per_s and assumed.max_efficiency == 0.5  # None: not given
+    assert assumed.source.startswith(f"no --gpu given: speeds of {default.label} assumed")
+
+
+def test_the_measure_backend_and_device_are_chosen_by_the_library():
+    from zeroplan.errors import MeasureError
+    from zeroplan.measure.launcher import choose_backend, measured_device
+    from zeroplan.spec.training import Device
+
+    assert choose_backend(None, simulate=True) == "fake"
+    assert choose_backend("gloo") == "gloo"
+    assert choose_backend(None) in ("gloo", "nccl")
+    with pytest.raises(MeasureError, match="runs the fake backend, not nccl"):
+        choose_backend("nccl", simulate=True)
+    assert [measured_device(backend) for backend in ("nccl", "gloo", "fake")] == [Device.CUDA, Device.CPU, Device.CPU]

@@ -277,15 +277,43 @@ def step_cost_model(flops: ModelFlops, training, assumptions: Assumptions) -> St
     )
 
 
+DEFAULT_SPEEDS_GPU = "h100-80gb"
+"""The preset whose speeds are assumed when only a GPU memory size is given."""
+
+_RATES_AS_TYPED = {
+    "gpu_tflops": ("gpu_flops_per_s", 1e12),
+    "intra_node_gbps": ("intra_node_bytes_per_s", _GB),
+    "inter_node_gbps": ("inter_node_bytes_per_s", _GB),
+    "pcie_gbps": ("pcie_bytes_per_s", _GB),
+    "cpu_memory_gbps": ("cpu_memory_bytes_per_s", _GB),
+    "nvme_gbps": ("nvme_bytes_per_s", _GB),
+}
+"""Rates in the units users type (TFLOP/s, GB/s) -> the Assumptions field and its scale."""
+
+
 def assumptions_for(gpu, **overrides) -> Assumptions:
-    """Assumptions from a `GpuPreset`'s datasheet figures, with `overrides` (field: value, None
-    meaning not given) on top."""
+    """Assumptions from a `GpuPreset`'s datasheet figures (DEFAULT_SPEEDS_GPU's, said in `source`,
+    when `gpu` is None), with `overrides` on top: Assumptions fields, or the rates of
+    `_RATES_AS_TYPED` in TFLOP/s and GB/s; None means not given."""
+    if gpu is None:
+        from zeroplan.importers.gpus import get_gpu
+
+        gpu = get_gpu(DEFAULT_SPEEDS_GPU)
+        source = f"no --gpu given: speeds of {gpu.label} assumed ({gpu.source})"
+    else:
+        source = f"{gpu.label}: {gpu.source}"
     values = {
         "gpu_flops_per_s": gpu.bf16_flops_per_s,
         "hbm_bytes_per_s": gpu.hbm_bytes_per_s,
         "intra_node_bytes_per_s": gpu.gpu_link_one_way_bytes_per_s,
         "pcie_bytes_per_s": gpu.pcie_one_way_bytes_per_s,
-        "source": f"{gpu.label}: {gpu.source}",
+        "source": source,
     }
-    values.update({key: value for key, value in overrides.items() if value is not None})
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        if name in _RATES_AS_TYPED:
+            name, scale = _RATES_AS_TYPED[name]
+            value = value * scale
+        values[name] = value
     return Assumptions.model_validate(values)
