@@ -190,7 +190,7 @@ def test_invalid_stage(tmp_path, stage):
 def test_malformed_json_names_line_and_column(tmp_path):
     # not a trailing comma, which DeepSpeed's hjson reader accepts: a bracket that closes nothing
     path = write(tmp_path, "bad.json", '{\n  "zero_optimization": {\n    "stage": 3,\n  ]\n}\n')
-    with pytest.raises(SpecError, match=r"bad\.json:4:3: invalid JSON"):
+    with pytest.raises(SpecError, match=r"^\S*bad\.json: invalid JSON: .* \(at line 4, column 3\)"):
         read_training_config(path)
     with pytest.raises(SpecError, match=r"list\.json: a DeepSpeed config must be a JSON object"):
         read_training_config(write(tmp_path, "list.json", "[1, 2]"))

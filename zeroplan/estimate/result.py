@@ -66,6 +66,10 @@ class CategoryBytes(NamedTuple):
 
 
 CATEGORY_NAMES = CategoryBytes._fields
+"""The one list of memory categories, in report order; every other part reads it from here."""
+
+TENSOR_CATEGORIES = tuple(name for name in CATEGORY_NAMES if name != "overhead")
+"""The categories of tensor bytes: what `zeroplan measure` records (overhead is not a tensor)."""
 
 
 class PhaseBytes(NamedTuple):

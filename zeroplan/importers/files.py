@@ -7,6 +7,7 @@ a `RecursionError` or minutes of work.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -53,3 +54,11 @@ def check_nesting(text: str, where: str) -> None:
                 raise SpecError(f"{where}: nested deeper than {MAX_NESTING} levels of [ and {{; not a config file")
         elif token in "]}":
             depth -= 1
+
+
+def invalid_json(where: str, error: ValueError) -> str:
+    """The one wording of a JSON document that does not parse, as tomllib words its own errors:
+    `where: invalid JSON: problem (at line L, column C)`."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"{where}: invalid JSON: {error.msg} (at line {error.lineno}, column {error.colno})"
+    return f"{where}: invalid JSON: {error}"  # e.g. an integer of more than 4,300 digits (sys.get_int_max_str_digits)

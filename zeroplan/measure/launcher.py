@@ -33,7 +33,7 @@ from zeroplan.measure import deepspeed_build
 from zeroplan.measure.processes import exit_status, kill_sessions, last_line, spawn
 from zeroplan.measure.result import MeasureResult, RankResult
 from zeroplan.spec.model import ModelSpec, TransformerSpec
-from zeroplan.spec.training import TrainingSpec
+from zeroplan.spec.training import Device, TrainingSpec
 
 POLL_S = 0.05
 DEFAULT_RECIPE = "plain"  # measure runs zeroplan's own loop unless --recipe names a program it runs
@@ -49,6 +49,25 @@ def as_measured(training: TrainingSpec) -> TrainingSpec:
     if training.engine.value != "deepspeed" or not training.deepspeed.zero_init:
         return training
     return training.model_copy(update={"deepspeed": training.deepspeed.model_copy(update={"zero_init": False})})
+
+
+def choose_backend(requested: str | None, simulate: bool = False) -> str:
+    """The process-group backend of a run: fake when simulated, else the one requested, else nccl
+    where CUDA GPUs are visible and gloo otherwise."""
+    if simulate:
+        if requested not in (None, "fake"):
+            raise MeasureError(f"backend: --simulate runs the fake backend, not {requested}")
+        return "fake"
+    if requested is None:
+        from zeroplan.measure.context import default_backend
+
+        return default_backend()
+    return requested
+
+
+def measured_device(backend: str) -> Device:
+    """The memory a run measures: the GPUs' under nccl, the host's under gloo and fake."""
+    return Device.CUDA if backend == "nccl" else Device.CPU
 
 
 def write_job(path: Path, model: TransformerSpec, training: TrainingSpec, **fields) -> None:
@@ -135,14 +154,7 @@ def run_measurement(
         raise MeasureError(f"steps: must be at least 1, got {steps}")
     if not 0 < timeout_s < float("inf"):  # nan fails both comparisons: it would switch the timeout off
         raise MeasureError(f"timeout: must be positive, got {timeout_s:g} s")
-    if simulate:
-        if backend not in (None, "fake"):
-            raise MeasureError(f"backend: --simulate runs the fake backend, not {backend}")
-        backend = "fake"
-    elif backend is None:
-        from zeroplan.measure.context import default_backend
-
-        backend = default_backend()
+    backend = choose_backend(backend, simulate)
     if backend not in ("gloo", "nccl", "fake"):
         raise MeasureError(f"backend: {backend!r} is not one of gloo, nccl, fake")
     if backend == "nccl":

@@ -5,9 +5,12 @@ knobs of the engine that runs it. Validated once here; everything downstream tru
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from zeroplan.errors import SpecError
+from zeroplan.spec.validation import describe_validation_error
 
 from zeroplan.spec.program import (
     KNOBS,
@@ -228,6 +231,32 @@ class TrainingSpec(BaseModel):
     def node_gpus(self) -> int:
         return self.gpus_per_node or min(self.gpus, 8)
 
+    def varied(self, **changes: Any) -> TrainingSpec:
+        """This spec with `changes` (field: value), validated; a SpecError says why the combination
+        is invalid. A world smaller than one node is that node (gpus_per_node follows gpus down)."""
+        # pydantic keeps the field values in __dict__: a shallow copy, so the knob models are shared
+        # (the estimator's caches find equal knobs by identity), and cheap (the planner varies often)
+        values = {**self.__dict__, **changes}
+        if self.gpus_per_node is not None and values["gpus"] < self.gpus_per_node and "gpus_per_node" not in changes:
+            values["gpus_per_node"] = values["gpus"]
+        try:
+            return TrainingSpec.model_validate(values)
+        except ValidationError as error:
+            raise SpecError(describe_validation_error(error, schema=TrainingSpec)) from None
+
     @property
     def nodes(self) -> int:
         return self.gpus // self.node_gpus
+
+
+def config_label(zero_stage: int, offload_optimizer: Offload = Offload.NONE, offload_params: Offload = Offload.NONE,
+                 checkpointing: Checkpointing = Checkpointing.NONE) -> str:
+    """The name of a configuration in every report: "ZeRO-3 + opt->cpu + params->cpu + ckpt full"."""
+    parts = [f"ZeRO-{zero_stage}"]
+    if offload_optimizer != Offload.NONE:
+        parts.append(f"opt->{offload_optimizer.value}")
+    if offload_params != Offload.NONE:
+        parts.append(f"params->{offload_params.value}")
+    if checkpointing != Checkpointing.NONE:
+        parts.append(f"ckpt {checkpointing.value}")
+    return " + ".join(parts)

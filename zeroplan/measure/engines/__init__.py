@@ -29,10 +29,10 @@ Contract:
 - `step` runs the optimizer and drops the gradients (`zero_grad(set_to_none=True)` or the
   engine's equivalent), so that gradient memory is what the engine keeps between steps.
 - `tensors_by_category` returns the tensors the engine holds right now, by category name
-  (`CATEGORIES` minus activations and temporaries: "params", "grads", "optimizer_states",
+  (`TENSOR_CATEGORIES` minus activations and temporaries: "params", "grads", "optimizer_states",
   "buffers"). The accounting matches them to live storages by storage identity (a view or a
   DTensor counts its storage once), so listing a tensor twice, or a view of a listed tensor, is
-  harmless; a storage listed under two categories counts under the first in `CATEGORIES` order.
+  harmless; a storage listed under two categories counts under the first in `TENSOR_CATEGORIES` order.
   "buffers" means the engine's own buffers (DDP buckets, DeepSpeed reduce/all-gather buckets,
   FSDP2 unsharded parameters and their all-gather/reduce-scatter buffers) and module buffers.
   Everything else that is live counts as activations during forward/backward and as temporaries
@@ -48,16 +48,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from zeroplan.errors import MeasureError
+from zeroplan.estimate.result import TENSOR_CATEGORIES
 from zeroplan.spec.training import TrainingSpec
 
 if TYPE_CHECKING:  # torch is imported lazily: zeroplan.measure must import without it
     import torch
 
-CATEGORIES = ("params", "grads", "optimizer_states", "activations", "buffers", "temporaries")
-"""The categories the accounting records: those of `zeroplan.estimate.result.CategoryBytes`
-minus overhead (a CPU run has none; on CUDA it is reserved minus allocated, from the probe)."""
-
-ENGINE_CATEGORIES = ("params", "grads", "optimizer_states", "buffers")
+ENGINE_CATEGORIES = tuple(name for name in TENSOR_CATEGORIES if name not in ("activations", "temporaries"))
 """The categories a runner reports; the others are what is left live."""
 
 
