@@ -30,7 +30,7 @@ from typing import Callable
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build
-from zeroplan.measure.processes import exit_status, kill_sessions, last_line, spawn
+from zeroplan.measure.processes import child_env, exit_status, kill_sessions, last_line, spawn
 from zeroplan.measure.result import MeasureResult, RankResult
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Device, TrainingSpec
@@ -80,21 +80,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _package_root() -> str:
-    import zeroplan
-
-    return str(Path(zeroplan.__file__).resolve().parent.parent)
-
-
-def child_env(backend: str | None) -> dict[str, str]:
-    """The environment of every child: this package importable, DeepSpeed on its CPU accelerator for gloo."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
-    if backend == "gloo":
-        env.setdefault("DS_ACCELERATOR", "cpu")  # as deepspeed_engine._prepare_environment
-    return env
 
 
 def _worker_env(rank: int, world_size: int, nproc: int, backend: str) -> dict[str, str]:
