@@ -12,8 +12,6 @@ failure becomes one `SpecError` line that names the file and, where it can, the 
 
 from __future__ import annotations
 
-import difflib
-import json
 import tomllib
 from functools import cache
 from importlib import resources
@@ -70,6 +68,8 @@ def _read_toml(path: Path, where: str) -> dict[str, Any]:
 def _read_json(path: Path, where: str) -> Any:
     text = read_text(path, "model file", where)
     check_nesting(text, where)
+    import json  # here, not at start-up: only a .json spec file needs it
+
     try:
         return json.loads(text)
     except ValueError as exc:  # JSONDecodeError, or an integer of more than 4,300 digits
@@ -125,6 +125,8 @@ def resolve_model(text: str) -> ModelSpec:
         return _catalogue_spec(folded[text.lower()])
     if path.suffix in (".toml", ".json") or "/" in text:
         raise UnknownModelError(f"model file {text!r} does not exist")
+    import difflib  # only an unknown name needs suggestions
+
     close = difflib.get_close_matches(text.lower(), list(names), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise UnknownModelError(

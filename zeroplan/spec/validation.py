@@ -6,7 +6,6 @@ mean close_key?)` when the model knows a close one; several problems read `N err
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +37,8 @@ def _problem(item: Mapping[str, Any], schema: Schema) -> str:
         loc = loc[1:] if model is not None else loc
     message = str(item["msg"]).removeprefix("Value error, ")
     if item["type"] == "extra_forbidden":
+        import difflib  # only an unknown key needs suggestions, not start-up
+
         close = difflib.get_close_matches(loc[-1], sorted(_fields_at(model, loc[:-1])), n=1) if loc else []
         message = "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
     elif loc and item["type"] != "missing" and not isinstance(item.get("input"), (dict, list)):
