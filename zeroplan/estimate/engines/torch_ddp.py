@@ -59,9 +59,11 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
     local = _largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1)
     params = facts.total_params * element
     grads = facts.trainable_params * element
-    buckets = facts.trainable_params * element  # DDP reducer buckets, allocated at wrap time
+    # DDP reducer buckets, allocated at wrap time; a single rank without the wrapper has none
+    buckets = facts.trainable_params * element if setup.program.ddp else 0
     states = optimizer_state_bytes(sum(local), setup.optimizer, element)
-    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, setup.optimizer, setup.device)
+    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, setup.optimizer,
+                                       setup.program.optimizer_impl)
     accumulating = setup.accumulating  # .grad survives between micro-batches
     head_numel, tied_numel, first_numel = early_gradients(facts)
     block_numel = max((g.params for g in facts.groups if g.role == "block" and not g.frozen), default=0)
