@@ -135,3 +135,23 @@ def test_knobs_that_do_not_apply_are_refused():
     TrainingSpec(engine="deepspeed", zero_stage=2, optimizer_impl="foreach", deepspeed={"client_optimizer": True})
     with pytest.raises(ValueError, match="ddp false runs one rank without DistributedDataParallel; with gpus 2"):
         TrainingSpec(engine="torch", gpus=2, ddp=False)
+
+
+def test_optimizer_in_backward_refuses_what_it_does_not_model():
+    with pytest.raises(ValueError, match="optimizer_in_backward with engine torch runs one rank without DDP"):
+        TrainingSpec(engine="torch", gpus=2, optimizer_in_backward=True)
+    with pytest.raises(ValueError, match="optimizer_in_backward under fsdp2 is not modelled"):
+        TrainingSpec(engine="fsdp2", zero_stage=3, gpus=2, optimizer_in_backward=True)
+
+
+def test_optimizer_in_backward_keeps_one_gradient_at_a_time():
+    # every .grad is freed in its hook: backward never holds more than the largest parameter's, and
+    # the step phase holds parameters and states only; the states exist from the first backward
+    model = resolve_model("tiny-llama")
+    common = dict(engine="torch", gpus=1, device="cpu", precision="fp32", recipe="plain", ddp=False)
+    result = estimate(model, TrainingSpec(**common, optimizer_in_backward=True, optimizer_impl="fused"))
+    largest = model_facts(model, TrainingSpec(**common)).largest_tensor_numel
+    for step in Step:
+        assert _phase(result, step, Phase.BACKWARD).categories.grads <= largest * FP32_BYTES
+        categories = _phase(result, step, Phase.OPTIMIZER_STEP).categories
+        assert categories.grads == categories.temporaries == 0

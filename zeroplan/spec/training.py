@@ -221,6 +221,9 @@ class TrainingSpec(BaseModel):
                              "(FusedAdam): give a DeepSpeed JSON without an optimizer section for a client torch optimizer")
         if self.ddp is False and self.engine == Engine.TORCH and self.gpus > 1:
             raise ValueError(f"ddp false runs one rank without DistributedDataParallel; with gpus {self.gpus} engine torch is DDP")
+        if program.optimizer_in_backward and self.engine == Engine.FSDP2:
+            raise ValueError("optimizer_in_backward under fsdp2 is not modelled (FSDP2 steps after each block's "
+                             "reduce-scatter); use engine torch on one GPU, or --no-optimizer-in-backward")
         if program.optimizer_in_backward and self.engine == Engine.TORCH and program.ddp:
             raise ValueError("optimizer_in_backward with engine torch runs one rank without DDP (torchtune's single-device "
                              "recipe): use gpus 1 and no ddp, or engine fsdp2")
