@@ -168,6 +168,11 @@ def settings_from_deepspeed(config: Mapping[str, object], where: Where, gpus: in
     optimizer = _optimizer(config, where)
     if optimizer is not None:
         settings["optimizer"] = optimizer
+    else:
+        # engine.py `_configure_optimizer`: without an optimizer section the client optimizer passed to
+        # deepspeed.initialize steps (the Trainer's own torch AdamW: integrations/deepspeed.py
+        # `deepspeed_optim_sched` calls `trainer.create_optimizer()`).
+        settings["deepspeed"] = {**settings.get("deepspeed", {}), "client_optimizer": True}
     settings.update(_batch(config, where, gpus))
     return settings
 

@@ -112,6 +112,9 @@ class DeepSpeedKnobs(BaseModel):
         "(what Hugging Face Transformers and Accelerate do under ZeRO-3); false: built whole, then "
         "partitioned by deepspeed.initialize (what zeroplan measure does).",
     )
+    client_optimizer: bool = Field(
+        False, description="A client torch optimizer steps the fp32 partition (the DeepSpeed JSON has no optimizer "
+        "section: the Hugging Face Trainer passes its own AdamW); false: DeepSpeed's config optimizer (FusedAdam).")
     offload_pin_memory: bool = Field(True, description="Pin the CPU buffers of offloaded states.")
     offload_buffer_count: int = Field(5, ge=1, description="offload_param.buffer_count (NVMe swap buffers).")
     offload_buffer_size: int = Field(100_000_000, ge=1, description="offload_param.buffer_size in elements.")
@@ -216,6 +219,17 @@ class TrainingSpec(BaseModel):
             raise ValueError(f"loss_chunks applies to a chunked loss, not loss {program.loss.value}")
         if program.model_init == ModelInit.ZERO_INIT and not (self.engine == Engine.DEEPSPEED and self.zero_stage == 3):
             raise ValueError("model_init zero-init is deepspeed.zero.Init, which needs engine deepspeed at zero_stage 3")
+        if self.optimizer_impl is not None and self.engine == Engine.DEEPSPEED and not self.deepspeed.client_optimizer:
+            raise ValueError("optimizer_impl chooses a torch optimizer's kernel; DeepSpeed steps the optimizer of its JSON "
+                             "(FusedAdam): give a DeepSpeed JSON without an optimizer section for a client torch optimizer")
+        if self.ddp is False and self.engine == Engine.TORCH and self.gpus > 1:
+            raise ValueError(f"ddp false runs one rank without DistributedDataParallel; with gpus {self.gpus} engine torch is DDP")
+        if program.optimizer_in_backward and self.engine == Engine.FSDP2:
+            raise ValueError("optimizer_in_backward under fsdp2 is not modelled (FSDP2 steps after each block's "
+                             "reduce-scatter); use engine torch on one GPU, or --no-optimizer-in-backward")
+        if program.optimizer_in_backward and self.engine == Engine.TORCH and program.ddp:
+            raise ValueError("optimizer_in_backward with engine torch runs one rank without DDP (torchtune's single-device "
+                             "recipe): use gpus 1 and no ddp, or engine fsdp2")
         if self.ddp and self.engine != Engine.TORCH:
             raise ValueError(f"ddp applies to engine torch; engine {self.engine.value} wraps the model itself")
         if self.checkpoint_every is not None and self.checkpointing != Checkpointing.FULL:

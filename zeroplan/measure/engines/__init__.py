@@ -178,9 +178,15 @@ def make_optimizer(params: list["torch.Tensor"], training: TrainingSpec) -> "tor
     return cls(params, **kwargs)
 
 
+# The kernel of a torch optimizer, passed explicitly (torch/optim/optimizer.py `_default_to_fused_or_foreach`
+# would pick the for-loop for CPU tensors and foreach for CUDA ones when both are left None).
+_KERNEL_KWARGS = {"fused": {"fused": True, "foreach": False}, "foreach": {"fused": False, "foreach": True},
+                  "for-loop": {"fused": False, "foreach": False}}
+
+
 def optimizer_class_and_kwargs(training: TrainingSpec) -> tuple[type, dict]:
     """The class and keyword arguments of `make_optimizer`, for wrappers that build it themselves
-    (ZeroRedundancyOptimizer)."""
+    (ZeroRedundancyOptimizer): the kernel is the training program's `optimizer_impl`."""
     import torch
 
     name = training.optimizer.value
@@ -191,4 +197,23 @@ def optimizer_class_and_kwargs(training: TrainingSpec) -> tuple[type, dict]:
     }
     if name not in table:
         raise MeasureError(f"optimizer: {name} cannot be measured (bitsandbytes is not a dependency); use adamw, adam or sgd")
-    return table[name]
+    cls, kwargs = table[name]
+    return cls, {**kwargs, **_KERNEL_KWARGS[training.program.optimizer_impl.value]}
+
+
+class OptimizerInBackward:
+    """One optimizer per parameter, stepped in the parameter's post-accumulate-grad hook, which
+    then frees the gradient (torchtune training/memory.py `register_optim_in_bwd_hooks`,
+    `optim_step`: `optim_dict[param].step(); optim_dict[param].zero_grad()`)."""
+
+    def __init__(self, params: list["torch.Tensor"], training: TrainingSpec):
+        self.optimizers = {param: make_optimizer([param], training) for param in params}
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, param: "torch.Tensor") -> None:
+        self.optimizers[param].step()
+        self.optimizers[param].zero_grad(set_to_none=True)
+
+    def states(self) -> list["torch.Tensor"]:
+        return [t for optimizer in self.optimizers.values() for t in optimizer_state_tensors(optimizer)]
