@@ -76,9 +76,10 @@ RUNS: tuple[PublishedRun, ...] = (
         "llama-7b-zero2-v100-oom", "issue 11: LLaMA-7B, DeepSpeed ZeRO-2, fp16, 8 x V100 32 GB, Hugging Face Trainer without an optimizer section",
         "out of memory", "llama-2-7b",
         {"engine": "deepspeed", "zero_stage": 2, "gpus": 8, "micro_batch": 1, "seq_len": 512, "precision": "fp16",
-         "recipe": "hf-trainer", "optimizer_impl": "for-loop"},
+         "recipe": "hf-trainer", "optimizer_impl": "for-loop", "deepspeed": {"client_optimizer": True}},
         gpu_memory_bytes=32 * GB,
-        not_modelled="batch and sequence are not stated; the out-of-memory happened in the optimizer step, which neither changes"),
+        not_modelled="batch and sequence are not stated; the out-of-memory happened in the optimizer step, which neither changes",
+        settings={"optimizer_impl": "for-loop: the traceback's `exp_avg_sq.sqrt()` line is torch's single-tensor AdamW"}),
 )
 
 
