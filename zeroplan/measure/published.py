@@ -17,7 +17,7 @@ from typing import Any
 from zeroplan.errors import SpecError
 
 GIB = 2**30
-GB = 10**9
+V100_32GB_BYTES = int(31.75 * GIB)  # "31.75 GiB total capacity": what torch reports for a V100 32 GB (the OOM report's message)
 
 # A 10B GPT-2-style model from DeepSpeed's ZeRO-Offload tutorial ("10B parameter GPT-2 on a single
 # V100": 50 layers, hidden 4096, 32 heads; docs/_tutorials/zero-offload.md); the sequence length is
@@ -71,13 +71,13 @@ RUNS: tuple[PublishedRun, ...] = (
         "fits", ZERO_OFFLOAD_10B,
         {"engine": "deepspeed", "zero_stage": 2, "gpus": 1, "micro_batch": 10, "seq_len": 1024, "precision": "fp16",
          "offload_optimizer": "cpu", "checkpointing": "full", "recipe": "plain", "model_init": "host"},
-        gpu_memory_bytes=32 * GB),
+        gpu_memory_bytes=V100_32GB_BYTES),
     PublishedRun(
         "llama-7b-zero2-v100-oom", "issue 11: LLaMA-7B, DeepSpeed ZeRO-2, fp16, 8 x V100 32 GB, Hugging Face Trainer without an optimizer section",
         "out of memory", "llama-2-7b",
         {"engine": "deepspeed", "zero_stage": 2, "gpus": 8, "micro_batch": 1, "seq_len": 512, "precision": "fp16",
          "recipe": "hf-trainer", "optimizer_impl": "for-loop", "deepspeed": {"client_optimizer": True}},
-        gpu_memory_bytes=32 * GB,
+        gpu_memory_bytes=V100_32GB_BYTES,
         not_modelled="batch and sequence are not stated; the out-of-memory happened in the optimizer step, which neither changes",
         settings={"optimizer_impl": "for-loop: the traceback's `exp_avg_sq.sqrt()` line is torch's single-tensor AdamW"}),
 )
