@@ -40,6 +40,7 @@ class Row:
     small_buckets: bool = False  # deepspeed: SMALL_BUCKETS instead of DeepSpeed's defaults
     quick: bool = False  # part of the CI slice (`--quick`, tests/test_accuracy_slice.py)
     recipe: str = "plain"  # the program measured: zeroplan's own loop unless a row names another
+    grad_accum: int = 1
 
     @property
     def id(self) -> str:
@@ -47,7 +48,8 @@ class Row:
         ckpt = "ckpt" if self.checkpointing == "full" else "nockpt" if self.checkpointing == "none" else self.checkpointing
         world = f"fake{self.world}" if self.simulate else f"w{self.world}"
         parts = (self.model, setup, self.precision, ckpt, f"{self.micro_batch}x{self.seq_len}", world)
-        return "/".join(parts + (("eager",) if self.attention == "eager" else ()))
+        extra = (("eager",) if self.attention == "eager" else ()) + ((f"ga{self.grad_accum}",) if self.grad_accum > 1 else ())
+        return "/".join(parts + extra + ((self.recipe,) if self.recipe != "plain" else ()))
 
     @property
     def needs_cpu_adam(self) -> bool:
@@ -60,7 +62,7 @@ class Row:
             "engine": self.engine, "zero_stage": self.stage, "gpus": self.world, "precision": self.precision,
             "micro_batch": self.micro_batch, "seq_len": self.seq_len, "checkpointing": self.checkpointing,
             "attention": self.attention, "device": "cuda" if backend == "nccl" and not self.simulate else "cpu",
-            "recipe": self.recipe,
+            "recipe": self.recipe, "grad_accum": self.grad_accum,
         }
         if self.offload:
             fields["offload_optimizer"] = "cpu"
@@ -68,7 +70,7 @@ class Row:
                 fields["offload_params"] = "cpu"  # CPUOffloadPolicy moves parameters with the optimizer
         if self.small_buckets:
             fields["deepspeed"] = dict(SMALL_BUCKETS)
-        if self.engine == "deepspeed":
+        if self.engine == "deepspeed" and self.recipe == "plain":
             # measure builds the model whole, then deepspeed.initialize partitions it (no zero.Init)
             fields["deepspeed"] = {**fields.get("deepspeed", {}), "zero_init": False}
         return fields
@@ -138,6 +140,14 @@ def _grid() -> tuple[Row, ...]:
                         quick=quick))
     rows.append(Row("tiny-llama", "deepspeed", 3, "fp32", checkpointing="selective", attention="eager", micro_batch=1,
                     seq_len=1024, small_buckets=True))
+    # transformers.Trainer itself (measure/programs/hf_trainer.py): DDP, DeepSpeed with the Hugging Face
+    # docs' "auto" buckets, FSDP2 through accelerate; fp32 without and bf16 with checkpointing, and
+    # accumulation (DDP and FSDP2 skip the sync of non-final micro-batches, DeepSpeed reduces every one).
+    for engine, stage in (("torch", 0), ("deepspeed", 2), ("deepspeed", 3), ("fsdp2", 3)):
+        rows.append(Row("tiny-llama", engine, stage, "fp32", recipe="hf-trainer"))
+        rows.append(Row("tiny-llama", engine, stage, "bf16", checkpointing="full", recipe="hf-trainer"))
+    for engine, stage in (("torch", 0), ("deepspeed", 2), ("fsdp2", 2)):
+        rows.append(Row("tiny-llama", engine, stage, "fp32", grad_accum=2, recipe="hf-trainer"))
     return tuple(rows)
 
 
@@ -168,7 +178,13 @@ def row_specs(row: Row, backend: str = "gloo"):
     from zeroplan.importers.catalog import resolve_model
     from zeroplan.spec.training import TrainingSpec
 
-    return resolve_model(row.model), TrainingSpec(**row.training_fields(backend))
+    model, fields = resolve_model(row.model), row.training_fields(backend)
+    if row.recipe == "hf-trainer" and row.engine == "deepspeed" and not row.small_buckets:
+        from zeroplan.importers.deepspeed_json import trainer_filled_buckets
+
+        # the Hugging Face docs' DeepSpeed JSONs say "auto" for these: the Trainer fills them from the model
+        fields["deepspeed"] = {**fields.get("deepspeed", {}), **trainer_filled_buckets(model.hidden_size, row.stage)}
+    return model, TrainingSpec(**fields)
 
 
 def run_backend(row: Row, backend: str) -> str:
