@@ -119,3 +119,28 @@ def test_trainer_deepspeed_zero2_with_the_docs_auto_json_matches_the_estimate(de
     result, comparison = _measure_and_compare(training, config)
     assert any(f'"reduce_bucket_size": {TINY.hidden_size ** 2}' in note for note in result.notes)
     _assert_peaks_within_targets(comparison)
+
+
+# -- what the Trainer does that the estimate models for it -----------------------------------------
+
+def test_trainer_ddp_forward_ends_with_the_fp32_logits_and_their_clone():
+    """find_unused_parameters (the Trainer's default without checkpointing) makes DDP's _DDPSink
+    clone the outputs (docs/engines/torch.md): at the end of the forward the fp32 logits and their
+    clone, 2 x tokens x vocab x 4 bytes, are alive beside what the loss left."""
+    from zeroplan.estimate import estimate
+    from zeroplan.estimate.activations import activation_bytes
+    from zeroplan.estimate.result import Phase, Step
+
+    def steady_forward(training):
+        return next(p for p in estimate(TINY, training).phases if (p.step, p.phase) == (Step.STEADY, Phase.FORWARD))
+
+    for precision in ("fp32", "bf16"):
+        training = _training(engine="torch", zero_stage=0, precision=precision)
+        acts = activation_bytes(TINY, training, 4 if precision == "fp32" else 2)
+        forward = steady_forward(training)
+        logits_fp32 = training.micro_batch * training.seq_len * TINY.vocab_size * 4
+        assert forward.categories.activations == acts.forward_end + 2 * logits_fp32
+    # with checkpointing the Trainer turns find_unused_parameters off: nothing is cloned
+    checkpointed = _training(engine="torch", zero_stage=0, checkpointing="full")
+    plain = checkpointed.model_copy(update={"recipe": "plain"})
+    assert steady_forward(checkpointed).categories.activations == steady_forward(plain).categories.activations
