@@ -96,7 +96,7 @@ def _record(row: Row, peak_mib: float = 10.0) -> dict:
 
 
 def test_run_rows_measures_only_what_the_mode_asks(monkeypatch):
-    rows = select_rows(GRID, "tiny-llama/torch-0/*/nockpt/*,tiny-llama/torch-0/*/ckpt/*")
+    rows = select_rows(GRID, "tiny-llama/torch-0/*/nockpt/*/w2,tiny-llama/torch-0/*/ckpt/*/w2")
     measured = []
     monkeypatch.setattr(v, "measure_row", lambda row, options: measured.append(row.id) or _record(row))
     stale = _record(rows[1]) | {"fingerprint": "0"}
