@@ -61,7 +61,7 @@ def test_missing_deepspeed_says_how_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(MissingDependencyError, match=r"pip install 'zeroplan\[deepspeed\]'"):
-        deepspeed_engine._import_deepspeed()
+        deepspeed_engine.import_deepspeed()
 
 
 def test_extensions_dir_is_kept_and_can_be_overridden(monkeypatch, tmp_path):

@@ -270,11 +270,18 @@ def _trainer_filled(zero: Mapping[str, object], stage: int, hidden_size: int | N
     if hidden_size is None:
         raise fail(where, f"zero_optimization.{auto[0]}", "is \"auto\", which the Hugging Face Trainer fills from "
                    "the model's hidden size, unknown here (a --params model has none): write a number")
+    filled = trainer_filled_buckets(hidden_size, stage)
+    return {key: value for key, value in filled.items() if key in auto}
+
+
+def trainer_filled_buckets(hidden_size: int, stage: int) -> dict[str, int]:
+    """What the Hugging Face Trainer writes over an "auto" bucket of a model with this hidden size
+    (integrations/deepspeed.py, HfTrainerDeepSpeedConfig.trainer_config_finalize)."""
     filled = {"reduce_bucket_size": hidden_size * hidden_size}
     if stage == 3:  # the Trainer's is_zero3(): an "auto" stage is not 3
         filled.update(stage3_prefetch_bucket_size=int(0.9 * hidden_size * hidden_size),
                       stage3_param_persistence_threshold=10 * hidden_size)
-    return {key: value for key, value in filled.items() if key in auto}
+    return filled
 
 
 def _precision(config: Mapping[str, object], where: Where) -> str | None:

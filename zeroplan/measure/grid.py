@@ -44,6 +44,7 @@ class Row:
     ddp: bool | None = None  # engine torch on one rank: False runs the bare module (None: the recipe's)
     optimizer_in_backward: bool = False  # per-parameter optimizers stepped in the gradient hooks
     client_optimizer: bool = False  # deepspeed: a client torch optimizer instead of the JSON's
+    grad_accum: int = 1
 
     @property
     def id(self) -> str:
@@ -53,8 +54,8 @@ class Row:
         parts = (self.model, setup, self.precision, ckpt, f"{self.micro_batch}x{self.seq_len}", world)
         program = (("eager",) if self.attention == "eager" else ()) + ((self.optimizer_impl,) if self.optimizer_impl else ()) \
             + (("noddp",) if self.ddp is False else ()) + (("optinbwd",) if self.optimizer_in_backward else ()) \
-            + (("client",) if self.client_optimizer else ())
-        return "/".join(parts + program)
+            + (("client",) if self.client_optimizer else ()) + ((f"ga{self.grad_accum}",) if self.grad_accum > 1 else ())
+        return "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
 
     @property
     def needs_cpu_adam(self) -> bool:
@@ -67,7 +68,7 @@ class Row:
             "engine": self.engine, "zero_stage": self.stage, "gpus": self.world, "precision": self.precision,
             "micro_batch": self.micro_batch, "seq_len": self.seq_len, "checkpointing": self.checkpointing,
             "attention": self.attention, "device": "cuda" if backend == "nccl" and not self.simulate else "cpu",
-            "recipe": self.recipe,
+            "recipe": self.recipe, "grad_accum": self.grad_accum,
         }
         if self.offload:
             fields["offload_optimizer"] = "cpu"
@@ -75,11 +76,11 @@ class Row:
                 fields["offload_params"] = "cpu"  # CPUOffloadPolicy moves parameters with the optimizer
         if self.small_buckets:
             fields["deepspeed"] = dict(SMALL_BUCKETS)
-        if self.engine == "deepspeed":
+        if self.engine == "deepspeed" and self.recipe == "plain":
             # measure builds the model whole, then deepspeed.initialize partitions it (no zero.Init)
             fields["deepspeed"] = {**fields.get("deepspeed", {}), "zero_init": False}
-            if self.client_optimizer:
-                fields["deepspeed"]["client_optimizer"] = True
+        if self.client_optimizer:
+            fields["deepspeed"] = {**fields.get("deepspeed", {}), "client_optimizer": True}
         for knob in ("optimizer_impl", "ddp"):
             if getattr(self, knob) is not None:
                 fields[knob] = getattr(self, knob)
@@ -170,6 +171,14 @@ def _grid() -> tuple[Row, ...]:
         ("tiny-gpt2", "deepspeed", 0, "bf16", {"client_optimizer": True, "optimizer_impl": "foreach"}),
     ):
         rows.append(Row(model, engine, stage, precision, **extra))
+    # transformers.Trainer itself (measure/programs/hf_trainer.py): DDP, DeepSpeed with the Hugging Face
+    # docs' "auto" buckets, FSDP2 through accelerate; fp32 without and bf16 with checkpointing, and
+    # accumulation (DDP and FSDP2 skip the sync of non-final micro-batches, DeepSpeed reduces every one).
+    for engine, stage in (("torch", 0), ("deepspeed", 2), ("deepspeed", 3), ("fsdp2", 3)):
+        rows.append(Row("tiny-llama", engine, stage, "fp32", recipe="hf-trainer"))
+        rows.append(Row("tiny-llama", engine, stage, "bf16", checkpointing="full", recipe="hf-trainer"))
+    for engine, stage in (("torch", 0), ("deepspeed", 2), ("fsdp2", 2)):
+        rows.append(Row("tiny-llama", engine, stage, "fp32", grad_accum=2, recipe="hf-trainer"))
     return tuple(rows)
 
 
@@ -200,7 +209,13 @@ def row_specs(row: Row, backend: str = "gloo"):
     from zeroplan.importers.catalog import resolve_model
     from zeroplan.spec.training import TrainingSpec
 
-    return resolve_model(row.model), TrainingSpec(**row.training_fields(backend))
+    model, fields = resolve_model(row.model), row.training_fields(backend)
+    if row.recipe == "hf-trainer" and row.engine == "deepspeed" and not row.small_buckets:
+        from zeroplan.importers.deepspeed_json import trainer_filled_buckets
+
+        # the Hugging Face docs' DeepSpeed JSONs say "auto" for these: the Trainer fills them from the model
+        fields["deepspeed"] = {**fields.get("deepspeed", {}), **trainer_filled_buckets(model.hidden_size, row.stage)}
+    return model, TrainingSpec(**fields)
 
 
 def run_backend(row: Row, backend: str) -> str:

@@ -37,18 +37,22 @@ from zeroplan.spec.training import Device, TrainingSpec
 
 POLL_S = 0.05
 DEFAULT_RECIPE = "plain"  # measure runs zeroplan's own loop unless --recipe names a program it runs
-RUNNABLE_RECIPES = ("plain",)
+RUNNABLE_RECIPES = ("plain", "hf-trainer")  # hf-trainer: transformers.Trainer itself (programs/hf_trainer.py)
 
 
 def as_measured(training: TrainingSpec) -> TrainingSpec:
     """`training` as the measure mode runs it, to estimate the same thing it measures.
 
-    The worker builds the model whole and lets the engine shard it (`workload.build_workload`,
+    The plain loop builds the model whole and lets the engine shard it (`workload.build_workload`,
     then `deepspeed.initialize`); DeepSpeed ZeRO-3 under `deepspeed.zero.Init` never holds it
-    whole, so a DeepSpeed run is estimated with `zero_init` false."""
-    if training.engine.value != "deepspeed" or not training.deepspeed.zero_init:
+    whole, so a plain DeepSpeed run is estimated with `zero_init` false. The Trainer builds under
+    zero.Init exactly when the program's model init is zero-init (programs/hf_trainer.py)."""
+    if training.engine.value != "deepspeed":
         return training
-    return training.model_copy(update={"deepspeed": training.deepspeed.model_copy(update={"zero_init": False})})
+    zero_init = training.recipe.value == "hf-trainer" and training.program.model_init.value == "zero-init"
+    if training.deepspeed.zero_init == zero_init:
+        return training
+    return training.model_copy(update={"deepspeed": training.deepspeed.model_copy(update={"zero_init": zero_init})})
 
 
 def choose_backend(requested: str | None, simulate: bool = False) -> str:

@@ -4,6 +4,7 @@ Phases, in the order a worker runs them (the names the estimate's `Phase` uses, 
 set-up phases that together are its `init`):
 - `model`: the model built on the device (parameters and module buffers);
 - `engine`: the engine wraps it and creates the optimizer (DDP buckets, shards, ...);
+  (recipe hf-trainer adds `trainer`, TrainingArguments and Trainer(...), to these step-0 phases);
 - `forward`, `backward`: every micro-batch of a step (with gradient accumulation the phase's
   peak is the highest of its micro-batches, its live bytes those after the last one);
 - `optimizer_step`: the optimizer step and dropping the gradients.

@@ -31,6 +31,8 @@ import sys
 import time
 import traceback
 
+from zeroplan.measure.phases import PhaseRecorder
+
 FAULT_ENV = "ZEROPLAN_MEASURE_FAULT"
 EXIT_FAILED = 1
 EXIT_OOM = 3
@@ -60,44 +62,6 @@ def _inject_fault(rank: int) -> None:
         raise torch.OutOfMemoryError(f"injected out-of-memory on rank {rank}")
 
 
-class PhaseRecorder:
-    """Opens and closes accounting phases and keeps one PhaseResult per (step, phase)."""
-
-    def __init__(self, accounting, probe):
-        self.accounting, self.probe = accounting, probe
-        self.phases = {}  # (step, phase) -> PhaseResult, in the order first seen
-        self.open = None
-
-    @contextlib.contextmanager
-    def phase(self, step: int, name: str, *, default_category: str, born_as: str | None = None):
-        self.probe.begin_phase()
-        self.accounting.begin_phase(name, default_category=default_category, born_as=born_as)
-        self.open = (step, name)
-        try:
-            yield
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """End the open phase (also when it raised: an out-of-memory result keeps how far it got)."""
-        if self.open is None:
-            return
-        from zeroplan.measure.result import PhaseResult
-
-        step, name = self.open
-        self.open = None
-        memory = self.accounting.end_phase()
-        device = self.probe.end_phase()
-        new = PhaseResult(step, name, memory.live_bytes, memory.peak_bytes, memory.peak_categories, device)
-        old = self.phases.get((step, name))
-        if old is not None:  # another micro-batch of the same step: keep the higher peak
-            if old.peak_bytes >= new.peak_bytes:
-                new.peak_bytes, new.categories = old.peak_bytes, old.categories
-            if old.device and new.device:
-                new.device = {k: max(old.device.get(k, 0), v) if "peak" in k or k.startswith("num_") else v for k, v in new.device.items()}
-        self.phases[(step, name)] = new
-
-
 def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     """Run one rank's measurement; return the `ok` JSON object."""
     import torch
@@ -118,6 +82,10 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     ctx = RunContext(rank, world_size, local_rank, device, backend, job.get("engine_config"))
     probe = make_probe(device)
     torch.manual_seed(1234 + rank)
+    if training.recipe.value == "hf-trainer":  # the Trainer owns the loop (programs/hf_trainer.py)
+        from zeroplan.measure.programs.hf_trainer import run_trainer
+
+        return run_trainer(spec, training, ctx, steps=job["steps"], probe=probe, fault=_inject_fault)
 
     held: dict = {}  # what the classifier can see so far: the model, then the runner
 

@@ -248,6 +248,20 @@ def hf_available() -> bool:
     return True
 
 
+def build_hf_model(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.Module, str]:
+    """The Hugging Face model of `spec` as a program is given it (the Hugging Face Trainer): random
+    weights, in training mode, frozen groups frozen, on the current default device; no
+    checkpointing (the program enables its own). Returns the model and its implementation name."""
+    if not isinstance(spec, TransformerSpec):
+        raise MeasureError(f"model: {spec.name} is known by its parameter count only; measure needs a transformer spec")
+    if not hf_available():
+        raise MeasureError("implementation: the Hugging Face Trainer needs transformers; pip install 'zeroplan[hf]'")
+    lm, name = _build_hf(spec, training)
+    lm.train()
+    _freeze(lm, _find_blocks(lm, spec.num_layers), training.freeze)
+    return lm, name
+
+
 def build_workload(
     spec: TransformerSpec, training: TrainingSpec, device: torch.device, *, implementation: str = "auto"
 ) -> Workload:

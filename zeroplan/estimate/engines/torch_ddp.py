@@ -31,6 +31,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.spec.program import Recipe
 from zeroplan.spec.training import Precision
 
 
@@ -52,6 +53,20 @@ def _largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[int, ...]:
     if world_size == 1:
         return tuple(numels)
     return tuple(max(zero_redundancy_shards(numels, world_size), key=sum))
+
+
+def _trainer_output_clones(setup: Setup, acts: ActivationBytes) -> int:
+    """Activations at the end of a DDP forward under the Hugging Face Trainer (docs/engines/torch.md).
+
+    The Trainer sets find_unused_parameters unless checkpointing is on (transformers 5.23.0 trainer.py
+    `_build_accelerator_args`), so DDP passes the outputs through `_DDPSink`, which clones them
+    (torch/nn/parallel/distributed.py `_post_forward`); the model's output, fp32 logits (accelerate's
+    `convert_outputs_to_fp32` under autocast), is alive beside its clone until `compute_loss` returns."""
+    program = setup.program
+    if program.recipe != Recipe.HF_TRAINER or not program.ddp or acts.recompute_block:
+        return 0
+    fp32_logits = acts.loss_saved  # log_softmax's saved output: the logits' shape in fp32
+    return acts.forward_end + 2 * fp32_logits
 
 
 def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
@@ -79,7 +94,8 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
         if step == Step.FIRST:
             phases.append(phase(step, Phase.INIT, **base))
         grads_before = grads if accumulating else 0
-        phases.append(phase(step, Phase.FORWARD, **base, grads=grads_before, activations=max(acts.forward_peak, acts.blocks_end_peak) if acts else 0))
+        forward = max(acts.forward_peak, acts.blocks_end_peak, _trainer_output_clones(setup, acts)) if acts else 0
+        phases.append(phase(step, Phase.FORWARD, **base, grads=grads_before, activations=forward))
         # Backward's moments: the loss's, each block's (linear in the blocks done between the
         # ends), the end with every .grad present (docs/engines/torch.md).
         points = [dict(grads=grads, temporaries=2 * tied_numel * element)]

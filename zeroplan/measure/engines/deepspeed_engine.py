@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # imported where used: the launcher checks a --config with `u
     import torch
 
 
-def _prepare_environment(ctx: RunContext) -> None:
+def prepare_environment(ctx: RunContext) -> None:
     """Must run before `import deepspeed`: it picks its accelerator when imported."""
     if not ctx.is_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -51,7 +51,7 @@ def _prepare_environment(ctx: RunContext) -> None:
     ops_dir().mkdir(parents=True, exist_ok=True)
 
 
-def _import_deepspeed():
+def import_deepspeed():
     try:
         import deepspeed
     except ImportError as error:
@@ -128,8 +128,8 @@ class DeepSpeedRunner:
     def __init__(self, model: torch.nn.Module, training: TrainingSpec, ctx: RunContext):
         if ctx.is_fake:
             raise MeasureError("engine deepspeed cannot run under --simulate (it needs real tensors); use --engine fsdp2")
-        _prepare_environment(ctx)
-        deepspeed = _import_deepspeed()
+        prepare_environment(ctx)
+        deepspeed = import_deepspeed()
         if ctx.engine_config is not None:
             config = user_config(ctx.engine_config, training, ctx.world_size)
         else:

@@ -84,49 +84,57 @@ class FSDP2Runner(TorchOptimizerSteps):
         self.model.set_requires_gradient_sync(self._micro == self.grad_accum)
         return self.model(input_ids, labels)
 
-    def _param_groups(self):
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                group = module._get_fsdp_state()._fsdp_param_group
-                if group is not None:
-                    yield group
-
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
-        # Attribute names from torch/distributed/fsdp/_fully_shard/_fsdp_param.py (FSDPParam) and
-        # _fsdp_param_group.py (FSDPParamGroup, comm_ctx).
-        params, grads, buffers = [], [], module_buffers(self.model)
-        comm_ctx = None
-        for group in self._param_groups():
-            comm_ctx = group.comm_ctx
-            for fsdp_param in group.fsdp_params:
-                params.append(fsdp_param._sharded_param_data)
-                sharded = fsdp_param.sharded_param
-                if sharded.grad is not None:
-                    grads.append(sharded.grad)
-                if fsdp_param.unsharded_accumulated_grad is not None:
-                    grads.append(fsdp_param.unsharded_accumulated_grad)
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None:
-                    if unsharded.grad is not None:
-                        grads.append(unsharded.grad)
-                    buffers.append(unsharded)
-                buffers.extend(getattr(fsdp_param, "all_gather_outputs", None) or ())
-            if group._all_gather_result is not None:
-                buffers.append(group._all_gather_result.all_gather_output)
-            if group._partial_reduce_output is not None:
-                buffers.append(group._partial_reduce_output)
-        if comm_ctx is not None:  # attributes set in FSDPCommContext.lazy_init (first forward)
-            all_gather_state = getattr(comm_ctx, "all_gather_state", None)
-            if all_gather_state is not None:
-                buffers.append(all_gather_state.all_gather_result.all_gather_output)
-            for state in getattr(comm_ctx, "reduce_scatter_states", ()):
-                buffers.append(state.reduce_scatter_input)
-        return {
-            "params": params,
-            "grads": grads,
-            "optimizer_states": optimizer_state_tensors(self.optimizer),
-            "buffers": buffers,
-        }
+        return fsdp2_tensors(self.model, self.optimizer)
+
+
+def _param_groups(model: torch.nn.Module):
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                yield group
+
+
+def fsdp2_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, list[torch.Tensor]]:
+    """What an FSDP2 rank holds, by category: sharded parameters, sharded and unsharded gradients,
+    the optimizer's states, and as buffers the unsharded parameters, module buffers and the
+    all-gather / reduce-scatter buffers."""
+    # Attribute names from torch/distributed/fsdp/_fully_shard/_fsdp_param.py (FSDPParam) and
+    # _fsdp_param_group.py (FSDPParamGroup, comm_ctx).
+    params, grads, buffers = [], [], module_buffers(model)
+    comm_ctx = None
+    for group in _param_groups(model):
+        comm_ctx = group.comm_ctx
+        for fsdp_param in group.fsdp_params:
+            params.append(fsdp_param._sharded_param_data)
+            sharded = fsdp_param.sharded_param
+            if sharded.grad is not None:
+                grads.append(sharded.grad)
+            if fsdp_param.unsharded_accumulated_grad is not None:
+                grads.append(fsdp_param.unsharded_accumulated_grad)
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                if unsharded.grad is not None:
+                    grads.append(unsharded.grad)
+                buffers.append(unsharded)
+            buffers.extend(getattr(fsdp_param, "all_gather_outputs", None) or ())
+        if group._all_gather_result is not None:
+            buffers.append(group._all_gather_result.all_gather_output)
+        if group._partial_reduce_output is not None:
+            buffers.append(group._partial_reduce_output)
+    if comm_ctx is not None:  # attributes set in FSDPCommContext.lazy_init (first forward)
+        all_gather_state = getattr(comm_ctx, "all_gather_state", None)
+        if all_gather_state is not None:
+            buffers.append(all_gather_state.all_gather_result.all_gather_output)
+        for state in getattr(comm_ctx, "reduce_scatter_states", ()):
+            buffers.append(state.reduce_scatter_input)
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer_states": optimizer_state_tensors(optimizer) if optimizer is not None else [],
+        "buffers": buffers,
+    }
 
 
 def build_runner(model: torch.nn.Module, training: TrainingSpec, ctx: RunContext) -> FSDP2Runner:

@@ -67,14 +67,7 @@ class TorchRunner(TorchOptimizerSteps):
         # DDP.no_sync() sets this flag (torch/nn/parallel/distributed.py): all-reduce only on the
         # last micro-batch of the step.
         self.ddp.require_backward_grad_sync = self._micro == self.grad_accum
-        with births_as("buffers"):
-            rebuilt = torch.is_grad_enabled() and self.ddp.reducer._rebuild_buckets()
-        if rebuilt:
-            # DDP re-allocates its buckets in the order gradients arrived, at the first forward
-            # after the first backward (DistributedDataParallel._pre_forward, which calls the
-            # same method first thing; it returns False from then on). Called here so that the
-            # new buckets are counted as the engine's buffers, not as activations.
-            self.ddp._has_rebuilt_buckets = True
+        rebuild_ddp_buckets(self.ddp)
         with self._autocast():
             return self.ddp(input_ids, labels)
 
@@ -83,15 +76,35 @@ class TorchRunner(TorchOptimizerSteps):
             super().step()
 
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
-        # DDP's reducer buckets are not reachable from Python; the worker counts the storages
-        # the engine allocated while wrapping the model, and not named here, as buffers.
-        return {
-            "params": self.params,
-            "grads": gradients(self.params),
-            "optimizer_states": (self._in_backward.states() if self._in_backward is not None
-                                 else optimizer_state_tensors(self._local_optimizer)),
-            "buffers": module_buffers(self.model),
-        }
+        held = ddp_tensors(self.model, self._local_optimizer, self.params)
+        if self._in_backward is not None:  # per-parameter optimizers stepped in the gradient hooks
+            held["optimizer_states"] = self._in_backward.states()
+        return held
+
+
+def rebuild_ddp_buckets(ddp: DistributedDataParallel) -> None:
+    """Call before a DDP forward. DDP re-allocates its buckets in the order gradients arrived, at
+    the first forward after the first backward (DistributedDataParallel._pre_forward, which calls
+    the same method first thing; it returns False from then on). Called here so that the new
+    buckets are counted as the engine's buffers, not as activations."""
+    with births_as("buffers"):
+        rebuilt = torch.is_grad_enabled() and ddp.reducer._rebuild_buckets()
+    if rebuilt:
+        ddp._has_rebuilt_buckets = True
+
+
+def ddp_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                params: list[torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
+    """What a DDP rank holds, by category: the module's parameters, their gradients, the local
+    optimizer's states and module buffers. DDP's reducer buckets are not reachable from Python;
+    the caller counts the storages born while wrapping the model, and not named here, as buffers."""
+    params = list(model.parameters()) if params is None else params
+    return {
+        "params": params,
+        "grads": gradients(params),
+        "optimizer_states": optimizer_state_tensors(optimizer) if optimizer is not None else [],
+        "buffers": module_buffers(model),
+    }
 
 
 def build_runner(model: torch.nn.Module, training: TrainingSpec, ctx: RunContext) -> TorchRunner:

@@ -1,0 +1,50 @@
+"""Phases of a rank's measurement: what the worker's loop and a program's hooks (programs/) open and
+close around the accounting, one PhaseResult per (step, phase)."""
+
+from __future__ import annotations
+
+import contextlib
+
+
+class PhaseRecorder:
+    """Opens and closes accounting phases and keeps one PhaseResult per (step, phase)."""
+
+    def __init__(self, accounting, probe):
+        self.accounting, self.probe = accounting, probe
+        self.phases = {}  # (step, phase) -> PhaseResult, in the order first seen
+        self.open = None
+
+    @contextlib.contextmanager
+    def phase(self, step: int, name: str, *, default_category: str, born_as: str | None = None):
+        self.switch(step, name, default_category=default_category, born_as=born_as)
+        try:
+            yield
+        finally:
+            self.close()
+
+    def switch(self, step: int, name: str, *, default_category: str, born_as: str | None = None) -> None:
+        """End the open phase, if any, and open (step, name): for a loop that someone else owns
+        (the Hugging Face Trainer), where phases are marked from hooks and cannot be `with` blocks."""
+        self.close()
+        self.probe.begin_phase()
+        self.accounting.begin_phase(name, default_category=default_category, born_as=born_as)
+        self.open = (step, name)
+
+    def close(self) -> None:
+        """End the open phase (also when it raised: an out-of-memory result keeps how far it got)."""
+        if self.open is None:
+            return
+        from zeroplan.measure.result import PhaseResult
+
+        step, name = self.open
+        self.open = None
+        memory = self.accounting.end_phase()
+        device = self.probe.end_phase()
+        new = PhaseResult(step, name, memory.live_bytes, memory.peak_bytes, memory.peak_categories, device)
+        old = self.phases.get((step, name))
+        if old is not None:  # another micro-batch of the same step: keep the higher peak
+            if old.peak_bytes >= new.peak_bytes:
+                new.peak_bytes, new.categories = old.peak_bytes, old.categories
+            if old.device and new.device:
+                new.device = {k: max(old.device.get(k, 0), v) if "peak" in k or k.startswith("num_") else v for k, v in new.device.items()}
+        self.phases[(step, name)] = new
