@@ -70,7 +70,7 @@ def _id(row) -> str:
 
 
 def _estimate(model: str, fields: dict, ranks: int):
-    return estimate(resolve_model(model), TrainingSpec(**fields, gpus=ranks, device="cpu"))
+    return estimate(resolve_model(model), TrainingSpec(**fields, gpus=ranks, device="cpu", recipe="plain"))
 
 
 @pytest.mark.parametrize("row", MEASURED, ids=_id)

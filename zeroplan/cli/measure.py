@@ -84,10 +84,9 @@ def command(**options: Any) -> None:
     from zeroplan.estimate import estimate
     from zeroplan.estimate.serialize import estimate_to_dict
     from zeroplan.measure.comparison import compare, run_peaks
-    from zeroplan.measure.launcher import as_measured, run_measurement
+    from zeroplan.measure.launcher import run_measurement
     from zeroplan.report.measure import render_table, report_data
 
-    training = as_measured(training)  # the same build the workers do (DeepSpeed: no zero.Init)
     estimated = estimate_to_dict(estimate(model, training), training)  # before the run: its errors come first
     result = run_measurement(
         model, training, nproc=nproc, backend=None if simulate else backend, simulate=simulate,

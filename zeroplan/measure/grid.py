@@ -40,6 +40,9 @@ class Row:
     small_buckets: bool = False  # deepspeed: SMALL_BUCKETS instead of DeepSpeed's defaults
     quick: bool = False  # part of the CI slice (`--quick`, tests/test_accuracy_slice.py)
     recipe: str = "plain"  # the program measured: zeroplan's own loop unless a row names another
+    grad_accum: int = 1
+    grad_sync: str | None = None  # last or every (spec/program.py GradSync); None: the recipe's
+    model_init: str | None = None  # host, device, meta or zero-init; None: the recipe's (device for deepspeed)
 
     @property
     def id(self) -> str:
@@ -47,7 +50,10 @@ class Row:
         ckpt = "ckpt" if self.checkpointing == "full" else "nockpt" if self.checkpointing == "none" else self.checkpointing
         world = f"fake{self.world}" if self.simulate else f"w{self.world}"
         parts = (self.model, setup, self.precision, ckpt, f"{self.micro_batch}x{self.seq_len}", world)
-        return "/".join(parts + (("eager",) if self.attention == "eager" else ()))
+        program = (("eager",) if self.attention == "eager" else ()) + (
+            (f"ga{self.grad_accum}" + (f"-{self.grad_sync}" if self.grad_sync else ""),) if self.grad_accum > 1 else ()) + (
+            (f"init-{self.model_init}",) if self.model_init else ())
+        return "/".join(parts + program)
 
     @property
     def needs_cpu_adam(self) -> bool:
@@ -60,17 +66,20 @@ class Row:
             "engine": self.engine, "zero_stage": self.stage, "gpus": self.world, "precision": self.precision,
             "micro_batch": self.micro_batch, "seq_len": self.seq_len, "checkpointing": self.checkpointing,
             "attention": self.attention, "device": "cuda" if backend == "nccl" and not self.simulate else "cpu",
-            "recipe": self.recipe,
+            "recipe": self.recipe, "grad_accum": self.grad_accum,
         }
+        if self.grad_sync:
+            fields["grad_sync"] = self.grad_sync
         if self.offload:
             fields["offload_optimizer"] = "cpu"
             if self.engine == "fsdp2" and self.stage == 3:
                 fields["offload_params"] = "cpu"  # CPUOffloadPolicy moves parameters with the optimizer
         if self.small_buckets:
             fields["deepspeed"] = dict(SMALL_BUCKETS)
-        if self.engine == "deepspeed":
-            # measure builds the model whole, then deepspeed.initialize partitions it (no zero.Init)
-            fields["deepspeed"] = {**fields.get("deepspeed", {}), "zero_init": False}
+        if self.model_init:
+            fields["model_init"] = self.model_init
+        elif self.engine == "deepspeed":
+            fields["model_init"] = "device"  # built whole, then partitioned by deepspeed.initialize (no zero.Init)
         return fields
 
 
@@ -138,6 +147,25 @@ def _grid() -> tuple[Row, ...]:
                         quick=quick))
     rows.append(Row("tiny-llama", "deepspeed", 3, "fp32", checkpointing="selective", attention="eager", micro_batch=1,
                     seq_len=1024, small_buckets=True))
+    # Gradient accumulation (2 micro-batches), reduced on the last one only (DDP no_sync, FSDP2
+    # set_requires_gradient_sync(False)) or on every one (torchtitan, torchtune, DeepSpeed).
+    for model, engine, stage, precision in (("tiny-llama", "torch", 0, "fp32"), ("tiny-gpt2", "torch", 1, "bf16"),
+                                            ("tiny-llama", "fsdp2", 2, "bf16"), ("tiny-gpt2", "fsdp2", 3, "fp32")):
+        for sync in ("last", "every"):
+            quick = (engine, stage, sync) == ("fsdp2", 2, "every")  # the CI slice's accumulation row
+            rows.append(Row(model, engine, stage, precision, grad_accum=2, grad_sync=sync, quick=quick))
+    # Where the weights are when the engine takes them. On a CPU run the host is the device's memory,
+    # so host rows check that case; zero-init builds inside deepspeed.zero.Init.
+    for model, engine, stage, precision, init, extra in (
+        ("tiny-llama", "torch", 0, "bf16", "host", {}), ("tiny-gpt2", "torch", 1, "fp32", "meta", {}),
+        ("tiny-llama", "fsdp2", 2, "fp32", "host", {}), ("tiny-gpt2", "fsdp2", 3, "bf16", "device", {}),
+        ("tiny-llama", "deepspeed", 2, "bf16", "host", {"small_buckets": True}),
+        ("tiny-gpt2", "deepspeed", 3, "fp32", "host", {"small_buckets": True}),
+        ("tiny-llama", "deepspeed", 3, "bf16", "zero-init", {"small_buckets": True}),
+        ("tiny-gpt2", "deepspeed", 3, "fp32", "zero-init", {"offload": True, "small_buckets": True}),
+    ):
+        quick = (engine, init, precision) == ("deepspeed", "zero-init", "bf16")  # the CI slice's zero.Init row
+        rows.append(Row(model, engine, stage, precision, model_init=init, quick=quick, **extra))
     return tuple(rows)
 
 

@@ -40,17 +40,6 @@ DEFAULT_RECIPE = "plain"  # measure runs zeroplan's own loop unless --recipe nam
 RUNNABLE_RECIPES = ("plain",)
 
 
-def as_measured(training: TrainingSpec) -> TrainingSpec:
-    """`training` as the measure mode runs it, to estimate the same thing it measures.
-
-    The worker builds the model whole and lets the engine shard it (`workload.build_workload`,
-    then `deepspeed.initialize`); DeepSpeed ZeRO-3 under `deepspeed.zero.Init` never holds it
-    whole, so a DeepSpeed run is estimated with `zero_init` false."""
-    if training.engine.value != "deepspeed" or not training.deepspeed.zero_init:
-        return training
-    return training.model_copy(update={"deepspeed": training.deepspeed.model_copy(update={"zero_init": False})})
-
-
 def write_job(path: Path, model: TransformerSpec, training: TrainingSpec, **fields) -> None:
     """The job file a worker reads: both specs as JSON plus `fields` (backend, steps, init_method, ...)."""
     job = {"model": model.model_dump(mode="json"), "training": training.model_dump(mode="json"), **fields}
@@ -153,7 +142,6 @@ def run_measurement(
     if backend == "fake" and training.engine.value != "fsdp2":
         raise MeasureError(f"engine: --simulate runs fsdp2 only (the fake backend needs fake tensors), not {training.engine.value}")
 
-    training = as_measured(training)
     processes = 1 if backend == "fake" else nproc
     workdir = Path(tempfile.mkdtemp(prefix="zeroplan-measure-"))
     procs: list[subprocess.Popen] = []

@@ -103,12 +103,6 @@ class DeepSpeedKnobs(BaseModel):
         1_000_000_000, ge=0, description="Elements per optimizer sub-group (stage 3): the step, and NVMe swapping, "
         "work one sub-group at a time."
     )
-    zero_init: bool = Field(
-        True,
-        description="Stage 3: the model is built inside deepspeed.zero.Init, so no rank ever holds it whole "
-        "(what Hugging Face Transformers and Accelerate do under ZeRO-3); false: built whole, then "
-        "partitioned by deepspeed.initialize (what zeroplan measure does).",
-    )
     offload_pin_memory: bool = Field(True, description="Pin the CPU buffers of offloaded states.")
     offload_buffer_count: int = Field(5, ge=1, description="offload_param.buffer_count (NVMe swap buffers).")
     offload_buffer_size: int = Field(100_000_000, ge=1, description="offload_param.buffer_size in elements.")
@@ -213,6 +207,12 @@ class TrainingSpec(BaseModel):
             raise ValueError(f"loss_chunks applies to a chunked loss, not loss {program.loss.value}")
         if program.model_init == ModelInit.ZERO_INIT and not (self.engine == Engine.DEEPSPEED and self.zero_stage == 3):
             raise ValueError("model_init zero-init is deepspeed.zero.Init, which needs engine deepspeed at zero_stage 3")
+        if program.model_init == ModelInit.META and self.engine == Engine.DEEPSPEED:
+            # engine.py `_configure_distributed_model` casts and moves the module's real parameters
+            raise ValueError("model_init meta: DeepSpeed takes a materialised model; use host, device or zero-init (stage 3)")
+        if program.grad_sync == GradSync.LAST and self.engine == Engine.DEEPSPEED:
+            # engine.py `backward` -> `allreduce_gradients` reduces at every micro-batch; there is no no_sync
+            raise ValueError("grad_sync last: DeepSpeed reduces gradients at every micro-batch (grad_sync every)")
         if self.ddp and self.engine != Engine.TORCH:
             raise ValueError(f"ddp applies to engine torch; engine {self.engine.value} wraps the model itself")
         if self.checkpoint_every is not None and self.checkpointing != Checkpointing.FULL:

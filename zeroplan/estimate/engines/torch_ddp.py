@@ -62,7 +62,10 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
     buckets = facts.trainable_params * element  # DDP reducer buckets, allocated at wrap time
     states = optimizer_state_bytes(sum(local), setup.optimizer, element)
     temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, setup.optimizer, setup.device)
-    accumulating = setup.accumulating  # .grad survives between micro-batches
+    # .grad survives between micro-batches whatever grad_sync says: with no_sync the bucket idles,
+    # without it reducer.cpp copies each .grad into its bucket and the result back (same bytes).
+    # Where the model was built (model_init) does not matter either: DDP wraps it whole, in fp32.
+    accumulating = setup.accumulating
     head_numel, tied_numel, first_numel = early_gradients(facts)
     block_numel = max((g.params for g in facts.groups if g.role == "block" and not g.frozen), default=0)
     num_blocks = acts.num_blocks if acts else 0

@@ -21,10 +21,12 @@ from zeroplan.measure.engines import (
     TorchOptimizerSteps,
     gradients,
     make_optimizer,
+    materialize,
     module_buffers,
     optimizer_class_and_kwargs,
     optimizer_state_tensors,
 )
+from zeroplan.spec.program import GradSync
 from zeroplan.spec.training import Precision, TrainingSpec
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -37,6 +39,9 @@ class TorchRunner(TorchOptimizerSteps):
         self.model = model
         self.grad_accum = training.grad_accum
         self._micro = 0
+        self.sync_every = training.program.grad_sync == GradSync.EVERY
+        materialize(model, ctx.device)  # model_init meta
+        model.to(ctx.device)  # model_init host: accelerate `prepare_model` moves it before wrapping
         self.ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.is_cuda else None)
         self.params = list(model.parameters())
         trainable = [p for p in self.params if p.requires_grad]  # TrainingSpec.freeze
@@ -53,10 +58,9 @@ class TorchRunner(TorchOptimizerSteps):
         self._autocast = (lambda: torch.autocast(ctx.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        self._micro += 1
-        # DDP.no_sync() sets this flag (torch/nn/parallel/distributed.py): all-reduce only on the
-        # last micro-batch of the step.
-        self.ddp.require_backward_grad_sync = self._micro == self.grad_accum
+        # DDP.no_sync() clears this flag (torch/nn/parallel/distributed.py): with grad_sync last,
+        # all-reduce only on the last micro-batch of the step.
+        self.ddp.require_backward_grad_sync = self._syncs()
         with births_as("buffers"):
             rebuilt = torch.is_grad_enabled() and self.ddp.reducer._rebuild_buckets()
         if rebuilt:
