@@ -29,7 +29,7 @@ KNOBS = [
      "stage3_max_live_parameters": 20_000, "stage3_max_reuse_distance": 20_000},
     {"reduce_bucket_size": 50_000, "stage3_param_persistence_threshold": 500, "stage3_max_live_parameters": 100_000,
      "stage3_max_reuse_distance": 60_000},
-    {"overlap_comm": True, "reduce_bucket_size": 20_000, "zero_init": False},
+    {"overlap_comm": True, "reduce_bucket_size": 20_000},
 ]
 OFFLOADS = {  # (optimizer, params) valid per stage
     0: [("none", "none")],
@@ -76,7 +76,8 @@ def deepspeed_trainings(draw) -> TrainingSpec:
         grad_accum=draw(st.sampled_from([1, 2])), checkpointing=draw(st.sampled_from(["none", "selective", "full"])),
         attention=draw(st.sampled_from(["fused", "eager"])), device=draw(st.sampled_from(["cuda", "cpu"])),
         freeze=draw(st.sampled_from([(), (), ("embeddings",), ("blocks",), ("final",)])),
-        deepspeed=draw(st.sampled_from(KNOBS)))
+        deepspeed=draw(st.sampled_from(KNOBS)),
+        model_init=draw(st.sampled_from(["host", "device"] + (["zero-init"] if stage == 3 else []))))
 
 
 def _every_entry_kept(entries, last):

@@ -234,12 +234,12 @@ def test_user_json_without_an_optimizer_section_runs_the_client_torch_optimizer(
     the client optimizer it is given, as under the Hugging Face Trainer: torch AdamW here."""
     pytest.importorskip("deepspeed")
     from zeroplan.estimate import estimate
-    from zeroplan.measure.launcher import as_measured, run_measurement
+    from zeroplan.measure.launcher import run_measurement
 
     config = {"train_batch_size": "auto", "zero_optimization": {"stage": 2, "reduce_bucket_size": 50_000}}
     training = _training(zero_stage=2, precision="fp32", deepspeed={"reduce_bucket_size": 50_000})
     result = run_measurement(TINY, training, nproc=N, backend="gloo", steps=2, timeout_s=400, engine_config=config)
-    expected = estimate(TINY, as_measured(training))
+    expected = estimate(TINY, training)
     for rank in result.ranks:
         steady = _phase(rank, 2, "optimizer_step").categories
         # within the client AdamW's step counter: one 4-byte tensor per flat partition (not modelled)

@@ -77,9 +77,8 @@ def _measure_and_compare(training: TrainingSpec, engine_config: dict | None = No
     pytest.importorskip("accelerate")
     from zeroplan.estimate import estimate
     from zeroplan.estimate.serialize import estimate_to_dict
-    from zeroplan.measure.launcher import as_measured, run_measurement
+    from zeroplan.measure.launcher import run_measurement
 
-    training = as_measured(training)
     result = run_measurement(TINY, training, nproc=N, backend="gloo", steps=2, timeout_s=300, engine_config=engine_config)
     assert result.implementation.startswith("transformers.Trainer-"), result.implementation
     measured = result.to_json_dict()

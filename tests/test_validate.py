@@ -74,7 +74,7 @@ def test_select_rows_by_glob_substring_quick_and_offload():
         "tiny-llama/torch-0/bf16/selective/2x128/w2"]
     assert all("fake64" in r.id for r in select_rows(GRID, "fake64"))
     quick = select_rows(GRID, quick=True)
-    assert {(r.engine, r.stage) for r in quick} == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 2)}
+    assert {(r.engine, r.stage) for r in quick} == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 2), ("deepspeed", 3)}
     assert any(r.simulate and r.world == 8 for r in quick)
     assert not any(r.needs_cpu_adam for r in select_rows(GRID, "deepspeed", skip_deepspeed_offload=True))
     with pytest.raises(SpecError, match="rows: no row of the grid matches 'nope'"):

@@ -49,7 +49,7 @@ def command(**options: Any) -> None:
       zeroplan measure llama-2-7b --engine deepspeed --zero 3 --nproc 8 --backend nccl --config ds.json
     """
     from zeroplan.importers.options import model_from_options, training_spec_from_options
-    from zeroplan.measure.launcher import as_measured, choose_backend, measured_device, run_measurement
+    from zeroplan.measure.launcher import DEFAULT_RECIPE, choose_backend, measured_device, run_measurement
     from zeroplan.spec.files import writable_file
 
     if options["output"] is not None:
@@ -66,8 +66,6 @@ def command(**options: Any) -> None:
         raise click.UsageError(f"--device {options['device']} does not match a {backend} run, which measures {device} memory; leave out --device")
 
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
-    from zeroplan.measure.launcher import DEFAULT_RECIPE
-
     recipe = options["recipe"] or DEFAULT_RECIPE
     training = training_spec_from_options(options | {"gpus": nproc, "device": device, "recipe": recipe}, options["config_file"], model)
     engine_config = None
@@ -86,7 +84,6 @@ def command(**options: Any) -> None:
     from zeroplan.measure.comparison import compare, run_peaks
     from zeroplan.report.measure import render_table, report_data
 
-    training = as_measured(training)  # the same build the workers do (DeepSpeed: no zero.Init)
     estimated = estimate_to_dict(estimate(model, training), training)  # before the run: its errors come first
     result = run_measurement(
         model, training, nproc=nproc, backend=backend, simulate=simulate,

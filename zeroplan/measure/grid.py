@@ -45,6 +45,8 @@ class Row:
     optimizer_in_backward: bool = False  # per-parameter optimizers stepped in the gradient hooks
     client_optimizer: bool = False  # deepspeed: a client torch optimizer instead of the JSON's
     grad_accum: int = 1
+    grad_sync: str | None = None  # last or every (spec/program.py GradSync); None: the recipe's
+    model_init: str | None = None  # host, device, meta or zero-init; None: the recipe's (device for deepspeed)
 
     @property
     def id(self) -> str:
@@ -54,7 +56,9 @@ class Row:
         parts = (self.model, setup, self.precision, ckpt, f"{self.micro_batch}x{self.seq_len}", world)
         program = (("eager",) if self.attention == "eager" else ()) + ((self.optimizer_impl,) if self.optimizer_impl else ()) \
             + (("noddp",) if self.ddp is False else ()) + (("optinbwd",) if self.optimizer_in_backward else ()) \
-            + (("client",) if self.client_optimizer else ()) + ((f"ga{self.grad_accum}",) if self.grad_accum > 1 else ())
+            + (("client",) if self.client_optimizer else ()) \
+            + ((f"ga{self.grad_accum}" + (f"-{self.grad_sync}" if self.grad_sync else ""),) if self.grad_accum > 1 else ()) \
+            + ((f"init-{self.model_init}",) if self.model_init else ())
         return "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
 
     @property
@@ -70,22 +74,23 @@ class Row:
             "attention": self.attention, "device": "cuda" if backend == "nccl" and not self.simulate else "cpu",
             "recipe": self.recipe, "grad_accum": self.grad_accum,
         }
+        if self.grad_sync:
+            fields["grad_sync"] = self.grad_sync
         if self.offload:
             fields["offload_optimizer"] = "cpu"
             if self.engine == "fsdp2" and self.stage == 3:
                 fields["offload_params"] = "cpu"  # CPUOffloadPolicy moves parameters with the optimizer
         if self.small_buckets:
             fields["deepspeed"] = dict(SMALL_BUCKETS)
-        if self.engine == "deepspeed" and self.recipe == "plain":
-            # measure builds the model whole, then deepspeed.initialize partitions it (no zero.Init)
-            fields["deepspeed"] = {**fields.get("deepspeed", {}), "zero_init": False}
         if self.client_optimizer:
             fields["deepspeed"] = {**fields.get("deepspeed", {}), "client_optimizer": True}
-        for knob in ("optimizer_impl", "ddp"):
+        for knob in ("optimizer_impl", "ddp", "grad_sync", "model_init"):
             if getattr(self, knob) is not None:
                 fields[knob] = getattr(self, knob)
         if self.optimizer_in_backward:
             fields["optimizer_in_backward"] = True
+        if self.model_init is None and self.engine == "deepspeed" and self.recipe == "plain":
+            fields["model_init"] = "device"  # the plain loop builds whole, then deepspeed.initialize partitions (no zero.Init)
         return fields
 
 
@@ -179,6 +184,25 @@ def _grid() -> tuple[Row, ...]:
         rows.append(Row("tiny-llama", engine, stage, "bf16", checkpointing="full", recipe="hf-trainer"))
     for engine, stage in (("torch", 0), ("deepspeed", 2), ("fsdp2", 2)):
         rows.append(Row("tiny-llama", engine, stage, "fp32", grad_accum=2, recipe="hf-trainer"))
+    # Gradient accumulation (2 micro-batches), reduced on the last one only (DDP no_sync, FSDP2
+    # set_requires_gradient_sync(False)) or on every one (torchtitan, torchtune, DeepSpeed).
+    for model, engine, stage, precision in (("tiny-llama", "torch", 0, "fp32"), ("tiny-gpt2", "torch", 1, "bf16"),
+                                            ("tiny-llama", "fsdp2", 2, "bf16"), ("tiny-gpt2", "fsdp2", 3, "fp32")):
+        for sync in ("last", "every"):
+            quick = (engine, stage, sync) == ("fsdp2", 2, "every")  # the CI slice's accumulation row
+            rows.append(Row(model, engine, stage, precision, grad_accum=2, grad_sync=sync, quick=quick))
+    # Where the weights are when the engine takes them. On a CPU run the host is the device's memory,
+    # so host rows check that case; zero-init builds inside deepspeed.zero.Init.
+    for model, engine, stage, precision, init, extra in (
+        ("tiny-llama", "torch", 0, "bf16", "host", {}), ("tiny-gpt2", "torch", 1, "fp32", "meta", {}),
+        ("tiny-llama", "fsdp2", 2, "fp32", "host", {}), ("tiny-gpt2", "fsdp2", 3, "bf16", "device", {}),
+        ("tiny-llama", "deepspeed", 2, "bf16", "host", {"small_buckets": True}),
+        ("tiny-gpt2", "deepspeed", 3, "fp32", "host", {"small_buckets": True}),
+        ("tiny-llama", "deepspeed", 3, "bf16", "zero-init", {"small_buckets": True}),
+        ("tiny-gpt2", "deepspeed", 3, "fp32", "zero-init", {"offload": True, "small_buckets": True}),
+    ):
+        quick = (engine, init, precision) == ("deepspeed", "zero-init", "bf16")  # the CI slice's zero.Init row
+        rows.append(Row(model, engine, stage, precision, model_init=init, quick=quick, **extra))
     return tuple(rows)
 
 

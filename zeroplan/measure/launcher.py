@@ -40,21 +40,6 @@ DEFAULT_RECIPE = "plain"  # measure runs zeroplan's own loop unless --recipe nam
 RUNNABLE_RECIPES = ("plain", "hf-trainer")  # hf-trainer: transformers.Trainer itself (programs/hf_trainer.py)
 
 
-def as_measured(training: TrainingSpec) -> TrainingSpec:
-    """`training` as the measure mode runs it, to estimate the same thing it measures.
-
-    The plain loop builds the model whole and lets the engine shard it (`workload.build_workload`,
-    then `deepspeed.initialize`); DeepSpeed ZeRO-3 under `deepspeed.zero.Init` never holds it
-    whole, so a plain DeepSpeed run is estimated with `zero_init` false. The Trainer builds under
-    zero.Init exactly when the program's model init is zero-init (programs/hf_trainer.py)."""
-    if training.engine.value != "deepspeed":
-        return training
-    zero_init = training.recipe.value == "hf-trainer" and training.program.model_init.value == "zero-init"
-    if training.deepspeed.zero_init == zero_init:
-        return training
-    return training.model_copy(update={"deepspeed": training.deepspeed.model_copy(update={"zero_init": zero_init})})
-
-
 def choose_backend(requested: str | None, simulate: bool = False) -> str:
     """The process-group backend of a run: fake when simulated, else the one requested, else nccl
     where CUDA GPUs are visible and gloo otherwise."""
@@ -154,7 +139,6 @@ def run_measurement(
     if backend == "fake" and training.engine.value != "fsdp2":
         raise MeasureError(f"engine: --simulate runs fsdp2 only (the fake backend needs fake tensors), not {training.engine.value}")
 
-    training = as_measured(training)
     processes = 1 if backend == "fake" else nproc
     workdir = Path(tempfile.mkdtemp(prefix="zeroplan-measure-"))
     procs: list[subprocess.Popen] = []

@@ -202,5 +202,5 @@ def child_env(backend: str | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
     if backend == "gloo":
-        env.setdefault("DS_ACCELERATOR", "cpu")  # as deepspeed_engine._prepare_environment
+        env.setdefault("DS_ACCELERATOR", "cpu")  # as deepspeed_engine.prepare_environment
     return env

@@ -68,7 +68,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
 
     from zeroplan.measure.accounting import TensorAccounting
     from zeroplan.measure.context import device_for, init_process_group, make_probe
-    from zeroplan.measure.engines import RunContext, build_runner, model_device, module_buffers
+    from zeroplan.measure.engines import RunContext, build_runner, model_context, model_device, module_buffers
     from zeroplan.measure.result import RankResult
     from zeroplan.measure.workload import build_workload, make_batch
     from zeroplan.spec.model import TransformerSpec
@@ -93,7 +93,10 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
         if "runner" in held:
             return held["runner"].tensors_by_category()
         if "model" in held:
-            return {"params": list(held["model"].parameters()), "buffers": module_buffers(held["model"])}
+            params = list(held["model"].parameters())
+            # under deepspeed.zero.Init a parameter's storage is its partition, `ds_tensor`
+            partitions = [p.ds_tensor for p in params if getattr(p, "ds_tensor", None) is not None]
+            return {"params": params + partitions, "buffers": module_buffers(held["model"])}
         return {}
 
     fake_mode = contextlib.nullcontext()
@@ -109,9 +112,10 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
         recorder = PhaseRecorder(accounting, probe)
         try:
             with recorder.phase(0, "model", default_category="temporaries"):
-                workload = build_workload(
-                    spec, training, model_device(training, ctx), implementation=job.get("implementation", "auto")
-                )
+                with model_context(training, ctx):
+                    workload = build_workload(
+                        spec, training, model_device(training, ctx), implementation=job.get("implementation", "auto")
+                    )
                 held["model"], held["model_name"] = workload.model, workload.implementation
             with recorder.phase(0, "engine", default_category="temporaries", born_as="buffers"):
                 held["runner"] = runner = build_runner(workload.model, training, ctx)

@@ -140,7 +140,10 @@ def recipe_defaults(recipe: Recipe, engine: str, zero_stage: int, gpus: int, dev
             "activation_offload": ActivationOffload.NONE,
         }
     return {  # PLAIN: zeroplan measure's workload.py loop
-        "model_init": ModelInit.META if engine == "fsdp2" else ModelInit.DEVICE,
+        # FSDP2 shards a meta-device model (measure/engines/fsdp2_engine.py); ZeRO-3 builds under
+        # deepspeed.zero.Init (zeroplan's first version assumed it); the rest build on the device.
+        "model_init": ModelInit.META if engine == "fsdp2" else (
+            ModelInit.ZERO_INIT if engine == "deepspeed" and zero_stage == 3 else ModelInit.DEVICE),
         "grad_sync": GradSync.EVERY if engine == "deepspeed" else GradSync.LAST,
         "ddp": engine == "torch",
         # torch's AdamW left to choose (optimizer.py `_default_to_fused_or_foreach`): the for-loop on CPU

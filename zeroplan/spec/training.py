@@ -106,12 +106,6 @@ class DeepSpeedKnobs(BaseModel):
         1_000_000_000, ge=0, description="Elements per optimizer sub-group (stage 3): the step, and NVMe swapping, "
         "work one sub-group at a time."
     )
-    zero_init: bool = Field(
-        True,
-        description="Stage 3: the model is built inside deepspeed.zero.Init, so no rank ever holds it whole "
-        "(what Hugging Face Transformers and Accelerate do under ZeRO-3); false: built whole, then "
-        "partitioned by deepspeed.initialize (what zeroplan measure does).",
-    )
     client_optimizer: bool = Field(
         False, description="A client torch optimizer steps the fp32 partition (the DeepSpeed JSON has no optimizer "
         "section: the Hugging Face Trainer passes its own AdamW); false: DeepSpeed's config optimizer (FusedAdam).")
@@ -230,6 +224,12 @@ class TrainingSpec(BaseModel):
         if program.optimizer_in_backward and self.engine == Engine.TORCH and program.ddp:
             raise ValueError("optimizer_in_backward with engine torch runs one rank without DDP (torchtune's single-device "
                              "recipe): use gpus 1 and no ddp, or engine fsdp2")
+        if program.model_init == ModelInit.META and self.engine == Engine.DEEPSPEED:
+            # engine.py `_configure_distributed_model` casts and moves the module's real parameters
+            raise ValueError("model_init meta: DeepSpeed takes a materialised model; use host, device or zero-init (stage 3)")
+        if program.grad_sync == GradSync.LAST and self.engine == Engine.DEEPSPEED:
+            # engine.py `backward` -> `allreduce_gradients` reduces at every micro-batch; there is no no_sync
+            raise ValueError("grad_sync last: DeepSpeed reduces gradients at every micro-batch (grad_sync every)")
         if self.ddp and self.engine != Engine.TORCH:
             raise ValueError(f"ddp applies to engine torch; engine {self.engine.value} wraps the model itself")
         if self.checkpoint_every is not None and self.checkpointing != Checkpointing.FULL:

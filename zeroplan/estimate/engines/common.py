@@ -21,7 +21,6 @@ class DeepSpeedSizes(NamedTuple):
     stage3_max_live_parameters: int
     stage3_max_reuse_distance: int
     stage3_param_persistence_threshold: int
-    zero_init: bool
     offload_pin_memory: bool
     offload_buffer_count: int
     offload_buffer_size: int
@@ -50,7 +49,7 @@ class Setup(NamedTuple):
 def deepspeed_sizes(knobs: DeepSpeedKnobs) -> DeepSpeedSizes:
     return DeepSpeedSizes(
         knobs.reduce_bucket_size, knobs.overlap_comm, knobs.stage3_prefetch_bucket_size, knobs.stage3_max_live_parameters,
-        knobs.stage3_max_reuse_distance, knobs.stage3_param_persistence_threshold, knobs.zero_init,
+        knobs.stage3_max_reuse_distance, knobs.stage3_param_persistence_threshold,
         knobs.offload_pin_memory, knobs.offload_buffer_count, knobs.offload_buffer_size, knobs.sub_group_size,
         knobs.client_optimizer)
 

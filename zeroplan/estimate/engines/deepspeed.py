@@ -12,7 +12,9 @@ Which optimizer wrapper runs (engine.py `_configure_optimizer`):
 - stage 3: `DeepSpeedZeroOptimizer_Stage3` (zero/stage3.py, zero/partition_parameters.py).
 The basic optimizer for Adam/AdamW is torch's AdamW on a CPU run (the measure runner sets
 `torch_adam`), DeepSpeed's FusedAdam on CUDA and DeepSpeedCPUAdam with optimizer offload.
-The measure runner builds the model in fp32 before `deepspeed.initialize` casts it.
+Where the model is when `deepspeed.initialize` takes it (`Setup.program.model_init`) changes the
+set-up's peak only: device, built on the GPU in fp32 and cast there; host, cast on the host and
+moved (engine.py `_configure_distributed_model`); zero-init, partitioned as built (stage 3).
 
 Speed (the planner asks thousands of times): what does not depend on the activations is built once
 per model and configuration (`_stage12_fixed`, `_stage3_fixed`), and the maxima along backward are evaluated
@@ -45,7 +47,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.program import OptimizerImpl
+from zeroplan.spec.program import ModelInit, OptimizerImpl
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision
 
 # stage_1_and_2.py `__init__`: the flat group is padded to `nccl_start_alignment_factor` (2) x N.
@@ -513,8 +515,11 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     moving = stage == 2 or overlap
     bucket_now = 0 if stage == 1 and accumulating else bucket  # already carried
     kept = 0 if run.offload_opt else owned  # offload copies straight to the host gradient
-    # `flatten_dense_tensors_aligned`: the old per-parameter storages and the flat copy.
-    flatten = {"params": params + run.trainable * b}
+    # `flatten_dense_tensors_aligned`: the old per-parameter storages and the flat copy. A model that
+    # reaches the GPU cast (model_init host) needs no room for both: `__init__` flattens on the host
+    # when the accelerator lacks it (`flatten_on_accelerator`), so only the flat copy is required.
+    from_host = setup.program.model_init == ModelInit.HOST and not run.cpu_run
+    flatten = {"params": params if from_host else params + run.trainable * b}
     after = {"params": params, "optimizer_states": host(master), "grads": host(host_grads),
              "buffers": host(host_buffers) + device_buffers}
     init = phase(Step.FIRST, Phase.INIT, **largest_point(flatten, after))
@@ -756,24 +761,37 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
             stepping = largest_point(convert, update)
         after = dict(base, params=partitions_dev + persistent * b, optimizer_states=opt(master + states))
         steps.append(_StepMoments(step, base, None, phase(step, Phase.OPTIMIZER_STEP, **largest_point(stepping, after))))
-    # Without zero.Init the model is built whole, then partitioned in `deepspeed.initialize`;
-    # under `deepspeed.zero.Init` (partition_parameters.py `_post_init_method`) each module's
-    # parameters are partitioned as the module is built, so at most one whole tensor exists
-    # beside the partitions. Then `_create_fp16_partitions_with_defragmentation` copies the
-    # partitions into one buffer, `_create_fp32_partitions`, and `initialize_optimizer_states`
-    # makes a P3 x 4 zero gradient (temporary without offload) before the bucket and gradient
-    # partitions.
-    if knobs.zero_init:
-        built = {"params": partitions + run.layout.largest * b}
+    # Under `deepspeed.zero.Init` (partition_parameters.py `_post_init_method`) each module's
+    # parameters are partitioned as the module is built, onto the host with offload_param
+    # (`remote_device`): at most one whole tensor exists beside the partitions. Otherwise the model
+    # is whole on the GPU before `deepspeed.initialize` partitions it (`_built_whole`). Then
+    # `_create_fp16_partitions_with_defragmentation` copies the partitions into one buffer (on the
+    # host with offload_param: `param_groups_fp16_flat_cpu_memory`), `_create_fp32_partitions`, and
+    # `initialize_optimizer_states` makes a P3 x 4 zero gradient (temporary without offload) before
+    # the bucket and gradient partitions.
+    if run.setup.program.model_init == ModelInit.ZERO_INIT:
+        built = {"params": partitions_dev + run.layout.largest * b}
     else:
-        built = {"params": run.total * b}
-    defrag = {"params": 2 * partitions}
-    opt_init = {"params": partitions, "optimizer_states": opt(master),
+        built = {"params": _built_whole(run)}
+    defrag = {"params": 2 * partitions_dev}
+    opt_init = {"params": partitions_dev, "optimizer_states": opt(master),
                 "temporaries": 0 if run.offload_opt else opt(fp32_grad), "grads": opt(offload_grads)}
     first_base = steps[0].during
-    init = phase(Step.FIRST, Phase.INIT, **largest_point(built, defrag, opt_init, dict(first_base, params=partitions)))
+    init = phase(Step.FIRST, Phase.INIT, **largest_point(built, defrag, opt_init, dict(first_base, params=partitions_dev)))
     host = _stage3_host(run, p3, partitions, master + states, grad_partitions + fp32_grad)
     return _Fixed3(init, tuple(steps), host, walk)
+
+
+def _built_whole(run: _Run) -> int:
+    """Bytes of a whole model on the GPU before stage 3 partitions it: cast on the host and moved
+    (model_init host: engine.py `_configure_distributed_model`, `_cast_module_mixed_precision` then
+    `module.to(device)`), or built there in fp32 and cast one parameter at a time (device; on a CPU
+    run the host is the same memory)."""
+    if run.setup.program.model_init == ModelInit.HOST and not run.cpu_run:
+        return run.total * run.b
+    built = HALF_BYTES if run.setup.precision == Precision.PURE_BF16 else FP32_BYTES
+    cast = run.layout.largest * run.b if run.b != built else 0  # `p.data = p.data.to(dtype)`, the largest
+    return run.total * built + cast
 
 
 def _largest_sub_group(run: _Run, p3: int) -> int:

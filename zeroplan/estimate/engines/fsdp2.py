@@ -42,6 +42,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.spec.program import GradSync, ModelInit
 from zeroplan.spec.training import Device, Offload, Precision
 
 
@@ -94,6 +95,8 @@ class _Sizes(NamedTuple):
     held_grads: int
     accum_root: int
     accum_block: int
+    kept_shards: int  # grad_sync every: the sharded gradients reduced by earlier micro-batches
+    init_params: int  # the set-up's peak, by where the model was when fully_shard took it (`_init_params`)
     host_bytes: int  # per rank, offloaded to the host
     padding_note: str | None  # `_padding_note`
 
@@ -142,16 +145,47 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     # FSDPParam.unsharded_accumulated_grad in the reduce dtype (to_accumulated_grad_if_needed),
     # so the last micro-batch starts with the whole model's unsharded gradients; its
     # post-backwards reduce-scatter and free them block by block.
-    accum_root = root_train * n * reduce if setup.accumulating else 0
-    accum_block = block_train * n * reduce if setup.accumulating else 0
-    held_grads = accum_root + num_blocks * accum_block
+    holding = setup.accumulating and setup.program.grad_sync == GradSync.LAST
+    accum_root = root_train * n * reduce if holding else 0
+    accum_block = block_train * n * reduce if holding else 0
+    # Reducing every micro-batch (torchtitan, torchtune): foreach_reduce adds each new reduce-scatter
+    # output into the existing sharded .grad (`_fsdp_collectives.py`, to_accumulate_grad), so the last
+    # micro-batch starts with every sharded gradient and adds none.
+    kept_shards = sharded_grads if setup.accumulating and not holding else 0
+    held_grads = accum_root + num_blocks * accum_block + kept_shards
     host_bytes = 0
     if offloaded:
         host_bytes = shard_total * storage + trainable_shard * reduce + optimizer_state_bytes(trainable_shard, optimizer, storage)
     return _Sizes(num_blocks, offloaded, sharded_params, sharded_grads, states, temporaries, root_gathered, block_gathered,
                   head_grads, tied_grad, first_grads, root_grads, block_grads, block_shard_grads, block_reduce_in,
                   root_reduce_in, h2d_copy, reshard, root_reshards, held_blocks, held_grads, accum_root, accum_block,
+                  kept_shards, _init_params(facts, setup, storage, on_device, sharded_params, block_shard, root_shard),
                   host_bytes, _padding_note(facts, n, shard_total))
+
+
+def _init_params(facts: ModelFacts, setup: Setup, storage: int, on_device: bool, sharded_params: int,
+                 block_shard: int, root_shard: int) -> int:
+    """Parameter bytes at the set-up's peak, by where the model is when `fully_shard` takes it.
+
+    meta (torchtitan): only this rank's shards are ever allocated (`to_empty`). device: the whole
+    model, built on the GPU, plus the first block's shards (`FSDPParam._init_sharded_param` copies
+    them before the block's whole parameters are dropped); a CPU run builds on the host, the same
+    memory. host (accelerate `fsdp2_prepare_model`): `_fully_shard.py` `_move_states_to_device`
+    moves one unit at a time to the GPU and shards it there: the shards done, plus one unit whole.
+    """
+    init = setup.program.model_init
+    shard = storage if on_device else 0  # offloaded shards go to the host (CPUOffloadPolicy)
+    if init == ModelInit.META:
+        return sharded_params
+    block_whole = max((g.params for g in facts.groups if g.role == "block"), default=0) * storage
+    root_whole = sum(g.params for g in facts.groups if g.role != "block") * storage
+    num_blocks = sum(g.count for g in facts.groups if g.role == "block")
+    if init == ModelInit.DEVICE or setup.device == Device.CPU:
+        whole = block_whole * num_blocks + root_whole
+        # the last unit, the root: every block's shards, the root whole and its shards
+        return max(whole + block_shard * shard, num_blocks * block_shard * shard + root_whole + root_shard * shard)
+    return max((num_blocks - 1) * block_shard * shard + block_whole + block_shard * shard,
+               num_blocks * block_shard * shard + root_whole + root_shard * shard)
 
 
 def estimate_fsdp2(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
@@ -163,7 +197,7 @@ def estimate_fsdp2(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
     for step, held_states in ((Step.FIRST, 0), (Step.STEADY, z.states)):
         base = dict(params=z.sharded_params, optimizer_states=held_states)
         if step == Step.FIRST:
-            phases.append(phase(step, Phase.INIT, **base))
+            phases.append(phase(step, Phase.INIT, params=z.init_params))
         phases.append(phase(step, Phase.FORWARD, **base, **forward))
         phases.append(phase(step, Phase.BACKWARD, **base, **backward))
         phases.append(phase(step, Phase.OPTIMIZER_STEP, params=z.sharded_params, grads=z.sharded_grads,
@@ -232,6 +266,11 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
     root_gathered, block_gathered, tied_grad, head_grads = z.root_gathered, z.block_gathered, z.tied_grad, z.head_grads
     block_grads, block_shard_grads, block_reduce_in = z.block_grads, z.block_shard_grads, z.block_reduce_in
     accum_root, accum_block = z.accum_root, z.accum_block
+
+    def shards_done(j: int) -> int:
+        """Sharded gradients present while block j (from the last) runs its backward."""
+        return z.kept_shards or j * block_shard_grads
+
     points = []
     acts_start = acts.forward_end if acts else 0
     if z.root_reshards and reshard:
@@ -254,7 +293,7 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         buffers = root_gathered + blocks_held * block_gathered + prefetch + (block_reduce_in if j else 0) + h2d_copy
         points.append(dict(
             buffers=buffers,
-            grads=accum_root + (num_blocks - j) * accum_block + head_grads + z.first_grads + j * block_shard_grads,
+            grads=accum_root + (num_blocks - j) * accum_block + head_grads + z.first_grads + shards_done(j),
             activations=acts.block_backward_saved(num_blocks - j) if acts else 0,
             temporaries=(acts.block_backward_temporary if acts else 0) + tied_grad,
         ))
@@ -264,7 +303,7 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         in_flight = (acts.block_input_grad if acts else 0) + tied_grad
         points.append(dict(
             buffers=buffers,
-            grads=accum_root + (num_blocks - j) * accum_block + head_grads + block_grads + j * block_shard_grads,
+            grads=accum_root + (num_blocks - j) * accum_block + head_grads + block_grads + shards_done(j),
             activations=end_acts,
             temporaries=in_flight,
         ))
@@ -274,12 +313,12 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         # them in before freeing them.
         points.append(dict(
             buffers=root_gathered + (blocks_held - 1) * block_gathered + prefetch + block_reduce_in + h2d_copy,
-            grads=accum_root + (num_blocks - j - 1) * accum_block + head_grads + j * block_shard_grads,
+            grads=accum_root + (num_blocks - j - 1) * accum_block + head_grads + shards_done(j),
             activations=end_acts,
             # the list holds the accumulated gradients when accumulating (the fresh ones were added in)
             temporaries=in_flight + (accum_block or block_grads),
         ))
-    blocks_done = num_blocks * block_shard_grads
+    blocks_done = z.kept_shards or num_blocks * block_shard_grads
     # The embedding's backward, the last before the root's post-backward: its weight gradient
     # (aten embedding_dense_backward). A tied weight's two gradients meet in autograd's input
     # buffer, which adds them out of place (torch/csrc/autograd/input_buffer.cpp accumulate):

@@ -83,7 +83,10 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
         notes = [] if setup.zero_stage == 0 else ["ZeroRedundancyOptimizer on one rank holds every state"]
         return EngineEstimate(tuple(_in_backward_phases(facts, setup, acts, element, params, buckets)), NodeBytes(),
                               tuple(notes))
-    accumulating = setup.accumulating  # .grad survives between micro-batches
+    # .grad survives between micro-batches whatever grad_sync says: with no_sync the bucket idles,
+    # without it reducer.cpp copies each .grad into its bucket and the result back (same bytes).
+    # Where the model was built (model_init) does not matter either: DDP wraps it whole, in fp32.
+    accumulating = setup.accumulating
     head_numel, tied_numel, first_numel = early_gradients(facts)
     block_numel = max((g.params for g in facts.groups if g.role == "block" and not g.frozen), default=0)
     num_blocks = acts.num_blocks if acts else 0

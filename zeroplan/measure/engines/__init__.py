@@ -15,17 +15,17 @@ counted) and creates the optimizer. The worker drives every runner the same way:
         runner.step()                                      # phase "optimizer_step"
 
 Contract:
-- `model` is built on `model_device(training, ctx)`: the meta device for FSDP2 (the runner
-  shards it, then materialises only its shards with `to_empty` and calls
-  `model.init_materialized()`), the rank's device for the others (DDP and DeepSpeed stages 0-2
-  hold the whole model anyway).
+- `model` is built on `model_device(training, ctx)`, inside `model_context(training, ctx)`, as
+  the program's `model_init` says: on the meta device (the runner materialises what it keeps
+  with `to_empty` and calls `model.init_materialized()`), on the host (the runner, or the
+  engine, moves it), on the rank's device, or inside `deepspeed.zero.Init`.
 - `model` is a `torch.nn.Module` whose `forward(input_ids, labels)` returns the mean causal-LM
   loss of the micro-batch (a 0-d tensor); `transformer_blocks(model)` lists its blocks, in order,
   for engines that wrap or shard per block (FSDP2 `fully_shard`, DeepSpeed ZeRO-3 needs none).
 - `backward` is called `training.grad_accum` times between two `step()` calls with the raw
   micro-batch loss; the runner counts micro-batches itself, scales the loss by 1/grad_accum where
-  its engine does not, and skips gradient synchronisation on all but the last micro-batch where
-  its engine allows it (DDP `no_sync`, FSDP2 `set_requires_gradient_sync`).
+  its engine does not, and with `grad_sync` last skips gradient synchronisation on all but the
+  last micro-batch (DDP `no_sync`, FSDP2 `set_requires_gradient_sync`; DeepSpeed has no such mode).
 - `step` runs the optimizer and drops the gradients (`zero_grad(set_to_none=True)` or the
   engine's equivalent), so that gradient memory is what the engine keeps between steps.
 - `tensors_by_category` returns the tensors the engine holds right now, by category name
@@ -114,6 +114,12 @@ class TorchOptimizerSteps:
     grad_accum: int
     optimizer: "torch.optim.Optimizer"
     _micro: int = 0
+    sync_every: bool = False  # grad_sync every: reduce at every micro-batch, not only the last
+
+    def _syncs(self) -> bool:
+        """Whether the micro-batch starting now reduces its gradients (counts it)."""
+        self._micro += 1
+        return self.sync_every or self._micro == self.grad_accum
 
     def backward(self, loss: "torch.Tensor") -> None:
         (loss / self.grad_accum).backward()
@@ -125,13 +131,39 @@ class TorchOptimizerSteps:
 
 
 def model_device(training: TrainingSpec, ctx: RunContext):
-    """Where the worker builds the model. FSDP2 shards a model built on the meta device and then
-    allocates only its shards (the recipe of torch's FSDP2 docs and torchtitan), so no rank ever
-    holds the whole model; building it whole first would put the peak of a large model at
-    "model built". The other engines wrap a model that is whole on the rank's device."""
+    """Where the worker builds the model (spec/program.py ModelInit): meta (sharded or moved, then
+    materialised: torchtitan), the host (cast and moved by the engine or the runner: the Trainer,
+    accelerate, DeepSpeed), or the rank's device (also inside `deepspeed.zero.Init`)."""
     import torch
 
-    return torch.device("meta") if training.engine.value == "fsdp2" else ctx.device
+    init = training.program.model_init.value
+    return torch.device("meta") if init == "meta" else torch.device("cpu") if init == "host" else ctx.device
+
+
+def model_context(training: TrainingSpec, ctx: RunContext):
+    """The context the worker builds the model in: `deepspeed.zero.Init` for model_init zero-init."""
+    import contextlib
+
+    if training.program.model_init.value != "zero-init":
+        return contextlib.nullcontext()
+    return importlib.import_module(_ENGINE_MODULES["deepspeed"]).zero_init_context(training, ctx)
+
+
+def materialize(model: "torch.nn.Module", device) -> None:
+    """Allocate a meta-device model's parameters on `device` and fill them (`to_empty`), keeping
+    shared parameters (a tied head) shared: `Module._apply` gives each module a new Parameter."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    places: dict[int, list[tuple["torch.nn.Module", str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)
+    for (first, first_name), *others in places.values():
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
+    model.init_materialized()
 
 
 def engine_names() -> tuple[str, ...]:

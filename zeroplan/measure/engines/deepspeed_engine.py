@@ -124,16 +124,36 @@ def user_config(config: dict, training: TrainingSpec, world_size: int) -> dict:
     return merged
 
 
+def _config(training: TrainingSpec, ctx: RunContext) -> dict:
+    if ctx.engine_config is not None:
+        return user_config(ctx.engine_config, training, ctx.world_size)
+    return deepspeed_config(training, ctx)
+
+
+def zero_init_context(training: TrainingSpec, ctx: RunContext):
+    """`deepspeed.zero.Init` with the run's config (model_init zero-init): each module's parameters
+    are partitioned, in the config's dtype and onto offload_param's device, as it is built
+    (partition_parameters.py `_post_init_method`). What the Trainer does under ZeRO-3
+    (modeling_utils.py `_from_config`); DeepSpeed's comm must wrap the process group first."""
+    if ctx.is_fake:
+        raise MeasureError("engine deepspeed cannot run under --simulate (it needs real tensors); use --engine fsdp2")
+    prepare_environment(ctx)
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="nccl" if ctx.is_cuda else "gloo")
+    # zero.Init patches torch.nn.Parameter.__new__; torch._dynamo, if first imported inside it (by
+    # transformers), checks that signature and fails ("Signature mismatch ... tensor_pynew")
+    import torch._dynamo  # noqa: F401
+
+    return deepspeed.zero.Init(config_dict_or_path=_config(training, ctx))
+
+
 class DeepSpeedRunner:
     def __init__(self, model: torch.nn.Module, training: TrainingSpec, ctx: RunContext):
         if ctx.is_fake:
             raise MeasureError("engine deepspeed cannot run under --simulate (it needs real tensors); use --engine fsdp2")
         prepare_environment(ctx)
         deepspeed = import_deepspeed()
-        if ctx.engine_config is not None:
-            config = user_config(ctx.engine_config, training, ctx.world_size)
-        else:
-            config = deepspeed_config(training, ctx)
+        config = _config(training, ctx)
         trainable = [p for p in model.parameters() if p.requires_grad]
         client_optimizer = None
         if "optimizer" not in config:

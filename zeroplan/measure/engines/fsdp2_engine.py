@@ -29,6 +29,7 @@ from zeroplan.measure.engines import (
     optimizer_state_tensors,
     transformer_blocks,
 )
+from zeroplan.spec.program import GradSync
 from zeroplan.spec.training import Offload, Precision, TrainingSpec
 
 _PARAM_DTYPE = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -58,6 +59,7 @@ class FSDP2Runner(TorchOptimizerSteps):
         self.model = model
         self.grad_accum = training.grad_accum
         self._micro = 0
+        self.sync_every = training.program.grad_sync == GradSync.EVERY
         mesh = _device_mesh(ctx)
         reshard = training.zero_stage == 3
         root_reshard = training.fsdp2.reshard_root_after_forward
@@ -66,7 +68,7 @@ class FSDP2Runner(TorchOptimizerSteps):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard if root_reshard is None else root_reshard, **policies)
         if any(p.is_meta for p in model.parameters()):
-            # built on the meta device (engines.model_device): allocate this rank's shards only
+            # model_init meta (engines.model_device): allocate this rank's shards only
             # (FSDPModule._apply resets each FSDPParam's sharded data), then fill them
             offloaded = isinstance(policies["offload_policy"], CPUOffloadPolicy)
             model.to_empty(device="cpu" if offloaded else ctx.device)
@@ -78,10 +80,9 @@ class FSDP2Runner(TorchOptimizerSteps):
         self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], training)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        self._micro += 1
-        # Reduce-scatter only on the last micro-batch; before it FSDP2 accumulates unsharded
-        # gradients (FSDPModule.set_requires_gradient_sync).
-        self.model.set_requires_gradient_sync(self._micro == self.grad_accum)
+        # grad_sync last: reduce-scatter only on the last micro-batch; before it FSDP2 accumulates
+        # unsharded gradients (FSDPModule.set_requires_gradient_sync).
+        self.model.set_requires_gradient_sync(self._syncs())
         return self.model(input_ids, labels)
 
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:

@@ -24,10 +24,12 @@ from zeroplan.measure.engines import (
     TorchOptimizerSteps,
     gradients,
     make_optimizer,
+    materialize,
     module_buffers,
     optimizer_class_and_kwargs,
     optimizer_state_tensors,
 )
+from zeroplan.spec.program import GradSync
 from zeroplan.spec.training import Precision, TrainingSpec
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -41,6 +43,9 @@ class TorchRunner(TorchOptimizerSteps):
         self.grad_accum = training.grad_accum
         self._micro = 0
         program = training.program
+        self.sync_every = program.grad_sync == GradSync.EVERY
+        materialize(model, ctx.device)  # model_init meta
+        model.to(ctx.device)  # model_init host: accelerate `prepare_model` moves it before wrapping
         self.ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.is_cuda else None) if program.ddp else None
         self.params = list(model.parameters())
         trainable = [p for p in self.params if p.requires_grad]  # TrainingSpec.freeze
@@ -60,13 +65,13 @@ class TorchRunner(TorchOptimizerSteps):
         self._autocast = (lambda: torch.autocast(ctx.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        self._micro += 1
+        syncs = self._syncs()  # counts the micro-batch
         if self.ddp is None:
             with self._autocast():
                 return self.model(input_ids, labels)
-        # DDP.no_sync() sets this flag (torch/nn/parallel/distributed.py): all-reduce only on the
-        # last micro-batch of the step.
-        self.ddp.require_backward_grad_sync = self._micro == self.grad_accum
+        # DDP.no_sync() clears this flag (torch/nn/parallel/distributed.py): with grad_sync last,
+        # all-reduce only on the last micro-batch of the step.
+        self.ddp.require_backward_grad_sync = syncs
         rebuild_ddp_buckets(self.ddp)
         with self._autocast():
             return self.ddp(input_ids, labels)
@@ -74,6 +79,7 @@ class TorchRunner(TorchOptimizerSteps):
     def step(self) -> None:
         if self._in_backward is None:  # with the optimizer in backward every parameter has stepped already
             super().step()
+        self._micro = 0
 
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         held = ddp_tensors(self.model, self._local_optimizer, self.params)
