@@ -34,6 +34,7 @@ MODELS = {
     "torchtune.models.llama3_1.llama3_1_70b": "llama-3-70b",
     "torchtune.models.llama3_1.llama3_1_405b": "llama-3.1-405b",
     "torchtune.models.llama3_2.llama3_2_1b": "llama-3.2-1b",
+    "torchtune.models.llama3_2.llama3_2_3b": "llama-3.2-3b",
     "torchtune.models.mistral.mistral_7b": "mistral-7b",
     "torchtune.models.phi3.phi3_mini": "phi-3-mini",
     "torchtune.models.qwen2.qwen2_7b": "qwen2-7b",
