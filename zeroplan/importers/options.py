@@ -83,9 +83,12 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
         values.update(config.settings(options.get("gpus"), getattr(model, "hidden_size", None)))
     values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) not in (None, ())})
     try:
-        return TrainingSpec.model_validate(values)
+        training = TrainingSpec.model_validate(values)
     except ValidationError as error:
         raise SpecError(describe_validation_error(error, schema=TrainingSpec)) from None
+    if config_file is not None:
+        config.warn()
+    return training
 
 
 def load_config(config_file: str | Path | None) -> TrainingConfig | None:
@@ -117,7 +120,7 @@ def model_from_options(
         if model is None:
             raise SpecError(
                 "missing MODEL: give a catalogue name (see `zeroplan models`), a spec file or a config.json, or --params N"
-                + (f" (the --config file, a {config.kind}, names no model)" if config is not None else "")
+                + (f" (the --config file, {config.kind}, names no model)" if config is not None else "")
             )
         from zeroplan.importers.catalog import resolve_model
 

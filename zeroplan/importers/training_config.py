@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import ast
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from zeroplan.errors import SpecError
+from zeroplan.errors import SpecError, ZeroplanWarning
 from zeroplan.importers.colossalai_py import load_python_config, settings_from_colossalai
 from zeroplan.importers.deepspeed_json import load_json, settings_from_deepspeed, write_deepspeed_config
-from zeroplan.importers.files import read_text
+from zeroplan.importers.files import check_nesting, read_text
 from zeroplan.importers.fsdp2_snippet import write_fsdp2_snippet
 
 __all__ = ["TrainingConfig", "load_training_config", "read_training_config", "write_deepspeed_config",
@@ -49,16 +50,34 @@ class TrainingConfig(NamedTuple):
     model: str | None  # the catalogue model the file names (torchtitan, torchtune), else None
     notes: tuple[str, ...]  # what the run does that the estimate does not model
     read: Settings
+    warnings: list[str]  # keys the program ignores, held back until the settings validate (see `warn`)
 
     def settings(self, gpus: int | None = None, hidden_size: int | None = None) -> dict[str, object]:
         """The training settings for `gpus` (the caller's --gpus) and the model's `hidden_size` (from which
         the Hugging Face Trainer fills some "auto" values of a DeepSpeed config; None: unknown)."""
         return self.read(gpus, hidden_size)
 
+    def warn(self) -> None:
+        """Issue the held-back warnings, once: a bad input stays one line, with no warning before it."""
+        while self.warnings:
+            warnings.warn(self.warnings.pop(0), ZeroplanWarning, stacklevel=2)
+
 
 def load_training_config(path: str | Path) -> TrainingConfig:
-    """The config in `path`, its format recognised from its content."""
-    path = Path(path)
+    """The config in `path`, its format recognised from its content. Its warnings are held in the record
+    until `TrainingConfig.warn`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ZeroplanWarning)
+        config = _load(Path(path))
+    for item in caught:
+        if issubclass(item.category, ZeroplanWarning):
+            config.warnings.append(str(item.message))
+        else:
+            warnings.warn_explicit(item.message, item.category, item.filename, item.lineno)
+    return config
+
+
+def _load(path: Path) -> TrainingConfig:
     suffix = path.suffix.lower()
     where = str(path)
 
@@ -71,7 +90,7 @@ def load_training_config(path: str | Path) -> TrainingConfig:
     if text is None or text.lstrip().startswith(("{", "//", "/*")):
         config = load_json(path)
         return TrainingConfig(path, "DeepSpeed JSON", None, (),
-                              lambda gpus, hidden: settings_from_deepspeed(config, at, gpus, hidden))
+                              lambda gpus, hidden: settings_from_deepspeed(config, at, gpus, hidden), [])
     if not text.strip():
         raise SpecError(f"{where}: is empty; expected {_FORMATS}")
     parsed = _toml_or_yaml(text, suffix, where)
@@ -91,13 +110,16 @@ def read_training_config(path: str | Path, *, gpus: int | None = None,
     `gradient_accumulation_steps`; when all three are given and `gpus` is None, the world size they
     imply is returned as "gpus".
     """
-    return load_training_config(path).settings(gpus, hidden_size)
+    config = load_training_config(path)
+    settings = config.settings(gpus, hidden_size)
+    config.warn()
+    return settings
 
 
 def _colossalai(path: Path) -> TrainingConfig:
     names, source = load_python_config(path)
     settings = settings_from_colossalai(names, source)
-    return TrainingConfig(path, "ColossalAI Python", None, (), lambda _gpus, _hidden: dict(settings))
+    return TrainingConfig(path, "ColossalAI Python", None, (), lambda _gpus, _hidden: dict(settings), [])
 
 
 def _toml_or_yaml(text: str, suffix: str, where: str) -> tuple[Mapping[str, object], bool] | None:
@@ -111,8 +133,9 @@ def _toml_or_yaml(text: str, suffix: str, where: str) -> tuple[Mapping[str, obje
     yaml_shaped = suffix in (".yaml", ".yml") or _YAML_KEY.search(text) is not None
     if not yaml_shaped:
         return None
-    if suffix not in (".yaml", ".yml") and _is_python(text):  # `zero: int = 3` parses as YAML and as Python
+    if suffix not in (".yaml", ".yml") and _is_python(text):
         return None
+    check_nesting(text, where)  # PyYAML's parser takes seconds over a few thousand nested [
     document = parse_yaml(text, where)
     if not isinstance(document, dict):
         if suffix in (".yaml", ".yml"):
@@ -126,7 +149,8 @@ def _is_python(text: str) -> bool:
         tree = ast.parse(text)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
-    return any(isinstance(node, (ast.Assign, ast.AnnAssign)) for node in tree.body)
+    # `key: value` lines are annotations to Python: a config of Python assignments has `=`.
+    return any(isinstance(node, ast.Assign) for node in tree.body)
 
 
 def _recognise(document: Mapping[str, object], is_toml: bool, text: str, path: Path,
@@ -142,19 +166,19 @@ def _recognise(document: Mapping[str, object], is_toml: bool, text: str, path: P
         notes = torchtitan_toml.check_torchtitan(document, at)
         model = torchtitan_toml.model_from_torchtitan(document, at)
         return TrainingConfig(path, "torchtitan TOML", model, notes,
-                              lambda gpus, _hidden: torchtitan_toml.settings_from_torchtitan(document, at, gpus))
+                              lambda gpus, _hidden: torchtitan_toml.settings_from_torchtitan(document, at, gpus), [])
     if torchtune_yaml.is_torchtune(document):
         notes = torchtune_yaml.check_torchtune(document, text, at)
         model = torchtune_yaml.model_from_torchtune(document, at)
         return TrainingConfig(path, "torchtune YAML", model, notes,
-                              lambda gpus, _hidden: torchtune_yaml.settings_from_torchtune(document, text, at, gpus))
+                              lambda gpus, _hidden: torchtune_yaml.settings_from_torchtune(document, text, at, gpus), [])
     if accelerate_yaml.is_accelerate(document):
         notes = accelerate_yaml.check_accelerate(document, at)
         return TrainingConfig(path, "accelerate YAML", None, notes,
                               lambda gpus, hidden: accelerate_yaml.settings_from_accelerate(
-                                  document, at, path.parent, gpus, hidden))
+                                  document, at, path.parent, gpus, hidden), [])
     if "zero_optimization" in document or "train_micro_batch_size_per_gpu" in document:  # a DeepSpeed config in YAML
         return TrainingConfig(path, "DeepSpeed config", None, (),
-                              lambda gpus, hidden: settings_from_deepspeed(document, at, gpus, hidden))
+                              lambda gpus, hidden: settings_from_deepspeed(document, at, gpus, hidden), [])
     raise SpecError(f"{path}: unknown config format: a YAML mapping with neither torchtune's model._component_ "
                     "nor accelerate's distributed_type")
