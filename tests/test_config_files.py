@@ -242,8 +242,10 @@ def test_case_insensitive_optimizer_names(tmp_path):
     assert ds(tmp_path, {"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}})["optimizer"] == "sgd"
 
 
-def test_unknown_suffix_and_missing_file(tmp_path):
-    with pytest.raises(SpecError, match=r"cfg\.yaml: unknown config format '\.yaml'"):
+def test_unknown_format_and_missing_file(tmp_path):
+    # a YAML mapping that is neither torchtune's nor accelerate's (the format is read from the content)
+    with pytest.raises(SpecError, match=r"cfg\.yaml: unknown config format: a YAML mapping with neither torchtune's "
+                                        r"model\._component_ nor accelerate's distributed_type$"):
         read_training_config(write(tmp_path, "cfg.yaml", "a: 1"))
     with pytest.raises(SpecError, match=r"missing\.json: cannot read DeepSpeed config"):
         read_training_config(tmp_path / "missing.json")

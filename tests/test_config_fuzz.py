@@ -150,3 +150,106 @@ _statements = st.lists(st.one_of(
 @given(_statements)
 def test_random_colossalai_python_never_escapes(statements):
     check(estimate_with("zero.py", "\n".join(statements) + "\n"))
+
+
+# ---------------------------------------------------------------- torchtitan TOML, torchtune and accelerate YAML
+
+from zeroplan.importers.accelerate_yaml import DEEPSPEED_KEYS as ACCELERATE_DEEPSPEED_KEYS  # noqa: E402
+from zeroplan.importers.accelerate_yaml import FSDP_KEYS, TOP_LEVEL_KEYS as ACCELERATE_KEYS  # noqa: E402
+from zeroplan.importers.torchtitan_toml import _2024_SECTIONS, _V022_SECTIONS  # noqa: E402
+from zeroplan.importers.torchtune_yaml import KNOWN_KEYS as TORCHTUNE_KEYS  # noqa: E402
+from zeroplan.importers.torchtune_yaml import MODELS as TORCHTUNE_MODELS, OPTIMIZERS as TORCHTUNE_OPTIMIZERS  # noqa: E402
+
+# Fewer examples than the older readers get: each is a CLI run, and CI's time is shared.
+FUZZ_NEW = settings(FUZZ, max_examples=50)
+
+_toml_scalars = st.one_of(_numbers, st.booleans(), st.sampled_from(["op", "2", "0", "-1", "selective", "full", "none",
+                                                                    "memory_budget", "bfloat16", "float32", "fused",
+                                                                    "never", "llama3", "8B", "70B", "debugmodel", ""]),
+                          st.text(max_size=6), st.lists(st.sampled_from(["float8", "model", "mx"]), max_size=2))
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf") if math.isinf(value) else repr(value)
+    if isinstance(value, (str, list)):
+        return json.dumps(value)
+    return str(value)
+
+
+def _toml_text(tables: dict) -> str:
+    return "".join(f"[{table}]\n" + "".join(f"{key} = {_toml_value(value)}\n" for key, value in keys.items())
+                   for table, keys in tables.items())
+
+
+def _tables(sections: dict) -> st.SearchStrategy[dict]:
+    names = sorted(name for name, keys in sections.items() if not isinstance(keys, dict))
+    return st.dictionaries(st.sampled_from(names), st.just(None), max_size=5).flatmap(
+        lambda chosen: st.fixed_dictionaries({name: _sections(sections[name], _toml_scalars) for name in chosen}))
+
+
+_torchtitan = st.one_of(_tables(_V022_SECTIONS), _tables(_2024_SECTIONS)).map(
+    lambda tables: {"model": {"name": "llama3", "flavor": "8B"}, **tables})
+_toml_damage = st.sampled_from([
+    lambda text: text,
+    lambda text: text[: len(text) // 2],
+    lambda text: text + "[model]\nname = 'llama3'\n",  # a table defined twice
+    lambda text: text.replace(" = ", " : ", 1),
+    lambda text: "x = " + "[" * 3000 + "]" * 3000 + "\n" + text,
+])
+
+
+@FUZZ_NEW
+@given(_torchtitan, _toml_damage)
+def test_random_torchtitan_toml_never_escapes(tables, damage):
+    check(estimate_with("job.toml", damage(_toml_text(tables))))
+
+
+_yaml_scalars = st.one_of(_scalars, st.sampled_from(["bf16", "fp32", "fp16", "FSDP", "DEEPSPEED", "MULTI_GPU", "NO",
+                                                     "XLA", "cpu", "cuda", True, 2, "op", "selective"]))
+_torchtune = st.fixed_dictionaries(
+    {"model": st.fixed_dictionaries({"_component_": st.one_of(st.sampled_from(sorted(TORCHTUNE_MODELS)), _scalars)})},
+    optional={
+        "optimizer": st.fixed_dictionaries({"_component_": st.one_of(st.sampled_from(sorted(TORCHTUNE_OPTIMIZERS)),
+                                                                     _scalars)},
+                                           optional={"fused": _yaml_scalars, "foreach": _yaml_scalars, "lr": _scalars}),
+        "loss": st.fixed_dictionaries({"_component_": st.sampled_from(
+            ["torchtune.modules.loss.CEWithChunkedOutputLoss", "torch.nn.CrossEntropyLoss", "x"])},
+            optional={"num_output_chunks": _scalars}),
+        "tokenizer": st.fixed_dictionaries({}, optional={"max_seq_len": _scalars}),
+    },
+).flatmap(lambda base: _sections(TORCHTUNE_KEYS - {"model", "optimizer", "loss", "tokenizer"}, _yaml_scalars).map(
+    lambda more: {**more, **base}))
+_accelerate = st.fixed_dictionaries(
+    {"distributed_type": _yaml_scalars},
+    optional={"fsdp_config": st.one_of(_sections(FSDP_KEYS, _yaml_scalars), _scalars),
+              "deepspeed_config": st.one_of(_sections(ACCELERATE_DEEPSPEED_KEYS - {"deepspeed_config_file"}, _yaml_scalars),
+                                            _scalars)},
+).flatmap(lambda base: _sections(ACCELERATE_KEYS - {"fsdp_config", "deepspeed_config"}, _yaml_scalars).map(
+    lambda more: {**more, **base}))
+_yaml_damage = st.sampled_from([
+    lambda text: text,
+    lambda text: "# tune run full_finetune_single_device --config x\n" + text,
+    lambda text: "# tune run full_finetune_distributed --config x\n" + text,
+    lambda text: text[: len(text) // 2],
+    lambda text: text.replace(":", "", 1),
+    lambda text: "[" * 3000 + text,
+    lambda text: "a: &x [1]\nb: *x\n" + text,
+])
+
+
+@FUZZ_NEW
+@given(st.one_of(_torchtune, _accelerate, _json_values), _yaml_damage)
+def test_random_torchtune_and_accelerate_yaml_never_escape(document, damage):
+    import yaml
+
+    check(estimate_with("config.yaml", damage(yaml.safe_dump(document, allow_unicode=True))))
+
+
+@FUZZ_NEW
+@given(st.one_of(st.binary(max_size=200), st.text(max_size=200)))
+def test_random_bytes_as_toml_or_yaml_or_unnamed_never_escape(content):
+    check(estimate_with("job.toml", content))
+    check(estimate_with("config", content))

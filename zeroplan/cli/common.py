@@ -155,7 +155,10 @@ TRAINING_OPTIONS = [
     ),
     click.option(
         "--config", "config_file", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-        help="DeepSpeed JSON config or ColossalAI-style Python config (parsed, never run); options given here override it.",
+        help="A trainer's config, recognised from its content and never run: a DeepSpeed JSON (\"auto\" values "
+        "filled as the Hugging Face Trainer fills them), a torchtitan job TOML (v0.2.2 and earlier), a torchtune "
+        "recipe YAML, an accelerate config YAML, or a ColossalAI-style .py. A TOML or torchtune YAML also names "
+        "the model. Options given here override it.",
     ),
 ]
 

@@ -38,7 +38,7 @@ def command(**options: Any) -> None:
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.plan.grid import OFFLOAD_CHOICES, compare
     from zeroplan.report.compare import render_comparison
-    from zeroplan.importers.options import model_from_options
+    from zeroplan.importers.options import load_config, model_from_options
 
     from zeroplan.spec.files import writable_file
 
@@ -48,7 +48,9 @@ def command(**options: Any) -> None:
     gpu_counts = parse_int_list(options["gpu_counts"], "--gpus", 1)
     offloads = parse_choice_list(options["offloads"], "--offload", OFFLOAD_CHOICES)
     _, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
-    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
+    options["config_file"] = config = load_config(options["config_file"])  # read once, for every grid point
+    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
+                               config)
     base = base_training(options, stages, max(gpu_counts), model)
     comparison = compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"])
     click.echo(render_comparison(comparison, options["output_format"], options["units"]), nl=False)

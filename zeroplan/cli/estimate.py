@@ -17,7 +17,8 @@ def command(**options: Any) -> None:
     and per node under offload.
 
     MODEL is a catalogue name (see `zeroplan models`), a model spec file, or a Hugging Face
-    config.json; or give --params instead. Options override the --config file.
+    config.json; or give --params instead, or leave it to a --config file that names the model
+    (a torchtitan TOML, a torchtune YAML). Options override the --config file.
 
     \b
     Examples:
@@ -26,16 +27,21 @@ def command(**options: Any) -> None:
       zeroplan estimate mixtral-8x7b --gpus 64 --zero 3 --offload-optimizer cpu --checkpointing full
       zeroplan estimate gpt2 --engine fsdp2 --zero 3 --gpus 2 --device cpu --format json
       zeroplan estimate ./config.json --gpus 16 --config ds_config.json
+      zeroplan estimate --config llama3_8b.toml --gpus 8
+      zeroplan estimate --config 1B_full_single_device.yaml
       zeroplan estimate --params 7.5e9 --gpus 64 --zero 3 --engine paper --units GB
     """
-    from zeroplan.importers.options import model_from_options, training_spec_from_options
+    from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
 
-    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
-    training = training_spec_from_options(options, options["config_file"], model)
+    config = load_config(options["config_file"])
+    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
+                               config)
+    training = training_spec_from_options(options, config, model)
 
     from zeroplan.estimate import estimate
     from zeroplan.estimate.serialize import estimate_to_dict
     from zeroplan.report.estimate import render_estimate
 
-    data = estimate_to_dict(estimate(model, training), training, gpu_memory_bytes=options["gpu_memory"])
+    data = estimate_to_dict(estimate(model, training), training, gpu_memory_bytes=options["gpu_memory"],
+                            notes=config.notes if config else ())
     click.echo(render_estimate(data, options["output_format"], options["units"]), nl=False)

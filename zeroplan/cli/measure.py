@@ -48,7 +48,7 @@ def command(**options: Any) -> None:
       zeroplan measure llama-1b --engine fsdp2 --zero 3 --nproc 64 --simulate --seq-len 512 --units GB
       zeroplan measure llama-2-7b --engine deepspeed --zero 3 --nproc 8 --backend nccl --config ds.json
     """
-    from zeroplan.importers.options import model_from_options, training_spec_from_options
+    from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
     from zeroplan.measure.launcher import DEFAULT_RECIPE, choose_backend, measured_device, run_measurement
     from zeroplan.spec.files import writable_file
 
@@ -65,16 +65,18 @@ def command(**options: Any) -> None:
     if options["device"] not in (None, device):
         raise click.UsageError(f"--device {options['device']} does not match a {backend} run, which measures {device} memory; leave out --device")
 
-    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
+    config = load_config(options["config_file"])
+    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
+                               config)
     recipe = options["recipe"] or DEFAULT_RECIPE
-    training = training_spec_from_options(options | {"gpus": nproc, "device": device, "recipe": recipe}, options["config_file"], model)
+    training = training_spec_from_options(options | {"gpus": nproc, "device": device, "recipe": recipe}, config, model)
     engine_config = None
     if training.engine.value == "deepspeed":
         _require("deepspeed", "engine deepspeed needs DeepSpeed; install it with: pip install 'zeroplan[deepspeed]'")
-        if options["config_file"] and Path(options["config_file"]).suffix.lower() == ".json":
+        if config is not None and config.kind == "DeepSpeed JSON":
             from zeroplan.importers.deepspeed_json import load_json
 
-            engine_config = load_json(Path(options["config_file"]))
+            engine_config = load_json(config.path)
             from zeroplan.measure.engines.deepspeed_engine import user_config
 
             user_config(engine_config, training, nproc)  # a stage or batch that disagrees fails here, before any rank starts

@@ -65,7 +65,7 @@ def command(**options: Any) -> None:
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.plan.cost import assumptions_for
     from zeroplan.errors import SpecError
-    from zeroplan.importers.options import model_from_options
+    from zeroplan.importers.options import load_config, model_from_options
     from zeroplan.plan.search import Limits, SearchSpace, parse_gpu_counts, plan
     from zeroplan.report.plan import render_plan
     from zeroplan.spec.training import Checkpointing, Engine, Offload
@@ -103,7 +103,9 @@ def command(**options: Any) -> None:
              "max_efficiency", "half_efficiency_tokens")
     assumptions = assumptions_for(preset, **{name: options[name] for name in rates})
 
-    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
+    options["config_file"] = config = load_config(options["config_file"])  # read once, for every grid point
+    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
+                               config)
     base = base_training(options, space.zero_stages or (0, 1, 2, 3), max(gpu_counts), model)
     emit = options["emit"]
     if emit and emit[0] == "fsdp" and base.engine != Engine.FSDP2:

@@ -43,8 +43,10 @@ def per_node_to_dict(node: NodeBytes) -> dict[str, int]:
     return {"cpu": node.cpu_bytes, "pinned": node.pinned_bytes, "nvme": node.nvme_bytes}
 
 
-def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_bytes: int | None = None) -> dict[str, Any]:
-    """The JSON contract for one estimate of `training` (see the module docstring)."""
+def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_bytes: int | None = None,
+                     notes: Iterable[str] = ()) -> dict[str, Any]:
+    """The JSON contract for one estimate of `training` (see the module docstring); `notes` are added to
+    the estimate's own (those of the --config file: what the run does that is not modelled)."""
     peak = estimate.peak
     config = training.model_dump(mode="json")
     config["gpus_per_node"] = training.node_gpus
@@ -61,7 +63,7 @@ def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_byte
         "per_node": per_node_to_dict(estimate.per_node),
         "config": config,
         "program": program_to_dict(training.program),
-        "notes": list(estimate.notes),
+        "notes": [*estimate.notes, *notes],
     }
     if gpu_memory_bytes is not None:
         data["gpu_memory"] = gpu_memory_bytes

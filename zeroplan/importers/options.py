@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from zeroplan.errors import SpecError
 
 if TYPE_CHECKING:  # pydantic and the specs are imported when first needed, not at CLI start-up
+    from zeroplan.importers.training_config import TrainingConfig
     from zeroplan.spec.model import ModelSpec
     from zeroplan.spec.training import TrainingSpec
 
@@ -60,14 +61,15 @@ def gpu_memory_bytes(text: str, field: str = "--gpu-memory") -> int:
         raise SpecError(f"{size_error}, or name a GPU: {', '.join(gpu_names())}") from None
 
 
-def training_spec_from_options(options: Mapping[str, Any], config_file: str | Path | None = None,
+def training_spec_from_options(options: Mapping[str, Any], config_file: str | Path | TrainingConfig | None = None,
                                model: ModelSpec | None = None) -> TrainingSpec:
     """The TrainingSpec for these options over the values read from `config_file`.
 
     `options` maps TrainingSpec field names to values, None (or an empty tuple, for a repeatable
-    option) meaning "not given"; other keys (the CLI passes all of its options) are ignored. `config_file` is a DeepSpeed JSON or a
-    ColossalAI-style Python config (`zeroplan.importers.training_config.read_training_config`);
-    `model` is the model it trains, whose hidden size fills the Hugging Face Trainer's "auto" values.
+    option) meaning "not given"; other keys (the CLI passes all of its options) are ignored. `config_file`
+    is a trainer config (`zeroplan.importers.training_config.load_training_config`), as a path or
+    already loaded; `model` is the model it trains, whose hidden size fills the Hugging Face Trainer's
+    "auto" values.
     """
     from pydantic import ValidationError
 
@@ -76,16 +78,26 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
 
     values: dict[str, Any] = {}
     if config_file is not None:
-        from zeroplan.importers.training_config import read_training_config
-
+        config = config_file if not isinstance(config_file, (str, Path)) else load_config(config_file)
         # --gpus lets a DeepSpeed train_batch_size be split into micro-batch and accumulation.
-        values.update(read_training_config(config_file, gpus=options.get("gpus"),
-                                           hidden_size=getattr(model, "hidden_size", None)))
+        values.update(config.settings(options.get("gpus"), getattr(model, "hidden_size", None)))
     values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) not in (None, ())})
     try:
-        return TrainingSpec.model_validate(values)
+        training = TrainingSpec.model_validate(values)
     except ValidationError as error:
         raise SpecError(describe_validation_error(error, schema=TrainingSpec)) from None
+    if config_file is not None:
+        config.warn()
+    return training
+
+
+def load_config(config_file: str | Path | None) -> TrainingConfig | None:
+    """The --config file, read and checked (None when there is none)."""
+    if config_file is None:
+        return None
+    from zeroplan.importers.training_config import load_training_config
+
+    return load_training_config(config_file)
 
 
 def model_from_options(
@@ -93,9 +105,13 @@ def model_from_options(
     params: int | None = None,
     largest_layer: int | None = None,
     trainable_params: int | None = None,
+    config: TrainingConfig | None = None,
 ) -> ModelSpec:
     """The model named by MODEL (a catalogue name, a spec file or a config.json), or one known only
-    by its parameter count (`--params`, with `--largest-layer` and `--trainable-params`)."""
+    by its parameter count (`--params`, with `--largest-layer` and `--trainable-params`); without
+    either, the model the --config file names (a torchtitan TOML, a torchtune YAML)."""
+    if model is None and params is None and config is not None:
+        model = config.model
     if model is not None and params is not None:
         raise SpecError(f"MODEL {model!r} and --params given together; give one: a model, or a parameter count")
     if params is None:
@@ -104,6 +120,7 @@ def model_from_options(
         if model is None:
             raise SpecError(
                 "missing MODEL: give a catalogue name (see `zeroplan models`), a spec file or a config.json, or --params N"
+                + (f" (the --config file, {config.kind}, names no model)" if config is not None else "")
             )
         from zeroplan.importers.catalog import resolve_model
 
