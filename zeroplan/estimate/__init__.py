@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from zeroplan.estimate import caches
-from zeroplan.estimate.activations import activation_bytes
+from zeroplan.estimate.activations import activation_bytes, attention_kernel
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, setup_of
 from zeroplan.estimate.engines.deepspeed import estimate_deepspeed
@@ -24,7 +24,7 @@ from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, PhaseByt
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Attention, Engine, TrainingSpec
 
-IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, trained without dropout
+IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, with the model's dropout rates
 _PROFILES = {Engine.DEEPSPEED: estimate_deepspeed, Engine.FSDP2: estimate_fsdp2, Engine.TORCH: estimate_torch}
 _IMPLEMENTATIONS = {attention: f"{IMPLEMENTATION}/{attention.value}" for attention in Attention}
 
@@ -51,6 +51,9 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     if isinstance(model, TransformerSpec):
         acts = activation_bytes(model, training, dtypes.activation)
         implementation = _IMPLEMENTATIONS[training.attention]
+        if attention_kernel(model, training) == "math":
+            notes = ("attention dropout on cpu: SDPA has no fused kernel with dropout there, so its math path "
+                     "runs and keeps the attention matrices (fp32)",)
     else:
         implementation = "parameter count only"
         notes = ("model given by parameter count: activations are not estimated",)

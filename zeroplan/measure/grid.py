@@ -40,6 +40,7 @@ class Row:
     small_buckets: bool = False  # deepspeed: SMALL_BUCKETS instead of DeepSpeed's defaults
     quick: bool = False  # part of the CI slice (`--quick`, tests/test_accuracy_slice.py)
     recipe: str = "plain"  # the program measured: zeroplan's own loop unless a row names another
+    dropout: float | None = None  # --dropout P on every dropout layer; None: the model config's rates
 
     @property
     def id(self) -> str:
@@ -47,7 +48,8 @@ class Row:
         ckpt = "ckpt" if self.checkpointing == "full" else "nockpt" if self.checkpointing == "none" else self.checkpointing
         world = f"fake{self.world}" if self.simulate else f"w{self.world}"
         parts = (self.model, setup, self.precision, ckpt, f"{self.micro_batch}x{self.seq_len}", world)
-        return "/".join(parts + (("eager",) if self.attention == "eager" else ()))
+        knobs = (("eager",) if self.attention == "eager" else ()) + ((f"drop{self.dropout:g}",) if self.dropout is not None else ())
+        return "/".join(parts + knobs)
 
     @property
     def needs_cpu_adam(self) -> bool:
@@ -62,6 +64,8 @@ class Row:
             "attention": self.attention, "device": "cuda" if backend == "nccl" and not self.simulate else "cpu",
             "recipe": self.recipe,
         }
+        if self.dropout is not None:
+            fields["dropout"] = self.dropout
         if self.offload:
             fields["offload_optimizer"] = "cpu"
             if self.engine == "fsdp2" and self.stage == 3:
@@ -138,6 +142,18 @@ def _grid() -> tuple[Row, ...]:
                         quick=quick))
     rows.append(Row("tiny-llama", "deepspeed", 3, "fp32", checkpointing="selective", attention="eager", micro_batch=1,
                     seq_len=1024, small_buckets=True))
+    # Dropout at GPT-2's 0.1 (embedding, attention, residual masks): fused attention (on CPU, SDPA's
+    # math path keeps the attention matrices) and eager, with and without checkpointing, autocast's bf16.
+    for engine, stage, precision, ckpt, attention, (mb, seq), quick in (
+        ("torch", 0, "fp32", "none", "fused", (2, 128), True),
+        ("torch", 0, "fp32", "full", "eager", (2, 128), False),
+        ("torch", 1, "bf16", "selective", "fused", (4, 256), False),
+        ("fsdp2", 2, "fp32", "none", "eager", (4, 256), False),
+        ("fsdp2", 3, "fp32", "full", "fused", (4, 256), True),
+        ("fsdp2", 2, "bf16", "none", "fused", (2, 128), False),
+    ):
+        rows.append(Row("tiny-gpt2", engine, stage, precision, checkpointing=ckpt, attention=attention, micro_batch=mb,
+                        seq_len=seq, dropout=0.1, quick=quick))
     return tuple(rows)
 
 
