@@ -154,6 +154,7 @@ def _grid() -> tuple[Row, ...]:
     ):
         rows.append(Row("tiny-gpt2", engine, stage, precision, checkpointing=ckpt, attention=attention, micro_batch=mb,
                         seq_len=seq, dropout=0.1, quick=quick))
+    rows.append(Row("tiny-gpt2", "deepspeed", 2, "fp32", attention="eager", small_buckets=True, dropout=0.1))
     return tuple(rows)
 
 
