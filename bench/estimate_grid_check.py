@@ -106,7 +106,7 @@ def run_all(recipe: str | None = None) -> dict[str, dict]:
             results[key] = {k: v for k, v in results[key].items() if k not in ("config", "program")}
     for (model, _), training, key in reversed(list(zip(points, specs, keys))):
         found = fit(models[model], training)
-        results[key]["fit"] = {"peak": found.peak_bytes, "per_node": vars(found.per_node)}
+        results[key]["fit"] = {"peak": found.peak_bytes, "per_node": found.per_node._asdict()}
     return results
 
 

@@ -16,7 +16,7 @@ def deepspeed_ops():
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs deepspeed")
     from zeroplan.measure.deepspeed_build import build_ahead
-    from zeroplan.measure.launcher import child_env
+    from zeroplan.measure.processes import child_env
 
     def ensure(*names: str) -> None:
         build_ahead(names, env=child_env("gloo"), announce=print, timeout_s=BUILD_BOUND_S)

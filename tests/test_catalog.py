@@ -128,7 +128,7 @@ def test_one_validation_error_is_one_line(in_tmp):
     with pytest.raises(SpecError, match=r"^tiny\.toml: num_kv_heads 3 does not divide num_heads 4$"):
         resolve_model("tiny.toml")
     (in_tmp / "tiny.toml").write_text(TINY_TOML.replace("num_kv_heads = 2", "num_kv_heads = 0"))
-    with pytest.raises(SpecError, match=r"^tiny\.toml: num_kv_heads: Input should be greater than or equal to 1$"):
+    with pytest.raises(SpecError, match=r"^tiny\.toml: num_kv_heads: Input should be greater than or equal to 1 \(got 0\)$"):
         resolve_model("tiny.toml")
 
 

@@ -74,9 +74,9 @@ def test_nvme_and_engine_limits_are_skipped_with_reasons():
 
 def test_bad_grid_values():
     model = resolve_model("gpt2")
-    with pytest.raises(SpecError, match="--offload: unknown choice 'disk'"):
+    with pytest.raises(SpecError, match="^offloads: unknown choice 'disk'"):
         compare(model, TrainingSpec(), offloads=("disk",))
-    with pytest.raises(SpecError, match="--zero: stage must be 0, 1, 2 or 3, got 4"):
+    with pytest.raises(SpecError, match="^stages: stage must be 0, 1, 2 or 3, got 4"):
         compare(model, TrainingSpec(), stages=(4,))
 
 

@@ -97,7 +97,7 @@ def test_huge_integer_in_json_is_one_line(tmp_path):
 
 def test_sub_group_size_is_read_and_written(tmp_path):
     path = write(tmp_path, "ds.json", json.dumps({"zero_optimization": {"stage": 3, "sub_group_size": 1e8}}))
-    assert read_training_config(path)["deepspeed"] == {"sub_group_size": 100_000_000}
+    assert read_training_config(path)["deepspeed"] == {"sub_group_size": 100_000_000, "client_optimizer": True}
     spec = TrainingSpec(zero_stage=3, deepspeed={"sub_group_size": 12345})
     assert write_deepspeed_config(spec)["zero_optimization"]["sub_group_size"] == 12345
 
@@ -136,7 +136,7 @@ def test_hf_trainer_auto_values_are_filled_from_the_hidden_size():
 def test_hf_trainer_fills_only_reduce_bucket_size_below_stage_3(tmp_path):
     config = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}}
     got = read_training_config(write(tmp_path, "z2.json", json.dumps(config)), hidden_size=1024)
-    assert got["deepspeed"] == {"reduce_bucket_size": 1024 * 1024}
+    assert got["deepspeed"] == {"reduce_bucket_size": 1024 * 1024, "client_optimizer": True}
 
 
 def test_hf_auto_without_a_hidden_size_names_the_key():
@@ -206,7 +206,7 @@ def test_comments_and_trailing_commas_read_as_deepspeed_reads_them(tmp_path):
     pytest.importorskip("hjson")
     text = '{\n  // ZeRO-3\n  "zero_optimization": {"stage": 3, "sub_group_size": 1e8,},  # bash-style too\n}\n'
     got = read_training_config(write(tmp_path, "commented.json", text))
-    assert got["zero_stage"] == 3 and got["deepspeed"] == {"sub_group_size": 100_000_000}
+    assert got["zero_stage"] == 3 and got["deepspeed"] == {"sub_group_size": 100_000_000, "client_optimizer": True}
 
 
 def test_without_hjson_the_message_says_how_to_read_comments(tmp_path, monkeypatch):
@@ -214,7 +214,7 @@ def test_without_hjson_the_message_says_how_to_read_comments(tmp_path, monkeypat
 
     monkeypatch.setitem(sys.modules, "hjson", None)  # import hjson raises ImportError
     path = write(tmp_path, "commented.json", '{\n  // ZeRO-3\n  "zero_optimization": {"stage": 3}\n}\n')
-    with pytest.raises(SpecError, match=r"commented\.json:2:3: invalid JSON: .*pip install hjson"):
+    with pytest.raises(SpecError, match=r"commented\.json: invalid JSON: .* \(at line 2, column 3\) .*pip install hjson"):
         read_training_config(path)
 
 

@@ -110,7 +110,7 @@ def test_plan_searches_only_what_the_engine_runs():
         assert result.exit_code == 0, result.output
         assert "skipped" not in result.output, result.output
     fsdp2 = run("plan", "llama-2-7b", "--gpu", "h100-80gb", "--gpus", "8", "--engine", "fsdp2", "--top", "50").output
-    assert "ZeRO-3 opt->cpu params->cpu" in fsdp2 and "ZeRO-3 opt->cpu " not in fsdp2.replace("opt->cpu params", "")
+    assert "ZeRO-3 + opt->cpu + params->cpu" in fsdp2 and "ZeRO-3 + opt->cpu" not in fsdp2.replace("opt->cpu + params", "")
 
 
 def test_fsdp2_offload_of_the_optimizer_alone_says_the_parameters_go_too():

@@ -186,7 +186,7 @@ def test_global_batch_sets_accumulation():
                   Limits(24 * GIB), ASSUMPTIONS)
     for config in result.top:
         assert config.micro_batch * config.grad_accum * config.choice.gpus == 256
-    with pytest.raises(SpecError, match="global-batch: 100 is not divisible by the GPU count"):
+    with pytest.raises(SpecError, match="^global_batch: 100 is not divisible by the GPU count"):
         plan(model, TrainingSpec(gpus=8), SearchSpace(gpu_counts=(8,), global_batch=100), Limits(24 * GIB), ASSUMPTIONS)
 
 
@@ -251,9 +251,9 @@ def test_parse_gpu_counts():
     assert parse_gpu_counts("8") == (8,)
     assert parse_gpu_counts("8,16,64") == (8, 16, 64)
     assert parse_gpu_counts("8-64") == (8, 16, 32, 64)
-    with pytest.raises(SpecError, match="--gpus: cannot read 'eight'"):
+    with pytest.raises(SpecError, match="^gpu_counts: cannot read 'eight'"):
         parse_gpu_counts("eight")
-    with pytest.raises(SpecError, match="--gpus: cannot read '64-8'"):
+    with pytest.raises(SpecError, match="^gpu_counts: cannot read '64-8'"):
         parse_gpu_counts("64-8")
 
 

@@ -21,7 +21,8 @@ from zeroplan.estimate.result import (
     PhaseBytes,
     Step,
 )
-from zeroplan.estimate.serialize import CATEGORIES, estimate_to_dict, model_rows
+from zeroplan.estimate.result import CATEGORY_NAMES
+from zeroplan.estimate.serialize import estimate_to_dict, model_rows
 from zeroplan.report.common import CATEGORY_LABELS
 from zeroplan.report.estimate import render_estimate, render_models
 from zeroplan.spec.training import TrainingSpec
@@ -64,7 +65,7 @@ def test_json_contract_holds_every_documented_key_as_bytes():
     for key in ("params", "grads", "optimizer_states", "activations", "buffers", "temporaries", "overhead", "peak"):
         assert type(per_gpu[key]) is int, key
     # The categories are the bytes live at the peak, and they add up to it.
-    assert sum(per_gpu[key] for key in CATEGORIES) == per_gpu["peak"]
+    assert sum(per_gpu[key] for key in CATEGORY_NAMES) == per_gpu["peak"]
     assert per_gpu["activations"] == 5 * GIB
     assert data["per_node"] == {"cpu": 10 * GIB, "pinned": 4 * GIB, "nvme": 0}
     assert [(row["step"], row["phase"], row["total"]) for row in data["phases"]] == [

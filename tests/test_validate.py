@@ -45,8 +45,13 @@ def test_grid_ids_are_unique_and_every_row_is_a_valid_spec():
 def test_grid_covers_the_issue():
     rows = GRID
     assert {r.model for r in rows} == {"tiny-llama", "tiny-gpt2", "llama-100m", "llama-1b"}
-    setups = {(r.engine, r.stage) for r in rows}
+    setups = {(r.engine, r.stage) for r in rows if not r.client_optimizer}
     assert setups == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)}
+    # the optimizer's kernel on every engine that steps a torch optimizer; no DDP and the optimizer in
+    # backward on one rank; DeepSpeed with a client optimizer at every stage
+    assert {r.engine for r in rows if r.optimizer_impl in ("foreach", "fused")} == {"torch", "fsdp2", "deepspeed"}
+    assert {r.world for r in rows if r.ddp is False or r.optimizer_in_backward} == {1}
+    assert {r.stage for r in rows if r.client_optimizer} == {0, 1, 2, 3}
     assert {(r.engine, r.stage) for r in rows if r.offload} == {("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 2), ("deepspeed", 3)}
     assert {r.world for r in rows if r.simulate and r.model == "llama-1b"} == {8, 64}
     # selective checkpointing under both kernels, with and without autocast; eager without checkpointing
@@ -57,7 +62,7 @@ def test_grid_covers_the_issue():
     for engine, stage in setups:
         main = [r for r in rows if (r.engine, r.stage) == (engine, stage) and r.model.startswith("tiny")
                 and not (r.offload or r.small_buckets or r.simulate) and r.checkpointing != "selective"
-                and r.attention == "fused"]
+                and r.attention == "fused" and r.optimizer_impl is None and r.ddp is None]
         for a, b in (("precision", "checkpointing"), ("precision", "seq_len"), ("checkpointing", "seq_len")):
             assert len({(getattr(r, a), getattr(r, b)) for r in main}) == 4, (engine, stage, a, b)
         assert {r.model for r in main} == {"tiny-llama", "tiny-gpt2"}
@@ -96,7 +101,7 @@ def _record(row: Row, peak_mib: float = 10.0) -> dict:
 
 
 def test_run_rows_measures_only_what_the_mode_asks(monkeypatch):
-    rows = select_rows(GRID, "tiny-llama/torch-0/*/nockpt/*,tiny-llama/torch-0/*/ckpt/*")
+    rows = select_rows(GRID, "tiny-llama/torch-0/*/nockpt/*/w2,tiny-llama/torch-0/*/ckpt/*/w2")
     measured = []
     monkeypatch.setattr(v, "measure_row", lambda row, options: measured.append(row.id) or _record(row))
     stale = _record(rows[1]) | {"fingerprint": "0"}

@@ -13,6 +13,16 @@ class SpecError(ZeroplanError):
     """A model, training or engine spec is invalid (a field, a file, or a combination)."""
 
 
+class FieldError(SpecError):
+    """One named argument of a library call is invalid. The message names the field; the CLI names
+    the option that set it instead (`zeroplan.cli.common.user_message`)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
 class UnknownModelError(SpecError):
     """MODEL is neither a catalogue name nor a readable spec or config.json file."""
 

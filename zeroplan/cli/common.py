@@ -13,7 +13,7 @@ from typing import Any, TypeVar, get_args
 
 import click
 
-from zeroplan.errors import ZeroplanError
+from zeroplan.errors import FieldError, ZeroplanError
 from zeroplan.report.common import FORMATS
 from zeroplan.spec.program import ActivationOffload, GradSync, Loss, ModelInit, OptimizerImpl, Recipe
 from zeroplan.spec.training import (
@@ -29,6 +29,23 @@ from zeroplan.spec.training import (
 from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+OPTION_OF_FIELD = {
+    "gpu_counts": "--gpus",
+    "stages": "--zero",
+    "offloads": "--offload",
+    "headroom": "--headroom",
+    "global_batch": "--global-batch",
+}
+"""The option that sets each field a library function names in a `FieldError` (the library knows
+no command line)."""
+
+
+def user_message(error: ZeroplanError) -> str:
+    """The error as a user of the command line reads it: a library field named by its option."""
+    if isinstance(error, FieldError) and error.field in OPTION_OF_FIELD:
+        return f"{OPTION_OF_FIELD[error.field]}: {error.problem}"
+    return str(error)
 
 
 class CountType(click.ParamType):

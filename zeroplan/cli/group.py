@@ -87,15 +87,17 @@ class LazyGroup(click.Group):
         except click.Abort:
             fail("aborted")
         except ZeroplanError as error:
-            fail(str(error))
+            from zeroplan.cli.common import user_message
+
+            fail(user_message(error))
         except Exception as error:
             from pydantic import ValidationError
 
             if not isinstance(error, ValidationError):
                 raise
-            from zeroplan.importers.options import validation_message
+            from zeroplan.spec.validation import describe_validation_error
 
-            fail(validation_message(error))
+            fail(describe_validation_error(error))
         # standalone_mode=False returns the exit code of `ctx.exit(code)` (--help, --version) or the
         # command's return value (None).
         sys.exit(status if isinstance(status, int) else 0)

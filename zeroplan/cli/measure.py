@@ -49,7 +49,7 @@ def command(**options: Any) -> None:
       zeroplan measure llama-2-7b --engine deepspeed --zero 3 --nproc 8 --backend nccl --config ds.json
     """
     from zeroplan.importers.options import model_from_options, training_spec_from_options
-
+    from zeroplan.measure.launcher import as_measured, choose_backend, measured_device, run_measurement
     from zeroplan.spec.files import writable_file
 
     if options["output"] is not None:
@@ -60,8 +60,8 @@ def command(**options: Any) -> None:
     if options["gpus"] not in (None, nproc):
         raise click.UsageError(f"--gpus {options['gpus']} must equal --nproc {nproc} (the ranks measured); leave out --gpus")
     _require("torch", "zeroplan measure runs PyTorch; install it with: pip install torch")
-    backend = "fake" if simulate else options["backend"] or _default_backend()
-    device = "cuda" if backend == "nccl" else "cpu"
+    backend = choose_backend(options["backend"], simulate)
+    device = measured_device(backend).value
     if options["device"] not in (None, device):
         raise click.UsageError(f"--device {options['device']} does not match a {backend} run, which measures {device} memory; leave out --device")
 
@@ -84,13 +84,12 @@ def command(**options: Any) -> None:
     from zeroplan.estimate import estimate
     from zeroplan.estimate.serialize import estimate_to_dict
     from zeroplan.measure.comparison import compare, run_peaks
-    from zeroplan.measure.launcher import as_measured, run_measurement
     from zeroplan.report.measure import render_table, report_data
 
     training = as_measured(training)  # the same build the workers do (DeepSpeed: no zero.Init)
     estimated = estimate_to_dict(estimate(model, training), training)  # before the run: its errors come first
     result = run_measurement(
-        model, training, nproc=nproc, backend=None if simulate else backend, simulate=simulate,
+        model, training, nproc=nproc, backend=backend, simulate=simulate,
         steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],
         engine_config=engine_config,
     )
@@ -119,9 +118,3 @@ def _require(package: str, message: str) -> None:
 
     if importlib.util.find_spec(package) is None:
         raise MissingDependencyError(message)
-
-
-def _default_backend() -> str:
-    from zeroplan.measure.context import default_backend
-
-    return default_backend()

@@ -10,8 +10,6 @@ from zeroplan.cli.common import FiniteFloatRange, output_options
 from zeroplan.cli.grid_options import estimate_options_except, gpu_memory_options
 from zeroplan.plan.limits import MAX_MICRO_BATCH
 
-_GB = 10**9
-
 
 def _rate(name: str, field: str, unit: str, help_text: str):
     return click.option(name, field, type=FiniteFloatRange(min=0, min_open=True), metavar=unit, help=help_text)
@@ -67,7 +65,6 @@ def command(**options: Any) -> None:
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.plan.cost import assumptions_for
     from zeroplan.errors import SpecError
-    from zeroplan.importers.gpus import get_gpu
     from zeroplan.importers.options import model_from_options
     from zeroplan.plan.search import Limits, SearchSpace, parse_gpu_counts, plan
     from zeroplan.report.plan import render_plan
@@ -102,20 +99,9 @@ def command(**options: Any) -> None:
         cpu_memory_bytes=None if options["cpu_memory"] is None else parse_size_bytes(options["cpu_memory"], "--cpu-memory"),
         nvme_bytes=None if options["nvme"] is None else parse_size_bytes(options["nvme"], "--nvme"),
     )
-    speeds = preset or get_gpu("h100-80gb")
-    overrides = {
-        "gpu_flops_per_s": None if options["gpu_tflops"] is None else options["gpu_tflops"] * 1e12,
-        "intra_node_bytes_per_s": _bytes_per_s(options["intra_node_gbps"]),
-        "inter_node_bytes_per_s": _bytes_per_s(options["inter_node_gbps"]),
-        "pcie_bytes_per_s": _bytes_per_s(options["pcie_gbps"]),
-        "cpu_memory_bytes_per_s": _bytes_per_s(options["cpu_memory_gbps"]),
-        "nvme_bytes_per_s": _bytes_per_s(options["nvme_gbps"]),
-        "max_efficiency": options["max_efficiency"],
-        "half_efficiency_tokens": options["half_efficiency_tokens"],
-    }
-    if preset is None:
-        overrides["source"] = f"no --gpu given: speeds of {speeds.label} assumed ({speeds.source})"
-    assumptions = assumptions_for(speeds, **overrides)
+    rates = ("gpu_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps", "cpu_memory_gbps", "nvme_gbps",
+             "max_efficiency", "half_efficiency_tokens")
+    assumptions = assumptions_for(preset, **{name: options[name] for name in rates})
 
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"])
     base = base_training(options, space.zero_stages or (0, 1, 2, 3), max(gpu_counts), model)
@@ -128,10 +114,6 @@ def command(**options: Any) -> None:
         if not result.top:
             raise SpecError(f"--emit {emit[0]}: nothing fits, so there is no plan to write")
         _emit(emit[0], emit[1], result.top[0].training)
-
-
-def _bytes_per_s(gbps: float | None) -> float | None:
-    return None if gbps is None else gbps * _GB
 
 
 def _emit(kind: str, path: str, training) -> None:

@@ -8,16 +8,13 @@ sizes (dtypes.py) are shared. The peak is the largest phase, not a sum of maxima
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from importlib import import_module
+from typing import Any, NamedTuple
 
 from zeroplan.estimate import caches
 from zeroplan.estimate.activations import activation_bytes, attention_kernel
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, setup_of
-from zeroplan.estimate.engines.deepspeed import estimate_deepspeed
-from zeroplan.estimate.engines.fsdp2 import estimate_fsdp2
-from zeroplan.estimate.engines.paper import estimate_paper
-from zeroplan.estimate.engines.torch_ddp import estimate_torch
 from zeroplan.estimate.facts import ModelFacts, model_facts
 from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, PhaseBytes
@@ -25,7 +22,20 @@ from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Attention, Engine, TrainingSpec
 
 IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, with the model's dropout rates
-_PROFILES = {Engine.DEEPSPEED: estimate_deepspeed, Engine.FSDP2: estimate_fsdp2, Engine.TORCH: estimate_torch}
+# engine -> (module under zeroplan.estimate.engines, its profile function). A module is imported
+# when its engine is first estimated: a command estimates one engine, and importing the others
+# cost a tenth of `zeroplan estimate`'s start-up (bench/results/estimate_speed.md).
+_PROFILES = {Engine.DEEPSPEED: ("deepspeed", "estimate_deepspeed"), Engine.FSDP2: ("fsdp2", "estimate_fsdp2"),
+             Engine.TORCH: ("torch_ddp", "estimate_torch"), Engine.PAPER: ("paper", "estimate_paper")}
+_LOADED: dict[Engine, Any] = {}
+
+
+def _engine_profile(engine: Engine) -> Any:
+    profile = _LOADED.get(engine)
+    if profile is None:
+        module, function = _PROFILES[engine]
+        profile = _LOADED[engine] = getattr(import_module(f"zeroplan.estimate.engines.{module}"), function)
+    return profile
 _IMPLEMENTATIONS = {attention: f"{IMPLEMENTATION}/{attention.value}" for attention in Attention}
 
 
@@ -59,9 +69,9 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
         notes = ("model given by parameter count: activations are not estimated",)
     setup = setup_of(training)
     if training.engine == Engine.PAPER:
-        result, overhead = estimate_paper(facts, setup, dtypes), 0
+        result, overhead = _engine_profile(Engine.PAPER)(facts, setup, dtypes), 0
     else:
-        result, overhead = _PROFILES[training.engine](facts, setup, acts), overhead_bytes(training)
+        result, overhead = _engine_profile(training.engine)(facts, setup, acts), overhead_bytes(training)
     return _Profiled(facts, implementation, result, overhead, notes + result.notes if result.notes else notes)
 
 

@@ -11,7 +11,7 @@ every element: the small tensors (norm weights, biases) are under 0.1% of any ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from zeroplan.spec.training import Optimizer, Precision
 
@@ -20,8 +20,7 @@ HALF_BYTES = 2  # fp16 and bf16
 ADAM_8BIT_BLOCK = 2048  # bitsandbytes blockwise quantisation block (one fp32 absmax per block)
 
 
-@dataclass(frozen=True)
-class StateBytes:
+class StateBytes(NamedTuple):
     """Bytes per parameter element of each model state."""
 
     param: int  # the working copy the forward pass reads

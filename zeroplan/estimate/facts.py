@@ -10,6 +10,7 @@ A `ParamCountSpec` (count only) becomes layers of `largest_layer_params` and has
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate.caches import memo
@@ -18,8 +19,7 @@ from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
 
 
-@dataclass(frozen=True)
-class ModuleGroup:
+class ModuleGroup(NamedTuple):
     role: str  # "embedding", "block", "final" (FSDP2's root unit is embedding + final)
     tensors: tuple[ParamTensor, ...]
     count: int  # identical copies of this group (the transformer blocks)

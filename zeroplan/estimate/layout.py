@@ -10,13 +10,13 @@ installed, against the model it builds on the meta device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
+
 
 from zeroplan.spec.model import TransformerSpec
 
 
-@dataclass(frozen=True)
-class ParamTensor:
+class ParamTensor(NamedTuple):
     """One parameter tensor: its name inside its module group, and its element count."""
 
     name: str
@@ -24,8 +24,7 @@ class ParamTensor:
     rows: int  # size of dim 0: FSDP2 shards on dim 0 and pads it to a multiple of the world size
 
 
-@dataclass(frozen=True)
-class ParamLayout:
+class ParamLayout(NamedTuple):
     """A transformer's parameters grouped the way ZeRO-3 and FSDP2 gather them: per module group."""
 
     embedding: tuple[ParamTensor, ...]  # token embedding, and learned positions where present

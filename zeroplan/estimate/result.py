@@ -66,6 +66,10 @@ class CategoryBytes(NamedTuple):
 
 
 CATEGORY_NAMES = CategoryBytes._fields
+"""The one list of memory categories, in report order; every other part reads it from here."""
+
+TENSOR_CATEGORIES = tuple(name for name in CATEGORY_NAMES if name != "overhead")
+"""The categories of tensor bytes: what `zeroplan measure` records (overhead is not a tensor)."""
 
 
 class PhaseBytes(NamedTuple):
@@ -80,8 +84,7 @@ class PhaseBytes(NamedTuple):
         return sum(self.categories)
 
 
-@dataclass(frozen=True)
-class NodeBytes:
+class NodeBytes(NamedTuple):
     """Host-side memory per node under offload (pinned buffers included) and NVMe use."""
 
     cpu_bytes: int = 0
@@ -89,8 +92,7 @@ class NodeBytes:
     nvme_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class ModelSummary:
+class ModelSummary(NamedTuple):
     name: str
     params: int
     trainable_params: int

@@ -20,14 +20,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from zeroplan.estimate.result import CategoryBytes, Estimate, NodeBytes, PhaseBytes
+from zeroplan.estimate.result import Estimate, NodeBytes, PhaseBytes
 
 if TYPE_CHECKING:
     from zeroplan.spec.program import Program
     from zeroplan.spec.training import TrainingSpec
-
-CATEGORIES = tuple(CategoryBytes().as_dict())
-"""Category keys, in report order."""
 
 
 def phase_to_dict(phase: PhaseBytes) -> dict[str, Any]:

@@ -12,8 +12,6 @@ failure becomes one `SpecError` line that names the file and, where it can, the 
 
 from __future__ import annotations
 
-import difflib
-import json
 import tomllib
 from functools import cache
 from importlib import resources
@@ -23,11 +21,12 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from zeroplan.errors import SpecError, UnknownModelError
-from zeroplan.importers.files import check_nesting, read_text
+from zeroplan.importers.files import check_nesting, invalid_json, read_text
 from zeroplan.spec.model import ModelSpec, ParamCountSpec, TransformerSpec
+from zeroplan.spec.validation import describe_validation_error
 
 _MODEL_SPEC = TypeAdapter(ModelSpec)
-_SPEC_FIELDS = {kind: set(cls.model_fields) for kind, cls in (("transformer", TransformerSpec), ("params", ParamCountSpec))}
+_MODEL_KINDS = {"transformer": TransformerSpec, "params": ParamCountSpec}  # the union's tags
 
 
 def _catalogue_dir() -> Path:
@@ -43,25 +42,6 @@ def _catalogue_files() -> dict[str, Path]:
     return {path.stem: path for path in sorted(folder.glob("*.toml"), key=lambda path: path.stem)}
 
 
-def describe_validation_error(exc: ValidationError, where: str) -> str:
-    """One line for a pydantic error: `where: key: message`, or `N errors in where: a: ...; b: ...`."""
-    parts = []
-    for error in exc.errors():
-        loc = [str(part) for part in error["loc"]]
-        if loc and loc[0] in _SPEC_FIELDS:  # the discriminated union puts the kind first
-            kind, loc = loc[0], loc[1:]
-        else:
-            kind = None
-        message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "extra_forbidden" and kind and loc:
-            close = difflib.get_close_matches(loc[-1], sorted(_SPEC_FIELDS[kind]), n=1)
-            message = "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
-        parts.append(f"{'.'.join(loc)}: {message}" if loc else message)
-    if len(parts) == 1:
-        return f"{where}: {parts[0]}"
-    return f"{len(parts)} errors in {where}: {'; '.join(parts)}"
-
-
 def spec_from_data(data: Any, where: str) -> ModelSpec:
     """Validate a mapping of spec fields; `kind` defaults to transformer unless `params` is given."""
     if not isinstance(data, dict):
@@ -71,7 +51,7 @@ def spec_from_data(data: Any, where: str) -> ModelSpec:
     try:
         return _MODEL_SPEC.validate_python(data)
     except ValidationError as exc:
-        raise SpecError(describe_validation_error(exc, where)) from None
+        raise SpecError(describe_validation_error(exc, where, _MODEL_KINDS)) from None
 
 
 def _read_toml(path: Path, where: str) -> dict[str, Any]:
@@ -88,12 +68,12 @@ def _read_toml(path: Path, where: str) -> dict[str, Any]:
 def _read_json(path: Path, where: str) -> Any:
     text = read_text(path, "model file", where)
     check_nesting(text, where)
+    import json  # here, not at start-up: only a .json spec file needs it
+
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"{where}: invalid JSON: {exc.msg} (at line {exc.lineno}, column {exc.colno})") from None
-    except ValueError as exc:  # an integer of more than 4,300 digits (sys.get_int_max_str_digits)
-        raise SpecError(f"{where}: invalid JSON: {exc}") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4,300 digits
+        raise SpecError(invalid_json(where, exc)) from None
 
 
 def load_spec_file(path: Path, where: str | None = None) -> ModelSpec:
@@ -145,6 +125,8 @@ def resolve_model(text: str) -> ModelSpec:
         return _catalogue_spec(folded[text.lower()])
     if path.suffix in (".toml", ".json") or "/" in text:
         raise UnknownModelError(f"model file {text!r} does not exist")
+    import difflib  # only an unknown name needs suggestions
+
     close = difflib.get_close_matches(text.lower(), list(names), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise UnknownModelError(

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 
-from zeroplan.importers.files import check_nesting, read_text
+from zeroplan.importers.files import check_nesting, invalid_json, read_text
 from zeroplan.importers.hf_config import is_hf_config
 from zeroplan.importers.values import (
     fail,
@@ -110,9 +110,9 @@ def load_json(path: Path) -> dict[str, object]:
             hint = "" if _hjson() is not None else (
                 " (DeepSpeed reads its config with hjson, which allows comments and trailing commas: "
                 "pip install hjson, or zeroplan[deepspeed], to read it the same way)")
-            raise SpecError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}{hint}") from None
+            raise SpecError(invalid_json(str(path), error) + hint) from None
     except ValueError as error:  # an integer of more than 4,300 digits (sys.get_int_max_str_digits)
-        raise SpecError(f"{path}: invalid JSON: {error}") from None
+        raise SpecError(invalid_json(str(path), error)) from None
     if not isinstance(config, dict):
         raise SpecError(f"{path}: a DeepSpeed config must be a JSON object, got {type(config).__name__}")
     if not config:
@@ -168,6 +168,11 @@ def settings_from_deepspeed(config: Mapping[str, object], where: Where, gpus: in
     optimizer = _optimizer(config, where)
     if optimizer is not None:
         settings["optimizer"] = optimizer
+    else:
+        # engine.py `_configure_optimizer`: without an optimizer section the client optimizer passed to
+        # deepspeed.initialize steps (the Trainer's own torch AdamW: integrations/deepspeed.py
+        # `deepspeed_optim_sched` calls `trainer.create_optimizer()`).
+        settings["deepspeed"] = {**settings.get("deepspeed", {}), "client_optimizer": True}
     settings.update(_batch(config, where, gpus))
     return settings
 

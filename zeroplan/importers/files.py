@@ -53,3 +53,13 @@ def check_nesting(text: str, where: str) -> None:
                 raise SpecError(f"{where}: nested deeper than {MAX_NESTING} levels of [ and {{; not a config file")
         elif token in "]}":
             depth -= 1
+
+
+def invalid_json(where: str, error: ValueError) -> str:
+    """The one wording of a JSON document that does not parse, as tomllib words its own errors:
+    `where: invalid JSON: problem (at line L, column C)`."""
+    import json  # only a file that is read as JSON reaches here; estimate's start-up does not need it
+
+    if isinstance(error, json.JSONDecodeError):
+        return f"{where}: invalid JSON: {error.msg} (at line {error.lineno}, column {error.colno})"
+    return f"{where}: invalid JSON: {error}"  # e.g. an integer of more than 4,300 digits (sys.get_int_max_str_digits)

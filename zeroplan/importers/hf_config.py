@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from zeroplan.errors import SpecError
 from zeroplan.spec.model import TransformerSpec
+from zeroplan.spec.validation import describe_validation_error
 
 _REQUIRED = object()
 
@@ -196,7 +197,4 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str, source: str | None
     try:
         return TransformerSpec.model_validate(fields)
     except ValidationError as exc:
-        # Imported here, not at the top: catalog imports this module when it meets a config.json.
-        from zeroplan.importers.catalog import describe_validation_error
-
-        raise SpecError(describe_validation_error(exc, where)) from None
+        raise SpecError(describe_validation_error(exc, where, TransformerSpec)) from None

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 from zeroplan.errors import SpecError
 
 if TYPE_CHECKING:  # pydantic and the specs are imported when first needed, not at CLI start-up
-    from pydantic import ValidationError
-
     from zeroplan.spec.model import ModelSpec
     from zeroplan.spec.training import TrainingSpec
 
@@ -62,24 +60,6 @@ def gpu_memory_bytes(text: str, field: str = "--gpu-memory") -> int:
         raise SpecError(f"{size_error}, or name a GPU: {', '.join(gpu_names())}") from None
 
 
-def validation_message(error: ValidationError, source: str | None = None) -> str:
-    """One line for a pydantic ValidationError: each problem as `key.path: message (got value)`,
-    prefixed with where the values came from when known."""
-    problems = []
-    for item in error.errors(include_url=False):
-        message = str(item["msg"]).removeprefix("Value error, ")
-        path = ".".join(str(part) for part in item["loc"])
-        if path:
-            got = item.get("input")
-            if item["type"] != "missing" and not isinstance(got, (dict, list)):
-                message += f" (got {got!r})"
-            message = f"{path}: {message}"
-        problems.append(message)
-    count = f"{len(problems)} errors: " if len(problems) > 1 else ""
-    where = f"{source}: " if source else ""
-    return (where + count + "; ".join(problems)).replace("\n", " ")
-
-
 def training_spec_from_options(options: Mapping[str, Any], config_file: str | Path | None = None,
                                model: ModelSpec | None = None) -> TrainingSpec:
     """The TrainingSpec for these options over the values read from `config_file`.
@@ -92,6 +72,7 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
     from pydantic import ValidationError
 
     from zeroplan.spec.training import TrainingSpec
+    from zeroplan.spec.validation import describe_validation_error
 
     values: dict[str, Any] = {}
     if config_file is not None:
@@ -104,7 +85,7 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
     try:
         return TrainingSpec.model_validate(values)
     except ValidationError as error:
-        raise SpecError(validation_message(error)) from None
+        raise SpecError(describe_validation_error(error, schema=TrainingSpec)) from None
 
 
 def model_from_options(
@@ -127,11 +108,6 @@ def model_from_options(
         from zeroplan.importers.catalog import resolve_model
 
         return resolve_model(model)
-    from pydantic import ValidationError
-
     from zeroplan.importers.catalog import params_model
 
-    try:
-        return params_model(params, largest_layer, trainable_params)
-    except ValidationError as error:
-        raise SpecError(validation_message(error)) from None
+    return params_model(params, largest_layer, trainable_params)  # a SpecError naming the field when invalid

@@ -48,7 +48,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from zeroplan.measure.engines import CATEGORIES, ENGINE_CATEGORIES
+from zeroplan.estimate.result import TENSOR_CATEGORIES
+from zeroplan.measure.engines import ENGINE_CATEGORIES
 
 Classifier = Callable[[], dict[str, list[torch.Tensor]]]
 
@@ -329,7 +330,7 @@ class TensorAccounting(TorchDispatchMode):
         collective used it (an all-gather output or reduce-scatter input the engine no longer
         references, but the process group still holds); the category given at its birth
         (`born_as`, `births_as`); the phase's default."""
-        totals = dict.fromkeys(CATEGORIES, 0)
+        totals = dict.fromkeys(TENSOR_CATEGORIES, 0)
         for serial, (size, category) in storages.items():
             category = category or at_end.get(serial)
             if category is None and serial in self._communicated:
@@ -377,8 +378,8 @@ class TensorAccounting(TorchDispatchMode):
         model, since what an engine allocates then and keeps is its own (DDP's reducer buckets,
         which Python cannot reach)."""
         for category in (default_category, born_as):
-            if category is not None and category not in CATEGORIES:
-                raise ValueError(f"category {category!r} is not one of {CATEGORIES}")
+            if category is not None and category not in TENSOR_CATEGORIES:
+                raise ValueError(f"category {category!r} is not one of {TENSOR_CATEGORIES}")
         with self._lock:
             self._drain()
             phase = _Phase(name, default_category, born_as, self.current_bytes, self.current_bytes, _Base({}, {}))
@@ -406,8 +407,8 @@ class TensorAccounting(TorchDispatchMode):
     def births_as(self, category: str):
         """Storages born inside this block count as `category` unless the runner names them
         (for engine buffers Python cannot reach, e.g. DDP's rebuilt reducer buckets)."""
-        if category not in CATEGORIES:
-            raise ValueError(f"category {category!r} is not one of {CATEGORIES}")
+        if category not in TENSOR_CATEGORIES:
+            raise ValueError(f"category {category!r} is not one of {TENSOR_CATEGORIES}")
         previous, self._birth_category = self._birth_category, category
         try:
             yield

@@ -30,10 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from zeroplan.estimate.result import CATEGORY_NAMES
-
-CATEGORIES = tuple(name for name in CATEGORY_NAMES if name != "overhead")
-"""The categories the accounting records (zeroplan/measure/result.py), in report order."""
+from zeroplan.estimate.result import TENSOR_CATEGORIES as CATEGORIES  # the estimate's overhead is not a tensor
 
 STEPS = ("steady", "first")
 DEVICE_COUNTERS = ("allocated_peak_bytes", "reserved_peak_bytes")  # torch.cuda max_memory_allocated / reserved

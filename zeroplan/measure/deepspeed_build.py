@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not names:
         sys.exit(f"usage: python -m {MODULE} OP...; known ops: {', '.join(OPS)}")
     if not child:
-        from zeroplan.measure.launcher import child_env
+        from zeroplan.measure.processes import child_env
 
         env = child_env(None)  # the child picks DeepSpeed's accelerator
         started = time.monotonic()

@@ -40,6 +40,10 @@ class Row:
     small_buckets: bool = False  # deepspeed: SMALL_BUCKETS instead of DeepSpeed's defaults
     quick: bool = False  # part of the CI slice (`--quick`, tests/test_accuracy_slice.py)
     recipe: str = "plain"  # the program measured: zeroplan's own loop unless a row names another
+    optimizer_impl: str | None = None  # torch optimizer kernel: fused, foreach, for-loop (None: the recipe's)
+    ddp: bool | None = None  # engine torch on one rank: False runs the bare module (None: the recipe's)
+    optimizer_in_backward: bool = False  # per-parameter optimizers stepped in the gradient hooks
+    client_optimizer: bool = False  # deepspeed: a client torch optimizer instead of the JSON's
     dropout: float | None = None  # --dropout P on every dropout layer; None: the model config's rates
 
     @property
@@ -48,8 +52,11 @@ class Row:
         ckpt = "ckpt" if self.checkpointing == "full" else "nockpt" if self.checkpointing == "none" else self.checkpointing
         world = f"fake{self.world}" if self.simulate else f"w{self.world}"
         parts = (self.model, setup, self.precision, ckpt, f"{self.micro_batch}x{self.seq_len}", world)
-        knobs = (("eager",) if self.attention == "eager" else ()) + ((f"drop{self.dropout:g}",) if self.dropout is not None else ())
-        return "/".join(parts + knobs)
+        program = (("eager",) if self.attention == "eager" else ()) + ((self.optimizer_impl,) if self.optimizer_impl else ()) \
+            + (("noddp",) if self.ddp is False else ()) + (("optinbwd",) if self.optimizer_in_backward else ()) \
+            + (("client",) if self.client_optimizer else ()) \
+            + ((f"drop{self.dropout:g}",) if self.dropout is not None else ())
+        return "/".join(parts + program)
 
     @property
     def needs_cpu_adam(self) -> bool:
@@ -75,6 +82,13 @@ class Row:
         if self.engine == "deepspeed":
             # measure builds the model whole, then deepspeed.initialize partitions it (no zero.Init)
             fields["deepspeed"] = {**fields.get("deepspeed", {}), "zero_init": False}
+            if self.client_optimizer:
+                fields["deepspeed"]["client_optimizer"] = True
+        for knob in ("optimizer_impl", "ddp"):
+            if getattr(self, knob) is not None:
+                fields[knob] = getattr(self, knob)
+        if self.optimizer_in_backward:
+            fields["optimizer_in_backward"] = True
         return fields
 
 
@@ -142,6 +156,24 @@ def _grid() -> tuple[Row, ...]:
                         quick=quick))
     rows.append(Row("tiny-llama", "deepspeed", 3, "fp32", checkpointing="selective", attention="eager", micro_batch=1,
                     seq_len=1024, small_buckets=True))
+    # The torch optimizer's kernel (for-loop is the plain loop's on CPU, in every row above), one rank
+    # without DDP, the optimizer in backward, and DeepSpeed stepping a client torch optimizer.
+    for model, engine, stage, precision, extra in (
+        ("tiny-llama", "torch", 0, "fp32", {"optimizer_impl": "foreach"}),
+        ("tiny-gpt2", "torch", 1, "bf16", {"optimizer_impl": "fused"}),
+        ("tiny-gpt2", "fsdp2", 2, "fp32", {"optimizer_impl": "foreach"}),
+        ("tiny-llama", "fsdp2", 3, "bf16", {"optimizer_impl": "fused"}),
+        ("tiny-llama", "torch", 0, "fp32", {"world": 1, "ddp": False}),
+        ("tiny-gpt2", "torch", 0, "bf16", {"world": 1, "ddp": False, "optimizer_impl": "foreach"}),
+        ("tiny-llama", "torch", 0, "fp32", {"world": 1, "ddp": False, "optimizer_in_backward": True}),
+        ("tiny-gpt2", "torch", 0, "fp32", {"world": 1, "ddp": False, "optimizer_in_backward": True,
+                                           "optimizer_impl": "foreach"}),
+        ("tiny-llama", "deepspeed", 2, "fp32", {"client_optimizer": True, "optimizer_impl": "for-loop", "small_buckets": True}),
+        ("tiny-gpt2", "deepspeed", 1, "bf16", {"client_optimizer": True, "optimizer_impl": "foreach", "small_buckets": True}),
+        ("tiny-llama", "deepspeed", 3, "fp32", {"client_optimizer": True, "optimizer_impl": "fused", "small_buckets": True}),
+        ("tiny-gpt2", "deepspeed", 0, "bf16", {"client_optimizer": True, "optimizer_impl": "foreach"}),
+    ):
+        rows.append(Row(model, engine, stage, precision, **extra))
     # Dropout at GPT-2's 0.1 (embedding, attention, residual masks): fused attention (on CPU, SDPA's
     # math path keeps the attention matrices) and eager, with and without checkpointing, autocast's bf16.
     for engine, stage, precision, ckpt, attention, (mb, seq), quick in (

@@ -30,10 +30,10 @@ from typing import Callable
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build
-from zeroplan.measure.processes import exit_status, kill_sessions, last_line, spawn
+from zeroplan.measure.processes import child_env, exit_status, kill_sessions, last_line, spawn
 from zeroplan.measure.result import MeasureResult, RankResult
 from zeroplan.spec.model import ModelSpec, TransformerSpec
-from zeroplan.spec.training import TrainingSpec
+from zeroplan.spec.training import Device, TrainingSpec
 
 POLL_S = 0.05
 DEFAULT_RECIPE = "plain"  # measure runs zeroplan's own loop unless --recipe names a program it runs
@@ -51,6 +51,25 @@ def as_measured(training: TrainingSpec) -> TrainingSpec:
     return training.model_copy(update={"deepspeed": training.deepspeed.model_copy(update={"zero_init": False})})
 
 
+def choose_backend(requested: str | None, simulate: bool = False) -> str:
+    """The process-group backend of a run: fake when simulated, else the one requested, else nccl
+    where CUDA GPUs are visible and gloo otherwise."""
+    if simulate:
+        if requested not in (None, "fake"):
+            raise MeasureError(f"backend: --simulate runs the fake backend, not {requested}")
+        return "fake"
+    if requested is None:
+        from zeroplan.measure.context import default_backend
+
+        return default_backend()
+    return requested
+
+
+def measured_device(backend: str) -> Device:
+    """The memory a run measures: the GPUs' under nccl, the host's under gloo and fake."""
+    return Device.CUDA if backend == "nccl" else Device.CPU
+
+
 def write_job(path: Path, model: TransformerSpec, training: TrainingSpec, **fields) -> None:
     """The job file a worker reads: both specs as JSON plus `fields` (backend, steps, init_method, ...)."""
     job = {"model": model.model_dump(mode="json"), "training": training.model_dump(mode="json"), **fields}
@@ -61,21 +80,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _package_root() -> str:
-    import zeroplan
-
-    return str(Path(zeroplan.__file__).resolve().parent.parent)
-
-
-def child_env(backend: str | None) -> dict[str, str]:
-    """The environment of every child: this package importable, DeepSpeed on its CPU accelerator for gloo."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
-    if backend == "gloo":
-        env.setdefault("DS_ACCELERATOR", "cpu")  # as deepspeed_engine._prepare_environment
-    return env
 
 
 def _worker_env(rank: int, world_size: int, nproc: int, backend: str) -> dict[str, str]:
@@ -135,14 +139,7 @@ def run_measurement(
         raise MeasureError(f"steps: must be at least 1, got {steps}")
     if not 0 < timeout_s < float("inf"):  # nan fails both comparisons: it would switch the timeout off
         raise MeasureError(f"timeout: must be positive, got {timeout_s:g} s")
-    if simulate:
-        if backend not in (None, "fake"):
-            raise MeasureError(f"backend: --simulate runs the fake backend, not {backend}")
-        backend = "fake"
-    elif backend is None:
-        from zeroplan.measure.context import default_backend
-
-        backend = default_backend()
+    backend = choose_backend(backend, simulate)
     if backend not in ("gloo", "nccl", "fake"):
         raise MeasureError(f"backend: {backend!r} is not one of gloo, nccl, fake")
     if backend == "nccl":

@@ -189,3 +189,18 @@ def last_line(log: Path) -> str:
     except OSError:
         return ""
     return lines[-1].strip() if lines else ""
+
+
+def _package_root() -> str:
+    import zeroplan
+
+    return str(Path(zeroplan.__file__).resolve().parent.parent)
+
+
+def child_env(backend: str | None) -> dict[str, str]:
+    """The environment of every child: this package importable, DeepSpeed on its CPU accelerator for gloo."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
+    if backend == "gloo":
+        env.setdefault("DS_ACCELERATOR", "cpu")  # as deepspeed_engine._prepare_environment
+    return env

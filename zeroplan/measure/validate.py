@@ -34,6 +34,7 @@ from typing import Any
 from zeroplan.errors import MeasureError, SpecError, ZeroplanError
 from zeroplan.measure.comparison import CATEGORIES, TARGETS, Comparison, Targets, compare, device_peaks, summary_peaks
 from zeroplan.measure.grid import Row, row_implementation, row_specs, run_backend
+from zeroplan.measure.published import PublishedCheck, check_published
 
 DEFAULT_STEPS = 3  # step 1 creates the optimizer states; steps 2-3 are the steady state
 DEFAULT_TIMEOUT_S = 900.0
@@ -242,6 +243,7 @@ class Report:
     generated: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
     targets: Targets = TARGETS  # what each row is held to
     categories: tuple[str, ...] = CATEGORIES  # the categories compared, in report order
+    published: list[PublishedCheck] = field(default_factory=list)  # published GPU runs against the estimate
 
     @property
     def compared(self) -> list[RowReport]:
@@ -287,7 +289,7 @@ def build_report(rows: Sequence[Row], records: dict[str, dict[str, Any]], reason
             comparison = compare(phases, summary_peaks(record["measurement"]))
         stale = record is not None and record.get("fingerprint") != fingerprint(row, backend, steps)
         out.append(RowReport(row, record, comparison, reason_for(row.id, reasons), stale))
-    return Report(out, backend, command, steps, wall_seconds)
+    return Report(out, backend, command, steps, wall_seconds, published=check_published())
 
 
 def update_report(

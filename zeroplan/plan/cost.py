@@ -38,8 +38,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from zeroplan.estimate.dtypes import StateBytes, state_bytes
 from zeroplan.spec.model import TransformerSpec
-from zeroplan.spec.training import Checkpointing, Engine, Offload, Optimizer, Precision
+from zeroplan.spec.training import Checkpointing, Engine, Offload
 
 _GB = 10**9
 
@@ -149,13 +150,18 @@ def model_flops(model, params: int, trainable_params: int) -> ModelFlops:
     return ModelFlops(params, trainable_params, 6.0 * active, attention)
 
 
-def _optimizer_bytes_per_param(optimizer: Optimizer, precision: Precision) -> int:
-    """Bytes the update touches per trainable parameter: read and write the master weight and each
-    state, read the gradient, write the 16-bit working copy in mixed precision."""
-    mixed = precision in (Precision.FP16, Precision.BF16)
-    master = 2 if precision == Precision.PURE_BF16 else 4
-    grad = 2 if precision == Precision.PURE_BF16 else 4  # mixed precision updates from fp32 gradients
-    return 2 * master + 2 * _state_bytes(optimizer, master) + grad + (2 if mixed else 0)
+def _updated_weight_bytes(sizes: StateBytes) -> int:
+    """Bytes of the weight the optimizer updates: the fp32 master in mixed precision, else the parameter."""
+    return sizes.master or sizes.param
+
+
+def _optimizer_bytes_per_param(sizes: StateBytes) -> float:
+    """Bytes the update touches per trainable parameter: read and write the updated weight and each
+    state, read the gradient at the weight's width (mixed precision updates from fp32 gradients),
+    write the 16-bit working copy in mixed precision."""
+    weight = _updated_weight_bytes(sizes)
+    working_copy = sizes.param if sizes.master else 0
+    return 2 * weight + 2 * sizes.optimizer_states + weight + working_copy
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,8 @@ def step_cost_model(flops: ModelFlops, training, assumptions: Assumptions) -> St
     """The cost model of `training` (a TrainingSpec; micro_batch and grad_accum are ignored)."""
     n = training.gpus
     psi, psi_trainable = flops.params, flops.trainable_params
-    element = 4 if training.precision == Precision.FP32 else 2  # 16-bit gradients and parameters on the wire
+    sizes = state_bytes(training.precision, training.optimizer)
+    element = sizes.param  # parameters and gradients travel at the model's width (sizes.grad is the same)
     ring = (n - 1) / n
     link = assumptions.intra_node_bytes_per_s if n <= training.node_gpus else assumptions.inter_node_bytes_per_s
 
@@ -228,7 +235,7 @@ def step_cost_model(flops: ModelFlops, training, assumptions: Assumptions) -> St
     trainable_partition = psi_trainable / n if stage >= 1 else psi_trainable
     node_share = training.node_gpus  # GPUs of a node share its CPU memory and NVMe bandwidth
     offload_step = offload_micro = 0.0
-    optimizer_bytes = _optimizer_bytes_per_param(training.optimizer, training.precision) * trainable_partition
+    optimizer_bytes = _optimizer_bytes_per_param(sizes) * trainable_partition
     if training.offload_optimizer != Offload.NONE:
         grads_out = trainable_partition * element / assumptions.pcie_bytes_per_s
         offload_step += partition * element / assumptions.pcie_bytes_per_s  # updated 16-bit params come back
@@ -238,8 +245,7 @@ def step_cost_model(flops: ModelFlops, training, assumptions: Assumptions) -> St
             offload_step += grads_out
         optimizer_s = optimizer_bytes / (assumptions.cpu_memory_bytes_per_s / node_share)
         if training.offload_optimizer == Offload.NVME:
-            master = 2 if training.precision == Precision.PURE_BF16 else 4
-            swapped = (master + _state_bytes(training.optimizer, master)) * trainable_partition
+            swapped = (_updated_weight_bytes(sizes) + sizes.optimizer_states) * trainable_partition
             offload_step += 2 * swapped / (assumptions.nvme_bytes_per_s / node_share)  # read and write back
     else:
         optimizer_s = optimizer_bytes / assumptions.hbm_bytes_per_s
@@ -271,20 +277,43 @@ def step_cost_model(flops: ModelFlops, training, assumptions: Assumptions) -> St
     )
 
 
-def _state_bytes(optimizer: Optimizer, master: int) -> int:
-    """Optimizer-state bytes per parameter: Adam two moments, SGD one momentum, 8-bit Adam two bytes."""
-    return {Optimizer.ADAMW: 2 * master, Optimizer.ADAM: 2 * master, Optimizer.SGD: master, Optimizer.ADAM_8BIT: 2}[optimizer]
+DEFAULT_SPEEDS_GPU = "h100-80gb"
+"""The preset whose speeds are assumed when only a GPU memory size is given."""
+
+_RATES_AS_TYPED = {
+    "gpu_tflops": ("gpu_flops_per_s", 1e12),
+    "intra_node_gbps": ("intra_node_bytes_per_s", _GB),
+    "inter_node_gbps": ("inter_node_bytes_per_s", _GB),
+    "pcie_gbps": ("pcie_bytes_per_s", _GB),
+    "cpu_memory_gbps": ("cpu_memory_bytes_per_s", _GB),
+    "nvme_gbps": ("nvme_bytes_per_s", _GB),
+}
+"""Rates in the units users type (TFLOP/s, GB/s) -> the Assumptions field and its scale."""
 
 
 def assumptions_for(gpu, **overrides) -> Assumptions:
-    """Assumptions from a `GpuPreset`'s datasheet figures, with `overrides` (field: value, None
-    meaning not given) on top."""
+    """Assumptions from a `GpuPreset`'s datasheet figures (DEFAULT_SPEEDS_GPU's, said in `source`,
+    when `gpu` is None), with `overrides` on top: Assumptions fields, or the rates of
+    `_RATES_AS_TYPED` in TFLOP/s and GB/s; None means not given."""
+    if gpu is None:
+        from zeroplan.importers.gpus import get_gpu
+
+        gpu = get_gpu(DEFAULT_SPEEDS_GPU)
+        source = f"no --gpu given: speeds of {gpu.label} assumed ({gpu.source})"
+    else:
+        source = f"{gpu.label}: {gpu.source}"
     values = {
         "gpu_flops_per_s": gpu.bf16_flops_per_s,
         "hbm_bytes_per_s": gpu.hbm_bytes_per_s,
         "intra_node_bytes_per_s": gpu.gpu_link_one_way_bytes_per_s,
         "pcie_bytes_per_s": gpu.pcie_one_way_bytes_per_s,
-        "source": f"{gpu.label}: {gpu.source}",
+        "source": source,
     }
-    values.update({key: value for key, value in overrides.items() if value is not None})
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        if name in _RATES_AS_TYPED:
+            name, scale = _RATES_AS_TYPED[name]
+            value = value * scale
+        values[name] = value
     return Assumptions.model_validate(values)

@@ -17,11 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pydantic import ValidationError
-
-from zeroplan.errors import SpecError
+from zeroplan.errors import FieldError, SpecError
 from zeroplan.estimate.result import Estimate
-from zeroplan.spec.training import Engine, Offload, TrainingSpec
+from zeroplan.spec.training import Engine, Offload, TrainingSpec, config_label
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme", "cpu-optimizer", "nvme-optimizer")
 
@@ -65,23 +63,16 @@ def _offloads(stage: int, choice: str) -> tuple[Offload, Offload]:
 
 
 def _label(training: TrainingSpec) -> str:
-    text = f"ZeRO-{training.zero_stage}"
-    if training.offload_optimizer != Offload.NONE:
-        text += f" + opt->{training.offload_optimizer.value}"
-    if training.offload_params != Offload.NONE:
-        text += f" + params->{training.offload_params.value}"
-    return text
+    """What the grid varies: the stage and the offloads (the base's checkpointing is every row's)."""
+    return config_label(training.zero_stage, training.offload_optimizer, training.offload_params)
 
 
 def _spec(base: TrainingSpec, **changes) -> TrainingSpec | str:
-    values = base.model_dump()
-    values.update(changes)
-    if base.gpus_per_node is not None and values["gpus"] < base.gpus_per_node:
-        values["gpus_per_node"] = values["gpus"]  # a world smaller than one node is that node
+    """`base` with `changes`, or why that combination is invalid."""
     try:
-        return TrainingSpec.model_validate(values)
-    except ValidationError as error:
-        return "; ".join(str(item["msg"]).removeprefix("Value error, ") for item in error.errors())
+        return base.varied(**changes)
+    except SpecError as error:
+        return str(error)
 
 
 def compare(
@@ -99,12 +90,12 @@ def compare(
         from zeroplan.estimate import estimate as estimator
     for choice in offloads:
         if choice not in OFFLOAD_CHOICES:
-            raise SpecError(f"--offload: unknown choice {choice!r}; use {', '.join(OFFLOAD_CHOICES)}")
+            raise FieldError("offloads", f"unknown choice {choice!r}; use {', '.join(OFFLOAD_CHOICES)}")
     for stage in stages:
         if stage not in (0, 1, 2, 3):
-            raise SpecError(f"--zero: stage must be 0, 1, 2 or 3, got {stage}")
+            raise FieldError("stages", f"stage must be 0, 1, 2 or 3, got {stage}")
     if not 0 <= headroom < 1:
-        raise SpecError(f"--headroom: must be in [0, 1), got {headroom}")
+        raise FieldError("headroom", f"must be in [0, 1), got {headroom}")
     budget = None if gpu_memory_bytes is None else int(gpu_memory_bytes * (1 - headroom))
     rows, skipped = [], []
     for gpus in gpu_counts or (base.gpus,):

@@ -21,16 +21,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from pydantic import ValidationError
-
-from zeroplan.errors import SpecError
+from zeroplan.errors import FieldError, SpecError
 from zeroplan.estimate import Fit
 from zeroplan.estimate.activations import memory_checkpointing
 from zeroplan.estimate.facts import model_facts
 from zeroplan.estimate.result import Estimate
 from zeroplan.plan.cost import Assumptions, ModelFlops, StepCost, StepCostModel, model_flops, step_cost_model
 from zeroplan.plan.limits import MAX_GPUS
-from zeroplan.spec.training import ENGINE_STAGES, Checkpointing, Engine, Offload, TrainingSpec
+from zeroplan.spec.training import ENGINE_STAGES, Checkpointing, Engine, Offload, TrainingSpec, config_label
 
 Estimator = Callable[..., Estimate]
 
@@ -65,7 +63,7 @@ class Limits:
 
     def __post_init__(self) -> None:
         if not 0 <= self.headroom < 1:
-            raise SpecError(f"--headroom: must be in [0, 1), got {self.headroom}")
+            raise FieldError("headroom", f"must be in [0, 1), got {self.headroom}")
 
     @property
     def budget_bytes(self) -> int:
@@ -83,14 +81,7 @@ class Choice(NamedTuple):
     gpus: int
 
     def label(self) -> str:
-        text = f"ZeRO-{self.zero_stage}"
-        if self.offload_optimizer != Offload.NONE:
-            text += f" opt->{self.offload_optimizer.value}"
-        if self.offload_params != Offload.NONE:
-            text += f" params->{self.offload_params.value}"
-        if self.checkpointing != Checkpointing.NONE:
-            text += f" ckpt {self.checkpointing.value}"
-        return text
+        return config_label(self.zero_stage, self.offload_optimizer, self.offload_params, self.checkpointing)
 
 
 @dataclass(frozen=True)
@@ -161,9 +152,6 @@ class Planner:
         self._memory_modes = {mode: memory_checkpointing(base.model_copy(update={"checkpointing": mode}), model)
                               for mode in Checkpointing}
         self._flops: ModelFlops | None = None
-        # The base's fields, with its knob models as objects: validation keeps a model instance
-        # as it is, so every spec shares them (the estimator's caches find equal knobs by identity).
-        self._base_values = dict(base.model_dump(exclude={"deepspeed", "fsdp2"}), deepspeed=base.deepspeed, fsdp2=base.fsdp2)
 
     # -- building blocks -------------------------------------------------------------------------
     def estimate(self, training: TrainingSpec) -> Estimate:
@@ -183,22 +171,12 @@ class Planner:
         return found
 
     def _validate(self, choice: Choice) -> TrainingSpec | str:
-        values = dict(self._base_values)
-        values.update(
-            zero_stage=choice.zero_stage,
-            offload_optimizer=choice.offload_optimizer,
-            offload_params=choice.offload_params,
-            checkpointing=choice.checkpointing,
-            gpus=choice.gpus,
-        )
-        if self.base.gpus_per_node is not None and choice.gpus < self.base.gpus_per_node:
-            values["gpus_per_node"] = choice.gpus
         try:
-            return TrainingSpec.model_validate(values)
-        except ValidationError as error:
-            message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in error.errors())
-            offloads = Choice(choice.zero_stage, choice.offload_optimizer, choice.offload_params, Checkpointing.NONE, choice.gpus)
-            return f"{offloads.label()} on {choice.gpus} GPUs skipped: {message}"
+            return self.base.varied(zero_stage=choice.zero_stage, offload_optimizer=choice.offload_optimizer,
+                                    offload_params=choice.offload_params, checkpointing=choice.checkpointing, gpus=choice.gpus)
+        except SpecError as error:
+            label = config_label(choice.zero_stage, choice.offload_optimizer, choice.offload_params)
+            return f"{label} on {choice.gpus} GPUs skipped: {error}"
 
     def training(self, choice: Choice, micro_batch: int, grad_accum: int) -> TrainingSpec:
         checked = self._checked(choice)
@@ -443,10 +421,10 @@ def plan(
 ) -> Plan:
     """Search `space` for configurations of `model` that fit `limits`, cheapest first."""
     if space.global_batch is not None and space.global_batch < 1:
-        raise SpecError(f"--global-batch: must be at least 1, got {space.global_batch}")
+        raise FieldError("global_batch", f"must be at least 1, got {space.global_batch}")
     if space.global_batch is not None and all(space.global_batch % gpus for gpus in space.gpu_counts):
         counts = ", ".join(str(g) for g in space.gpu_counts)
-        raise SpecError(f"--global-batch: {space.global_batch} is not divisible by the GPU count ({counts})")
+        raise FieldError("global_batch", f"{space.global_batch} is not divisible by the GPU count ({counts})")
     return _plan(planner or Planner(model, base, assumptions, estimator), model, space, limits, assumptions, top)
 
 
@@ -565,7 +543,7 @@ def parse_gpu_counts(text: str) -> tuple[int, ...]:
             if low < 1 or high < low:
                 raise ValueError
             if high > MAX_GPUS:
-                raise SpecError(f"--gpus: at most {MAX_GPUS:,} GPUs, got {text!r}")
+                raise FieldError("gpu_counts", f"at most {MAX_GPUS:,} GPUs, got {text!r}")
             counts, gpus = [], low
             while gpus <= high:
                 counts.append(gpus)
@@ -573,11 +551,11 @@ def parse_gpu_counts(text: str) -> tuple[int, ...]:
             return tuple(counts)
         counts = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise SpecError(f"--gpus: cannot read {text!r}; write 8, 8,16,64 or a range 8-64 (doubling)") from None
+        raise FieldError("gpu_counts", f"cannot read {text!r}; write 8, 8,16,64 or a range 8-64 (doubling)") from None
     if any(count < 1 for count in counts):
-        raise SpecError(f"--gpus: counts must be at least 1, got {text!r}")
+        raise FieldError("gpu_counts", f"counts must be at least 1, got {text!r}")
     if len(set(counts)) < len(counts):
-        raise SpecError(f"--gpus: a count is listed more than once in {text!r}")
+        raise FieldError("gpu_counts", f"a count is listed more than once in {text!r}")
     if max(counts) > MAX_GPUS:
-        raise SpecError(f"--gpus: at most {MAX_GPUS:,} GPUs, got {text!r}")
+        raise FieldError("gpu_counts", f"at most {MAX_GPUS:,} GPUs, got {text!r}")
     return counts

@@ -5,11 +5,11 @@ zeroplan.measure.validate. Formatting only."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zeroplan.report.common import percent, table
+from zeroplan.spec.files import write_atomic
 
 if TYPE_CHECKING:
     from zeroplan.measure.comparison import Comparison, Line
@@ -158,6 +158,7 @@ def render_markdown(report: Report) -> str:
                                  percent(errors["reserved_peak_bytes"])])
         headers = ["row", "est. tensor MiB", "max_memory_allocated MiB", "error", "max_memory_reserved MiB", "error"]
         lines += [table(gpu_rows, headers, markdown=True, left=len(headers)), ""]
+    lines += published_markdown(report)
     misses = [r for r in report.rows if r.status in ("miss", "failed")]
     lines += ["## Rows that miss the targets", ""]
     if misses:
@@ -222,6 +223,31 @@ The main table still compares against the exact tensor accounting, which also ru
 """
 
 
+def published_markdown(report: Report) -> list[str]:
+    """The published GPU runs: which figure each publishes, the estimate beside it, and the error."""
+    if not report.published:
+        return []
+    rows = []
+    for check in report.published:
+        run = check.run
+        published = f"{run.published_bytes / 2**30:.1f} GiB" if run.published_bytes is not None else run.figure
+        estimate = f"{check.estimate_bytes / 2**30:.1f} GiB" if check.estimate_bytes is not None else check.problem
+        outcome = percent(check.error) if check.error is not None else check.verdict
+        rows.append([run.id, run.figure, published, estimate, outcome, run.source, run.not_modelled or "-"])
+    return [
+        "## Published GPU runs",
+        "",
+        "Runs on GPUs that state their configuration (`zeroplan/measure/published.py`), estimated with that "
+        "configuration and nothing fitted. The figures differ in kind: peak *reserved* (torchtitan) sits above "
+        "the allocated peak by the caching allocator's pool; peak *active* (torchtune) is close to allocated; the "
+        "estimate counts allocated tensor bytes plus the CUDA context. Error = estimate / published - 1.",
+        "",
+        table(rows, ["run", "figure", "published", "estimate", "error or verdict", "source", "not modelled"],
+              markdown=True, left=7),
+        "",
+    ]
+
+
 def report_json(report: Report) -> dict[str, Any]:
     """The report as JSON: settings, distributions, and per row its config, record (the cache) and comparison."""
     rows = []
@@ -262,24 +288,20 @@ def report_json(report: Report) -> dict[str, Any]:
                        "category_floor_bytes": targets.category_floor_bytes,
                        "category_floor_fraction": targets.category_floor_fraction},
         "distributions": report.distributions(),
+        "published": [{"id": c.run.id, "figure": c.run.figure, "published_bytes": c.run.published_bytes,
+                       "gpu_memory_bytes": c.run.gpu_memory_bytes, "estimate_bytes": c.estimate_bytes, "error": c.error,
+                       "verdict": c.verdict, "problem": c.problem, "source": c.run.source,
+                       "training": c.run.training} for c in report.published],
         "rows": rows,
     }
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def write_report(report: Report, markdown_path: Path | None, json_path: Path | None) -> None:
     """The JSON and the markdown, each written whole (a temporary file, then a rename)."""
     if json_path is not None:
-        _write_atomic(json_path, json.dumps(report_json(report), indent=1) + "\n")
+        write_atomic(json_path, json.dumps(report_json(report), indent=1) + "\n", "--output-json")
     if markdown_path is not None:
-        _write_atomic(markdown_path, render_markdown(report))
+        write_atomic(markdown_path, render_markdown(report), "--output-md")
 
 
 def render_terminal(shown: Report, whole: Report) -> str:

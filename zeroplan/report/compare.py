@@ -9,7 +9,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from zeroplan.errors import SpecError
-from zeroplan.estimate.serialize import CATEGORIES, per_gpu_to_dict, per_node_to_dict
+from zeroplan.estimate.result import CATEGORY_NAMES
+from zeroplan.estimate.serialize import per_gpu_to_dict, per_node_to_dict
 from zeroplan.report.common import FORMATS, amount, table
 from zeroplan.spec.units import UNIT_POWERS
 
@@ -34,7 +35,8 @@ def row_to_dict(row: CompareRow) -> dict[str, Any]:
     }
 
 
-_HEADERS = ("config", "GPUs", "params", "grads", "optim", "activ", "buffers", "temps", "overhead", "peak",
+_SHORT = {"optimizer_states": "optim", "activations": "activ", "temporaries": "temps"}  # the wide table's headers
+_HEADERS = ("config", "GPUs", *(_SHORT.get(name, name) for name in CATEGORY_NAMES), "peak",
             "peak phase", "CPU/node", "NVMe/node", "saving", "fits")
 
 
@@ -67,11 +69,11 @@ def render_comparison(comparison: Comparison, fmt: str = "table", units: str = "
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(["config", "gpus", "offload", *(f"{c}_bytes" for c in CATEGORIES), "peak_bytes", "peak_step", "peak_phase",
+        writer.writerow(["config", "gpus", "offload", *(f"{c}_bytes" for c in CATEGORY_NAMES), "peak_bytes", "peak_step", "peak_phase",
                          "cpu_per_node_bytes", "nvme_per_node_bytes", "saving_vs_stage0_percent", "fits"])
         for row in comparison.rows:
             data = row_to_dict(row)
-            writer.writerow([data["config"], data["gpus"], data["offload"], *(data["per_gpu"][c] for c in CATEGORIES),
+            writer.writerow([data["config"], data["gpus"], data["offload"], *(data["per_gpu"][c] for c in CATEGORY_NAMES),
                              data["per_gpu"]["peak"], data["per_gpu"]["peak_step"], data["per_gpu"]["peak_phase"], data["per_node"]["cpu"],
                              data["per_node"]["nvme"], "" if data["saving_vs_stage0_percent"] is None else data["saving_vs_stage0_percent"],
                              "" if data["fits"] is None else data["fits"]])

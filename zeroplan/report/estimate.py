@@ -7,9 +7,6 @@ here, and every figure is labelled with the unit it was divided by.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,6 +120,9 @@ def _peak_marker(row: dict[str, Any], per_gpu: dict[str, Any]) -> str:
 
 def _estimate_csv(data: dict[str, Any], units: str) -> str:
     """The per-phase table, one row per (step, phase), sizes in `units` (named in the header)."""
+    import csv
+    import io
+
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["step", "phase", *(f"{key}_{units}" for key in CATEGORY_LABELS), f"total_{units}", "is_peak"])
@@ -138,6 +138,8 @@ def _estimate_csv(data: dict[str, Any], units: str) -> str:
 def render_estimate(data: dict[str, Any], output_format: str = "table", units: str = "GiB") -> str:
     """`data` from `estimate_to_dict`, as text in `output_format` (one of FORMATS)."""
     if output_format == "json":
+        import json
+
         return json.dumps(data, indent=2) + "\n"
     if output_format == "csv":
         return _estimate_csv(data, units)
@@ -147,8 +149,13 @@ def render_estimate(data: dict[str, Any], output_format: str = "table", units: s
 def render_models(rows: Sequence[dict[str, Any]], output_format: str = "table") -> str:
     """The catalogue rows of `zeroplan.estimate.serialize.model_rows` in `output_format`."""
     if output_format == "json":
+        import json
+
         return json.dumps(list(rows), indent=2) + "\n"
     if output_format == "csv":
+        import csv
+        import io
+
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=MODEL_COLUMNS, lineterminator="\n")
         writer.writeheader()

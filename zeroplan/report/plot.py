@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zeroplan.errors import MissingDependencyError, SpecError
-from zeroplan.estimate.serialize import CATEGORIES
+from zeroplan.estimate.result import CATEGORY_NAMES
 from zeroplan.spec.units import bytes_in_unit
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def plot_comparison(comparison: Comparison, path: str | Path, units: str = "GiB"
     labels = [f"{row.label.replace(' + ', chr(10) + '+ ')}\n{row.training.gpus} GPUs" for row in rows]
     figure, axes = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 5.5))
     bottoms = [0.0] * len(rows)
-    for category, colour in zip(CATEGORIES, _COLOURS):
+    for category, colour in zip(CATEGORY_NAMES, _COLOURS):
         heights = [bytes_in_unit(getattr(row.estimate.peak.categories, category), units) for row in rows]
         if not any(heights):
             continue

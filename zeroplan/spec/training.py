@@ -5,9 +5,12 @@ knobs of the engine that runs it. Validated once here; everything downstream tru
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from zeroplan.errors import SpecError
+from zeroplan.spec.validation import describe_validation_error
 
 from zeroplan.spec.program import (
     KNOBS,
@@ -109,6 +112,9 @@ class DeepSpeedKnobs(BaseModel):
         "(what Hugging Face Transformers and Accelerate do under ZeRO-3); false: built whole, then "
         "partitioned by deepspeed.initialize (what zeroplan measure does).",
     )
+    client_optimizer: bool = Field(
+        False, description="A client torch optimizer steps the fp32 partition (the DeepSpeed JSON has no optimizer "
+        "section: the Hugging Face Trainer passes its own AdamW); false: DeepSpeed's config optimizer (FusedAdam).")
     offload_pin_memory: bool = Field(True, description="Pin the CPU buffers of offloaded states.")
     offload_buffer_count: int = Field(5, ge=1, description="offload_param.buffer_count (NVMe swap buffers).")
     offload_buffer_size: int = Field(100_000_000, ge=1, description="offload_param.buffer_size in elements.")
@@ -213,6 +219,17 @@ class TrainingSpec(BaseModel):
             raise ValueError(f"loss_chunks applies to a chunked loss, not loss {program.loss.value}")
         if program.model_init == ModelInit.ZERO_INIT and not (self.engine == Engine.DEEPSPEED and self.zero_stage == 3):
             raise ValueError("model_init zero-init is deepspeed.zero.Init, which needs engine deepspeed at zero_stage 3")
+        if self.optimizer_impl is not None and self.engine == Engine.DEEPSPEED and not self.deepspeed.client_optimizer:
+            raise ValueError("optimizer_impl chooses a torch optimizer's kernel; DeepSpeed steps the optimizer of its JSON "
+                             "(FusedAdam): give a DeepSpeed JSON without an optimizer section for a client torch optimizer")
+        if self.ddp is False and self.engine == Engine.TORCH and self.gpus > 1:
+            raise ValueError(f"ddp false runs one rank without DistributedDataParallel; with gpus {self.gpus} engine torch is DDP")
+        if program.optimizer_in_backward and self.engine == Engine.FSDP2:
+            raise ValueError("optimizer_in_backward under fsdp2 is not modelled (FSDP2 steps after each block's "
+                             "reduce-scatter); use engine torch on one GPU, or --no-optimizer-in-backward")
+        if program.optimizer_in_backward and self.engine == Engine.TORCH and program.ddp:
+            raise ValueError("optimizer_in_backward with engine torch runs one rank without DDP (torchtune's single-device "
+                             "recipe): use gpus 1 and no ddp, or engine fsdp2")
         if self.ddp and self.engine != Engine.TORCH:
             raise ValueError(f"ddp applies to engine torch; engine {self.engine.value} wraps the model itself")
         if self.checkpoint_every is not None and self.checkpointing != Checkpointing.FULL:
@@ -228,6 +245,32 @@ class TrainingSpec(BaseModel):
     def node_gpus(self) -> int:
         return self.gpus_per_node or min(self.gpus, 8)
 
+    def varied(self, **changes: Any) -> TrainingSpec:
+        """This spec with `changes` (field: value), validated; a SpecError says why the combination
+        is invalid. A world smaller than one node is that node (gpus_per_node follows gpus down)."""
+        # pydantic keeps the field values in __dict__: a shallow copy, so the knob models are shared
+        # (the estimator's caches find equal knobs by identity), and cheap (the planner varies often)
+        values = {**self.__dict__, **changes}
+        if self.gpus_per_node is not None and values["gpus"] < self.gpus_per_node and "gpus_per_node" not in changes:
+            values["gpus_per_node"] = values["gpus"]
+        try:
+            return TrainingSpec.model_validate(values)
+        except ValidationError as error:
+            raise SpecError(describe_validation_error(error, schema=TrainingSpec)) from None
+
     @property
     def nodes(self) -> int:
         return self.gpus // self.node_gpus
+
+
+def config_label(zero_stage: int, offload_optimizer: Offload = Offload.NONE, offload_params: Offload = Offload.NONE,
+                 checkpointing: Checkpointing = Checkpointing.NONE) -> str:
+    """The name of a configuration in every report: "ZeRO-3 + opt->cpu + params->cpu + ckpt full"."""
+    parts = [f"ZeRO-{zero_stage}"]
+    if offload_optimizer != Offload.NONE:
+        parts.append(f"opt->{offload_optimizer.value}")
+    if offload_params != Offload.NONE:
+        parts.append(f"params->{offload_params.value}")
+    if checkpointing != Checkpointing.NONE:
+        parts.append(f"ckpt {checkpointing.value}")
+    return " + ".join(parts)

@@ -3,13 +3,12 @@ optimizer step's temporaries, sharding arithmetic, and the per-phase record."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.program import Program
+from zeroplan.spec.program import OptimizerImpl, Program
 from zeroplan.spec.training import DeepSpeedKnobs, Device, Offload, Optimizer, Precision, TrainingSpec
 
 
@@ -27,6 +26,7 @@ class DeepSpeedSizes(NamedTuple):
     offload_buffer_count: int
     offload_buffer_size: int
     sub_group_size: int
+    client_optimizer: bool
 
 
 class Setup(NamedTuple):
@@ -51,7 +51,8 @@ def deepspeed_sizes(knobs: DeepSpeedKnobs) -> DeepSpeedSizes:
     return DeepSpeedSizes(
         knobs.reduce_bucket_size, knobs.overlap_comm, knobs.stage3_prefetch_bucket_size, knobs.stage3_max_live_parameters,
         knobs.stage3_max_reuse_distance, knobs.stage3_param_persistence_threshold, knobs.zero_init,
-        knobs.offload_pin_memory, knobs.offload_buffer_count, knobs.offload_buffer_size, knobs.sub_group_size)
+        knobs.offload_pin_memory, knobs.offload_buffer_count, knobs.offload_buffer_size, knobs.sub_group_size,
+        knobs.client_optimizer)
 
 
 def setup_of(training: TrainingSpec) -> Setup:
@@ -61,8 +62,7 @@ def setup_of(training: TrainingSpec) -> Setup:
                  deepspeed_sizes(training.deepspeed), training.fsdp2.reshard_root_after_forward, training.program)
 
 
-@dataclass(frozen=True)
-class EngineEstimate:
+class EngineEstimate(NamedTuple):
     phases: tuple[PhaseBytes, ...]
     per_node: NodeBytes
     notes: tuple[str, ...] = ()
@@ -73,19 +73,21 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def step_temporary_bytes(largest_numel: int, total_numel: int, state_element_bytes: int, optimizer: Optimizer,
-                         device: Device) -> int:
-    """Peak temporaries of one torch optimizer step over a rank's local tensors.
+                         impl: OptimizerImpl) -> int:
+    """Peak temporaries of one torch Adam/AdamW step over a rank's local tensors, by kernel
+    (torch/optim/adam.py; derivation in docs/engines/torch.md "Optimizer step temporaries").
 
-    torch/optim/adam.py `_single_tensor_adam` (the CPU default: `_default_to_fused_or_foreach`
-    picks foreach only for CUDA tensors) computes
-    `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`: two tensors of the largest
-    parameter's size are alive at once. `_multi_tensor_adam` (the CUDA default) computes
-    `exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)` for the whole group: one
-    temporary the size of all local parameters. SGD with momentum updates in place.
+    - for-loop, `_single_tensor_adam`: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`
+      holds the sqrt and the quotient at once, each the size of the tensor being stepped: two
+      temporaries of the largest tensor.
+    - foreach, `_multi_tensor_adam`: `exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)`
+      is one list the size of the whole group; the divisions and the update are in place.
+    - fused, `_fused_adam`: `torch._fused_adamw_` updates in place: none.
+    SGD with momentum updates in place in every kernel.
     """
-    if optimizer == Optimizer.SGD:
+    if optimizer == Optimizer.SGD or impl == OptimizerImpl.FUSED:
         return 0
-    if device == Device.CPU:
+    if impl == OptimizerImpl.FOR_LOOP:
         return 2 * largest_numel * state_element_bytes
     return total_numel * state_element_bytes
 

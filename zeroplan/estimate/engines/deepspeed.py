@@ -41,9 +41,11 @@ from zeroplan.estimate.engines.common import (
     largest_point,
     phase,
     point_total,
+    step_temporary_bytes,
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.spec.program import OptimizerImpl
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision
 
 # stage_1_and_2.py `__init__`: the flat group is padded to `nccl_start_alignment_factor` (2) x N.
@@ -87,7 +89,7 @@ class _Run(NamedTuple):
     total: int  # all parameter elements
     trainable: int
     layout: _Layout
-    adam_temporary_rate: int  # bytes of step temporaries per element of the tensor stepped at once
+    step_impl: OptimizerImpl  # the kernel that steps the master (`_step_impl`)
     cpu_run: bool
     offload_opt: bool
     offload_par: bool
@@ -115,19 +117,33 @@ def _run(facts: ModelFacts, setup: Setup) -> _Run:
     b = FP32_BYTES if setup.precision == Precision.FP32 else HALF_BYTES
     layout = _layout(facts)
     offload_opt = setup.offload_optimizer != Offload.NONE
-    # Optimizer step temporaries. torch AdamW on CPU is the single-tensor path
-    # (torch/optim/adam.py `_single_tensor_adam`: `denom = (exp_avg_sq.sqrt() / c).add_(eps)`,
-    # two fp32 temporaries of the tensor being stepped). FusedAdam (ops/adam/fused_adam.py,
-    # multi_tensor_applier) and DeepSpeedCPUAdam (ops/adam/cpu_adam.py) update in place; SGD
-    # updates in place.
-    adamish = setup.optimizer in (Optimizer.ADAM, Optimizer.ADAMW)
-    rate = 2 * FP32_BYTES if (adamish and setup.device == Device.CPU and not offload_opt) else 0
     return _Run(
         n=setup.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, layout=layout,
-        adam_temporary_rate=rate,
+        step_impl=_step_impl(setup, offload_opt),
         cpu_run=setup.device == Device.CPU, offload_opt=offload_opt,
         offload_par=setup.offload_params != Offload.NONE, setup=setup, facts=facts,
     )
+
+
+def _step_impl(setup: Setup, offload_opt: bool) -> OptimizerImpl:
+    """The kernel that steps the fp32 master: a client torch optimizer's own (a DeepSpeed JSON without
+    an `optimizer` section, as the Hugging Face Trainer passes its AdamW); DeepSpeed's config optimizer
+    otherwise: DeepSpeedCPUAdam with offload (ops/adam/cpu_adam.py) and FusedAdam on CUDA
+    (ops/adam/fused_adam.py, multi_tensor_applier) update in place; on a CPU run it is torch's AdamW
+    (`torch_adam`, the measure runner's choice), whose default there is the for-loop."""
+    if setup.deepspeed.client_optimizer:
+        return setup.program.optimizer_impl
+    if offload_opt or setup.device != Device.CPU:
+        return OptimizerImpl.FUSED
+    return OptimizerImpl.FOR_LOOP
+
+
+def _step_temporaries(run: _Run, largest: int, total: int) -> int:
+    """Step temporaries over fp32 master tensors: `largest` the largest tensor stepped, `total` all
+    of one optimizer call (common.py `step_temporary_bytes`). Only Adam/AdamW allocate any."""
+    if run.setup.optimizer not in (Optimizer.ADAM, Optimizer.ADAMW):
+        return 0
+    return step_temporary_bytes(largest, total, FP32_BYTES, run.setup.optimizer, run.step_impl)
 
 
 def _states(run: _Run, numel: int) -> int:
@@ -236,7 +252,7 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
     if run.setup.precision == Precision.FP32:
         # No wrapper: torch AdamW/FusedAdam on the module parameters, states at the first step;
         # per-tensor step temporaries.
-        temps = run.adam_temporary_rate * run.layout.largest
+        temps = _step_temporaries(run, run.layout.largest, run.trainable)
         for step in (Step.FIRST, Step.STEADY):
             held = states if step == Step.STEADY else 0
             if step == Step.FIRST:
@@ -252,11 +268,12 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
     # `initialize_optimizer_states` steps the optimizer on zero gradients (fp16/unfused_optimizer.py,
     # fp16/fused_optimizer.py).
     master = psi * FP32_BYTES
-    if run.setup.device == Device.CPU:
-        # FP16_UnfusedOptimizer: per-parameter fp32 clones; step: `fp32.grad = fp16.grad.to(fp32)`
-        # per parameter, the 16-bit gradients still alive; torch AdamW per tensor.
+    if run.setup.device == Device.CPU or run.setup.deepspeed.client_optimizer:
+        # FP16_UnfusedOptimizer (engine.py `_configure_fp16_optimizer`: any optimizer but FusedAdam):
+        # per-parameter fp32 clones; step: `fp32.grad = fp16.grad.to(fp32)` per parameter, the 16-bit
+        # gradients still alive; torch AdamW over the per-parameter masters.
         step_grads = grads + psi * FP32_BYTES
-        step_temps = run.adam_temporary_rate * run.layout.largest
+        step_temps = _step_temporaries(run, run.layout.largest, psi)
         init_extra = {"grads": grads + psi * FP32_BYTES, "temporaries": step_temps}  # the zero-gradient step
     else:
         # FP16_Optimizer.step: `p.grad.to(fp32)` per parameter, then `_flatten_dense_tensors` of
@@ -547,7 +564,7 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
             convert = dict(base, grads=owned + partition * FP32_BYTES,
                            temporaries=partition * b if b != FP32_BYTES else 0)
             stepping = dict(base, optimizer_states=master + states, grads=partition * FP32_BYTES,
-                            temporaries=run.adam_temporary_rate * partition)
+                            temporaries=_step_temporaries(run, partition, partition))
             step_point = largest_point(convert, stepping)
         steps.append(_StepMoments(step, during, largest_point(*settled), phase(step, Phase.OPTIMIZER_STEP, **step_point)))
     host_bytes = (master + states + host_grads + host_buffers) if run.offload_opt and not run.cpu_run else 0
@@ -735,7 +752,7 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
         else:
             convert = dict(stepping_base, grads=grad_partitions + fp32_grad, temporaries=p3 * b if b != FP32_BYTES else 0)
             update = dict(stepping_base, optimizer_states=master + states, grads=grad_partitions + fp32_grad,
-                          temporaries=run.adam_temporary_rate * sub_group)
+                          temporaries=_step_temporaries(run, sub_group, sub_group))
             stepping = largest_point(convert, update)
         after = dict(base, params=partitions_dev + persistent * b, optimizer_states=opt(master + states))
         steps.append(_StepMoments(step, base, None, phase(step, Phase.OPTIMIZER_STEP, **largest_point(stepping, after))))

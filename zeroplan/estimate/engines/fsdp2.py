@@ -117,7 +117,8 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     sharded_grads = trainable_shard * storage if on_device else 0
     block_shard_grads = block_train * storage if on_device else 0
     states = optimizer_state_bytes(trainable_shard, optimizer, storage) if on_device else 0
-    temporaries = step_temporary_bytes(largest_local, trainable_shard, storage, optimizer, device) if on_device else 0
+    temporaries = (step_temporary_bytes(largest_local, trainable_shard, storage, optimizer, setup.program.optimizer_impl)
+                   if on_device else 0)
     root_gathered = root_shard * n * gathered  # the root's all-gather output, or its unsharded parameters
     block_gathered = block_shard * n * gathered
     # Autograd writes unsharded gradients in the unsharded parameters' dtype (param_dtype).

@@ -30,7 +30,7 @@ from zeroplan.estimate.engines.common import (
     step_temporary_bytes,
 )
 from zeroplan.estimate.facts import ModelFacts
-from zeroplan.estimate.result import NodeBytes, Phase, Step
+from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.spec.training import Precision
 
 
@@ -59,9 +59,15 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
     local = _largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1)
     params = facts.total_params * element
     grads = facts.trainable_params * element
-    buckets = facts.trainable_params * element  # DDP reducer buckets, allocated at wrap time
+    # DDP reducer buckets, allocated at wrap time; a single rank without the wrapper has none
+    buckets = facts.trainable_params * element if setup.program.ddp else 0
     states = optimizer_state_bytes(sum(local), setup.optimizer, element)
-    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, setup.optimizer, setup.device)
+    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, setup.optimizer,
+                                       setup.program.optimizer_impl)
+    if setup.program.optimizer_in_backward:
+        notes = [] if setup.zero_stage == 0 else ["ZeroRedundancyOptimizer on one rank holds every state"]
+        return EngineEstimate(tuple(_in_backward_phases(facts, setup, acts, element, params, buckets)), NodeBytes(),
+                              tuple(notes))
     accumulating = setup.accumulating  # .grad survives between micro-batches
     head_numel, tied_numel, first_numel = early_gradients(facts)
     block_numel = max((g.params for g in facts.groups if g.role == "block" and not g.frozen), default=0)
@@ -96,3 +102,65 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
     if setup.zero_stage == 1:
         notes.append(f"ZeroRedundancyOptimizer: largest rank holds states for {sum(local):,} of {facts.trainable_params:,} elements")
     return EngineEstimate(tuple(phases), NodeBytes(), tuple(notes))
+
+
+def _in_backward_phases(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None, element: int, params: int,
+                        buckets: int) -> list[PhaseBytes]:
+    """The optimizer stepped in backward (torchtune training/memory.py `register_optim_in_bwd_hooks`):
+    one optimizer per parameter, stepped in its post-accumulate-grad hook, which then frees the
+    gradient, so one parameter's .grad and its step's temporaries live at a time; each parameter's
+    states appear at its first step, during the first backward (docs/engines/torch.md)."""
+    impl = setup.program.optimizer_impl
+    trainable = [g for g in facts.groups if not g.frozen]
+
+    def largest(role: str) -> int:
+        return max((t.numel for g in trainable if g.role == role for t in g.tensors), default=0)
+
+    def stepping(numel: int) -> tuple[int, int]:
+        """(.grad, step temporaries) of one parameter of `numel` elements in its hook."""
+        return numel * element, step_temporary_bytes(numel, numel, element, setup.optimizer, impl)
+
+    def states_of(numel: int) -> int:
+        return optimizer_state_bytes(numel, setup.optimizer, element)
+
+    all_states = states_of(facts.trainable_params)
+    head_params = sum(g.params for g in trainable if g.role == "final")
+    block_params = max((g.params for g in trainable if g.role == "block"), default=0)
+    _, tied_numel, _ = early_gradients(facts)
+    tied = tied_numel * element
+    num_blocks = acts.num_blocks if acts else 0
+    phases = []
+    for step in (Step.FIRST, Step.STEADY):
+        def held(stepped_numel: int) -> int:
+            return all_states if step == Step.STEADY else states_of(stepped_numel)
+
+        base = dict(params=params, buffers=buckets)
+        if step == Step.FIRST:
+            phases.append(phase(step, Phase.INIT, **base))
+        phases.append(phase(step, Phase.FORWARD, **base, optimizer_states=held(0),
+                            activations=max(acts.forward_peak, acts.blocks_end_peak) if acts else 0))
+        # the end: the embedding's .grad (with a tied head, the sum of both contributions) steps last
+        grad, temps = stepping(largest("embedding"))
+        points = [dict(optimizer_states=all_states, grads=grad, temporaries=temps + 2 * tied)]
+        if acts is not None:
+            points.append(dict(optimizer_states=held(0), activations=acts.forward_end, temporaries=acts.logits_grad))
+            # a hook runs once its node's backward has returned: the gradients then in flight are the
+            # input's (residual width), the node's other temporaries are freed
+            in_flight = acts.block_input_grad + tied
+            points.append(dict(optimizer_states=held(0), activations=acts.head_backward_saved,
+                               temporaries=acts.head_backward_temporary + tied))
+            grad, temps = stepping(largest("final"))
+            points.append(dict(optimizer_states=held(head_params), grads=grad, activations=acts.head_backward_saved,
+                               temporaries=in_flight + temps))
+            grad, temps = stepping(largest("block"))
+            for j in sorted({0, 1, num_blocks - 2, num_blocks - 1}):
+                if 0 <= j < num_blocks:
+                    saved = acts.block_backward_saved(num_blocks - j)
+                    points.append(dict(optimizer_states=held(head_params + j * block_params), activations=saved,
+                                       temporaries=acts.block_backward_temporary + tied))
+                    points.append(dict(optimizer_states=held(head_params + (j + 1) * block_params), grads=grad,
+                                       activations=saved, temporaries=in_flight + temps))
+        phases.append(phase(step, Phase.BACKWARD, **base, **largest_point(*points)))
+        # every parameter has stepped in backward: the step itself holds only what stays
+        phases.append(phase(step, Phase.OPTIMIZER_STEP, **base, optimizer_states=all_states))
+    return phases

@@ -29,10 +29,10 @@ Contract:
 - `step` runs the optimizer and drops the gradients (`zero_grad(set_to_none=True)` or the
   engine's equivalent), so that gradient memory is what the engine keeps between steps.
 - `tensors_by_category` returns the tensors the engine holds right now, by category name
-  (`CATEGORIES` minus activations and temporaries: "params", "grads", "optimizer_states",
+  (`TENSOR_CATEGORIES` minus activations and temporaries: "params", "grads", "optimizer_states",
   "buffers"). The accounting matches them to live storages by storage identity (a view or a
   DTensor counts its storage once), so listing a tensor twice, or a view of a listed tensor, is
-  harmless; a storage listed under two categories counts under the first in `CATEGORIES` order.
+  harmless; a storage listed under two categories counts under the first in `TENSOR_CATEGORIES` order.
   "buffers" means the engine's own buffers (DDP buckets, DeepSpeed reduce/all-gather buckets,
   FSDP2 unsharded parameters and their all-gather/reduce-scatter buffers) and module buffers.
   Everything else that is live counts as activations during forward/backward and as temporaries
@@ -48,16 +48,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from zeroplan.errors import MeasureError
+from zeroplan.estimate.result import TENSOR_CATEGORIES
 from zeroplan.spec.training import TrainingSpec
 
 if TYPE_CHECKING:  # torch is imported lazily: zeroplan.measure must import without it
     import torch
 
-CATEGORIES = ("params", "grads", "optimizer_states", "activations", "buffers", "temporaries")
-"""The categories the accounting records: those of `zeroplan.estimate.result.CategoryBytes`
-minus overhead (a CPU run has none; on CUDA it is reserved minus allocated, from the probe)."""
-
-ENGINE_CATEGORIES = ("params", "grads", "optimizer_states", "buffers")
+ENGINE_CATEGORIES = tuple(name for name in TENSOR_CATEGORIES if name not in ("activations", "temporaries"))
 """The categories a runner reports; the others are what is left live."""
 
 
@@ -181,9 +178,15 @@ def make_optimizer(params: list["torch.Tensor"], training: TrainingSpec) -> "tor
     return cls(params, **kwargs)
 
 
+# The kernel of a torch optimizer, passed explicitly (torch/optim/optimizer.py `_default_to_fused_or_foreach`
+# would pick the for-loop for CPU tensors and foreach for CUDA ones when both are left None).
+_KERNEL_KWARGS = {"fused": {"fused": True, "foreach": False}, "foreach": {"fused": False, "foreach": True},
+                  "for-loop": {"fused": False, "foreach": False}}
+
+
 def optimizer_class_and_kwargs(training: TrainingSpec) -> tuple[type, dict]:
     """The class and keyword arguments of `make_optimizer`, for wrappers that build it themselves
-    (ZeroRedundancyOptimizer)."""
+    (ZeroRedundancyOptimizer): the kernel is the training program's `optimizer_impl`."""
     import torch
 
     name = training.optimizer.value
@@ -194,4 +197,23 @@ def optimizer_class_and_kwargs(training: TrainingSpec) -> tuple[type, dict]:
     }
     if name not in table:
         raise MeasureError(f"optimizer: {name} cannot be measured (bitsandbytes is not a dependency); use adamw, adam or sgd")
-    return table[name]
+    cls, kwargs = table[name]
+    return cls, {**kwargs, **_KERNEL_KWARGS[training.program.optimizer_impl.value]}
+
+
+class OptimizerInBackward:
+    """One optimizer per parameter, stepped in the parameter's post-accumulate-grad hook, which
+    then frees the gradient (torchtune training/memory.py `register_optim_in_bwd_hooks`,
+    `optim_step`: `optim_dict[param].step(); optim_dict[param].zero_grad()`)."""
+
+    def __init__(self, params: list["torch.Tensor"], training: TrainingSpec):
+        self.optimizers = {param: make_optimizer([param], training) for param in params}
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, param: "torch.Tensor") -> None:
+        self.optimizers[param].step()
+        self.optimizers[param].zero_grad(set_to_none=True)
+
+    def states(self) -> list["torch.Tensor"]:
+        return [t for optimizer in self.optimizers.values() for t in optimizer_state_tensors(optimizer)]

@@ -16,7 +16,9 @@ ops a run needs before it starts the workers (zeroplan/measure/deepspeed_build.p
 Choices that change memory, mirrored by the estimator (docs/engines/deepspeed.md):
 - Adam/AdamW is DeepSpeed's config optimizer: torch's AdamW (`torch_adam: true`) on CPU, where
   DeepSpeed's FusedAdam would need another JIT build; FusedAdam on CUDA (DeepSpeed's default);
-  DeepSpeedCPUAdam with optimizer offload. SGD is a client `torch.optim.SGD`.
+  DeepSpeedCPUAdam with optimizer offload. SGD is a client `torch.optim.SGD`, and with
+  `deepspeed.client_optimizer` (a JSON without an optimizer section) so is the torch optimizer, with
+  the program's kernel (engines.make_optimizer).
 - Gradient accumulation is DeepSpeed's own: `engine.step()` after every micro-batch, which only
   steps the optimizer at the accumulation boundary (runtime/engine.py, `step`).
 """
@@ -85,9 +87,10 @@ def deepspeed_config(training: TrainingSpec, ctx: RunContext) -> dict:
     config: dict[str, Any] = write_deepspeed_config(training)
     config["train_batch_size"] = training.micro_batch * training.grad_accum * ctx.world_size
     config.update(steps_per_print=1 << 30, wall_clock_breakdown=False)
-    if training.optimizer == Optimizer.SGD:
-        del config["optimizer"]  # the runner passes a client torch.optim.SGD
-        config["zero_allow_untested_optimizer"] = True  # torch SGD is not in ZERO_SUPPORTED_OPTIMIZERS
+    if training.optimizer == Optimizer.SGD or training.deepspeed.client_optimizer:
+        # the runner passes a client torch optimizer (SGD is not in DeepSpeed's config optimizers)
+        del config["optimizer"]
+        config["zero_allow_untested_optimizer"] = True  # not in ZERO_SUPPORTED_OPTIMIZERS
         return config
     params: dict[str, Any] = {"lr": kwargs["lr"]}
     if training.offload_optimizer == Offload.NONE and not ctx.is_cuda:

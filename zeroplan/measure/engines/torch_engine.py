@@ -1,4 +1,6 @@
 """Engine `torch`: stage 0 is DistributedDataParallel, stage 1 is DDP + ZeroRedundancyOptimizer.
+One rank without `program.ddp` is the bare module, as the Trainer, accelerate and torchtune run it;
+`program.optimizer_in_backward` steps each parameter in its gradient hook (engines.OptimizerInBackward).
 
 Mixed precision (fp16/bf16) is `torch.autocast` over fp32 parameters, the usual DDP recipe: the
 fp32 parameters are the master copy, autocast keeps the low-precision casts of the weights that
@@ -17,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from zeroplan.errors import MeasureError
 from zeroplan.measure.accounting import births_as
 from zeroplan.measure.engines import (
+    OptimizerInBackward,
     RunContext,
     TorchOptimizerSteps,
     gradients,
@@ -37,10 +40,14 @@ class TorchRunner(TorchOptimizerSteps):
         self.model = model
         self.grad_accum = training.grad_accum
         self._micro = 0
-        self.ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.is_cuda else None)
+        program = training.program
+        self.ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.is_cuda else None) if program.ddp else None
         self.params = list(model.parameters())
         trainable = [p for p in self.params if p.requires_grad]  # TrainingSpec.freeze
-        if training.zero_stage == 0:
+        self._in_backward = OptimizerInBackward(trainable, training) if program.optimizer_in_backward else None
+        if self._in_backward is not None:
+            self.optimizer = self._local_optimizer = None
+        elif training.zero_stage == 0:
             self.optimizer = make_optimizer(trainable, training)
             self._local_optimizer = self.optimizer
         else:
@@ -54,6 +61,9 @@ class TorchRunner(TorchOptimizerSteps):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self._micro += 1
+        if self.ddp is None:
+            with self._autocast():
+                return self.model(input_ids, labels)
         # DDP.no_sync() sets this flag (torch/nn/parallel/distributed.py): all-reduce only on the
         # last micro-batch of the step.
         self.ddp.require_backward_grad_sync = self._micro == self.grad_accum
@@ -68,13 +78,18 @@ class TorchRunner(TorchOptimizerSteps):
         with self._autocast():
             return self.ddp(input_ids, labels)
 
+    def step(self) -> None:
+        if self._in_backward is None:  # with the optimizer in backward every parameter has stepped already
+            super().step()
+
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         # DDP's reducer buckets are not reachable from Python; the worker counts the storages
         # the engine allocated while wrapping the model, and not named here, as buffers.
         return {
             "params": self.params,
             "grads": gradients(self.params),
-            "optimizer_states": optimizer_state_tensors(self._local_optimizer),
+            "optimizer_states": (self._in_backward.states() if self._in_backward is not None
+                                 else optimizer_state_tensors(self._local_optimizer)),
             "buffers": module_buffers(self.model),
         }
 
