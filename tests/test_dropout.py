@@ -148,3 +148,15 @@ def test_forward_keeps_what_the_estimate_adds(attention):
     measured = forward_bytes(with_dropout) - forward_bytes(without)
     estimated = (activation_bytes(GPT2, with_dropout, 4).forward_end - activation_bytes(GPT2, without, 4).forward_end)
     assert measured == estimated
+
+
+def test_a_spec_file_with_dropout_on_a_missing_layer_is_one_line(tmp_path):
+    from pathlib import Path
+
+    from zeroplan.errors import SpecError
+
+    path = tmp_path / "llama.toml"
+    catalogue = Path(__file__).resolve().parent.parent / "model_specs" / "llama-2-7b.toml"
+    path.write_text(catalogue.read_text().replace("attention_dropout = 0.0", "residual_dropout = 0.1"))
+    with pytest.raises(SpecError, match="residual_dropout: llama models have no residual dropout layer"):
+        resolve_model(str(path))
