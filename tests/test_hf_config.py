@@ -141,3 +141,30 @@ def test_defaults_agree_with_transformers(model_type):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == param_layout(_spec(model_type)).total_params
+
+
+def test_dropout_rates_and_their_defaults():
+    # GPT2Config: embd_pdrop, attn_pdrop, resid_pdrop 0.1; the others' config classes 0.0.
+    assert _spec("gpt2").dropout_rates() == (0.1, 0.1, 0.1)
+    assert _spec("gpt2", embd_pdrop=0.0, attn_pdrop=0.2, resid_pdrop=0.3).dropout_rates() == (0.0, 0.2, 0.3)
+    # GPTNeoXConfig.hidden_dropout drives the embedding and both residual dropouts
+    assert _spec("gpt_neox", attention_dropout=0.1, hidden_dropout=0.2).dropout_rates() == (0.2, 0.1, 0.2)
+    assert _spec("phi3", resid_pdrop=0.1, embd_pdrop=0.3).dropout_rates() == (0.0, 0.0, 0.1)
+    for model_type in ("llama", "mistral", "mixtral", "qwen2", "gemma"):
+        assert _spec(model_type).dropout_rates() == (0.0, 0.0, 0.0)
+        assert _spec(model_type, attention_dropout=0.1).dropout_rates() == (0.0, 0.1, 0.0)
+
+
+def test_dropout_override_reaches_the_layers_a_family_has():
+    assert _spec("llama").dropout_rates(0.1) == (0.0, 0.1, 0.0)
+    assert _spec("phi3").dropout_rates(0.2) == (0.0, 0.2, 0.2)
+    assert _spec("gpt2").dropout_rates(0.0) == (0.0, 0.0, 0.0)
+
+
+def test_dropout_on_a_layer_the_family_lacks_is_named():
+    spec = _spec("llama")
+    with pytest.raises(ValueError, match="residual_dropout: llama models have no residual dropout layer"):
+        spec.model_validate(spec.model_dump() | {"residual_dropout": 0.1})
+    neox = _spec("gpt_neox")
+    with pytest.raises(ValueError, match="differ, but GPT-NeoX sets both from one hidden_dropout"):
+        neox.model_validate(neox.model_dump() | {"embedding_dropout": 0.1})

@@ -12,7 +12,7 @@ from importlib import import_module
 from typing import Any, NamedTuple
 
 from zeroplan.estimate import caches
-from zeroplan.estimate.activations import activation_bytes
+from zeroplan.estimate.activations import activation_bytes, attention_kernel
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, setup_of
 from zeroplan.estimate.facts import ModelFacts, model_facts
@@ -21,7 +21,7 @@ from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, PhaseByt
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Attention, Engine, TrainingSpec
 
-IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, trained without dropout
+IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, with the model's dropout rates
 # engine -> (module under zeroplan.estimate.engines, its profile function). A module is imported
 # when its engine is first estimated: a command estimates one engine, and importing the others
 # cost a tenth of `zeroplan estimate`'s start-up (bench/results/estimate_speed.md).
@@ -61,6 +61,9 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     if isinstance(model, TransformerSpec):
         acts = activation_bytes(model, training, dtypes.activation)
         implementation = _IMPLEMENTATIONS[training.attention]
+        if attention_kernel(model, training) == "math":
+            notes = ("attention dropout on cpu: SDPA has no fused kernel with dropout there, so its math path "
+                     "runs and keeps the attention matrices (fp32)",)
     else:
         implementation = "parameter count only"
         notes = ("model given by parameter count: activations are not estimated",)

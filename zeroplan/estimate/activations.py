@@ -3,8 +3,9 @@
 Starting point: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", section 4.1: a GPT block keeps sbh(34 + 5as/h) bytes in 16-bit with dropout. That count
 assumes dropout masks, unfused attention and a GELU MLP. The modelled implementation is Hugging
-Face transformers' (modeling_llama.py, modeling_gpt2.py) trained without dropout, as zeroplan's
-measure mode runs it, so the terms below are what *those* modules save, tensor by tensor:
+Face transformers' (modeling_llama.py, modeling_gpt2.py) trained with the dropout rates of the
+model's config (or `--dropout P`), as zeroplan's measure mode runs it, so the terms below are what
+*those* modules save, tensor by tensor:
 
 - RMSNorm (LlamaRMSNorm.forward): upcasts its input to fp32 (kept by pow and mul), keeps the
   normalised tensor cast back (kept by the weight multiply), and rsqrt's fp32 output per token;
@@ -23,9 +24,19 @@ measure mode runs it, so the terms below are what *those* modules save, tensor b
   gated-MLP tensors for each token-expert pair (top-k of them), plus the gathered expert inputs.
 - Logits and loss (ForCausalLMLoss): lm_head output (vocab x tokens, compute dtype, held by the
   model output), an fp32 upcast during the loss, and log_softmax's fp32 output kept for backward.
+- Dropout (torch nn.functional.dropout in training, aten/src/ATen/native/Dropout.cpp): on CUDA
+  `native_dropout` keeps a bool mask (1 byte per element); on CPU `_dropout_impl` multiplies by a
+  noise tensor of the input's dtype and keeps that. GPT-2 and GPT-NeoX drop the embeddings (one
+  mask of h per token) and each block's attention and MLP outputs (two), Phi-3 the two block
+  outputs; attention dropout drops the probabilities (a x s per token) under eager attention. Under
+  fused attention flash and memory-efficient kernels keep their RNG seed and offset only, but on CPU
+  SDPA has no fused kernel with dropout: its math path keeps the s x s matrices in fp32
+  (docs/engines/activations.md, "Dropout").
 Checkpointing (Korthikanti section 5): `full` keeps each block's input only and recomputes one
-block at a time in backward; `selective` recomputes the attention core only, which removes the
-s x s terms of eager attention (fused attention already recomputes them).
+block at a time in backward (torch.utils.checkpoint replays the RNG state: the same masks come
+back); `selective` recomputes the attention core only, which removes the s x s terms of eager
+attention and of the math path, attention dropout's masks included (fused attention already
+recomputes them).
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ from dataclasses import dataclass, field
 from zeroplan.estimate.layout import param_layout
 from zeroplan.estimate.caches import memo
 from zeroplan.spec.model import TransformerSpec
-from zeroplan.spec.training import Attention, Checkpointing, Engine, Precision, TrainingSpec
+from zeroplan.spec.training import Attention, Checkpointing, Device, Engine, Precision, TrainingSpec
 
 FP32_BYTES = 4
 
@@ -182,6 +193,66 @@ class _Widths:
     autocast: bool
 
 
+@dataclass(frozen=True)
+class _Dropout:
+    """Which dropout layers run (rate above 0), and where: what a dropout keeps depends on the device."""
+
+    embedding: bool
+    attention: bool
+    residual: bool
+    cuda: bool
+
+    def mask(self, element_bytes: int) -> int:
+        """Bytes per element of a dropout's kept mask: native_dropout's bool mask on CUDA, the
+        noise tensor of the input's dtype on CPU (aten/src/ATen/native/Dropout.cpp `dropout`:
+        the fused kernel only where `is_fused_kernel_acceptable`, else `_dropout_impl`)."""
+        return 1 if self.cuda else element_bytes
+
+
+@dataclass(frozen=True)
+class _Core:
+    """The attention core's kernel and the element sizes of the s x s tensors it keeps.
+
+    fused: flash / memory-efficient SDPA (q, k, v, output and log-sum-exp; with dropout their RNG
+    seed and offset only). eager: eager_attention_forward. math: SDPA's math fallback, which is
+    what runs on CPU with dropout (the CPU flash kernel refuses dropout: sdp_utils_cpp.cpp
+    `check_for_dropout`); it upcasts 16-bit inputs to fp32 and keeps q, k, v, the softmax output,
+    the dropout noise and the dropped probabilities in fp32."""
+
+    kernel: str  # fused, eager or math
+    qkv: int  # element size of q, k and v as the s x s matmuls keep them
+    softmax: int  # of the softmax output
+    probs: int  # of the probabilities the matmul with v reads (cast back or dropped)
+    mask: int  # of attention dropout's mask (0: no attention dropout)
+
+    @property
+    def probs_saved(self) -> int:
+        """Bytes kept per attention probability: the softmax output, and the cast back (when its
+        dtype differs) or, with dropout, the mask and the dropped probabilities."""
+        if self.mask:
+            return self.softmax + self.mask + self.probs
+        return self.softmax + (self.probs if self.probs != self.softmax else 0)
+
+    @property
+    def backward_moment(self) -> tuple[int, int]:
+        """(kept, allocated) per probability at the peak of the core's backward: the softmax's
+        backward (its output kept; its incoming gradient and result, in the softmax dtype) or,
+        with dropout, the dropout's just before (the mask kept too; gradients in the probs' dtype)."""
+        softmax = (self.softmax, 2 * self.softmax)
+        if not self.mask:
+            return softmax
+        dropout = (self.softmax + self.mask, 2 * self.probs)
+        return dropout if sum(dropout) > sum(softmax) else softmax
+
+
+def _attention_core(spec: TransformerSpec, attention: Attention, dropout: _Dropout, w: "_Widths") -> _Core:
+    if attention == Attention.FUSED and dropout.attention and not dropout.cuda:
+        return _Core("math", FP32_BYTES, FP32_BYTES, FP32_BYTES, FP32_BYTES)
+    if attention == Attention.FUSED:
+        return _Core("fused", w.comp, 0, 0, 0)
+    return _Core("eager", w.comp, _softmax_bytes(spec, w), w.comp, dropout.mask(w.comp) if dropout.attention else 0)
+
+
 def _input_projections(spec: TransformerSpec) -> tuple[int, int]:
     """Matmuls reading the attention norm's and the MLP norm's output: separate q/k/v and gate/up
     projections (Llama family), or fused ones (GPT-2's c_attn and c_fc, NeoX, Phi-3)."""
@@ -206,7 +277,7 @@ def _norm_saved_per_token(spec: TransformerSpec, w: _Widths, reads: int) -> int:
     return w.resid * h + 2 * FP32_BYTES + out
 
 
-def _attention_saved_per_token(spec: TransformerSpec, attention: Attention, checkpointing: Checkpointing, seq_len: int,
+def _attention_saved_per_token(spec: TransformerSpec, core: _Core, checkpointing: Checkpointing, seq_len: int,
                                w: _Widths) -> int:
     q_width = spec.num_heads * spec.dim_per_head
     kv_width = spec.kv_heads * spec.dim_per_head
@@ -214,27 +285,26 @@ def _attention_saved_per_token(spec: TransformerSpec, attention: Attention, chec
     out = act * q_width  # attention output, read by o_proj
     # The fused kernel's fp32 log-sum-exp per head, counted under selective checkpointing too
     # (conservative; keeps `memory_checkpointing` exact): docs/engines/activations.md.
-    lse = FP32_BYTES * spec.num_heads if attention == Attention.FUSED else 0
+    lse = FP32_BYTES * spec.num_heads if core.kernel == "fused" else 0
     if checkpointing == Checkpointing.SELECTIVE:
         # The core runs under checkpoint: its inputs stay alive for the recomputation (q, and k
         # and v before repeat_kv), nothing it saves does (measured: docs/engines/activations.md).
         return _core_inputs_per_token(spec, w) + out + lse
-    if attention == Attention.FUSED:
+    if core.kernel == "fused":
         # q and k after rotary (or GPT-2's c_attn output), v; under autocast the casts SDPA saves.
         return act * (q_width + 2 * kv_width) + out + lse
-    # eager: k and v repeated to num_heads, the softmax output per query row (s keys each).
+    # eager (and math): k and v repeated to num_heads, the softmax output per query row (s keys each).
     # Llama's eager_attention_forward takes it in fp32 (softmax(..., dtype=float32)) and keeps its
     # cast back for the matmul with v; GPT-2's takes it in the scores' dtype, so only under
-    # autocast (softmax is on autocast's fp32 list) is there an fp32 output and a cast.
-    qkv = act * 3 * q_width
-    softmax = _softmax_bytes(spec, w)
-    probs_per_element = softmax + (act if act != softmax else 0)  # with the cast back, when there is one
-    probs = probs_per_element * spec.num_heads * seq_len
+    # autocast (softmax is on autocast's fp32 list) is there an fp32 output and a cast. With
+    # dropout the matmul keeps the dropped probabilities instead of the cast, and dropout its mask.
+    qkv = core.qkv * 3 * q_width
+    probs = core.probs_saved * spec.num_heads * seq_len
     return qkv + out + probs
 
 
-def _attention_backward_per_token(spec: TransformerSpec, checkpointing: Checkpointing, seq_len: int, w: _Widths,
-                                  attn_reads: int) -> tuple[int, int]:
+def _attention_backward_per_token(spec: TransformerSpec, core: _Core, checkpointing: Checkpointing, seq_len: int,
+                                  w: _Widths, attn_reads: int) -> tuple[int, int]:
     """(saved, allocated in backward) per token at the peak of eager attention's core backward in
     the block in progress: the softmax's backward (torch/csrc/autograd/FunctionsManual.cpp,
     aten _softmax_backward_data), between the backward of probs @ v and of q @ k^T.
@@ -247,25 +317,29 @@ def _attention_backward_per_token(spec: TransformerSpec, checkpointing: Checkpoi
     norm's, q and k as q @ k^T saved them (one storage of q, k and v for GPT-2's split c_attn),
     and the softmax output; v's copy and the cast probabilities were freed with the backward of
     probs @ v, the MLP's and the second norm's with theirs (measured: docs/engines/activations.md).
+    With attention dropout the dropout's backward, just before, can be higher (`_Core.backward_moment`).
     Fused kernels keep no s x s tensor: not modelled for them."""
     h = spec.hidden_size
     q_width = spec.num_heads * spec.dim_per_head
     kv_width = spec.kv_heads * spec.dim_per_head
-    c = w.comp
-    f = _softmax_bytes(spec, w)
+    c = core.qkv
+    kept, grads = core.backward_moment
     scores = spec.num_heads * seq_len
-    transient = 2 * f * scores + w.resid * h + c * q_width
+    transient = grads * scores + w.resid * h + c * q_width
     norm = _norm_saved_per_token(spec, w, attn_reads)
     fused_qkv = attn_reads == 1  # q, k and v are views of one projection's output
-    repeated = c * q_width if kv_width < q_width else 0  # repeat_kv's copy of k (Llama-family GQA)
+    repeated = w.comp * q_width if kv_width < q_width else 0  # repeat_kv's copy of k (Llama-family GQA)
     saved_qk = c * 3 * q_width if fused_qkv else c * 2 * q_width
     if checkpointing == Checkpointing.NONE:
-        return norm + saved_qk + f * scores, transient
+        return norm + saved_qk + kept * scores, transient
     if checkpointing == Checkpointing.SELECTIVE:  # the core's inputs are saved; its tensors come back
-        return norm + _core_inputs_per_token(spec, w), repeated + f * scores + transient
+        # The math path's recomputed fp32 copies of q, k and v, and its output's fp32 gradient, are
+        # alive at the backward of probs @ v as well (measured: docs/engines/activations.md, "Dropout").
+        copies = (3 * core.qkv + FP32_BYTES) * q_width if core.kernel == "math" else 0
+        return norm + _core_inputs_per_token(spec, w), repeated + kept * scores + transient + copies
     # full: the whole block comes back; its input is still saved (`saved_per_block`, added by the caller)
     shared = w.resid * h if _norm_saves_block_input(spec, w) else 0
-    return 0, norm - shared + saved_qk + f * scores + transient
+    return 0, norm - shared + saved_qk + kept * scores + transient
 
 
 def _eager_mask_bytes(micro_batch: int, seq_len: int, w: _Widths) -> int:
@@ -362,12 +436,20 @@ def _block_backward_transient_per_token(spec: TransformerSpec, w: _Widths) -> in
     return w.resid * spec.hidden_size + 3 * k * w.comp * spec.intermediate_size
 
 
-def _block_backward_freed_per_token(spec: TransformerSpec, w: _Widths) -> int:
+def _block_backward_freed_per_token(spec: TransformerSpec, dropout: _Dropout, w: _Widths) -> int:
+    """The MLP's product and, with residual dropout, the MLP output's mask (its backward ran first)."""
     k = spec.experts_per_token if spec.is_moe else 1
-    return k * w.comp * spec.intermediate_size
+    return k * w.comp * spec.intermediate_size + (dropout.mask(w.comp) * spec.hidden_size if dropout.residual else 0)
 
 
-def memory_checkpointing(training: TrainingSpec) -> Checkpointing:
+def _residual_masks_per_token(spec: TransformerSpec, dropout: _Dropout, w: _Widths) -> int:
+    """Residual dropout's masks: on the attention's and the MLP's outputs, before each residual add
+    (GPT2Attention.resid_dropout and GPT2MLP.dropout; GPT-NeoX post_attention_dropout and
+    post_mlp_dropout; Phi-3 resid_attn_dropout and resid_mlp_dropout), in the projections' dtype."""
+    return 2 * dropout.mask(w.comp) * spec.hidden_size if dropout.residual else 0
+
+
+def memory_checkpointing(training: TrainingSpec, model: object = None) -> Checkpointing:
     """The checkpointing mode whose activations `training`'s equal. Selective recomputation
     (Korthikanti et al. 2022, section 4.2) keeps the attention core's inputs instead of what the
     core saves: under fused attention (Dao et al. 2022, section 3.1) that is q, k and v either way
@@ -375,8 +457,11 @@ def memory_checkpointing(training: TrainingSpec) -> Checkpointing:
     keeps exactly what no checkpointing keeps, unless autocast makes the kept inputs wider than
     the casts the kernel saves. The engine profiles see checkpointing only through these
     activations, so the two estimates are equal (the planner shares them; tests/test_plan.py
-    checks it), while the step cost still differs."""
-    if training.checkpointing == Checkpointing.SELECTIVE and training.attention == Attention.FUSED and not _autocast(training):
+    checks it), while the step cost still differs. Not so where `model`'s attention dropout sends
+    fused attention down SDPA's math path (on CPU), whose s x s tensors selective recomputes."""
+    math = isinstance(model, TransformerSpec) and _dropout(model, training).attention and training.device == Device.CPU
+    if (training.checkpointing == Checkpointing.SELECTIVE and training.attention == Attention.FUSED
+            and not _autocast(training) and not math):
         return Checkpointing.NONE
     return training.checkpointing
 
@@ -386,30 +471,44 @@ def _autocast(training: TrainingSpec) -> bool:
     return training.engine == Engine.TORCH and training.precision in (Precision.BF16, Precision.FP16)
 
 
+def _dropout(spec: TransformerSpec, training: TrainingSpec) -> _Dropout:
+    rates = spec.dropout_rates(training.dropout)
+    return _Dropout(rates.embedding > 0, rates.attention > 0, rates.residual > 0, training.device == Device.CUDA)
+
+
+def attention_kernel(spec: TransformerSpec, training: TrainingSpec) -> str:
+    """The attention core that runs: fused, eager, or math (SDPA's fallback, fused attention with
+    dropout on CPU)."""
+    w = _Widths(resid=0, comp=0, autocast=_autocast(training))
+    return _attention_core(spec, training.attention, _dropout(spec, training), w).kernel
+
+
 def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
     """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens."""
     return _activation_bytes(spec, training.micro_batch, training.seq_len, training.checkpointing, training.attention,
-                             _autocast(training), act_bytes)
+                             _autocast(training), act_bytes, _dropout(spec, training))
 
 
 @memo(maxsize=4096)  # the same for every stage, offload and GPU count: warm plans take 16-22% longer without it
 def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, checkpointing: Checkpointing,
-                      attention: Attention, autocast: bool, act_bytes: int) -> ActivationBytes:
+                      attention: Attention, autocast: bool, act_bytes: int, dropout: _Dropout) -> ActivationBytes:
     w = _Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
+    core = _attention_core(spec, attention, dropout, w)
     tokens = micro_batch * seq_len
     h = spec.hidden_size
     attn_reads, mlp_reads = _input_projections(spec)
     block_casts, head_cast = _weight_casts(spec, w)
     block_per_token = (
         _norm_saved_per_token(spec, w, attn_reads)
-        + _attention_saved_per_token(spec, attention, checkpointing, seq_len, w)
+        + _attention_saved_per_token(spec, core, checkpointing, seq_len, w)
         + _norm_saved_per_token(spec, w, mlp_reads)
         + _mlp_saved_per_token(spec, w)
+        + _residual_masks_per_token(spec, dropout, w)
     )
     full_block = tokens * block_per_token + block_casts
     attention_saved = attention_temporary = 0
-    if attention == Attention.EAGER:
-        saved_pt, temporary_pt = _attention_backward_per_token(spec, checkpointing, seq_len, w, attn_reads)
+    if core.kernel != "fused":
+        saved_pt, temporary_pt = _attention_backward_per_token(spec, core, checkpointing, seq_len, w, attn_reads)
         attention_saved, attention_temporary = tokens * saved_pt, tokens * temporary_pt
     recompute = 0
     if checkpointing == Checkpointing.FULL:
@@ -424,9 +523,12 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         saved_block = full_block
     # Kept outside the blocks: the token ids (int64, embedding's backward reads them), the
     # shifted labels nll_loss saves (loss_utils.ForCausalLMLoss pads and shifts them: int64), the
-    # rotary embedding's cos and sin and, under checkpointing of eager attention, the causal mask.
+    # rotary embedding's cos and sin and, under checkpointing of eager attention, the causal mask;
+    # embedding dropout's mask (GPT2Model.drop, GPT-NeoX emb_dropout), on the parameters' dtype.
     int64_bytes = 8
     embedding = 2 * tokens * int64_bytes
+    if dropout.embedding:
+        embedding += tokens * dropout.mask(w.resid) * h
     if spec.position_embedding == "rotary":
         # LlamaRotaryEmbedding.forward: cos and sin of 1 x seq x head_dim, cast to the embeddings'
         # dtype, shared by the batch and every block; each block's rotary multiply saves them
@@ -448,7 +550,7 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         saved_per_block=saved_block,
         recompute_block=recompute,
         block_backward_transient=tokens * _block_backward_transient_per_token(spec, w),
-        block_backward_freed=tokens * _block_backward_freed_per_token(spec, w),
+        block_backward_freed=tokens * _block_backward_freed_per_token(spec, dropout, w),
         block_forward_transient=tokens * _block_forward_transient_per_token(spec, checkpointing, w),
         block_input_grad_bytes=tokens * w.resid * h,
         embedding=embedding,

@@ -52,6 +52,8 @@ def _rotary_gated(config: Mapping[str, Any], *, kv_heads: int | None, head_dim: 
         "norm": "rmsnorm",
         "mlp": "gated",
         "tie_word_embeddings": _value(config, ("tie_word_embeddings",), tie),
+        # LlamaConfig (and Mistral, Mixtral, Qwen2, Gemma, Phi3): attention_dropout 0.0.
+        "attention_dropout": _value(config, ("attention_dropout",), 0.0),
     }
 
 
@@ -97,8 +99,10 @@ def _gemma(config: Mapping[str, Any]) -> dict[str, Any]:
 def _phi3(config: Mapping[str, Any]) -> dict[str, Any]:
     # Phi3Config: max_position_embeddings 4096, untied. Phi3Attention fuses q, k, v into one
     # bias-free qkv_proj of h x (q + 2 kv) and Phi3MLP fuses gate and up into gate_up_proj
-    # (h x 2i): the same elements as separate projections.
-    return _rotary_gated(config, kv_heads=None, head_dim=None, max_positions=4096, tie=False)
+    # (h x 2i): the same elements as separate projections. resid_pdrop 0.0 drives
+    # resid_attn_dropout and resid_mlp_dropout; embd_pdrop is read by no module of Phi3Model.
+    fields = _rotary_gated(config, kv_heads=None, head_dim=None, max_positions=4096, tie=False)
+    return fields | {"residual_dropout": _value(config, ("resid_pdrop",), 0.0)}
 
 
 def _gpt2(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,6 +126,10 @@ def _gpt2(config: Mapping[str, Any]) -> dict[str, Any]:
         "attention_out_bias": True,
         "mlp_bias": True,
         "tie_word_embeddings": _value(config, ("tie_word_embeddings",), True),
+        # GPT2Config: resid_pdrop, embd_pdrop and attn_pdrop 0.1 each.
+        "embedding_dropout": _value(config, ("embd_pdrop",), 0.1),
+        "attention_dropout": _value(config, ("attn_pdrop",), 0.1),
+        "residual_dropout": _value(config, ("resid_pdrop",), 0.1),
     }
 
 
@@ -130,6 +138,7 @@ def _gpt_neox(config: Mapping[str, Any]) -> dict[str, Any]:
     # lm_head), attention_bias True on query_key_value and dense; GPTNeoXMLP's dense_h_to_4h and
     # dense_4h_to_h always have bias; LayerNorms have bias. Rotary (rotary_pct) has no parameters.
     bias = _value(config, ("attention_bias",), True)
+    hidden_dropout = _value(config, ("hidden_dropout",), 0.0)  # GPTNeoXConfig: emb_dropout and the residual branches
     return {
         "vocab_size": _value(config, ("vocab_size",)),
         "hidden_size": _value(config, ("hidden_size",)),
@@ -144,6 +153,9 @@ def _gpt_neox(config: Mapping[str, Any]) -> dict[str, Any]:
         "attention_out_bias": bias,
         "mlp_bias": True,
         "tie_word_embeddings": _value(config, ("tie_word_embeddings",), False),
+        "embedding_dropout": hidden_dropout,
+        "attention_dropout": _value(config, ("attention_dropout",), 0.0),
+        "residual_dropout": hidden_dropout,
     }
 
 

@@ -47,6 +47,7 @@ class Row:
     grad_accum: int = 1
     grad_sync: str | None = None  # last or every (spec/program.py GradSync); None: the recipe's
     model_init: str | None = None  # host, device, meta or zero-init; None: the recipe's (device for deepspeed)
+    dropout: float | None = None  # --dropout P on every dropout layer; None: the model config's rates
 
     @property
     def id(self) -> str:
@@ -58,7 +59,8 @@ class Row:
             + (("noddp",) if self.ddp is False else ()) + (("optinbwd",) if self.optimizer_in_backward else ()) \
             + (("client",) if self.client_optimizer else ()) \
             + ((f"ga{self.grad_accum}" + (f"-{self.grad_sync}" if self.grad_sync else ""),) if self.grad_accum > 1 else ()) \
-            + ((f"init-{self.model_init}",) if self.model_init else ())
+            + ((f"init-{self.model_init}",) if self.model_init else ()) \
+            + ((f"drop{self.dropout:g}",) if self.dropout is not None else ())
         return "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
 
     @property
@@ -76,6 +78,8 @@ class Row:
         }
         if self.grad_sync:
             fields["grad_sync"] = self.grad_sync
+        if self.dropout is not None:
+            fields["dropout"] = self.dropout
         if self.offload:
             fields["offload_optimizer"] = "cpu"
             if self.engine == "fsdp2" and self.stage == 3:
@@ -203,6 +207,19 @@ def _grid() -> tuple[Row, ...]:
     ):
         quick = (engine, init, precision) == ("deepspeed", "zero-init", "bf16")  # the CI slice's zero.Init row
         rows.append(Row(model, engine, stage, precision, model_init=init, quick=quick, **extra))
+    # Dropout at GPT-2's 0.1 (embedding, attention, residual masks): fused attention (on CPU, SDPA's
+    # math path keeps the attention matrices) and eager, with and without checkpointing, autocast's bf16.
+    for engine, stage, precision, ckpt, attention, (mb, seq), quick in (
+        ("torch", 0, "fp32", "none", "fused", (2, 128), True),
+        ("torch", 0, "fp32", "full", "eager", (2, 128), False),
+        ("torch", 1, "bf16", "selective", "fused", (4, 256), False),
+        ("fsdp2", 2, "fp32", "none", "eager", (4, 256), False),
+        ("fsdp2", 3, "fp32", "full", "fused", (4, 256), True),
+        ("fsdp2", 2, "bf16", "none", "fused", (2, 128), False),
+    ):
+        rows.append(Row("tiny-gpt2", engine, stage, precision, checkpointing=ckpt, attention=attention, micro_batch=mb,
+                        seq_len=seq, dropout=0.1, quick=quick))
+    rows.append(Row("tiny-gpt2", "deepspeed", 2, "fp32", attention="eager", small_buckets=True, dropout=0.1))
     return tuple(rows)
 
 

@@ -1,10 +1,11 @@
 """The workload of a measurement: the model of a spec, built for real, and its random batches.
 
 Where transformers is installed, the Hugging Face architecture of the spec, built from a config
-with random weights (`AutoModelForCausalLM.from_config`, no download), dropout 0, and the
-attention kernel of the training spec ("sdpa" for fused, "eager" for eager); otherwise
-`zeroplan.measure.reference_model`. Which one ran is `Workload.implementation`, e.g.
-"hf-transformers-5.23.0:LlamaForCausalLM/sdpa" or "zeroplan-reference:llama/sdpa".
+with random weights (`AutoModelForCausalLM.from_config`, no download), the dropout rates the run
+trains with (the model's config, or `--dropout P` on every dropout layer), and the attention kernel
+of the training spec ("sdpa" for fused, "eager" for eager), in train() mode so that dropout runs;
+otherwise `zeroplan.measure.reference_model`, which has no dropout layers. Which one ran is
+`Workload.implementation`, e.g. "hf-transformers-5.23.0:LlamaForCausalLM/sdpa" or "zeroplan-reference:llama/sdpa".
 
 Checkpointing (the same for both implementations):
 - full: each block's forward runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False)`,
@@ -27,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zeroplan.errors import MeasureError
-from zeroplan.spec.model import TransformerSpec
+from zeroplan.spec.model import DropoutRates, TransformerSpec
 from zeroplan.spec.training import Precision, TrainingSpec
 
 IMPLEMENTATIONS = ("auto", "hf", "reference")
@@ -70,9 +71,9 @@ class Workload:
     implementation: str
 
 
-def hf_config_kwargs(spec: TransformerSpec) -> tuple[str, dict]:
-    """The Hugging Face model_type and config fields of `spec` (dropout off)."""
-    model_type = spec.hf_model_type or _infer_model_type(spec)
+def hf_config_kwargs(spec: TransformerSpec, dropout: DropoutRates = DropoutRates()) -> tuple[str, dict]:
+    """The Hugging Face model_type and config fields of `spec`, trained with `dropout`'s rates."""
+    model_type = spec.model_type
     common = {
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
@@ -81,7 +82,7 @@ def hf_config_kwargs(spec: TransformerSpec) -> tuple[str, dict]:
         "num_attention_heads": spec.num_heads,
         "max_position_embeddings": spec.max_position_embeddings,
         "tie_word_embeddings": spec.tie_word_embeddings,
-        "attention_dropout": 0.0,
+        "attention_dropout": dropout.attention,
     }
     rotary = common | {"num_key_value_heads": spec.kv_heads, "head_dim": spec.dim_per_head}
     if model_type == "gpt2":
@@ -93,12 +94,12 @@ def hf_config_kwargs(spec: TransformerSpec) -> tuple[str, dict]:
             "n_inner": spec.intermediate_size,
             "n_positions": spec.max_position_embeddings,
             "tie_word_embeddings": spec.tie_word_embeddings,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
+            "resid_pdrop": dropout.residual,
+            "embd_pdrop": dropout.embedding,
+            "attn_pdrop": dropout.attention,
         }
     if model_type == "gpt_neox":
-        return model_type, common | {"hidden_dropout": 0.0, "attention_bias": spec.attention_bias}
+        return model_type, common | {"hidden_dropout": dropout.residual, "attention_bias": spec.attention_bias}
     if model_type == "llama":
         return model_type, rotary | {"attention_bias": spec.attention_bias, "mlp_bias": spec.mlp_bias}
     if model_type == "gemma":
@@ -114,22 +115,14 @@ def hf_config_kwargs(spec: TransformerSpec) -> tuple[str, dict]:
     if model_type == "phi3":
         return model_type, common | {
             "num_key_value_heads": spec.kv_heads,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
+            "resid_pdrop": dropout.residual,
+            "embd_pdrop": 0.0,  # read by no Phi3Model module
             "sliding_window": None,
         }
     raise MeasureError(
         f"model: hf_model_type {model_type!r} has no Hugging Face mapping here; "
         "use llama, mistral, mixtral, qwen2, gemma, phi3, gpt2 or gpt_neox"
     )
-
-
-def _infer_model_type(spec: TransformerSpec) -> str:
-    if spec.position_embedding == "learned":
-        return "gpt2"
-    if spec.norm == "layernorm":
-        return "gpt_neox"
-    return "mixtral" if spec.is_moe else "llama"
 
 
 def _find_blocks(lm: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -150,7 +143,7 @@ def _build_hf(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.Module,
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, kwargs = hf_config_kwargs(spec)
+    model_type, kwargs = hf_config_kwargs(spec, spec.dropout_rates(training.dropout))
     attn = "eager" if training.attention.value == "eager" else "sdpa"
     config = AutoConfig.for_model(model_type, **kwargs)
     lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=_model_dtype(training))
@@ -161,6 +154,9 @@ def _build_hf(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.Module,
 def _build_reference(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.Module, str]:
     from zeroplan.measure.reference_model import ReferenceCausalLM, family
 
+    if any(spec.dropout_rates(training.dropout)):
+        raise MeasureError("dropout: zeroplan's reference model has no dropout layers; measure with transformers "
+                           "(implementation hf) or with --dropout 0")
     eager = training.attention.value == "eager"
     # Built in its dtype (not converted after: .to() cannot swap fake tensors under --simulate).
     default = torch.get_default_dtype()

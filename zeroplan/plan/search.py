@@ -149,7 +149,7 @@ class Planner:
         self._evaluations: dict[tuple[Choice, int, int], Fit | Estimate] = {}
         self._costs: dict[Choice, StepCostModel] = {}
         # the checkpointing mode whose activations each mode's equal (the base's attention, engine, precision)
-        self._memory_modes = {mode: memory_checkpointing(base.model_copy(update={"checkpointing": mode}))
+        self._memory_modes = {mode: memory_checkpointing(base.model_copy(update={"checkpointing": mode}), model)
                               for mode in Checkpointing}
         self._flops: ModelFlops | None = None
 

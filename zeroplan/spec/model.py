@@ -9,16 +9,40 @@ Two kinds:
 - `ParamCountSpec`: a model known only by its parameter count, for model-states-only estimates
   (what DeepSpeed's `estimate_zero*_model_states_mem_needs` take).
 
-Parameter tensors are enumerated from a spec in `zeroplan.estimate.layout`.
+Parameter tensors are enumerated from a spec in `zeroplan.estimate.layout`. A transformer's dropout
+rates change its activations, not its parameters; `TransformerSpec.dropout_rates` gives the rates a
+run trains with.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
+
+DropoutLayer = Literal["embedding", "attention", "residual"]
+
+# The dropout layers each family's transformers 5.23.0 modeling file applies in training:
+# GPT-2 GPT2Model.drop, GPT2Attention.attn_dropout / resid_dropout, GPT2MLP.dropout; GPT-NeoX
+# emb_dropout, attention_dropout, post_attention_dropout / post_mlp_dropout; Phi-3
+# resid_attn_dropout / resid_mlp_dropout and attention_dropout (Phi3Model has no embedding dropout,
+# whatever embd_pdrop says); the Llama family (llama, mistral, mixtral, qwen2, gemma) attention only.
+DROPOUT_LAYERS: dict[str, tuple[DropoutLayer, ...]] = {
+    "gpt2": ("embedding", "attention", "residual"),
+    "gpt_neox": ("embedding", "attention", "residual"),
+    "phi3": ("attention", "residual"),
+}
+_ATTENTION_ONLY: tuple[DropoutLayer, ...] = ("attention",)
+
+
+class DropoutRates(NamedTuple):
+    """The dropout probabilities a run trains with (0: the layer keeps nothing)."""
+
+    embedding: float = 0.0
+    attention: float = 0.0
+    residual: float = 0.0
 
 
 class TransformerSpec(BaseModel):
@@ -59,9 +83,31 @@ class TransformerSpec(BaseModel):
     tie_word_embeddings: bool = Field(description="The output head shares the input embedding matrix.")
     num_experts: int = Field(1, ge=1, description="MLP experts per layer (1 = dense; Mixtral 8).")
     experts_per_token: int = Field(1, ge=1, description="Experts each token is routed to (top-k; Mixtral 2).")
+    embedding_dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout probability on the embeddings (GPT-2 embd_pdrop, GPT-NeoX hidden_dropout)."
+    )
+    attention_dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout probability on the attention probabilities (GPT-2 attn_pdrop; "
+        "attention_dropout elsewhere)."
+    )
+    residual_dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout probability on each block's attention and MLP outputs before the "
+        "residual add (GPT-2 and Phi-3 resid_pdrop, GPT-NeoX hidden_dropout)."
+    )
     published_params: int | None = Field(
         None, ge=1, description="Total parameter count as published, checked by the tests."
     )
+
+    @model_validator(mode="after")
+    def _check_dropout(self) -> "TransformerSpec":
+        for layer, rate in self.dropout_rates()._asdict().items():
+            if rate and layer not in self.dropout_layers:
+                raise ValueError(f"{layer}_dropout: {self.model_type} models have no {layer} dropout layer "
+                                 f"(transformers modeling_{self.model_type}.py); they have {', '.join(self.dropout_layers)}")
+        if self.model_type == "gpt_neox" and self.embedding_dropout != self.residual_dropout:
+            raise ValueError(f"embedding_dropout {self.embedding_dropout} and residual_dropout {self.residual_dropout} "
+                             "differ, but GPT-NeoX sets both from one hidden_dropout")
+        return self
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "TransformerSpec":
@@ -88,6 +134,29 @@ class TransformerSpec(BaseModel):
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 1
+
+    @property
+    def model_type(self) -> str:
+        """The Hugging Face model_type, or the family the shape flags describe when none is given."""
+        if self.hf_model_type:
+            return self.hf_model_type
+        if self.position_embedding == "learned":
+            return "gpt2"
+        if self.norm == "layernorm":
+            return "gpt_neox"
+        return "mixtral" if self.is_moe else "llama"
+
+    @property
+    def dropout_layers(self) -> tuple[DropoutLayer, ...]:
+        """The dropout layers the family's modeling file has (`DROPOUT_LAYERS`)."""
+        return DROPOUT_LAYERS.get(self.model_type, _ATTENTION_ONLY)
+
+    def dropout_rates(self, override: float | None = None) -> DropoutRates:
+        """The rates a run trains with: the config's, or `override` (`--dropout P`) on every
+        dropout layer the family has."""
+        if override is None:
+            return DropoutRates(self.embedding_dropout, self.attention_dropout, self.residual_dropout)
+        return DropoutRates(**{layer: override for layer in self.dropout_layers})
 
 
 class ParamCountSpec(BaseModel):
