@@ -47,9 +47,17 @@ MEASURE_MODES = ("all", "missing", "none")
 
 
 def fingerprint(row: Row, backend: str, steps: int) -> str:
-    """A hash of everything a row's measurement depends on: if it changes, the cache is stale."""
+    """A hash of everything a row's measurement depends on: if it changes, the cache is stale.
+
+    The specs enter without their defaults, and the training program as resolved: a knob added to
+    the spec with a default that runs what ran before leaves the measurements valid, while any value
+    the run reads (a default included) changes the hash through the program."""
+    from zeroplan.estimate.serialize import program_to_dict
+
     model, training = row_specs(row, backend)
-    data = {"model": model.model_dump(mode="json"), "training": training.model_dump(mode="json"),
+    data = {"model": model.model_dump(mode="json", exclude_defaults=True),
+            "training": training.model_dump(mode="json", exclude_defaults=True),
+            "program": program_to_dict(training.program),
             "nproc": row.world, "backend": run_backend(row, backend), "steps": steps}
     if row_implementation(row) != "auto":
         data["implementation"] = row_implementation(row)
