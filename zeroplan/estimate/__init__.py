@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from zeroplan.estimate import caches
-from zeroplan.estimate.activations import activation_bytes
+from zeroplan.estimate.activations import activation_bytes, memory_checkpointing
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, setup_of
 from zeroplan.estimate.engines.deepspeed import estimate_deepspeed
@@ -51,6 +51,7 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     if isinstance(model, TransformerSpec):
         acts = activation_bytes(model, training, dtypes.activation)
         implementation = _IMPLEMENTATIONS[training.attention]
+        notes = _checkpointing_notes(model, training)
     else:
         implementation = "parameter count only"
         notes = ("model given by parameter count: activations are not estimated",)
@@ -60,6 +61,17 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     else:
         result, overhead = _PROFILES[training.engine](facts, setup, acts), overhead_bytes(training)
     return _Profiled(facts, implementation, result, overhead, notes + result.notes if result.notes else notes)
+
+
+def _checkpointing_notes(model: TransformerSpec, training: TrainingSpec) -> tuple[str, ...]:
+    """Say so when the checkpointing asked for changes no byte (issue 11)."""
+    if memory_checkpointing(training) != training.checkpointing:
+        return ("checkpointing selective keeps what none keeps here: the fused attention kernel saves no attention "
+                "scores for the recomputation to spare; op (torchtitan's per-op policy) or full keep less",)
+    if training.checkpoint_every and training.checkpoint_every > model.num_layers:
+        return (f"checkpoint_every {training.checkpoint_every} exceeds the {model.num_layers} blocks: no block is "
+                "checkpointed",)
+    return ()
 
 
 def _estimate_of(profiled: _Profiled, engine: Engine) -> Estimate:
