@@ -28,8 +28,9 @@ block at a time in backward; `selective` recomputes the attention core only, whi
 s x s terms of eager attention (fused attention already recomputes them); `op` is torchtitan's
 per-op policy (`_op_saved_per_token`); `checkpoint_every` N checkpoints blocks N, 2N, ... fully
 and lets the others keep everything (`ActivationBytes.checkpointed`).
-The loss (spec/program.py `Loss`): standard, chunked (torchtune's CEWithChunkedOutputLoss) or a
-fused linear + cross-entropy kernel (Liger's): `_loss_terms`; docs/engines/activations.md.
+The loss (spec/program.py `Loss`): standard, chunked (torchtune's CEWithChunkedOutputLoss; under
+the torchtitan recipe its ChunkedLossWrapper, which differs) or a fused linear + cross-entropy
+kernel (Liger's): `_loss_terms`; docs/engines/activations.md.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from zeroplan.estimate.layout import param_layout
 from zeroplan.estimate.caches import memo
 from zeroplan.spec.model import TransformerSpec
-from zeroplan.spec.program import Loss
+from zeroplan.spec.program import Loss, Recipe
 from zeroplan.spec.training import Attention, Checkpointing, Engine, Precision, TrainingSpec
 
 FP32_BYTES = 4
@@ -430,7 +431,14 @@ def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: i
     """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens."""
     program = training.program
     args = (spec, training.micro_batch, training.seq_len)
-    rest = (training.attention, _autocast(training), act_bytes, program.loss, program.loss_chunks)
+    titan = program.loss == Loss.CHUNKED and program.recipe == Recipe.TORCHTITAN
+    # torchtitan's lm_head, an FSDP2 unit of its own with gradient sync off but for the last chunk,
+    # accumulates its unsharded gradient in the fp32 reduce dtype (torch _fsdp_param.py
+    # to_accumulated_grad_if_needed); the profile counts the 16-bit one.
+    fp32_head_grad = (titan and training.engine == Engine.FSDP2
+                      and training.precision in (Precision.BF16, Precision.FP16))
+    rest = (training.attention, _autocast(training), act_bytes, program.loss, program.loss_chunks,
+            "torchtitan" if titan else "torchtune", fp32_head_grad)
     every = training.checkpoint_every
     if every and training.checkpointing == Checkpointing.FULL:
         if every > spec.num_layers:  # no block index is a multiple of N: nothing is checkpointed
@@ -489,12 +497,31 @@ def _op_saved_per_token(spec: TransformerSpec, attention: Attention, seq_len: in
 
 
 def _loss_terms(spec: TransformerSpec, micro_batch: int, seq_len: int, loss: Loss, chunks: int, w: _Widths,
-                act_bytes: int, head_cast: int) -> dict[str, int]:
+                act_bytes: int, head_cast: int, chunking: str, fp32_head_grad: bool) -> dict[str, int]:
     """The ActivationBytes terms of the output projection and the loss (docs/engines/activations.md,
     "Losses"), and what the final norm's saved tensors change by (`final_norm`)."""
     tokens = micro_batch * seq_len
     vocab, h = spec.vocab_size, spec.hidden_size
     widened = act_bytes != FP32_BYTES
+    if loss == Loss.CHUNKED and chunking == "torchtitan":
+        # torchtitan 0.3.0 components/loss.py ChunkedLossWrapper: the model returns the final
+        # norm's output; N detached .contiguous() copies of it are made up front and an fp32
+        # GradAccumulator of its shape; each chunk runs lm_head, the fp32 cross-entropy and its
+        # backward at once, so one chunk's logits, upcast, log_softmax output and two fp32
+        # gradients are the most alive; the accumulated gradient is what backward starts from
+        # (cast to the hidden states' dtype). Estimated from the source, not measured.
+        chunk = micro_batch * -(-seq_len // chunks)
+        accumulator = tokens * h * FP32_BYTES
+        in_chunk = chunk * vocab * (3 * FP32_BYTES + act_bytes) + chunk * h * act_bytes
+        return dict(
+            logits=0,
+            loss_saved=accumulator,
+            loss_transient=tokens * h * act_bytes + in_chunk + (vocab * h * FP32_BYTES if fp32_head_grad else 0),
+            logits_grad=0,
+            logits_grad_cast=0,
+            head_backward_temporary=tokens * h * act_bytes,
+            final_norm=-tokens * w.comp * h - head_cast,  # lm_head reads the detached copies
+        )
     if loss == Loss.FUSED_LINEAR:
         # Liger ops/fused_linear_cross_entropy.py `fused_linear_cross_entropy_forward`: chunks of
         # next_power_of_2(BT / ceil(V / H)) tokens; per chunk the logits (input dtype) turned in
@@ -557,7 +584,7 @@ def _loss_terms(spec: TransformerSpec, micro_batch: int, seq_len: int, loss: Los
 @memo(maxsize=4096)  # the same for every stage, offload and GPU count: warm plans take 16-22% longer without it
 def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, checkpointing: Checkpointing,
                       attention: Attention, autocast: bool, act_bytes: int, loss: Loss = Loss.STANDARD,
-                      loss_chunks: int = 1) -> ActivationBytes:
+                      loss_chunks: int = 1, chunking: str = "torchtune", fp32_head_grad: bool = False) -> ActivationBytes:
     w = _Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
     tokens = micro_batch * seq_len
     h = spec.hidden_size
@@ -607,7 +634,7 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         embedding += 2 * seq_len * spec.dim_per_head * w.resid
     if checkpointing != Checkpointing.NONE and attention == Attention.EAGER:
         embedding += _eager_mask_bytes(micro_batch, seq_len, w)
-    head = _loss_terms(spec, micro_batch, seq_len, loss, loss_chunks, w, act_bytes, head_cast)
+    head = _loss_terms(spec, micro_batch, seq_len, loss, loss_chunks, w, act_bytes, head_cast, chunking, fp32_head_grad)
     # The final norm keeps what a block's norm keeps, its output read by lm_head alone.
     final_norm = tokens * _norm_saved_per_token(spec, w, 1) + head_cast + head.pop("final_norm")
     head["loss_transient"] += forward_casts

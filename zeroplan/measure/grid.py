@@ -40,14 +40,19 @@ class Row:
     small_buckets: bool = False  # deepspeed: SMALL_BUCKETS instead of DeepSpeed's defaults
     quick: bool = False  # part of the CI slice (`--quick`, tests/test_accuracy_slice.py)
     recipe: str = "plain"  # the program measured: zeroplan's own loop unless a row names another
+    loss: str | None = None  # standard, chunked or fused-linear; None: the recipe's
+    checkpoint_every: int | None = None  # with checkpointing full: blocks N, 2N, ... only
 
     @property
     def id(self) -> str:
         setup = f"{self.engine}-{self.stage}" + ("+offload" if self.offload else "") + ("+smallbkt" if self.small_buckets else "")
         ckpt = "ckpt" if self.checkpointing == "full" else "nockpt" if self.checkpointing == "none" else self.checkpointing
+        if self.checkpoint_every:
+            ckpt += f"-every{self.checkpoint_every}"
         world = f"fake{self.world}" if self.simulate else f"w{self.world}"
         parts = (self.model, setup, self.precision, ckpt, f"{self.micro_batch}x{self.seq_len}", world)
-        return "/".join(parts + (("eager",) if self.attention == "eager" else ()))
+        extra = (("eager",) if self.attention == "eager" else ()) + ((f"{self.loss}-loss",) if self.loss else ())
+        return "/".join(parts + extra)
 
     @property
     def needs_cpu_adam(self) -> bool:
@@ -62,6 +67,10 @@ class Row:
             "attention": self.attention, "device": "cuda" if backend == "nccl" and not self.simulate else "cpu",
             "recipe": self.recipe,
         }
+        if self.loss:
+            fields["loss"] = self.loss
+        if self.checkpoint_every:
+            fields["checkpoint_every"] = self.checkpoint_every
         if self.offload:
             fields["offload_optimizer"] = "cpu"
             if self.engine == "fsdp2" and self.stage == 3:
@@ -138,6 +147,18 @@ def _grid() -> tuple[Row, ...]:
                         quick=quick))
     rows.append(Row("tiny-llama", "deepspeed", 3, "fp32", checkpointing="selective", attention="eager", micro_batch=1,
                     seq_len=1024, small_buckets=True))
+    # The training program's loss and checkpointing knobs (issue 11) on tiny-llama, fsdp2 and torch,
+    # fp32 and bf16 (autocast for torch): torchtune's chunked loss, a fused linear + loss, torchtitan's
+    # per-op checkpointing and its every-Nth-block full checkpointing (N = 2 of 2 blocks: the last).
+    for engine, stage, precision, knobs in (
+        ("fsdp2", 3, "bf16", {"loss": "chunked"}), ("torch", 0, "fp32", {"loss": "chunked"}),
+        ("fsdp2", 3, "fp32", {"loss": "fused-linear"}), ("torch", 0, "bf16", {"loss": "fused-linear"}),
+        ("fsdp2", 3, "fp32", {"checkpointing": "op"}), ("fsdp2", 2, "bf16", {"checkpointing": "op"}),
+        ("torch", 0, "fp32", {"checkpointing": "op"}), ("torch", 0, "bf16", {"checkpointing": "op"}),
+        ("fsdp2", 3, "fp32", {"checkpointing": "full", "checkpoint_every": 2}),
+        ("torch", 0, "bf16", {"checkpointing": "full", "checkpoint_every": 2}),
+    ):
+        rows.append(Row("tiny-llama", engine, stage, precision, **knobs))
     return tuple(rows)
 
 
