@@ -61,8 +61,8 @@ def test_grid_covers_the_issue():
     # every pair of precision, checkpointing and batch occurs for each main set-up (the L4 array)
     for engine, stage in setups:
         main = [r for r in rows if (r.engine, r.stage) == (engine, stage) and r.model.startswith("tiny")
-                and not (r.offload or r.small_buckets or r.simulate) and r.checkpointing != "selective"
-                and r.attention == "fused" and r.optimizer_impl is None and r.ddp is None]
+                and not (r.offload or r.small_buckets or r.simulate) and r.checkpointing in ("none", "full")
+                and r.attention == "fused" and r.optimizer_impl is None and r.ddp is None and not (r.loss or r.checkpoint_every)]
         for a, b in (("precision", "checkpointing"), ("precision", "seq_len"), ("checkpointing", "seq_len")):
             assert len({(getattr(r, a), getattr(r, b)) for r in main}) == 4, (engine, stage, a, b)
         assert {r.model for r in main} == {"tiny-llama", "tiny-gpt2"}
@@ -71,7 +71,8 @@ def test_grid_covers_the_issue():
 def test_select_rows_by_glob_substring_quick_and_offload():
     assert [r.id for r in select_rows(GRID, "tiny-llama/torch-0/*/w2")] == [
         "tiny-llama/torch-0/fp32/nockpt/2x128/w2", "tiny-llama/torch-0/bf16/ckpt/2x128/w2",
-        "tiny-llama/torch-0/bf16/selective/2x128/w2"]
+        "tiny-llama/torch-0/bf16/selective/2x128/w2", "tiny-llama/torch-0/fp32/op/2x128/w2",
+        "tiny-llama/torch-0/bf16/op/2x128/w2", "tiny-llama/torch-0/bf16/ckpt-every2/2x128/w2"]
     assert all("fake64" in r.id for r in select_rows(GRID, "fake64"))
     quick = select_rows(GRID, quick=True)
     assert {(r.engine, r.stage) for r in quick} == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 2), ("deepspeed", 3)}

@@ -12,7 +12,7 @@ from importlib import import_module
 from typing import Any, NamedTuple
 
 from zeroplan.estimate import caches
-from zeroplan.estimate.activations import activation_bytes, attention_kernel
+from zeroplan.estimate.activations import activation_bytes, attention_kernel, memory_checkpointing
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, setup_of
 from zeroplan.estimate.facts import ModelFacts, model_facts
@@ -61,9 +61,10 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     if isinstance(model, TransformerSpec):
         acts = activation_bytes(model, training, dtypes.activation)
         implementation = _IMPLEMENTATIONS[training.attention]
+        notes = _checkpointing_notes(model, training)
         if attention_kernel(model, training) == "math":
-            notes = ("attention dropout on cpu: SDPA has no fused kernel with dropout there, so its math path "
-                     "runs and keeps the attention matrices (fp32)",)
+            notes += ("attention dropout on cpu: SDPA has no fused kernel with dropout there, so its math path "
+                      "runs and keeps the attention matrices (fp32)",)
     else:
         implementation = "parameter count only"
         notes = ("model given by parameter count: activations are not estimated",)
@@ -73,6 +74,17 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     else:
         result, overhead = _engine_profile(training.engine)(facts, setup, acts), overhead_bytes(training)
     return _Profiled(facts, implementation, result, overhead, notes + result.notes if result.notes else notes)
+
+
+def _checkpointing_notes(model: TransformerSpec, training: TrainingSpec) -> tuple[str, ...]:
+    """Say so when the checkpointing asked for changes no byte (issue 11)."""
+    if memory_checkpointing(training, model) != training.checkpointing:
+        return ("checkpointing selective keeps what none keeps here: the fused attention kernel saves no attention "
+                "scores for the recomputation to spare; op (torchtitan's per-op policy) or full keep less",)
+    if training.checkpoint_every and training.checkpoint_every > model.num_layers:
+        return (f"checkpoint_every {training.checkpoint_every} exceeds the {model.num_layers} blocks: no block is "
+                "checkpointed",)
+    return ()
 
 
 def _estimate_of(profiled: _Profiled, engine: Engine) -> Estimate:

@@ -36,16 +36,21 @@ Checkpointing (Korthikanti section 5): `full` keeps each block's input only and 
 block at a time in backward (torch.utils.checkpoint replays the RNG state: the same masks come
 back); `selective` recomputes the attention core only, which removes the s x s terms of eager
 attention and of the math path, attention dropout's masks included (fused attention already
-recomputes them).
+recomputes them); `op` is torchtitan's per-op policy (`_op_saved_per_token`); `checkpoint_every`
+N checkpoints blocks N, 2N, ... fully and lets the others keep everything (`ActivationBytes.checkpointed`).
+The loss (spec/program.py `Loss`): standard, chunked (torchtune's CEWithChunkedOutputLoss; under
+the torchtitan recipe its ChunkedLossWrapper, which differs) or a fused linear + cross-entropy
+kernel (Liger's): `_loss_terms`; docs/engines/activations.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from zeroplan.estimate.layout import param_layout
 from zeroplan.estimate.caches import memo
 from zeroplan.spec.model import TransformerSpec
+from zeroplan.spec.program import Loss, Recipe
 from zeroplan.spec.training import Attention, Checkpointing, Device, Engine, Precision, TrainingSpec
 
 FP32_BYTES = 4
@@ -69,11 +74,18 @@ class ActivationBytes:
     logits_grad: int  # nll_loss's and log_softmax's fp32 gradients, alive together
     logits_grad_cast: int  # the logits' gradient cast to the compute dtype for lm_head (16-bit only)
     num_blocks: int
+    # lm_head's backward: the logits' gradient and the gradient of lm_head's input (the weight's
+    # gradient is the engine's to count); `_loss_terms`.
+    head_backward_temporary: int = 0
     # The backward of eager attention's core (`_attention_backward_per_token`; zero for fused
     # kernels): the block's saved tensors still alive then, and what backward has allocated
     # (recomputed tensors and gradients in flight).
     attention_backward_saved: int = 0
     attention_backward_temporary: int = 0
+    # checkpoint_every N (torchtitan v0.2.2 `_apply_layer_sac`): blocks N, 2N, ... (1-based, in
+    # forward order) are those of `checkpointed` (full checkpointing), the others these terms.
+    checkpoint_every: int = 0
+    checkpointed: "ActivationBytes | None" = None
     # Does a block's backward peak in its attention core (eager attention's s x s gradients)
     # rather than in its MLP? Derived in __post_init__ (read at every moment of every profile).
     attention_peaks: bool = field(init=False, default=False)
@@ -99,9 +111,22 @@ class ActivationBytes:
         derived(self, "_mlp_intercept", mlp_intercept)
         derived(self, "_peak_intercept", attention_intercept if peaks else mlp_intercept)
 
+    def _kind(self, block: int) -> "ActivationBytes":
+        """The terms of block `block` (1-based, forward order): `checkpointed` for N, 2N, ..."""
+        if self.checkpoint_every and block and block % self.checkpoint_every == 0:
+            return self.checkpointed
+        return self
+
+    def _saved_through(self, blocks: int) -> int:
+        """What blocks 1..`blocks` keep until their backward."""
+        if not self.checkpoint_every:
+            return blocks * self.saved_per_block
+        every = blocks // self.checkpoint_every
+        return (blocks - every) * self.saved_per_block + every * self.checkpointed.saved_per_block
+
     @property
     def blocks_saved(self) -> int:
-        return self.embedding + self.num_blocks * self.saved_per_block
+        return self.embedding + self._saved_through(self.num_blocks)
 
     @property
     def forward_end(self) -> int:
@@ -119,7 +144,7 @@ class ActivationBytes:
     def blocks_end_peak(self) -> int:
         """The end of the last block's forward: every block's saved tensors, the MLP's output and
         the residual sum being written (the block's output, which the final norm keeps)."""
-        return self.blocks_saved + self.block_forward_transient
+        return self.blocks_saved + self._kind(self.num_blocks).block_forward_transient
 
     @property
     def backward_start_peak(self) -> int:
@@ -131,41 +156,43 @@ class ActivationBytes:
         """lm_head's backward: log_softmax's output is freed, lm_head's input is still saved."""
         return self.blocks_saved + self.final_norm
 
-    @property
-    def head_backward_temporary(self) -> int:
-        """lm_head's backward: the logits' gradient (fp32, or its 16-bit cast, the fp32 one freed
-        once the cast's backward has run) and the gradient of lm_head's input; the weight's
-        gradient is the engine's to count."""
-        return (self.logits_grad_cast or self.logits_grad // 2) + self.block_input_grad_bytes
-
     def block_backward_peak(self, blocks_left: int) -> int:
         """Inside the backward of a block when `blocks_left` blocks (itself included) still hold
         their saved tensors: the final norm and the loss are gone by then. The larger of two
         moments, the MLP's backward and the attention core's (`attention_peaks`); both are
-        affine in `blocks_left` with the same slope, so the same one wins in every block.
-        Equal to `block_backward_saved(blocks_left) + block_backward_temporary`."""
-        if blocks_left:
+        affine in `blocks_left` with the same slope, so the same one wins in every block (of
+        one kind, under checkpoint_every).
+        Equal to `block_backward_saved(blocks_left) + block_backward_temporary_at(blocks_left)`."""
+        if not blocks_left:
+            return self.embedding + self._block_temporary
+        if not self.checkpoint_every:
             return self._peak_intercept + blocks_left * self.saved_per_block
-        return self.embedding + self._block_temporary
+        kind = self._kind(blocks_left)
+        return kind._peak_intercept + kind.saved_per_block + self._saved_through(blocks_left - 1)
 
     def block_backward_saved(self, blocks_left: int) -> int:
         """The part of `block_backward_peak` allocated in forward (saved tensors)."""
-        if self.attention_peaks and blocks_left:
-            return self.embedding + (blocks_left - 1) * self.saved_per_block + self.attention_backward_saved
+        kind = self._kind(blocks_left)
+        if kind.attention_peaks and blocks_left:
+            return self.embedding + self._saved_through(blocks_left - 1) + kind.attention_backward_saved
         return self.blocks_left_saved(blocks_left)
 
     def blocks_left_saved(self, blocks_left: int) -> int:
         """Saved tensors at the MLP's backward in the block in progress, `blocks_left` blocks (it
         included) still holding theirs: the MLP's product, freed by down_proj's backward, is gone
         from the block in progress (unless it was recomputed)."""
-        freed = self.block_backward_freed if not self.recompute_block and blocks_left else 0
-        return self.embedding + blocks_left * self.saved_per_block - freed
+        kind = self._kind(blocks_left)
+        freed = kind.block_backward_freed if not kind.recompute_block and blocks_left else 0
+        return self.embedding + self._saved_through(blocks_left) - freed
 
     def block_mlp_peak(self, blocks_left: int) -> int:
         """The MLP's moment of a block's backward (`block_backward_peak` when the MLP peaks)."""
-        if blocks_left:
+        if not blocks_left:
+            return self.embedding + self._mlp_temporary
+        if not self.checkpoint_every:
             return self._mlp_intercept + blocks_left * self.saved_per_block
-        return self.embedding + self._mlp_temporary
+        kind = self._kind(blocks_left)
+        return kind._mlp_intercept + kind.saved_per_block + self._saved_through(blocks_left - 1)
 
     @property
     def block_input_grad(self) -> int:
@@ -177,6 +204,19 @@ class ActivationBytes:
         """The part of `block_backward_peak` allocated in backward: the recomputed block and the
         gradients in flight (`zeroplan measure` counts what backward allocates as temporaries)."""
         return self._block_temporary
+
+    def block_backward_temporary_at(self, blocks_left: int) -> int:
+        """`block_backward_temporary` of the block in progress when `blocks_left` hold theirs."""
+        return self._kind(blocks_left)._block_temporary
+
+    def backward_blocks(self) -> list[int]:
+        """The blocks, counted from the last (0) in backward order, where a profile looks for a
+        block's peak: the ends and their neighbours, the terms being linear in between; every
+        block when checkpoint_every mixes two kinds of blocks."""
+        n = self.num_blocks
+        if self.checkpoint_every:
+            return list(range(n))
+        return [j for j in sorted({0, 1, n - 2, n - 1}) if 0 <= j < n]
 
 
 @dataclass(frozen=True)
@@ -413,7 +453,7 @@ def _block_forward_transient_per_token(spec: TransformerSpec, checkpointing: Che
     output is dropped once SiLU has read it) or four (GPT-2's gelu_new written out: the c_fc
     output, 0.5x, 1 + tanh(...) and the product)."""
     h = spec.hidden_size
-    if checkpointing != Checkpointing.FULL:
+    if checkpointing not in (Checkpointing.FULL, Checkpointing.OP):
         return (w.resid + w.comp) * h
     k = spec.experts_per_token if spec.is_moe else 1
     live_inner = 3 if spec.mlp == "gated" else 4
@@ -485,13 +525,162 @@ def attention_kernel(spec: TransformerSpec, training: TrainingSpec) -> str:
 
 def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
     """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens."""
-    return _activation_bytes(spec, training.micro_batch, training.seq_len, training.checkpointing, training.attention,
-                             _autocast(training), act_bytes, _dropout(spec, training))
+    program = training.program
+    args = (spec, training.micro_batch, training.seq_len)
+    titan = program.loss == Loss.CHUNKED and program.recipe == Recipe.TORCHTITAN
+    # torchtitan's lm_head, an FSDP2 unit of its own with gradient sync off but for the last chunk,
+    # accumulates its unsharded gradient in the fp32 reduce dtype (torch _fsdp_param.py
+    # to_accumulated_grad_if_needed); the profile counts the 16-bit one.
+    fp32_head_grad = (titan and training.engine == Engine.FSDP2
+                      and training.precision in (Precision.BF16, Precision.FP16))
+    rest = (training.attention, _autocast(training), act_bytes, _dropout(spec, training), program.loss, program.loss_chunks,
+            "torchtitan" if titan else "torchtune", fp32_head_grad)
+    every = training.checkpoint_every
+    if every and training.checkpointing == Checkpointing.FULL:
+        if every > spec.num_layers:  # no block index is a multiple of N: nothing is checkpointed
+            return _activation_bytes(*args, Checkpointing.NONE, *rest)
+        full = _activation_bytes(*args, Checkpointing.FULL, *rest)
+        plain = _activation_bytes(*args, Checkpointing.NONE, *rest)
+        return replace(plain, embedding=full.embedding, checkpoint_every=every, checkpointed=full)
+    return _activation_bytes(*args, training.checkpointing, *rest)
+
+
+def _block_matmuls(spec: TransformerSpec) -> list[tuple[int, bool]]:
+    """(output width, has a bias) of a block's matmuls in forward order, as transformers' modules
+    run them: GPT-2's Conv1D is torch.addmm(bias, x, weight); nn.Linear is aten mm without a bias,
+    addmm with one (aten/src/ATen/native/Linear.cpp). Mixture of experts: the router, then each of
+    the top-k experts' gated MLP (approximate: transformers batches the experts)."""
+    h, inner = spec.hidden_size, spec.intermediate_size
+    q_width = spec.num_heads * spec.dim_per_head
+    kv_width = spec.kv_heads * spec.dim_per_head
+    if spec.position_embedding == "learned" or spec.hf_model_type == "gpt2":
+        return [(3 * h, True), (h, True), (inner, True), (h, True)]  # c_attn, c_proj, mlp.c_fc, mlp.c_proj
+    bias = spec.attention_bias
+    fused_qkv = spec.hf_model_type in ("gpt_neox", "phi3")
+    attention = [(q_width + 2 * kv_width, bias)] if fused_qkv else [(q_width, bias), (kv_width, bias), (kv_width, bias)]
+    attention.append((h, spec.attention_out_bias))
+    if spec.mlp == "gated":
+        up = [(2 * inner, spec.mlp_bias)] if spec.hf_model_type == "phi3" else [(inner, spec.mlp_bias)] * 2
+    else:
+        up = [(inner, spec.mlp_bias)]
+    mlp = up + [(h, spec.mlp_bias)]
+    if spec.is_moe:
+        return attention + [(spec.num_experts, False)] + mlp * spec.experts_per_token
+    return attention + mlp
+
+
+def _op_saved_per_token(spec: TransformerSpec, attention: Attention, seq_len: int, w: _Widths) -> int:
+    """What torchtitan's per-op policy saves of a block besides its input (torchtitan 0.3.0
+    distributed/activation_checkpoint.py `SelectiveAC`): the outputs of the ops in its save list
+    (torch's compute_intensive_ops: mm, addmm, bmm, the SDPA kernels), except every second mm or
+    linear, counted in forward order from 0 at each block's forward. Fused attention saves the
+    kernel's output and fp32 log-sum-exp; eager attention's two bmm (q k^T, probs v) are saved.
+    Everything else is recomputed (docs/engines/activations.md, "Per-op checkpointing")."""
+    counted = saved = 0
+    for width, bias in _block_matmuls(spec):
+        if bias:  # addmm: saved, not counted
+            saved += width
+            continue
+        counted += 1
+        if counted % 2:
+            saved += width
+    q_width = spec.num_heads * spec.dim_per_head
+    if attention == Attention.FUSED:
+        core = w.comp * q_width + FP32_BYTES * spec.num_heads
+    else:
+        core = w.comp * (spec.num_heads * seq_len + q_width)
+    return w.comp * saved + core
+
+
+def _loss_terms(spec: TransformerSpec, micro_batch: int, seq_len: int, loss: Loss, chunks: int, w: _Widths,
+                act_bytes: int, head_cast: int, chunking: str, fp32_head_grad: bool) -> dict[str, int]:
+    """The ActivationBytes terms of the output projection and the loss (docs/engines/activations.md,
+    "Losses"), and what the final norm's saved tensors change by (`final_norm`)."""
+    tokens = micro_batch * seq_len
+    vocab, h = spec.vocab_size, spec.hidden_size
+    widened = act_bytes != FP32_BYTES
+    if loss == Loss.CHUNKED and chunking == "torchtitan":
+        # torchtitan 0.3.0 components/loss.py ChunkedLossWrapper: the model returns the final
+        # norm's output; N detached .contiguous() copies of it are made up front and an fp32
+        # GradAccumulator of its shape; each chunk runs lm_head, the fp32 cross-entropy and its
+        # backward at once, so one chunk's logits, upcast, log_softmax output and two fp32
+        # gradients are the most alive; the accumulated gradient is what backward starts from
+        # (cast to the hidden states' dtype). Estimated from the source, not measured.
+        chunk = micro_batch * -(-seq_len // chunks)
+        accumulator = tokens * h * FP32_BYTES
+        in_chunk = chunk * vocab * (3 * FP32_BYTES + act_bytes) + chunk * h * act_bytes
+        return dict(
+            logits=0,
+            loss_saved=accumulator,
+            loss_transient=tokens * h * act_bytes + in_chunk + (vocab * h * FP32_BYTES if fp32_head_grad else 0),
+            logits_grad=0,
+            logits_grad_cast=0,
+            head_backward_temporary=tokens * h * act_bytes,
+            final_norm=-tokens * w.comp * h - head_cast,  # lm_head reads the detached copies
+        )
+    if loss == Loss.FUSED_LINEAR:
+        # Liger ops/fused_linear_cross_entropy.py `fused_linear_cross_entropy_forward`: chunks of
+        # next_power_of_2(BT / ceil(V / H)) tokens; per chunk the logits (input dtype) turned in
+        # place into their gradient, and that gradient times the weight; grad_input (zeros_like
+        # the input) and grad_weight (zeros_like the weight) are filled in forward and are all
+        # that backward keeps (ctx.save_for_backward); loss_1d is fp32 per token. No input saved.
+        chunk = min(1 << (-(-tokens // -(-vocab // h)) - 1).bit_length(), tokens)
+        return dict(
+            logits=0,
+            loss_saved=(tokens + vocab) * h * w.resid,
+            # autocast's cached cast of the head weight lives until the forward ends, unsaved
+            loss_transient=chunk * (vocab + h) * act_bytes + FP32_BYTES * tokens + head_cast,
+            logits_grad=0,
+            logits_grad_cast=0,
+            head_backward_temporary=tokens * h * w.resid,
+            final_norm=-tokens * w.comp * h - head_cast,  # lm_head's saved input (or its cast) is not kept
+        )
+    logits = tokens * act_bytes * vocab
+    loss_saved = tokens * FP32_BYTES * vocab  # log_softmax's fp32 output, every chunk's
+    if loss == Loss.CHUNKED:
+        # torchtune modules/transformer.py `chunked_output`: lm_head over each of h.chunk(N, dim=1),
+        # every logits chunk alive until the loss returns; CEWithChunkedOutputLoss upcasts and
+        # log-softmaxes one chunk at a time. Backward runs each chunk's loss before any lm_head
+        # (autograd takes the latest node first), so every chunk's logits gradient is alive at
+        # the first lm_head backward; from the second on, its weight gradient waits beside the
+        # one accumulated (autograd's input buffer; under autocast both are 16-bit, together the
+        # size of the fp32 .grad the profile counts).
+        chunk_seq = -(-seq_len // chunks)
+        count = -(-seq_len // chunk_seq)
+        chunk = micro_batch * chunk_seq
+        second_weight_grad = 0 if w.autocast else vocab * h * act_bytes
+        first = logits + chunk * h * w.resid
+        later = (count - 1) * chunk * act_bytes * vocab + 2 * chunk * h * w.resid + second_weight_grad if count > 1 else 0
+        return dict(
+            logits=logits,
+            loss_saved=loss_saved,
+            loss_transient=chunk * FP32_BYTES * vocab if widened else 0,
+            logits_grad=2 * chunk * FP32_BYTES * vocab,
+            logits_grad_cast=logits if widened else 0,
+            head_backward_temporary=max(first, later),
+            final_norm=0,
+        )
+    # Backward of nll_loss (a zero-filled fp32 gradient, aten nll_loss_backward) and of
+    # log_softmax (_log_softmax_backward_data): both alive with log_softmax's saved output.
+    logits_grad = 2 * tokens * FP32_BYTES * vocab
+    logits_grad_cast = logits if widened else 0
+    return dict(
+        logits=logits,
+        loss_saved=loss_saved,
+        loss_transient=tokens * FP32_BYTES * vocab if widened else 0,  # the fp32 upcast
+        logits_grad=logits_grad,
+        logits_grad_cast=logits_grad_cast,
+        # the logits' gradient (fp32, or its 16-bit cast, the fp32 one freed once the cast's
+        # backward has run) and the gradient of lm_head's input
+        head_backward_temporary=(logits_grad_cast or logits_grad // 2) + tokens * w.resid * h,
+        final_norm=0,
+    )
 
 
 @memo(maxsize=4096)  # the same for every stage, offload and GPU count: warm plans take 16-22% longer without it
 def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, checkpointing: Checkpointing,
-                      attention: Attention, autocast: bool, act_bytes: int, dropout: _Dropout) -> ActivationBytes:
+                      attention: Attention, autocast: bool, act_bytes: int, dropout: _Dropout, loss: Loss = Loss.STANDARD,
+                      loss_chunks: int = 1, chunking: str = "torchtune", fp32_head_grad: bool = False) -> ActivationBytes:
     w = _Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
     core = _attention_core(spec, attention, dropout, w)
     tokens = micro_batch * seq_len
@@ -510,8 +699,8 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
     if core.kernel != "fused":
         saved_pt, temporary_pt = _attention_backward_per_token(spec, core, checkpointing, seq_len, w, attn_reads)
         attention_saved, attention_temporary = tokens * saved_pt, tokens * temporary_pt
-    recompute = 0
-    if checkpointing == Checkpointing.FULL:
+    recompute = forward_casts = 0
+    if checkpointing in (Checkpointing.FULL, Checkpointing.OP):
         # torch.utils.checkpoint keeps the block input only (Korthikanti section 5: 2sbh in 16-bit)
         # and rebuilds the block's saved tensors in its backward, except the input when the first
         # norm saves that very tensor (LayerNorm; RMSNorm on an fp32 input, whose .float() is a no-op).
@@ -519,6 +708,15 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         shared = saved_block if _norm_saves_block_input(spec, w) else 0
         recompute = full_block - shared
         attention_saved += saved_block
+        if checkpointing == Checkpointing.OP:
+            # The per-op policy also keeps its saved ops' outputs; the recomputation takes them
+            # from its cache and drops the entries (torch/utils/checkpoint.py
+            # _CachedTorchDispatchMode), so the block in backward holds what full checkpointing's does.
+            cached = tokens * _op_saved_per_token(spec, attention, seq_len, w)
+            saved_block += cached
+            recompute -= cached
+            # Autocast's weight casts are not saved but stay in its cache until the forward ends.
+            forward_casts = spec.num_layers * block_casts
     else:
         saved_block = full_block
     # Kept outside the blocks: the token ids (int64, embedding's backward reads them), the
@@ -537,30 +735,21 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         embedding += 2 * seq_len * spec.dim_per_head * w.resid
     if checkpointing != Checkpointing.NONE and attention == Attention.EAGER:
         embedding += _eager_mask_bytes(micro_batch, seq_len, w)
-    vocab = spec.vocab_size
-    logits = tokens * act_bytes * vocab
-    loss_saved = tokens * FP32_BYTES * vocab
-    upcast = tokens * FP32_BYTES * vocab if act_bytes != FP32_BYTES else 0
-    # Backward of nll_loss (a zero-filled fp32 gradient, aten nll_loss_backward) and of
-    # log_softmax (_log_softmax_backward_data): both alive with log_softmax's saved output.
-    logits_grad = 2 * tokens * FP32_BYTES * vocab
+    head = _loss_terms(spec, micro_batch, seq_len, loss, loss_chunks, w, act_bytes, head_cast, chunking, fp32_head_grad)
     # The final norm keeps what a block's norm keeps, its output read by lm_head alone.
-    final_norm = tokens * _norm_saved_per_token(spec, w, 1) + head_cast
+    final_norm = tokens * _norm_saved_per_token(spec, w, 1) + head_cast + head.pop("final_norm")
+    head["loss_transient"] += forward_casts
     return ActivationBytes(
         saved_per_block=saved_block,
         recompute_block=recompute,
         block_backward_transient=tokens * _block_backward_transient_per_token(spec, w),
         block_backward_freed=tokens * _block_backward_freed_per_token(spec, dropout, w),
-        block_forward_transient=tokens * _block_forward_transient_per_token(spec, checkpointing, w),
+        block_forward_transient=tokens * _block_forward_transient_per_token(spec, checkpointing, w) + forward_casts,
         block_input_grad_bytes=tokens * w.resid * h,
         embedding=embedding,
         final_norm=final_norm,
-        logits=logits,
-        loss_saved=loss_saved,
-        loss_transient=upcast,
-        logits_grad=logits_grad,
-        logits_grad_cast=tokens * act_bytes * vocab if act_bytes != FP32_BYTES else 0,
         num_blocks=spec.num_layers,
         attention_backward_saved=attention_saved,
         attention_backward_temporary=attention_temporary,
+        **head,
     )

@@ -48,11 +48,15 @@ class Row:
     grad_sync: str | None = None  # last or every (spec/program.py GradSync); None: the recipe's
     model_init: str | None = None  # host, device, meta or zero-init; None: the recipe's (device for deepspeed)
     dropout: float | None = None  # --dropout P on every dropout layer; None: the model config's rates
+    loss: str | None = None  # standard, chunked or fused-linear; None: the recipe's
+    checkpoint_every: int | None = None  # with checkpointing full: blocks N, 2N, ... only
 
     @property
     def id(self) -> str:
         setup = f"{self.engine}-{self.stage}" + ("+offload" if self.offload else "") + ("+smallbkt" if self.small_buckets else "")
         ckpt = "ckpt" if self.checkpointing == "full" else "nockpt" if self.checkpointing == "none" else self.checkpointing
+        if self.checkpoint_every:
+            ckpt += f"-every{self.checkpoint_every}"
         world = f"fake{self.world}" if self.simulate else f"w{self.world}"
         parts = (self.model, setup, self.precision, ckpt, f"{self.micro_batch}x{self.seq_len}", world)
         program = (("eager",) if self.attention == "eager" else ()) + ((self.optimizer_impl,) if self.optimizer_impl else ()) \
@@ -60,7 +64,8 @@ class Row:
             + (("client",) if self.client_optimizer else ()) \
             + ((f"ga{self.grad_accum}" + (f"-{self.grad_sync}" if self.grad_sync else ""),) if self.grad_accum > 1 else ()) \
             + ((f"init-{self.model_init}",) if self.model_init else ()) \
-            + ((f"drop{self.dropout:g}",) if self.dropout is not None else ())
+            + ((f"drop{self.dropout:g}",) if self.dropout is not None else ()) \
+            + ((f"{self.loss}-loss",) if self.loss else ())
         return "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
 
     @property
@@ -80,6 +85,10 @@ class Row:
             fields["grad_sync"] = self.grad_sync
         if self.dropout is not None:
             fields["dropout"] = self.dropout
+        if self.loss:
+            fields["loss"] = self.loss
+        if self.checkpoint_every:
+            fields["checkpoint_every"] = self.checkpoint_every
         if self.offload:
             fields["offload_optimizer"] = "cpu"
             if self.engine == "fsdp2" and self.stage == 3:
@@ -220,6 +229,18 @@ def _grid() -> tuple[Row, ...]:
         rows.append(Row("tiny-gpt2", engine, stage, precision, checkpointing=ckpt, attention=attention, micro_batch=mb,
                         seq_len=seq, dropout=0.1, quick=quick))
     rows.append(Row("tiny-gpt2", "deepspeed", 2, "fp32", attention="eager", small_buckets=True, dropout=0.1))
+    # The training program's loss and checkpointing knobs (issue 11) on tiny-llama, fsdp2 and torch,
+    # fp32 and bf16 (autocast for torch): torchtune's chunked loss, a fused linear + loss, torchtitan's
+    # per-op checkpointing and its every-Nth-block full checkpointing (N = 2 of 2 blocks: the last).
+    for engine, stage, precision, knobs in (
+        ("fsdp2", 3, "bf16", {"loss": "chunked"}), ("torch", 0, "fp32", {"loss": "chunked"}),
+        ("fsdp2", 3, "fp32", {"loss": "fused-linear"}), ("torch", 0, "bf16", {"loss": "fused-linear"}),
+        ("fsdp2", 3, "fp32", {"checkpointing": "op"}), ("fsdp2", 2, "bf16", {"checkpointing": "op"}),
+        ("torch", 0, "fp32", {"checkpointing": "op"}), ("torch", 0, "bf16", {"checkpointing": "op"}),
+        ("fsdp2", 3, "fp32", {"checkpointing": "full", "checkpoint_every": 2}),
+        ("torch", 0, "bf16", {"checkpointing": "full", "checkpoint_every": 2}),
+    ):
+        rows.append(Row("tiny-llama", engine, stage, precision, **knobs))
     return tuple(rows)
 
 

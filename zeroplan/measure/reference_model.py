@@ -161,7 +161,8 @@ class ReferenceCausalLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)  # (T, d)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (B, T, h), which the output head reads."""
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, T, h)
         if self.embed_positions is not None:
@@ -169,7 +170,10 @@ class ReferenceCausalLM(nn.Module):
         rope = self._rope(T, x.dtype)
         for block in self.layers:
             x = block(x, rope)
-        logits = self.lm_head(self.final_norm(x))  # (B, T, vocab)
+        return self.final_norm(x)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.hidden(input_ids))  # (B, T, vocab)
         # ForCausalLMLoss (transformers/loss/loss_utils.py): fp32 logits, predict token t+1 from t
         # by shifting the labels (padded with the ignored index), not by slicing the logits
         shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]

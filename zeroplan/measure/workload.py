@@ -16,7 +16,13 @@ Checkpointing (the same for both implementations):
   module calls through transformers' AttentionInterface, which runs under checkpoint here
   (`_checkpoint_attention_core`). The core's inputs (q, k, v) stay alive for the recomputation;
   what the core saves (eager's softmax output and repeated k/v, the fused kernel's log-sum-exp)
-  does not.
+  does not;
+- op: torchtitan's per-op policy on every block (zeroplan.measure.op_checkpoint);
+- full with checkpoint_every N: blocks N, 2N, ... only (1-based, torchtitan v0.2.2
+  `_apply_layer_sac`), the others keep everything.
+
+The loss is the training program's (`TrainingSpec.program.loss`): the model's own for standard,
+else the final hidden states through zeroplan.measure.losses.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zeroplan.errors import MeasureError
+from zeroplan.measure import losses
+from zeroplan.measure.op_checkpoint import op_checkpointed
 from zeroplan.spec.model import DropoutRates, TransformerSpec
 from zeroplan.spec.training import Precision, TrainingSpec
 
@@ -37,11 +45,13 @@ IMPLEMENTATIONS = ("auto", "hf", "reference")
 class CausalLM(nn.Module):
     """The model every engine wraps: `forward(input_ids, labels)` returns the mean causal-LM loss."""
 
-    def __init__(self, lm: nn.Module, blocks: nn.ModuleList, hf: bool):
+    def __init__(self, lm: nn.Module, blocks: nn.ModuleList, hf: bool, loss: str = "standard", loss_chunks: int = 1):
         super().__init__()
         self.lm = lm
         self.hf = hf
         self.transformer_blocks = list(blocks)  # a plain list: not registered twice as submodules
+        self.loss = loss
+        self.loss_chunks = loss_chunks
 
     @torch.no_grad()
     def init_materialized(self) -> None:
@@ -60,9 +70,23 @@ class CausalLM(nn.Module):
                 self.lm._init_weights(module)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.loss == "fused-linear":
+            return losses.fused_linear_cross_entropy(self._hidden(input_ids), self._head(), losses.shifted_labels(labels))
+        if self.loss == "chunked":  # the hidden states are freed before the loss, as torchtune's model returns
+            logits = losses.chunked_logits(self._hidden(input_ids), self._head(), self.loss_chunks)
+            return losses.chunked_cross_entropy(logits, losses.shifted_labels(labels))
         if self.hf:
             return self.lm(input_ids=input_ids, labels=labels, use_cache=False).loss
         return self.lm(input_ids, labels)
+
+    def _hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (batch, seq, hidden), before the output projection."""
+        if self.hf:
+            return self.lm.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return self.lm.hidden(input_ids)
+
+    def _head(self) -> nn.Module:
+        return self.lm.get_output_embeddings() if self.hf else self.lm.lm_head
 
 
 @dataclass
@@ -275,12 +299,18 @@ def build_workload(
     blocks = _find_blocks(lm, spec.num_layers)
     _freeze(lm, blocks, training.freeze)
     if training.checkpointing.value == "full":
+        every = training.checkpoint_every or 1
+        for index, block in enumerate(blocks, start=1):
+            if index % every == 0:
+                _checkpointed(block)
+    elif training.checkpointing.value == "op":
         for block in blocks:
-            _checkpointed(block)
+            op_checkpointed(block)
     elif training.checkpointing.value == "selective" and use_hf:
         for block in blocks:
             _checkpoint_attention_core(_attention_module(block))
-    return Workload(CausalLM(lm, blocks, hf=use_hf), name)
+    program = training.program
+    return Workload(CausalLM(lm, blocks, hf=use_hf, loss=program.loss.value, loss_chunks=program.loss_chunks), name)
 
 
 def make_batch(spec: TransformerSpec, training: TrainingSpec, device: torch.device):

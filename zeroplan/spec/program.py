@@ -164,4 +164,6 @@ def resolve_program(recipe: Recipe, engine: str, zero_stage: int, gpus: int, dev
     values.update({name: value for name, value in explicit.items() if value is not None})
     if explicit.get("loss") not in (None, Loss.CHUNKED) and explicit.get("loss_chunks") is None:
         values["loss_chunks"] = 1  # a loss chosen by hand that is not chunked has one chunk
+    if explicit.get("loss") == Loss.CHUNKED and explicit.get("loss_chunks") is None and values["loss_chunks"] == 1:
+        values["loss_chunks"] = 8  # torchtune CEWithChunkedOutputLoss(num_output_chunks=8)
     return Program(recipe=recipe, **values)

@@ -285,9 +285,8 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         # one still pending in autograd), the gradient of the final norm's output.
         points.append(dict(buffers=loss_buffers, grads=held_grads + head_grads, activations=acts.head_backward_saved,
                            temporaries=acts.head_backward_temporary + tied_grad))
-    for j in sorted({0, 1, num_blocks - 2, num_blocks - 1}):
-        if not 0 <= j < num_blocks:
-            continue
+    visits = acts.backward_blocks() if acts else [j for j in sorted({0, 1, num_blocks - 2, num_blocks - 1}) if 0 <= j < num_blocks]
+    for j in visits:
         blocks_held = 1 if reshard else num_blocks - j
         prefetch = block_gathered if reshard and j < num_blocks - 1 else 0
         buffers = root_gathered + blocks_held * block_gathered + prefetch + (block_reduce_in if j else 0) + h2d_copy
@@ -295,7 +294,7 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
             buffers=buffers,
             grads=accum_root + (num_blocks - j) * accum_block + head_grads + z.first_grads + shards_done(j),
             activations=acts.block_backward_saved(num_blocks - j) if acts else 0,
-            temporaries=(acts.block_backward_temporary if acts else 0) + tied_grad,
+            temporaries=(acts.block_backward_temporary_at(num_blocks - j) if acts else 0) + tied_grad,
         ))
         # The end of the block's backward, before its post-backward: every unsharded gradient of
         # the block, its saved tensors gone, the gradient of its input in flight.

@@ -106,11 +106,10 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
             points.append(dict(grads=grads_before, activations=acts.forward_end, temporaries=acts.logits_grad))
             points.append(dict(grads=max(grads_before, head_numel * element), activations=acts.head_backward_saved,
                                temporaries=acts.head_backward_temporary + tied_numel * element))
-            for j in sorted({0, 1, num_blocks - 2, num_blocks - 1}):
-                if 0 <= j < num_blocks:
-                    done = (head_numel + first_numel + j * block_numel) * element
-                    points.append(dict(grads=max(grads_before, done), activations=acts.block_backward_saved(num_blocks - j),
-                                       temporaries=acts.block_backward_temporary + tied_numel * element))
+            for j in acts.backward_blocks():
+                done = (head_numel + first_numel + j * block_numel) * element
+                points.append(dict(grads=max(grads_before, done), activations=acts.block_backward_saved(num_blocks - j),
+                                   temporaries=acts.block_backward_temporary_at(num_blocks - j) + tied_numel * element))
         worst = largest_point(*points)
         phases.append(phase(step, Phase.BACKWARD, **base, **worst))
         phases.append(
