@@ -110,8 +110,8 @@ def recipe_defaults(recipe: Recipe, engine: str, zero_stage: int, gpus: int, dev
             "model_init": ModelInit.META,
             # train.py `forward_backward_step`: no set_requires_gradient_sync(False) between micro-batches.
             "grad_sync": GradSync.EVERY,
-            # parallelize.py applies FSDP2 (or replicate) itself; one GPU runs the bare module.
-            "ddp": False,
+            # parallelize.py applies FSDP2, or replicate (DDP) over pure data parallelism; one GPU runs the bare module.
+            "ddp": engine == "torch" and gpus > 1,
             # components/optimizer.py: AdamW with implementation "fused" by default.
             "optimizer_impl": OptimizerImpl.FUSED,
             "optimizer_in_backward": False,
@@ -128,7 +128,8 @@ def recipe_defaults(recipe: Recipe, engine: str, zero_stage: int, gpus: int, dev
             "model_init": ModelInit.DEVICE if single else ModelInit.META,
             # full_finetune_distributed.py: gradients are reduced on every backward.
             "grad_sync": GradSync.EVERY,
-            "ddp": False,
+            # the single-device recipe trains the bare module; the distributed one shards with FSDP2
+            "ddp": engine == "torch" and gpus > 1,
             # recipes' default optimizers are torch (or bitsandbytes) AdamW built without foreach/fused:
             # on CUDA torch picks foreach (torch/optim/optimizer.py `_default_to_fused_or_foreach`).
             "optimizer_impl": OptimizerImpl.FOREACH,
