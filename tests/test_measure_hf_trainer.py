@@ -30,7 +30,7 @@ def test_runnable_recipes_add_the_trainer_and_keep_plain_as_the_default():
     from zeroplan.measure.launcher import DEFAULT_RECIPE, RUNNABLE_RECIPES
 
     assert DEFAULT_RECIPE == "plain"
-    assert set(RUNNABLE_RECIPES) == {"plain", "hf-trainer"}
+    assert {"plain", "hf-trainer"} <= set(RUNNABLE_RECIPES)
 
 
 def test_deepspeed_json_leaves_to_the_trainer_what_the_trainer_fills():

@@ -58,11 +58,14 @@ def test_grid_covers_the_issue():
     assert {(r.attention, r.engine == "torch" and r.precision == "bf16") for r in rows if r.checkpointing == "selective"} == {
         ("fused", True), ("fused", False), ("eager", True), ("eager", False)}
     assert any(r.attention == "eager" and r.checkpointing == "none" for r in rows)
+    # every recipe measure runs has rows: the Trainer itself, torchtitan's and torchtune's flows reproduced
+    assert {r.recipe for r in rows} == {"plain", "hf-trainer", "torchtitan", "torchtune"}
     # every pair of precision, checkpointing and batch occurs for each main set-up (the L4 array)
     for engine, stage in setups:
         main = [r for r in rows if (r.engine, r.stage) == (engine, stage) and r.model.startswith("tiny")
                 and not (r.offload or r.small_buckets or r.simulate) and r.checkpointing in ("none", "full")
-                and r.attention == "fused" and r.optimizer_impl is None and r.ddp is None and not (r.loss or r.checkpoint_every)]
+                and r.attention == "fused" and r.optimizer_impl is None and r.ddp is None and not (r.loss or r.checkpoint_every)
+                and r.recipe == "plain"]
         for a, b in (("precision", "checkpointing"), ("precision", "seq_len"), ("checkpointing", "seq_len")):
             assert len({(getattr(r, a), getattr(r, b)) for r in main}) == 4, (engine, stage, a, b)
         assert {r.model for r in main} == {"tiny-llama", "tiny-gpt2"}

@@ -241,6 +241,12 @@ def _grid() -> tuple[Row, ...]:
         ("torch", 0, "bf16", {"checkpointing": "full", "checkpoint_every": 2}),
     ):
         rows.append(Row("tiny-llama", engine, stage, precision, **knobs))
+    # torchtitan and torchtune reproduced in zeroplan's loop (measure/programs/reproduction.py), each
+    # with its recipe's defaults: torchtitan 0.3.0's llama3 configs (FSDP2, meta init, per-op
+    # checkpointing, ChunkedLossWrapper); torchtune 0.6.1's full_finetune_single_device (one rank
+    # without DDP, pure bf16, optimizer in backward, CEWithChunkedOutputLoss).
+    rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", checkpointing="op", recipe="torchtitan"))
+    rows.append(Row("tiny-llama", "torch", 0, "pure-bf16", world=1, recipe="torchtune"))
     return tuple(rows)
 
 

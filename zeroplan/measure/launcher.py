@@ -37,7 +37,9 @@ from zeroplan.spec.training import Device, TrainingSpec
 
 POLL_S = 0.05
 DEFAULT_RECIPE = "plain"  # measure runs zeroplan's own loop unless --recipe names a program it runs
-RUNNABLE_RECIPES = ("plain", "hf-trainer")  # hf-trainer: transformers.Trainer itself (programs/hf_trainer.py)
+# hf-trainer: transformers.Trainer itself (programs/hf_trainer.py); torchtitan, torchtune: their
+# flow reproduced in zeroplan's loop (programs/reproduction.py, docs/measure.md says why)
+RUNNABLE_RECIPES = ("plain", "hf-trainer", "torchtitan", "torchtune")
 
 
 def choose_backend(requested: str | None, simulate: bool = False) -> str:
@@ -120,6 +122,12 @@ def run_measurement(
         raise MeasureError(f"model: {model.name} is known by its parameter count only; measure needs a transformer spec")
     if training.recipe.value not in RUNNABLE_RECIPES:
         raise MeasureError(f"recipe: measure runs {', '.join(RUNNABLE_RECIPES)} so far, not {training.recipe.value}")
+    program = training.program
+    if program.recipe.value == "torchtitan" and program.loss.value == "chunked" and program.ddp:
+        # each chunk's backward runs inside the forward, before DDP's reducer expects any gradient
+        raise MeasureError("ddp: torchtitan's chunked loss runs each chunk's backward inside the forward, which "
+                           "measure's DDP runner does not reproduce; measure engine fsdp2, one rank without ddp, "
+                           "or --loss standard")
     if training.engine.value == "paper":  # refused here, before any worker starts
         raise MeasureError("engine: paper is the ZeRO paper's accounting, not a program to run; measure torch, fsdp2 or deepspeed")
     if nproc < 1:

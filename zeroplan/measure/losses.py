@@ -7,6 +7,10 @@
   chunks, then `CEWithChunkedOutputLoss.forward` (modules/loss/ce_chunked_output_loss.py) runs
   `F.cross_entropy(chunk.float(), labels, reduction="sum")` chunk by chunk and divides by the
   number of labelled tokens;
+- chunked under the torchtitan recipe: torchtitan 0.3.0's flow (components/loss.py
+  `ChunkedLossWrapper.__call__`): every chunk's lm_head, fp32 cross-entropy and backward run at
+  once, inside the forward, into an fp32 gradient accumulator of the hidden states, which the
+  decoder's backward then starts from (`torchtitan_chunked_loss`);
 - fused-linear: a stand-in, in plain torch, for a fused linear + cross-entropy kernel such as
   Liger's (ops/fused_linear_cross_entropy.py `LigerFusedLinearCrossEntropyFunction`): the same
   chunks, buffers and saved tensors, computed by torch ops instead of its Triton kernel
@@ -44,6 +48,75 @@ def chunked_cross_entropy(logits: list[torch.Tensor], labels: torch.Tensor) -> t
         logits_chunk = logits_chunk.reshape(-1, logits_chunk.size(-1))
         total_loss += F.cross_entropy(logits_chunk.float(), labels_chunk, ignore_index=IGNORE_INDEX, reduction="sum")
     return total_loss / total_elements
+
+
+def torchtitan_chunked_loss(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, chunks: int) -> torch.Tensor:
+    """torchtitan 0.3.0 `ChunkedLossWrapper.__call__` with its default `CrossEntropyLoss` over
+    `hidden` (the model's output with `_skip_lm_head=True`). The hidden states are split on the
+    sequence into `chunks` `.contiguous()` copies, each `detach().requires_grad_()`, all made up
+    front; a `GradAccumulator` buffer is `zeros_like(hidden, dtype=float32)`; per chunk
+    `head(chunk)`, `cross_entropy(logits.flatten(0, 1).float(), reduction="sum")` divided by the
+    token count, and `chunk_loss.backward()` at once, its input gradient copied into the buffer
+    and dropped. Returns the summed loss, whose backward hands the accumulated gradient (cast to
+    the hidden states' dtype) to the decoder (`_DecoderOutputGradientBackProp`). With `head` an
+    FSDP2 unit of its own, its resharding and gradient sync are held off until the last chunk,
+    as torchtitan does; measure's FSDP2 runner keeps the head in the root unit, where no FSDP hook
+    runs inside the forward (docs/measure.md)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seq_len = hidden.shape[1]
+    if seq_len % chunks:  # torchtitan: torch._check(seq_len % num_chunks == 0)
+        raise ValueError(f"ChunkedLossWrapper sequence length must be divisible by num_chunks ({seq_len} by {chunks})")
+    width = seq_len // chunks
+    hidden_chunks = [c.contiguous().detach().requires_grad_(hidden.requires_grad)
+                     for c in torch.split(hidden, [width] * chunks, dim=1)]
+    label_chunks = [c.contiguous() for c in torch.split(labels, [width] * chunks, dim=1)]
+    # the trainer divides by the global count of labelled tokens; one micro-batch's here (same memory)
+    valid_tokens = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    accumulated = torch.zeros_like(hidden, dtype=torch.float32) if hidden.requires_grad else None
+    fsdp = isinstance(head, FSDPModule)
+    if fsdp:
+        head.set_reshard_after_forward(False)
+        head.set_reshard_after_backward(False)
+        head.set_requires_gradient_sync(False, recurse=False)
+        head.unshard()
+    total_loss = hidden.new_zeros((), dtype=torch.float32)
+    for index, (hidden_chunk, label_chunk) in enumerate(zip(hidden_chunks, label_chunks)):
+        if fsdp and index == chunks - 1:
+            head.set_requires_gradient_sync(True, recurse=False)
+        logits = head(hidden_chunk)
+        chunk_loss = F.cross_entropy(logits.flatten(0, 1).float(), label_chunk.flatten(0, 1),
+                                     reduction="sum", ignore_index=IGNORE_INDEX) / valid_tokens
+        total_loss = total_loss + chunk_loss.detach()
+        if accumulated is not None:
+            chunk_loss.backward()
+            accumulated[:, index * width:(index + 1) * width] = hidden_chunk.grad.to(torch.float32)  # GradAccumulator.add
+            hidden_chunk.grad = None
+        del logits, chunk_loss
+    if fsdp:
+        head.set_reshard_after_forward(True)
+        head.set_reshard_after_backward(True)
+        head.set_requires_gradient_sync(True, recurse=False)
+        head.reshard()
+    if accumulated is None:
+        return total_loss
+    return _DecoderOutputGradient.apply(hidden, accumulated.to(hidden.dtype), total_loss)
+
+
+class _DecoderOutputGradient(torch.autograd.Function):
+    """torchtitan `_DecoderOutputGradientBackProp`: the loss's backward returns the accumulated
+    gradient as the hidden states' gradient, whatever the incoming gradient (torchtitan scales by
+    the global token count in forward instead)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, accumulated: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(accumulated)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (accumulated,) = ctx.saved_tensors
+        return accumulated, None, None
 
 
 def fused_chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:

@@ -69,6 +69,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     from zeroplan.measure.accounting import TensorAccounting
     from zeroplan.measure.context import device_for, init_process_group, make_probe
     from zeroplan.measure.engines import RunContext, build_runner, model_context, model_device, module_buffers
+    from zeroplan.measure.programs.reproduction import REPRODUCED, reproduction_name
     from zeroplan.measure.result import RankResult
     from zeroplan.measure.workload import build_workload, make_batch
     from zeroplan.spec.model import TransformerSpec
@@ -150,6 +151,8 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
             notes.append("simulated Hugging Face model: under fake tensors transformers builds an explicit "
                          "attention mask, so activations read a little high (the reference implementation does not)")
     implementation = held.get("model_name", "unknown")
+    if training.recipe.value in REPRODUCED:  # torchtitan, torchtune: their flow in this loop (programs/reproduction.py)
+        implementation = reproduction_name(training, implementation)
     return {"ok": True, "result": result.to_json_dict(), "implementation": implementation, "notes": notes}
 
 

@@ -22,7 +22,8 @@ Checkpointing (the same for both implementations):
   `_apply_layer_sac`), the others keep everything.
 
 The loss is the training program's (`TrainingSpec.program.loss`): the model's own for standard,
-else the final hidden states through zeroplan.measure.losses.
+else the final hidden states through zeroplan.measure.losses (a chunked loss under the torchtitan
+recipe is torchtitan's ChunkedLossWrapper, as the estimator's `_loss_terms` counts it).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from zeroplan.errors import MeasureError
 from zeroplan.measure import losses
 from zeroplan.measure.op_checkpoint import op_checkpointed
 from zeroplan.spec.model import DropoutRates, TransformerSpec
+from zeroplan.spec.program import Loss, Recipe
 from zeroplan.spec.training import Precision, TrainingSpec
 
 IMPLEMENTATIONS = ("auto", "hf", "reference")
@@ -72,6 +74,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.loss == "fused-linear":
             return losses.fused_linear_cross_entropy(self._hidden(input_ids), self._head(), losses.shifted_labels(labels))
+        if self.loss == "chunked-torchtitan":
+            return losses.torchtitan_chunked_loss(self._hidden(input_ids), self._head(), losses.shifted_labels(labels),
+                                                  self.loss_chunks)
         if self.loss == "chunked":  # the hidden states are freed before the loss, as torchtune's model returns
             logits = losses.chunked_logits(self._hidden(input_ids), self._head(), self.loss_chunks)
             return losses.chunked_cross_entropy(logits, losses.shifted_labels(labels))
@@ -310,7 +315,10 @@ def build_workload(
         for block in blocks:
             _checkpoint_attention_core(_attention_module(block))
     program = training.program
-    return Workload(CausalLM(lm, blocks, hf=use_hf, loss=program.loss.value, loss_chunks=program.loss_chunks), name)
+    loss = program.loss.value
+    if program.loss == Loss.CHUNKED and program.recipe == Recipe.TORCHTITAN:
+        loss = "chunked-torchtitan"  # its ChunkedLossWrapper, not torchtune's chunked output (losses.py)
+    return Workload(CausalLM(lm, blocks, hf=use_hf, loss=loss, loss_chunks=program.loss_chunks), name)
 
 
 def make_batch(spec: TransformerSpec, training: TrainingSpec, device: torch.device):
