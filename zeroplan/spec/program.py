@@ -85,6 +85,9 @@ def resolve_fsdp2_wrapping(recipe: Recipe, zero_stage: int, units: FSDP2Units | 
                            reshard_head: bool | None, reshard_last_block: bool | None) -> FSDP2Wrapping:
     """The recipe's FSDP2 wrapping, overridden by every value given (not None)."""
     reshard = zero_stage == 3
+    if units is None and (reshard_root, reshard_head) != (None, None):
+        # a setting given for the root's or the head's unit says which units the program has
+        units = FSDP2Units.ROOT if reshard_root is not None else FSDP2Units.SPLIT
     if units is None:
         # accelerate 1.15.0 utils/fsdp_utils.py `fsdp2_prepare_model` carves out the embeddings and
         # [final norm, lm_head]; torchtitan 0.3.0 distributed/fsdp.py `apply_fsdp_to_decoder` does the
