@@ -50,6 +50,8 @@ class Row:
     dropout: float | None = None  # --dropout P on every dropout layer; None: the model config's rates
     loss: str | None = None  # standard, chunked or fused-linear; None: the recipe's
     checkpoint_every: int | None = None  # with checkpointing full: blocks N, 2N, ... only
+    fsdp2_units: str | None = None  # fsdp2: root or split (spec/program.py FSDP2Units); None: the recipe's
+    reshard_last_block: bool | None = None  # fsdp2 at stage 3: False keeps the last block gathered
 
     @property
     def id(self) -> str:
@@ -65,7 +67,9 @@ class Row:
             + ((f"ga{self.grad_accum}" + (f"-{self.grad_sync}" if self.grad_sync else ""),) if self.grad_accum > 1 else ()) \
             + ((f"init-{self.model_init}",) if self.model_init else ()) \
             + ((f"drop{self.dropout:g}",) if self.dropout is not None else ()) \
-            + ((f"{self.loss}-loss",) if self.loss else ())
+            + ((f"{self.loss}-loss",) if self.loss else ()) \
+            + ((f"units-{self.fsdp2_units}",) if self.fsdp2_units else ()) \
+            + (("keeplast",) if self.reshard_last_block is False else ())
         return "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
 
     @property
@@ -93,6 +97,9 @@ class Row:
             fields["offload_optimizer"] = "cpu"
             if self.engine == "fsdp2" and self.stage == 3:
                 fields["offload_params"] = "cpu"  # CPUOffloadPolicy moves parameters with the optimizer
+        fsdp2 = {"units": self.fsdp2_units, "reshard_last_block": self.reshard_last_block}
+        if any(value is not None for value in fsdp2.values()):
+            fields["fsdp2"] = {knob: value for knob, value in fsdp2.items() if value is not None}
         if self.small_buckets:
             fields["deepspeed"] = dict(SMALL_BUCKETS)
         if self.client_optimizer:
@@ -247,6 +254,10 @@ def _grid() -> tuple[Row, ...]:
     # without DDP, pure bf16, optimizer in backward, CEWithChunkedOutputLoss).
     rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", checkpointing="op", recipe="torchtitan"))
     rows.append(Row("tiny-llama", "torch", 0, "pure-bf16", world=1, recipe="torchtune"))
+    # FSDP2 units outside the blocks (issue 11): accelerate's and torchtitan's split (untied: embeddings,
+    # [norm, head]; tied GPT-2: one [embeddings, norm, head] unit), and torchtitan's 2024 last block kept.
+    rows.append(Row("tiny-llama", "fsdp2", 3, "fp32", fsdp2_units="split"))
+    rows.append(Row("tiny-gpt2", "fsdp2", 3, "bf16", fsdp2_units="split", reshard_last_block=False))
     return tuple(rows)
 
 

@@ -63,6 +63,47 @@ class ActivationOffload(str, Enum):
     CPU = "cpu"  # saved activations kept in host memory (torchtune OffloadActivations)
 
 
+class FSDP2Units(str, Enum):
+    """How `fully_shard` groups the modules outside the transformer blocks."""
+
+    ROOT = "root"  # embeddings, final norm and head in the root's unit (zeroplan's loop, torchtune)
+    # embeddings alone and [final norm, head] as one unit, the root empty; a tied model has one
+    # [embeddings, final norm, head] unit (accelerate `fsdp2_prepare_model`, torchtitan `apply_fsdp`)
+    SPLIT = "split"
+
+
+class FSDP2Wrapping(NamedTuple):
+    """The FSDP2 units of a program and which of them reshard after forward: every value resolved."""
+
+    units: FSDP2Units
+    reshard_root: bool  # the root unit (units root: embeddings, final norm, head)
+    reshard_head: bool  # the [final norm, head] unit (units split)
+    reshard_last_block: bool
+
+
+def resolve_fsdp2_wrapping(recipe: Recipe, zero_stage: int, units: FSDP2Units | None, reshard_root: bool | None,
+                           reshard_head: bool | None, reshard_last_block: bool | None) -> FSDP2Wrapping:
+    """The recipe's FSDP2 wrapping, overridden by every value given (not None)."""
+    reshard = zero_stage == 3
+    if units is None and (reshard_root, reshard_head) != (None, None):
+        # a setting given for the root's or the head's unit says which units the program has
+        units = FSDP2Units.ROOT if reshard_root is not None else FSDP2Units.SPLIT
+    if units is None:
+        # accelerate 1.15.0 utils/fsdp_utils.py `fsdp2_prepare_model` carves out the embeddings and
+        # [final norm, lm_head]; torchtitan 0.3.0 distributed/fsdp.py `apply_fsdp_to_decoder` does the
+        # same; torchtune 0.6.1 training/_distributed.py `shard_model` shards each layer, then the root.
+        units = FSDP2Units.SPLIT if recipe in (Recipe.HF_TRAINER, Recipe.TORCHTITAN) else FSDP2Units.ROOT
+    return FSDP2Wrapping(
+        units=units,
+        # an explicit reshard_after_forward applies to the root too (torch `_fully_shard.py`)
+        reshard_root=reshard if reshard_root is None else reshard_root,
+        # accelerate: the tail gets reshard_after_forward=False; torchtitan: (policy == "always"), False
+        reshard_head=False if reshard_head is None else reshard_head,
+        # every block, the last included, in all four programs (torchtitan's Dec-2024 code kept the last)
+        reshard_last_block=reshard if reshard_last_block is None else reshard_last_block,
+    )
+
+
 class Program(NamedTuple):
     """The concrete program a configuration runs: every knob resolved."""
 

@@ -15,12 +15,15 @@ from zeroplan.spec.validation import describe_validation_error
 from zeroplan.spec.program import (
     KNOBS,
     ActivationOffload,
+    FSDP2Units,
+    FSDP2Wrapping,
     GradSync,
     Loss,
     ModelInit,
     OptimizerImpl,
     Program,
     Recipe,
+    resolve_fsdp2_wrapping,
     resolve_program,
 )
 
@@ -121,8 +124,17 @@ class FSDP2Knobs(BaseModel):
     model_config = _STRICT
 
     reshard_root_after_forward: bool | None = Field(
-        None, description="reshard_after_forward of the root module; None = same as the blocks."
+        None, description="reshard_after_forward of the root module (units root); None = same as the blocks."
     )
+    units: FSDP2Units | None = Field(
+        None, description="Units outside the blocks: root (embeddings, final norm and head in the root) or split "
+        "(embeddings alone, [final norm, head] together, as accelerate and torchtitan). [default: the recipe's]")
+    reshard_head_after_forward: bool | None = Field(
+        None, description="reshard_after_forward of the [final norm, head] unit (units split); None = False, "
+        "as accelerate and torchtitan.")
+    reshard_last_block: bool | None = Field(
+        None, description="reshard_after_forward of the last block (zero_stage 3); None = as the other blocks "
+        "(torchtitan's 2024 benchmarks kept it: false).")
 
 
 class TrainingSpec(BaseModel):
@@ -232,8 +244,34 @@ class TrainingSpec(BaseModel):
             raise ValueError("grad_sync last: DeepSpeed reduces gradients at every micro-batch (grad_sync every)")
         if self.ddp and self.engine != Engine.TORCH:
             raise ValueError(f"ddp applies to engine torch; engine {self.engine.value} wraps the model itself")
+        self._check_fsdp2()
         if self.checkpoint_every is not None and self.checkpointing != Checkpointing.FULL:
             raise ValueError("checkpoint_every chooses which blocks full checkpointing recomputes: set checkpointing full")
+
+    def _check_fsdp2(self) -> None:
+        """FSDP2 wrapping knobs that do not apply."""
+        knobs = self.fsdp2
+        if self.engine != Engine.FSDP2:
+            if (knobs.units, knobs.reshard_head_after_forward, knobs.reshard_last_block) != (None, None, None):
+                raise ValueError(f"fsdp2.units, reshard_head_after_forward and reshard_last_block apply to engine fsdp2, "
+                                 f"not {self.engine.value}")
+            return
+        units = self.fsdp2_wrapping.units
+        if units == FSDP2Units.SPLIT and knobs.reshard_root_after_forward is not None:
+            raise ValueError("fsdp2.reshard_root_after_forward: under units split the root holds no parameters; "
+                             "use reshard_head_after_forward")
+        if units == FSDP2Units.ROOT and knobs.reshard_head_after_forward is not None:
+            raise ValueError("fsdp2.reshard_head_after_forward applies to units split; under units root the head is "
+                             "in the root (reshard_root_after_forward)")
+        if knobs.reshard_last_block and self.zero_stage != 3:
+            raise ValueError("fsdp2.reshard_last_block: at zero_stage 2 no block reshards after forward")
+
+    @property
+    def fsdp2_wrapping(self) -> FSDP2Wrapping:
+        """The FSDP2 units and their resharding: the explicit knobs over the recipe's defaults."""
+        knobs = self.fsdp2
+        return resolve_fsdp2_wrapping(self.recipe, self.zero_stage, knobs.units, knobs.reshard_root_after_forward,
+                                      knobs.reshard_head_after_forward, knobs.reshard_last_block)
 
     @property
     def program(self) -> Program:

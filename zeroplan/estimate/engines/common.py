@@ -42,7 +42,7 @@ class Setup(NamedTuple):
     device: Device
     accumulating: bool  # grad_accum > 1: the profiles keep one accumulated gradient, whatever the count
     deepspeed: DeepSpeedSizes
-    reshard_root: bool | None  # FSDP2's reshard_root_after_forward
+    fsdp2: FSDP2Wrapping  # FSDP2's units and which reshard after forward
     program: Program  # the training program around the engine, every knob resolved (spec/program.py)
 
 
@@ -58,7 +58,7 @@ def setup_of(training: TrainingSpec) -> Setup:
     """The one place a training spec becomes what the engine profiles read."""
     return Setup(training.zero_stage, training.gpus, training.node_gpus, training.precision, training.optimizer,
                  training.offload_optimizer, training.offload_params, training.device, training.grad_accum > 1,
-                 deepspeed_sizes(training.deepspeed), training.fsdp2.reshard_root_after_forward, training.program)
+                 deepspeed_sizes(training.deepspeed), training.fsdp2_wrapping, training.program)
 
 
 class EngineEstimate(NamedTuple):

@@ -1,5 +1,7 @@
-"""PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`), one unit per transformer block plus the
-root (embeddings, final norm, output head), as zeroplan's measure mode wraps a model.
+"""PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`), one unit per transformer block, and outside
+them either the root (embeddings, final norm, output head: zeroplan's measure loop, torchtune) or,
+under `fsdp2.units` split, the embeddings alone and [final norm, head] as one unit not resharded
+after forward, the root empty (accelerate `fsdp2_prepare_model`, torchtitan `apply_fsdp`).
 
 Read from torch/distributed/fsdp/_fully_shard/ (torch 2.13):
 - `_fsdp_param.py` FSDPParam: each parameter is sharded on dim 0, padded to a multiple of the
@@ -19,8 +21,9 @@ Read from torch/distributed/fsdp/_fully_shard/ (torch 2.13):
   each all-gather first copies the unit's shards to the device.
 - MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): shards stay fp32, gathers are bf16,
   gradients are reduced and kept in fp32.
-The root's unsharded gradients (the output head's first) are alive from the start of backward
-until the root's post-backward at the very end.
+Under units root the root's unsharded gradients (the output head's first) are alive from the start
+of backward until the root's post-backward at the very end; under split the head's unit reduces
+them in its own post-backward, before the blocks' backward.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.program import GradSync, ModelInit
+from zeroplan.spec.program import FSDP2Units, GradSync, ModelInit
 from zeroplan.spec.training import Device, Offload, Precision
 
 
@@ -50,22 +53,47 @@ def _padded_shard(numel: int, rows: int, world: int) -> int:
     return ceil_div(rows, world) * (numel // rows)
 
 
-def _shards(facts: ModelFacts, n: int) -> tuple[int, int, int, int, int, int, int]:
-    """Per-rank padded elements: root unit, largest block, all, trainable, largest trainable
-    tensor, one block's trainable, the root's trainable."""
+class _Units(NamedTuple):
+    """Per-rank padded shard elements of the units (`_padded_shard`), whole and trainable."""
 
+    lead: int  # the unit gathered first: the root (units root), the embeddings, or a tied [embeddings, norm, head]
+    tail: int  # the [final norm, head] unit of units split (untied); 0 when the lead holds the head
+    block: int  # the largest block
+    total: int
+    trainable: int
+    largest: int  # the largest trainable tensor
+    lead_trainable: int
+    tail_trainable: int
+    block_trainable: int
+    lead_params: int  # unsharded parameter elements, for the set-up
+    tail_params: int
+
+
+def _units(facts: ModelFacts, n: int, split: bool) -> _Units:
     def shard_elems(group) -> int:
         return sum(_padded_shard(t.numel, t.rows, n) for t in group.tensors)
 
-    # The root unit holds every non-block group (embeddings, final norm, output head).
-    root = sum(shard_elems(g) for g in facts.groups if g.role != "block")
-    block = max((shard_elems(g) for g in facts.groups if g.role == "block"), default=0)
-    total = sum(shard_elems(g) * g.count for g in facts.groups)
-    trainable = sum(shard_elems(g) * g.count for g in facts.groups if not g.frozen)
-    largest = max((_padded_shard(t.numel, t.rows, n) for g in facts.groups if not g.frozen for t in g.tensors), default=0)
-    block_trainable = max((shard_elems(g) for g in facts.groups if g.role == "block" and not g.frozen), default=0)
-    root_trainable = sum(shard_elems(g) for g in facts.groups if g.role != "block" and not g.frozen)
-    return root, block, total, trainable, largest, block_trainable, root_trainable
+    # Units root: the root holds every non-block group. Units split puts the final norm and head in a
+    # unit of their own, unless the head is tied to the embeddings (one [embeddings, norm, head] unit:
+    # accelerate `fsdp2_prepare_model`, torchtitan `apply_fsdp_to_decoder`).
+    tied = early_gradients(facts)[1] > 0
+    in_tail = (lambda g: g.role == "final") if split and not tied else (lambda g: False)
+    lead = [g for g in facts.groups if g.role != "block" and not in_tail(g)]
+    tail = [g for g in facts.groups if in_tail(g)]
+    blocks = [g for g in facts.groups if g.role == "block"]
+    return _Units(
+        lead=sum(shard_elems(g) for g in lead),
+        tail=sum(shard_elems(g) for g in tail),
+        block=max((shard_elems(g) for g in blocks), default=0),
+        total=sum(shard_elems(g) * g.count for g in facts.groups),
+        trainable=sum(shard_elems(g) * g.count for g in facts.groups if not g.frozen),
+        largest=max((_padded_shard(t.numel, t.rows, n) for g in facts.groups if not g.frozen for t in g.tensors), default=0),
+        lead_trainable=sum(shard_elems(g) for g in lead if not g.frozen),
+        tail_trainable=sum(shard_elems(g) for g in tail if not g.frozen),
+        block_trainable=max((shard_elems(g) for g in blocks if not g.frozen), default=0),
+        lead_params=sum(g.params for g in lead),
+        tail_params=sum(g.params for g in tail),
+    )
 
 
 class _Sizes(NamedTuple):
@@ -78,22 +106,31 @@ class _Sizes(NamedTuple):
     sharded_grads: int
     states: int
     temporaries: int
-    root_gathered: int
+    lead_gathered: int  # the lead unit's all-gather output, or its unsharded parameters
+    tail_gathered: int
     block_gathered: int
     head_grads: int
     tied_grad: int
     first_grads: int
-    root_grads: int
+    lead_grads: int
+    tail_shard_grads: int  # units split: the head's sharded gradients, from its post-backward on
     block_grads: int
     block_shard_grads: int
     block_reduce_in: int
-    root_reduce_in: int
+    lead_reduce_in: int
+    tail_reduce_in: int
     h2d_copy: int
     reshard: bool
-    root_reshards: bool
+    split: bool  # the head is in a unit of its own, reduced before the blocks' backward
+    lead_kept: bool  # the lead's parameters stay unsharded from its forward to its post-backward
+    lead_regathered: bool  # the lead is gathered again at the start of backward
+    tail_reshards: bool
+    last_reshards: bool
+    held_after_blocks: int  # blocks whose unsharded parameters are held when the blocks' forward ends
     held_blocks: int
     held_grads: int
-    accum_root: int
+    accum_lead: int
+    accum_tail: int
     accum_block: int
     kept_shards: int  # grad_sync every: the sharded gradients reduced by earlier micro-batches
     init_params: int  # the set-up's peak, by where the model was when fully_shard took it (`_init_params`)
@@ -103,39 +140,37 @@ class _Sizes(NamedTuple):
 
 @memo(maxsize=4096)  # measured: a warm FSDP2 plan takes 14% longer without it
 def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
-    n, precision, device, optimizer = setup.gpus, setup.precision, setup.device, setup.optimizer
+    n, precision, device, optimizer, wrapping = setup.gpus, setup.precision, setup.device, setup.optimizer, setup.fsdp2
     storage = HALF_BYTES if precision == Precision.PURE_BF16 else FP32_BYTES
     gathered = FP32_BYTES if precision == Precision.FP32 else HALF_BYTES
     reduce = storage  # reduce_dtype fp32 under mixed precision, the model dtype otherwise
     offloaded = setup.offload_optimizer == Offload.CPU
     on_device = not offloaded or device == Device.CPU  # a CPU run has one memory
 
-    root_shard, block_shard, shard_total, trainable_shard, largest_local, block_train, root_train = _shards(facts, n)
+    u = _units(facts, n, wrapping.units == FSDP2Units.SPLIT)
+    split = u.tail > 0
     head_numel, tied_numel, first_numel = early_gradients(facts)
     num_blocks = sum(g.count for g in facts.groups if g.role == "block")
 
-    sharded_params = shard_total * storage if on_device else 0
+    sharded_params = u.total * storage if on_device else 0
     # foreach_reduce: the reduce-scatter output (padded shard, reduce dtype, cast to the
     # parameter dtype) is the storage of the sharded .grad views.
-    sharded_grads = trainable_shard * storage if on_device else 0
-    block_shard_grads = block_train * storage if on_device else 0
-    states = optimizer_state_bytes(trainable_shard, optimizer, storage) if on_device else 0
-    temporaries = (step_temporary_bytes(largest_local, trainable_shard, storage, optimizer, setup.program.optimizer_impl)
+    sharded_grads = u.trainable * storage if on_device else 0
+    block_shard_grads = u.block_trainable * storage if on_device else 0
+    tail_shard_grads = u.tail_trainable * storage if on_device else 0
+    states = optimizer_state_bytes(u.trainable, optimizer, storage) if on_device else 0
+    temporaries = (step_temporary_bytes(u.largest, u.trainable, storage, optimizer, setup.program.optimizer_impl)
                    if on_device else 0)
-    root_gathered = root_shard * n * gathered  # the root's all-gather output, or its unsharded parameters
-    block_gathered = block_shard * n * gathered
-    # Autograd writes unsharded gradients in the unsharded parameters' dtype (param_dtype).
-    head_grads = head_numel * gathered
-    tied_grad = tied_numel * gathered
-    first_grads = first_numel * gathered
-    root_grads = root_train * n * gathered
-    block_grads = block_train * n * gathered  # one block's unsharded gradients
-    block_reduce_in = block_train * n * reduce  # foreach_reduce's reduce_scatter_input (reduce dtype)
-    root_reduce_in = root_train * n * reduce
-    h2d_copy = 0 if on_device else max(root_shard, block_shard) * storage
+    h2d_copy = 0 if on_device else max(u.lead, u.tail, u.block) * storage
 
     reshard = setup.zero_stage == 3
-    root_reshards = reshard if setup.reshard_root is None else setup.reshard_root
+    # The lead keeps its parameters through forward and backward when it is the root (its
+    # post-forward comes after the loss) or a tied [embeddings, norm, head] unit not resharded;
+    # the embeddings alone reshard as the blocks do (accelerate passes them the blocks' setting).
+    lead_reshards = wrapping.reshard_head if wrapping.units == FSDP2Units.SPLIT else wrapping.reshard_root
+    lead_kept = not reshard if split else True
+    lead_regathered = not split and lead_reshards and reshard
+    held_after_blocks = num_blocks if not reshard else (0 if wrapping.reshard_last_block else min(num_blocks, 1))
     # Blocks whose unsharded parameters are held while block `i` runs: itself under ZeRO-3; under
     # ZeRO-2 (reshard_after_forward=False) every block from the forward until its post-backward.
     held_blocks = 1 if reshard else num_blocks
@@ -144,27 +179,38 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     # post_backward skips the reduce-scatter and keeps each unsharded gradient as
     # FSDPParam.unsharded_accumulated_grad in the reduce dtype (to_accumulated_grad_if_needed),
     # so the last micro-batch starts with the whole model's unsharded gradients; its
-    # post-backwards reduce-scatter and free them block by block.
+    # post-backwards reduce-scatter and free them unit by unit.
     holding = setup.accumulating and setup.program.grad_sync == GradSync.LAST
-    accum_root = root_train * n * reduce if holding else 0
-    accum_block = block_train * n * reduce if holding else 0
+    accum_lead = u.lead_trainable * n * reduce if holding else 0
+    accum_tail = u.tail_trainable * n * reduce if holding else 0
+    accum_block = u.block_trainable * n * reduce if holding else 0
     # Reducing every micro-batch (torchtitan, torchtune): foreach_reduce adds each new reduce-scatter
     # output into the existing sharded .grad (`_fsdp_collectives.py`, to_accumulate_grad), so the last
     # micro-batch starts with every sharded gradient and adds none.
     kept_shards = sharded_grads if setup.accumulating and not holding else 0
-    held_grads = accum_root + num_blocks * accum_block + kept_shards
+    held_grads = accum_lead + accum_tail + num_blocks * accum_block + kept_shards
     host_bytes = 0
     if offloaded:
-        host_bytes = shard_total * storage + trainable_shard * reduce + optimizer_state_bytes(trainable_shard, optimizer, storage)
-    return _Sizes(num_blocks, offloaded, sharded_params, sharded_grads, states, temporaries, root_gathered, block_gathered,
-                  head_grads, tied_grad, first_grads, root_grads, block_grads, block_shard_grads, block_reduce_in,
-                  root_reduce_in, h2d_copy, reshard, root_reshards, held_blocks, held_grads, accum_root, accum_block,
-                  kept_shards, _init_params(facts, setup, storage, on_device, sharded_params, block_shard, root_shard),
-                  host_bytes, _padding_note(facts, n, shard_total))
+        host_bytes = u.total * storage + u.trainable * reduce + optimizer_state_bytes(u.trainable, optimizer, storage)
+    # Autograd writes unsharded gradients in the unsharded parameters' dtype (param_dtype);
+    # foreach_reduce's reduce_scatter_input is in the reduce dtype.
+    return _Sizes(
+        num_blocks, offloaded, sharded_params, sharded_grads, states, temporaries,
+        lead_gathered=u.lead * n * gathered, tail_gathered=u.tail * n * gathered, block_gathered=u.block * n * gathered,
+        head_grads=head_numel * gathered, tied_grad=tied_numel * gathered, first_grads=first_numel * gathered,
+        lead_grads=u.lead_trainable * n * gathered, tail_shard_grads=tail_shard_grads,
+        block_grads=u.block_trainable * n * gathered, block_shard_grads=block_shard_grads,
+        block_reduce_in=u.block_trainable * n * reduce, lead_reduce_in=u.lead_trainable * n * reduce,
+        tail_reduce_in=u.tail_trainable * n * reduce, h2d_copy=h2d_copy, reshard=reshard, split=split,
+        lead_kept=lead_kept, lead_regathered=lead_regathered, tail_reshards=split and wrapping.reshard_head,
+        last_reshards=reshard and wrapping.reshard_last_block, held_after_blocks=held_after_blocks,
+        held_blocks=held_blocks, held_grads=held_grads, accum_lead=accum_lead, accum_tail=accum_tail,
+        accum_block=accum_block, kept_shards=kept_shards,
+        init_params=_init_params(facts, setup, u, storage, on_device, sharded_params),
+        host_bytes=host_bytes, padding_note=_padding_note(facts, n, u.total))
 
 
-def _init_params(facts: ModelFacts, setup: Setup, storage: int, on_device: bool, sharded_params: int,
-                 block_shard: int, root_shard: int) -> int:
+def _init_params(facts: ModelFacts, setup: Setup, u: _Units, storage: int, on_device: bool, sharded_params: int) -> int:
     """Parameter bytes at the set-up's peak, by where the model is when `fully_shard` takes it.
 
     meta (torchtitan): only this rank's shards are ever allocated (`to_empty`). device: the whole
@@ -172,20 +218,26 @@ def _init_params(facts: ModelFacts, setup: Setup, storage: int, on_device: bool,
     them before the block's whole parameters are dropped); a CPU run builds on the host, the same
     memory. host (accelerate `fsdp2_prepare_model`): `_fully_shard.py` `_move_states_to_device`
     moves one unit at a time to the GPU and shards it there: the shards done, plus one unit whole.
+    The blocks are sharded first, then the units outside them (accelerate: embeddings, then the tail).
     """
     init = setup.program.model_init
     shard = storage if on_device else 0  # offloaded shards go to the host (CPUOffloadPolicy)
     if init == ModelInit.META:
         return sharded_params
     block_whole = max((g.params for g in facts.groups if g.role == "block"), default=0) * storage
-    root_whole = sum(g.params for g in facts.groups if g.role != "block") * storage
     num_blocks = sum(g.count for g in facts.groups if g.role == "block")
-    if init == ModelInit.DEVICE or setup.device == Device.CPU:
-        whole = block_whole * num_blocks + root_whole
-        # the last unit, the root: every block's shards, the root whole and its shards
-        return max(whole + block_shard * shard, num_blocks * block_shard * shard + root_whole + root_shard * shard)
-    return max((num_blocks - 1) * block_shard * shard + block_whole + block_shard * shard,
-               num_blocks * block_shard * shard + root_whole + root_shard * shard)
+    outside = [(u.lead_params * storage, u.lead * shard)] + ([(u.tail_params * storage, u.tail * shard)] if u.tail else [])
+    blocks_done = num_blocks * u.block * shard
+    whole_model = block_whole * num_blocks + sum(whole for whole, _ in outside)
+    built = init == ModelInit.DEVICE or setup.device == Device.CPU
+    moments = [whole_model + u.block * shard if built else
+               (num_blocks - 1) * u.block * shard + block_whole + u.block * shard]
+    for k, (whole, unit_shard) in enumerate(outside):
+        done = blocks_done + sum(s for _, s in outside[:k])
+        # built: the units not yet sharded are still whole; host: only the unit being moved is
+        wholes = sum(w for w, _ in outside[k:]) if built else whole
+        moments.append(done + wholes + unit_shard)
+    return max(moments)
 
 
 def estimate_fsdp2(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
@@ -232,67 +284,99 @@ def _padding_note(facts: ModelFacts, n: int, padded: int) -> str | None:
 
 
 def _forward(acts: ActivationBytes | None, z: _Sizes) -> Point:
-    """The largest moment of the forward pass: while block i copies out, the previous unit's
+    """The largest moment of the forward pass: while a unit copies out, the previous unit's
     all-gather output is still held (`FSDPParamGroup.wait_for_unshard`); the moments are in
     docs/engines/fsdp2.md ("Forward")."""
     num_blocks, reshard, held_grads, h2d_copy = z.num_blocks, z.reshard, z.held_grads, z.h2d_copy
-    root_gathered, block_gathered = z.root_gathered, z.block_gathered
+    lead, tail, block_gathered = z.lead_gathered, z.tail_gathered, z.block_gathered
+    kept = lead if z.lead_kept else 0  # the lead's unsharded parameters while the blocks run
+    after = z.held_after_blocks
     earlier = 0 if reshard else max(num_blocks - 1, 0)  # unsharded blocks before the last
     acts_before_last = acts.embedding + max(num_blocks - 1, 0) * acts.saved_per_block if acts else 0
     points = [
-        dict(buffers=2 * root_gathered + h2d_copy, grads=held_grads, activations=acts.embedding if acts else 0),
-        dict(buffers=2 * root_gathered + 2 * block_gathered + h2d_copy, grads=held_grads,
+        dict(buffers=2 * lead + h2d_copy, grads=held_grads, activations=acts.embedding if acts else 0),
+        dict(buffers=lead + kept + 2 * block_gathered + h2d_copy, grads=held_grads,
              activations=acts.embedding if acts else 0),
     ]
     if num_blocks > 1:
-        points.append(dict(buffers=root_gathered + (earlier + 3) * block_gathered + h2d_copy, grads=held_grads,
+        points.append(dict(buffers=kept + (earlier + 3) * block_gathered + h2d_copy, grads=held_grads,
                            activations=acts_before_last))
     if acts is not None:
         held_at_end = num_blocks if not reshard else 1
-        points += [
-            dict(buffers=root_gathered + (held_at_end + 1) * block_gathered, grads=held_grads,
-                 activations=acts.blocks_end_peak),
-            dict(buffers=root_gathered + (held_at_end - (1 if reshard else 0) + 1) * block_gathered,
-                 grads=held_grads, activations=acts.forward_peak),
-        ]
+        points.append(dict(buffers=kept + (held_at_end + 1) * block_gathered, grads=held_grads,
+                           activations=acts.blocks_end_peak))
+        # Units split: the [final norm, head] unit copies out next to the last block's all-gather
+        # output; its own is then held until the root's post-forward, after the loss.
+        last_gather = block_gathered
+        if tail:
+            points.append(dict(buffers=kept + (after + 1) * block_gathered + 2 * tail + h2d_copy, grads=held_grads,
+                               activations=acts.blocks_saved))
+            last_gather = 2 * tail
+        points.append(dict(buffers=kept + after * block_gathered + last_gather, grads=held_grads,
+                           activations=acts.forward_peak))
     return largest_point(*points)
 
 
 def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
-    """The largest moment of the backward pass: its start, the loss's backward, blocks j in
-    {0, 1, L-2, L-1} (the terms are linear in j between the ends), the end; what each holds is
-    in docs/engines/fsdp2.md ("Backward")."""
+    """The largest moment of the backward pass: its start, the loss's backward, the head's,
+    blocks j in {0, 1, L-2, L-1} (the terms are linear in j between the ends), the end; what each
+    holds is in docs/engines/fsdp2.md ("Backward")."""
     num_blocks, reshard, held_blocks, held_grads, h2d_copy = z.num_blocks, z.reshard, z.held_blocks, z.held_grads, z.h2d_copy
-    root_gathered, block_gathered, tied_grad, head_grads = z.root_gathered, z.block_gathered, z.tied_grad, z.head_grads
+    lead, tail, block_gathered, tied_grad, head_grads = z.lead_gathered, z.tail_gathered, z.block_gathered, z.tied_grad, z.head_grads
     block_grads, block_shard_grads, block_reduce_in = z.block_grads, z.block_shard_grads, z.block_reduce_in
-    accum_root, accum_block = z.accum_root, z.accum_block
+    accum_lead, accum_block = z.accum_lead, z.accum_block
+    lead_kept = lead if z.lead_kept else 0
+    after = z.held_after_blocks
 
     def shards_done(j: int) -> int:
         """Sharded gradients present while block j (from the last) runs its backward."""
         return z.kept_shards or j * block_shard_grads
 
+    # What the head leaves for the blocks' backward: under units root its unsharded gradients
+    # (reduced with the root's at the end); under split its sharded ones (reduced in its post-backward).
+    head_left = (0 if z.kept_shards else z.tail_shard_grads) if z.split else head_grads
     points = []
     acts_start = acts.forward_end if acts else 0
-    if z.root_reshards and reshard:
-        points.append(dict(buffers=2 * root_gathered + h2d_copy, grads=held_grads, activations=acts_start))
+    if z.lead_regathered:
+        points.append(dict(buffers=2 * lead + h2d_copy, grads=held_grads, activations=acts_start))
+    # The last block's all-gather output once prefetched (by the root's pre-backward under units
+    # root, by the head's under split), unless it kept its parameters.
+    last_prefetch = block_gathered if z.last_reshards else 0
     if acts is not None:
         # Saved tensors are activations; what backward allocates (the logits' gradients, the
         # recomputed block, gradients in flight, a tied head's pending gradient) is temporaries.
-        loss_buffers = root_gathered + block_gathered * (held_blocks if not reshard else 1) + h2d_copy
+        if z.split:
+            loss_buffers = lead_kept + after * block_gathered + (0 if z.tail_reshards else tail) + h2d_copy
+            head_buffers = lead_kept + after * block_gathered + last_prefetch + tail + h2d_copy
+        else:
+            loss_buffers = head_buffers = lead + after * block_gathered + last_prefetch + h2d_copy
         points.append(dict(buffers=loss_buffers, grads=held_grads, activations=acts.forward_end,
                            temporaries=acts.logits_grad))
+        if z.tail_reshards:  # the head's pre-backward gathers it again
+            points.append(dict(buffers=loss_buffers + 2 * tail, grads=held_grads, activations=acts.head_backward_saved,
+                               temporaries=acts.logits_grad))
         # lm_head's backward: the logits' gradient, the head weight's unsharded gradient (a tied
         # one still pending in autograd), the gradient of the final norm's output.
-        points.append(dict(buffers=loss_buffers, grads=held_grads + head_grads, activations=acts.head_backward_saved,
+        points.append(dict(buffers=head_buffers, grads=held_grads + head_grads, activations=acts.head_backward_saved,
                            temporaries=acts.head_backward_temporary + tied_grad))
+        if z.split:
+            # The head's post-backward: its gradients copied into the reduce-scatter input (kept
+            # until the last block's post-backward), the head resharded.
+            points.append(dict(buffers=head_buffers - tail + z.tail_reduce_in,
+                               grads=held_grads + (0 if z.accum_tail else head_grads), activations=acts.blocks_saved,
+                               temporaries=acts.block_input_grad))
     visits = acts.backward_blocks() if acts else [j for j in sorted({0, 1, num_blocks - 2, num_blocks - 1}) if 0 <= j < num_blocks]
+    accum_left = accum_lead + (0 if z.split else z.accum_tail)
     for j in visits:
         blocks_held = 1 if reshard else num_blocks - j
         prefetch = block_gathered if reshard and j < num_blocks - 1 else 0
-        buffers = root_gathered + blocks_held * block_gathered + prefetch + (block_reduce_in if j else 0) + h2d_copy
+        if z.split and reshard and j == num_blocks - 1:
+            prefetch = lead  # block 0's pre-backward prefetches the embeddings
+        held_reduce_in = block_reduce_in if j else (z.tail_reduce_in if z.split else 0)
+        buffers = lead_kept + blocks_held * block_gathered + prefetch + held_reduce_in + h2d_copy
         points.append(dict(
             buffers=buffers,
-            grads=accum_root + (num_blocks - j) * accum_block + head_grads + z.first_grads + shards_done(j),
+            grads=accum_left + (num_blocks - j) * accum_block + head_left + z.first_grads + shards_done(j),
             activations=acts.block_backward_saved(num_blocks - j) if acts else 0,
             temporaries=(acts.block_backward_temporary_at(num_blocks - j) if acts else 0) + tied_grad,
         ))
@@ -302,7 +386,7 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         in_flight = (acts.block_input_grad if acts else 0) + tied_grad
         points.append(dict(
             buffers=buffers,
-            grads=accum_root + (num_blocks - j) * accum_block + head_grads + block_grads + shards_done(j),
+            grads=accum_left + (num_blocks - j) * accum_block + head_left + block_grads + shards_done(j),
             activations=end_acts,
             temporaries=in_flight,
         ))
@@ -311,24 +395,29 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         # (in the reduce dtype: twice the gradients' bytes under bf16 mixed precision) and copies
         # them in before freeing them.
         points.append(dict(
-            buffers=root_gathered + (blocks_held - 1) * block_gathered + prefetch + block_reduce_in + h2d_copy,
-            grads=accum_root + (num_blocks - j - 1) * accum_block + head_grads + shards_done(j),
+            buffers=lead_kept + (blocks_held - 1) * block_gathered + prefetch + block_reduce_in + h2d_copy,
+            grads=accum_left + (num_blocks - j - 1) * accum_block + head_left + shards_done(j),
             activations=end_acts,
             # the list holds the accumulated gradients when accumulating (the fresh ones were added in)
             temporaries=in_flight + (accum_block or block_grads),
         ))
-    blocks_done = z.kept_shards or num_blocks * block_shard_grads
-    # The embedding's backward, the last before the root's post-backward: its weight gradient
+    blocks_done = (z.kept_shards or num_blocks * block_shard_grads) + (head_left if z.split else 0)
+    last_reduce_in = block_reduce_in if num_blocks else (z.tail_reduce_in if z.split else 0)
+    if z.split and reshard:
+        # The embeddings' pre-backward copies out their prefetched all-gather output.
+        points.append(dict(buffers=2 * lead + last_reduce_in, grads=accum_left + blocks_done,
+                           temporaries=(acts.block_input_grad if acts else 0)))
+    # The embedding's backward, the last before the lead's post-backward: its weight gradient
     # (aten embedding_dense_backward). A tied weight's two gradients meet in autograd's input
     # buffer, which adds them out of place (torch/csrc/autograd/input_buffer.cpp accumulate):
     # the head's pending gradient, the embedding's and their sum are alive together, none a
     # .grad yet.
-    points.append(dict(buffers=root_gathered + (block_reduce_in if num_blocks else 0),
-                       grads=accum_root + z.root_grads - tied_grad + blocks_done,
+    points.append(dict(buffers=lead + last_reduce_in,
+                       grads=accum_left + z.lead_grads - tied_grad + blocks_done,
                        temporaries=3 * tied_grad))
-    # foreach_reduce copies the root's unsharded gradients into its reduce-scatter input and
+    # foreach_reduce copies the lead's unsharded gradients into its reduce-scatter input and
     # frees them (`unsharded_grads.clear()`) before allocating the reduce-scatter output.
-    points.append(dict(buffers=z.root_reduce_in, grads=accum_root + blocks_done + z.root_grads))
-    # Then the reduce-scatter into the root's shard (smaller). gloo's copy of the whole input
+    points.append(dict(buffers=z.lead_reduce_in, grads=accum_left + blocks_done + z.lead_grads))
+    # Then the reduce-scatter into the lead's shard (smaller). gloo's copy of the whole input
     # is not modelled (NCCL makes none): docs/engines/fsdp2.md ("What is not modelled").
     return largest_point(*points)

@@ -1,9 +1,10 @@
-"""Engine `fsdp2`: `fully_shard` on every transformer block, then on the root.
+"""Engine `fsdp2`: `fully_shard` on every transformer block, then on the root; under
+`fsdp2.units` split, on the embeddings and on [final norm, head] before the root, as accelerate's
+`fsdp2_prepare_model` does (a tied head: one [embeddings, final norm, head] unit).
 
 Stage 2 is `reshard_after_forward=False` (parameters stay gathered from forward to backward,
-gradients and optimizer states are sharded), stage 3 is `True`; the root's setting is
-`training.fsdp2.reshard_root_after_forward` when given, else the blocks' (the estimator models
-the same choice). Offload is `CPUOffloadPolicy` (sharded parameters, gradients and the optimizer
+gradients and optimizer states are sharded), stage 3 is `True`; the last block's, the root's and
+the head unit's settings are those of `training.fsdp2_wrapping` (the estimator models the same). Offload is `CPUOffloadPolicy` (sharded parameters, gradients and the optimizer
 step on the host; pinned on CUDA, unpinned on a CPU-only machine, where pinning fails);
 fp16/bf16 is `MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)` over fp32 sharded
 parameters; pure-bf16 shards a bf16 model. Source: torch/distributed/fsdp/_fully_shard/.
@@ -29,7 +30,7 @@ from zeroplan.measure.engines import (
     optimizer_state_tensors,
     transformer_blocks,
 )
-from zeroplan.spec.program import GradSync
+from zeroplan.spec.program import FSDP2Units, GradSync
 from zeroplan.spec.training import Offload, Precision, TrainingSpec
 
 _PARAM_DTYPE = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -62,11 +63,22 @@ class FSDP2Runner(TorchOptimizerSteps):
         self.sync_every = training.program.grad_sync == GradSync.EVERY
         mesh = _device_mesh(ctx)
         reshard = training.zero_stage == 3
-        root_reshard = training.fsdp2.reshard_root_after_forward
+        wrapping = training.fsdp2_wrapping
         policies = _policies(training, ctx)
-        for block in transformer_blocks(model):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard if root_reshard is None else root_reshard, **policies)
+        blocks = transformer_blocks(model)
+        for i, block in enumerate(blocks):
+            last = i == len(blocks) - 1
+            fully_shard(block, mesh=mesh, reshard_after_forward=wrapping.reshard_last_block if last else reshard, **policies)
+        if wrapping.units == FSDP2Units.SPLIT:
+            embeddings, head = _outer_modules(model)
+            if any(p is q for p in head[-1].parameters() for q in embeddings[0].parameters()):  # tied
+                fully_shard(embeddings + head, mesh=mesh, reshard_after_forward=wrapping.reshard_head, **policies)
+            else:
+                fully_shard(embeddings, mesh=mesh, reshard_after_forward=reshard, **policies)
+                fully_shard(head, mesh=mesh, reshard_after_forward=wrapping.reshard_head, **policies)
+            fully_shard(model, mesh=mesh, **policies)  # holds no parameters
+        else:
+            fully_shard(model, mesh=mesh, reshard_after_forward=wrapping.reshard_root, **policies)
         if any(p.is_meta for p in model.parameters()):
             # model_init meta (engines.model_device): allocate this rank's shards only
             # (FSDPModule._apply resets each FSDPParam's sharded data), then fill them
@@ -87,6 +99,20 @@ class FSDP2Runner(TorchOptimizerSteps):
 
     def tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         return fsdp2_tensors(self.model, self.optimizer)
+
+
+def _outer_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """The embeddings (tokens, then learned positions) and [final norm, output head] of a workload
+    model, Hugging Face or reference (`zeroplan.measure.workload`)."""
+    lm = model.lm
+    if not model.hf:
+        embeddings = [m for m in (lm.embed_tokens, lm.embed_positions) if m is not None]
+        return embeddings, [lm.final_norm, lm.lm_head]
+    base = lm.base_model
+    positions = [m for name in ("wpe", "embed_positions") if isinstance(m := getattr(base, name, None), torch.nn.Module)]
+    # the final norm: the last norm among the base model's children (accelerate `_find_final_norm`)
+    norms = [m for _, m in base.named_children() if "Norm" in type(m).__name__]
+    return [lm.get_input_embeddings(), *positions], [*norms[-1:], lm.get_output_embeddings()]
 
 
 def _param_groups(model: torch.nn.Module):

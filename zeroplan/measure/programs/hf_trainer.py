@@ -159,9 +159,12 @@ def check_supported(training: TrainingSpec, ctx: RunContext) -> None:
     if program.loss.value != "standard" or program.activation_offload.value != "none":
         raise MeasureError("loss / activation_offload: the Trainer computes the model's own loss and keeps activations "
                            "on the device; leave them at their defaults")
-    fsdp_root = training.fsdp2.reshard_root_after_forward
-    if engine == Engine.FSDP2 and fsdp_root is not None and fsdp_root != (stage == 3):
-        raise MeasureError("fsdp2.reshard_root_after_forward: accelerate reshards the root as it reshards the blocks")
+    wrapping = training.fsdp2_wrapping
+    # accelerate `fsdp2_prepare_model`: embeddings and [final norm, head] units, the tail kept after forward
+    if engine == Engine.FSDP2 and (wrapping.units.value != "split" or wrapping.reshard_head
+                                   or wrapping.reshard_last_block != (stage == 3)):
+        raise MeasureError("fsdp2: accelerate wraps the embeddings and [final norm, head] as units of their own, keeps "
+                           "the head's after forward and reshards every block alike; leave out the fsdp2 wrapping knobs")
 
 
 def _arguments(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, steps: int, output_dir: str):
