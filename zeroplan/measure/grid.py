@@ -50,6 +50,7 @@ class Row:
     dropout: float | None = None  # --dropout P on every dropout layer; None: the model config's rates
     loss: str | None = None  # standard, chunked or fused-linear; None: the recipe's
     checkpoint_every: int | None = None  # with checkpointing full: blocks N, 2N, ... only
+    activation_offload: str | None = None  # none or cpu (torchtune's OffloadActivations); None: the recipe's
 
     @property
     def id(self) -> str:
@@ -65,7 +66,8 @@ class Row:
             + ((f"ga{self.grad_accum}" + (f"-{self.grad_sync}" if self.grad_sync else ""),) if self.grad_accum > 1 else ()) \
             + ((f"init-{self.model_init}",) if self.model_init else ()) \
             + ((f"drop{self.dropout:g}",) if self.dropout is not None else ()) \
-            + ((f"{self.loss}-loss",) if self.loss else ())
+            + ((f"{self.loss}-loss",) if self.loss else ()) \
+            + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ())
         return "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
 
     @property
@@ -97,7 +99,7 @@ class Row:
             fields["deepspeed"] = dict(SMALL_BUCKETS)
         if self.client_optimizer:
             fields["deepspeed"] = {**fields.get("deepspeed", {}), "client_optimizer": True}
-        for knob in ("optimizer_impl", "ddp", "grad_sync", "model_init"):
+        for knob in ("optimizer_impl", "ddp", "grad_sync", "model_init", "activation_offload"):
             if getattr(self, knob) is not None:
                 fields[knob] = getattr(self, knob)
         if self.optimizer_in_backward:
@@ -241,6 +243,11 @@ def _grid() -> tuple[Row, ...]:
         ("torch", 0, "bf16", {"checkpointing": "full", "checkpoint_every": 2}),
     ):
         rows.append(Row("tiny-llama", engine, stage, precision, **knobs))
+    # activation offloading (torchtune's OffloadActivations): one rank without checkpointing, and
+    # FSDP2 with full checkpointing as torchtune's recipes pair them
+    rows.append(Row("tiny-llama", "torch", 0, "bf16", world=1, micro_batch=4, seq_len=256, activation_offload="cpu"))
+    rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", checkpointing="full", micro_batch=4, seq_len=256,
+                    activation_offload="cpu"))
     return tuple(rows)
 
 
