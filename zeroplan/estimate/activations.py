@@ -87,8 +87,8 @@ class ActivationBytes:
     checkpoint_every: int = 0
     checkpointed: "ActivationBytes | None" = None
     # activation_offload cpu (torchtune OffloadActivations): the blocks' saved tensors sit on the
-    # host (`host_bytes`); one block's are on the device at a time, in forward (the hooks' stash of
-    # the latest ones) and in backward (the block being brought back): `_before`.
+    # host (`host_bytes`) from their forward on; in backward the block in progress has what the
+    # hooks have brought back, `saved_per_block` then (`_offloaded`), the others nothing: `_before`.
     offloaded: bool = False
     host_bytes: int = 0  # pinned host copies of one micro-batch, at the end of the forward
     # Does a block's backward peak in its attention core (eager attention's s x s gradients)
@@ -135,8 +135,8 @@ class ActivationBytes:
 
     @property
     def blocks_saved(self) -> int:
-        if self.offloaded:  # one block in flight: the block in progress, or the hooks' forward stash
-            return self.embedding + self._saved_through(min(self.num_blocks, 1))
+        if self.offloaded:  # on the host; the hooks' forward stash at the end is the final norm's (`final_norm`)
+            return self.embedding
         return self.embedding + self._saved_through(self.num_blocks)
 
     @property
@@ -578,7 +578,14 @@ def _offloaded(acts: ActivationBytes, spec: TransformerSpec, training: TrainingS
     final_norm_input = tokens * (_norm_saved_per_token(spec, w, 1) - w.comp * spec.hidden_size)
     int64_bytes = 8  # the token ids the embedding saves (the batch keeps the device copy)
     host = acts._saved_through(acts.num_blocks) + final_norm_input + tokens * int64_bytes
-    return replace(acts, offloaded=True, host_bytes=host, final_norm=acts.final_norm - final_norm_input)
+    # The forward stash (its 5 latest packs) still holds the final norm's saved tensors when the
+    # loss runs; the first offloaded node of backward drops it, before any block: `final_norm` stays.
+    # In backward a node's tensors come back as it runs and go after the next one: at a block's
+    # peak, in its MLP, about the MLP's saved tensors (a checkpointed block: its input).
+    in_flight = acts.saved_per_block
+    if training.checkpointing not in (Checkpointing.FULL, Checkpointing.OP):
+        in_flight = min(in_flight, tokens * _mlp_saved_per_token(spec, w))
+    return replace(acts, offloaded=True, host_bytes=host, saved_per_block=in_flight)
 
 
 def _block_matmuls(spec: TransformerSpec) -> list[tuple[int, bool]]:
