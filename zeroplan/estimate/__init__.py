@@ -19,7 +19,7 @@ from zeroplan.estimate.facts import ModelFacts, model_facts
 from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, PhaseBytes
 from zeroplan.spec.model import ModelSpec, TransformerSpec
-from zeroplan.spec.training import Attention, Engine, TrainingSpec
+from zeroplan.spec.training import Attention, Device, Engine, TrainingSpec
 
 IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, with the model's dropout rates
 # engine -> (module under zeroplan.estimate.engines, its profile function). A module is imported
@@ -73,7 +73,24 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
         result, overhead = _engine_profile(Engine.PAPER)(facts, setup, dtypes), 0
     else:
         result, overhead = _engine_profile(training.engine)(facts, setup, acts), overhead_bytes(training)
+    if acts is not None and acts.offloaded:
+        result, offload_notes = _with_offloaded_activations(result, acts.host_bytes, training)
+        notes += offload_notes
     return _Profiled(facts, implementation, result, overhead, notes + result.notes if result.notes else notes)
+
+
+def _with_offloaded_activations(result: EngineEstimate, host_bytes: int, training: TrainingSpec) -> tuple[EngineEstimate, tuple[str, ...]]:
+    """Add the activations offloaded to the host (pinned: torchtune OffloadActivations(use_pin_memory=True))
+    to the engine's per-node host bytes."""
+    node = host_bytes * training.node_gpus
+    cpu_run = training.device == Device.CPU
+    per_node = result.per_node._replace(cpu_bytes=result.per_node.cpu_bytes + node,
+                                        pinned_bytes=result.per_node.pinned_bytes + (0 if cpu_run else node))
+    notes = ()
+    if cpu_run:
+        notes = (f"CPU run: the {host_bytes:,} bytes of activations offloaded per rank are host copies, counted apart "
+                 "from the device as on GPUs (zeroplan measure counts them apart too)",)
+    return result._replace(per_node=per_node), notes
 
 
 def _checkpointing_notes(model: TransformerSpec, training: TrainingSpec) -> tuple[str, ...]:

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from zeroplan.estimate.layout import param_layout
 from zeroplan.estimate.caches import memo
 from zeroplan.spec.model import TransformerSpec
-from zeroplan.spec.program import Loss, Recipe
+from zeroplan.spec.program import ActivationOffload, Loss, Recipe
 from zeroplan.spec.training import Attention, Checkpointing, Device, Engine, Precision, TrainingSpec
 
 FP32_BYTES = 4
@@ -86,6 +86,11 @@ class ActivationBytes:
     # forward order) are those of `checkpointed` (full checkpointing), the others these terms.
     checkpoint_every: int = 0
     checkpointed: "ActivationBytes | None" = None
+    # activation_offload cpu (torchtune OffloadActivations): the blocks' saved tensors sit on the
+    # host (`host_bytes`) from their forward on; in backward the block in progress has what the
+    # hooks have brought back, `saved_per_block` then (`_offloaded`), the others nothing: `_before`.
+    offloaded: bool = False
+    host_bytes: int = 0  # pinned host copies of one micro-batch, at the end of the forward
     # Does a block's backward peak in its attention core (eager attention's s x s gradients)
     # rather than in its MLP? Derived in __post_init__ (read at every moment of every profile).
     attention_peaks: bool = field(init=False, default=False)
@@ -124,8 +129,14 @@ class ActivationBytes:
         every = blocks // self.checkpoint_every
         return (blocks - every) * self.saved_per_block + every * self.checkpointed.saved_per_block
 
+    def _before(self, blocks_left: int) -> int:
+        """What the blocks before the one in progress keep on the device in backward."""
+        return 0 if self.offloaded else self._saved_through(blocks_left - 1)
+
     @property
     def blocks_saved(self) -> int:
+        if self.offloaded:  # on the host; the hooks' forward stash at the end is the final norm's (`final_norm`)
+            return self.embedding
         return self.embedding + self._saved_through(self.num_blocks)
 
     @property
@@ -166,15 +177,15 @@ class ActivationBytes:
         if not blocks_left:
             return self.embedding + self._block_temporary
         if not self.checkpoint_every:
-            return self._peak_intercept + blocks_left * self.saved_per_block
+            return self._peak_intercept + (1 if self.offloaded else blocks_left) * self.saved_per_block
         kind = self._kind(blocks_left)
-        return kind._peak_intercept + kind.saved_per_block + self._saved_through(blocks_left - 1)
+        return kind._peak_intercept + kind.saved_per_block + self._before(blocks_left)
 
     def block_backward_saved(self, blocks_left: int) -> int:
         """The part of `block_backward_peak` allocated in forward (saved tensors)."""
         kind = self._kind(blocks_left)
         if kind.attention_peaks and blocks_left:
-            return self.embedding + self._saved_through(blocks_left - 1) + kind.attention_backward_saved
+            return self.embedding + self._before(blocks_left) + kind.attention_backward_saved
         return self.blocks_left_saved(blocks_left)
 
     def blocks_left_saved(self, blocks_left: int) -> int:
@@ -183,6 +194,8 @@ class ActivationBytes:
         from the block in progress (unless it was recomputed)."""
         kind = self._kind(blocks_left)
         freed = kind.block_backward_freed if not kind.recompute_block and blocks_left else 0
+        if blocks_left and self.offloaded:
+            return self.embedding + kind.saved_per_block + self._before(blocks_left) - freed
         return self.embedding + self._saved_through(blocks_left) - freed
 
     def block_mlp_peak(self, blocks_left: int) -> int:
@@ -190,9 +203,9 @@ class ActivationBytes:
         if not blocks_left:
             return self.embedding + self._mlp_temporary
         if not self.checkpoint_every:
-            return self._mlp_intercept + blocks_left * self.saved_per_block
+            return self._mlp_intercept + (1 if self.offloaded else blocks_left) * self.saved_per_block
         kind = self._kind(blocks_left)
-        return kind._mlp_intercept + kind.saved_per_block + self._saved_through(blocks_left - 1)
+        return kind._mlp_intercept + kind.saved_per_block + self._before(blocks_left)
 
     @property
     def block_input_grad(self) -> int:
@@ -535,14 +548,44 @@ def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: i
                       and training.precision in (Precision.BF16, Precision.FP16))
     rest = (training.attention, _autocast(training), act_bytes, _dropout(spec, training), program.loss, program.loss_chunks,
             "torchtitan" if titan else "torchtune", fp32_head_grad)
-    every = training.checkpoint_every
-    if every and training.checkpointing == Checkpointing.FULL:
+    acts = _checkpointed_bytes(args, training.checkpointing, training.checkpoint_every, rest)
+    if program.activation_offload == ActivationOffload.CPU:
+        return _offloaded(acts, spec, training, act_bytes)
+    return acts
+
+
+def _checkpointed_bytes(args: tuple, checkpointing: Checkpointing, every: int | None, rest: tuple) -> ActivationBytes:
+    spec = args[0]
+    if every and checkpointing == Checkpointing.FULL:
         if every > spec.num_layers:  # no block index is a multiple of N: nothing is checkpointed
             return _activation_bytes(*args, Checkpointing.NONE, *rest)
         full = _activation_bytes(*args, Checkpointing.FULL, *rest)
         plain = _activation_bytes(*args, Checkpointing.NONE, *rest)
         return replace(plain, embedding=full.embedding, checkpoint_every=every, checkpointed=full)
-    return _activation_bytes(*args, training.checkpointing, *rest)
+    return _activation_bytes(*args, checkpointing, *rest)
+
+
+def _offloaded(acts: ActivationBytes, spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
+    """torchtune 0.6.1 OffloadActivations around the model's forward (training/_activation_offloading.py;
+    docs/engines/activations.md, "Activation offloading"): every saved tensor of 1024 bytes or more
+    that is not a parameter goes to pinned host memory, the output head's excepted (NoOpManager),
+    so the blocks and the final norm's input and rstd leave the device; the loss is outside the
+    hooks and stays. Under full checkpointing what a block saves is its input. Tensors under 1024
+    bytes (per-token scalars of fewer than 256 tokens) are counted as offloaded too."""
+    autocast = _autocast(training)
+    w = _Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
+    tokens = training.micro_batch * training.seq_len
+    final_norm_input = tokens * (_norm_saved_per_token(spec, w, 1) - w.comp * spec.hidden_size)
+    int64_bytes = 8  # the token ids the embedding saves (the batch keeps the device copy)
+    host = acts._saved_through(acts.num_blocks) + final_norm_input + tokens * int64_bytes
+    # The forward stash (its 5 latest packs) still holds the final norm's saved tensors when the
+    # loss runs; the first offloaded node of backward drops it, before any block: `final_norm` stays.
+    # In backward a node's tensors come back as it runs and go after the next one: at a block's
+    # peak, in its MLP, about the MLP's saved tensors (a checkpointed block: its input).
+    in_flight = acts.saved_per_block
+    if training.checkpointing not in (Checkpointing.FULL, Checkpointing.OP):
+        in_flight = min(in_flight, tokens * _mlp_saved_per_token(spec, w))
+    return replace(acts, offloaded=True, host_bytes=host, saved_per_block=in_flight)
 
 
 def _block_matmuls(spec: TransformerSpec) -> list[tuple[int, bool]]:

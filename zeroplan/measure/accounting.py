@@ -81,6 +81,22 @@ def births_as(category: str):
         yield
 
 
+@contextlib.contextmanager
+def uncounted():
+    """Ops run inside this block make storages the active accounting never counts (host copies a
+    GPU machine keeps off the device: measure/activation_offload.py). Does nothing when none is active."""
+    if not _ACTIVE:
+        yield
+        return
+    bookkeeping = _ACTIVE[-1]._bookkeeping
+    previous = getattr(bookkeeping, "on", False)
+    bookkeeping.on = True
+    try:
+        yield
+    finally:
+        bookkeeping.on = previous
+
+
 @dataclass
 class PhaseMemory:
     """Bytes of one phase: live at its end, its peak, and the categories at that peak."""

@@ -52,6 +52,7 @@ class Row:
     checkpoint_every: int | None = None  # with checkpointing full: blocks N, 2N, ... only
     fsdp2_units: str | None = None  # fsdp2: root or split (spec/program.py FSDP2Units); None: the recipe's
     reshard_last_block: bool | None = None  # fsdp2 at stage 3: False keeps the last block gathered
+    activation_offload: str | None = None  # none or cpu (torchtune's OffloadActivations); None: the recipe's
 
     @property
     def id(self) -> str:
@@ -69,7 +70,8 @@ class Row:
             + ((f"drop{self.dropout:g}",) if self.dropout is not None else ()) \
             + ((f"{self.loss}-loss",) if self.loss else ()) \
             + ((f"units-{self.fsdp2_units}",) if self.fsdp2_units else ()) \
-            + (("keeplast",) if self.reshard_last_block is False else ())
+            + (("keeplast",) if self.reshard_last_block is False else ()) \
+            + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ())
         return "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
 
     @property
@@ -104,7 +106,7 @@ class Row:
             fields["deepspeed"] = dict(SMALL_BUCKETS)
         if self.client_optimizer:
             fields["deepspeed"] = {**fields.get("deepspeed", {}), "client_optimizer": True}
-        for knob in ("optimizer_impl", "ddp", "grad_sync", "model_init"):
+        for knob in ("optimizer_impl", "ddp", "grad_sync", "model_init", "activation_offload"):
             if getattr(self, knob) is not None:
                 fields[knob] = getattr(self, knob)
         if self.optimizer_in_backward:
@@ -258,6 +260,11 @@ def _grid() -> tuple[Row, ...]:
     # [norm, head]; tied GPT-2: one [embeddings, norm, head] unit), and torchtitan's 2024 last block kept.
     rows.append(Row("tiny-llama", "fsdp2", 3, "fp32", fsdp2_units="split"))
     rows.append(Row("tiny-gpt2", "fsdp2", 3, "bf16", fsdp2_units="split", reshard_last_block=False))
+    # activation offloading (torchtune's OffloadActivations): one rank without checkpointing, and
+    # FSDP2 with full checkpointing as torchtune's recipes pair them
+    rows.append(Row("tiny-llama", "torch", 0, "bf16", world=1, micro_batch=4, seq_len=256, activation_offload="cpu"))
+    rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", checkpointing="full", micro_batch=4, seq_len=256,
+                    activation_offload="cpu"))
     return tuple(rows)
 
 

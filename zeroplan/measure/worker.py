@@ -150,6 +150,10 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
             # tiny-llama and tiny-gpt2 keep 32-64 KiB per layer more than a real run.
             notes.append("simulated Hugging Face model: under fake tensors transformers builds an explicit "
                          "attention mask, so activations read a little high (the reference implementation does not)")
+    offload = getattr(held.get("model"), "offload", None)
+    if offload is not None:  # measure/activation_offload.py: host copies are kept out of the device counts
+        notes.append(f"activation offload: at most {offload.peak_host_bytes:,} bytes of host copies per rank, "
+                     "not in the device counts")
     implementation = held.get("model_name", "unknown")
     if training.recipe.value in REPRODUCED:  # torchtitan, torchtune: their flow in this loop (programs/reproduction.py)
         implementation = reproduction_name(training, implementation)

@@ -24,6 +24,11 @@ Checkpointing (the same for both implementations):
 The loss is the training program's (`TrainingSpec.program.loss`): the model's own for standard,
 else the final hidden states through zeroplan.measure.losses (a chunked loss under the torchtitan
 recipe is torchtitan's ChunkedLossWrapper, as the estimator's `_loss_terms` counts it).
+
+Activation offload cpu: the model's forward (embeddings to the output head) runs under torchtune's
+offloading hooks (zeroplan.measure.activation_offload), the head under its no-op hooks, and the
+loss after them, as torchtune's recipes call `self._model(**batch)` inside the context and the loss
+outside; the standard loss is then ForCausalLMLoss written out (the same tensors).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure import losses
+from zeroplan.measure.activation_offload import OffloadActivations, offloading_for
 from zeroplan.measure.op_checkpoint import op_checkpointed
 from zeroplan.spec.model import DropoutRates, TransformerSpec
 from zeroplan.spec.program import Loss, Recipe
@@ -54,6 +60,11 @@ class CausalLM(nn.Module):
         self.transformer_blocks = list(blocks)  # a plain list: not registered twice as submodules
         self.loss = loss
         self.loss_chunks = loss_chunks
+        self.offload: OffloadActivations | None = None  # `offload_activations`
+
+    def offload_activations(self) -> None:
+        """Run the forward under torchtune's activation offloading from now on."""
+        self.offload = offloading_for(self._head())
 
     @torch.no_grad()
     def init_materialized(self) -> None:
@@ -72,6 +83,8 @@ class CausalLM(nn.Module):
                 self.lm._init_weights(module)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.offload is not None:
+            return self._offloaded_forward(input_ids, labels)
         if self.loss == "fused-linear":
             return losses.fused_linear_cross_entropy(self._hidden(input_ids), self._head(), losses.shifted_labels(labels))
         if self.loss == "chunked-torchtitan":
@@ -83,6 +96,23 @@ class CausalLM(nn.Module):
         if self.hf:
             return self.lm(input_ids=input_ids, labels=labels, use_cache=False).loss
         return self.lm(input_ids, labels)
+
+    def _offloaded_forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self.offload:  # torchtune full_finetune_single_device.py: `with self.activations_handling_ctx`
+            hidden = self._hidden(input_ids)
+            if self.loss == "chunked":
+                logits = losses.chunked_logits(hidden, self._head(), self.loss_chunks)
+            elif self.loss == "standard":
+                logits = self._head()(hidden)
+        shifted = losses.shifted_labels(labels)
+        if self.loss == "fused-linear":  # the kernel is the head and the loss: outside, as a loss is
+            return losses.fused_linear_cross_entropy(hidden, self._head(), shifted)
+        del hidden
+        if self.loss == "chunked":
+            return losses.chunked_cross_entropy(logits, shifted)
+        # ForCausalLMLoss (transformers/loss/loss_utils.py): fp32 logits, shifted labels
+        return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1),
+                                           ignore_index=-100)
 
     def _hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The final norm's output (batch, seq, hidden), before the output projection."""
@@ -318,7 +348,10 @@ def build_workload(
     loss = program.loss.value
     if program.loss == Loss.CHUNKED and program.recipe == Recipe.TORCHTITAN:
         loss = "chunked-torchtitan"  # its ChunkedLossWrapper, not torchtune's chunked output (losses.py)
-    return Workload(CausalLM(lm, blocks, hf=use_hf, loss=loss, loss_chunks=program.loss_chunks), name)
+    model = CausalLM(lm, blocks, hf=use_hf, loss=loss, loss_chunks=program.loss_chunks)
+    if program.activation_offload.value == "cpu":
+        model.offload_activations()
+    return Workload(model, name)
 
 
 def make_batch(spec: TransformerSpec, training: TrainingSpec, device: torch.device):
