@@ -93,7 +93,7 @@ def test_fsdp2_stage3_table_and_json_file(tmp_path):
         (steady,) = [p for p in rank["phases"] if p["step"] == 2 and p["phase"] == "optimizer_step"]
         assert steady["categories"]["params"] == pytest.approx(_param_bytes() / 2, rel=0.01)
     # the estimate is exactly what `zeroplan estimate --format json` prints for the same configuration
-    estimated = CliRunner().invoke(cli, ["estimate", "tiny-llama", "--engine", "fsdp2", "--zero", "3", "--gpus", "2",
+    estimated = CliRunner().invoke(cli, ["estimate", "tiny-llama", "--recipe", "plain", "--engine", "fsdp2", "--zero", "3", "--gpus", "2",
                                          "--device", "cpu", "--precision", "fp32", "--micro-batch", "1",
                                          "--seq-len", "32", "--format", "json"])
     assert data["estimate"] == json.loads(estimated.stdout)

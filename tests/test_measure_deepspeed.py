@@ -42,6 +42,7 @@ N_MAX = max(t.numel for t in param_layout(TINY).all_tensors)
 def _training(**fields) -> TrainingSpec:
     knobs = {"reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET, **fields.pop("deepspeed", {})}
     fields.setdefault("precision", "fp32")
+    fields.setdefault("recipe", "plain")  # zeroplan's own loop (the default recipe runs the Trainer)
     return TrainingSpec(engine="deepspeed", gpus=N, micro_batch=2, seq_len=32, device="cpu", deepspeed=knobs, **fields)
 
 

@@ -42,7 +42,8 @@ def _record_workers():
 
 
 def _training(engine: str, stage: int, **fields) -> TrainingSpec:
-    defaults = dict(precision="fp32", micro_batch=2, seq_len=64, device="cpu", gpus=2)
+    # recipe plain: zeroplan's own loop, which these tests measure (the default recipe runs the Trainer)
+    defaults = dict(precision="fp32", micro_batch=2, seq_len=64, device="cpu", gpus=2, recipe="plain")
     return TrainingSpec(engine=engine, zero_stage=stage, **(defaults | fields))
 
 
@@ -279,7 +280,8 @@ os.environ[{fault_env!r}] = "hang@0"
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.measure import launcher
 from zeroplan.spec.training import TrainingSpec
-training = TrainingSpec(engine="torch", zero_stage=0, gpus=2, precision="fp32", micro_batch=2, seq_len=64, device="cpu")
+training = TrainingSpec(engine="torch", zero_stage=0, gpus=2, precision="fp32", micro_batch=2, seq_len=64, device="cpu",
+                        recipe="plain")
 launcher.run_measurement(resolve_model("tiny-llama"), training, nproc=2, steps=1, timeout_s=120, implementation="reference")
 """
 
