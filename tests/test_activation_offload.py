@@ -3,6 +3,8 @@ measure runs it, and as the estimate counts it."""
 
 import pytest
 
+from grid_rows import assert_peaks_within_targets, measure_row_comparison
+
 from zeroplan.estimate import estimate
 from zeroplan.estimate.activations import activation_bytes
 from zeroplan.importers.catalog import resolve_model
@@ -123,18 +125,6 @@ def test_host_bytes_are_per_node_and_pinned_on_gpus():
 @pytest.mark.distributed
 def test_fsdp2_with_offloaded_activations_within_targets():
     pytest.importorskip("torch")
-    from zeroplan.errors import MeasureError
-    from zeroplan.estimate.serialize import phase_to_dict
-    from zeroplan.measure import validate as v
-    from zeroplan.measure.comparison import compare, summary_peaks
-    from zeroplan.measure.grid import GRID, row_specs
-
-    (row,) = [row for row in GRID if row.id == "tiny-llama/fsdp2-3/bf16/ckpt/4x256/w2/actoffload-cpu"]
-    record = v.measure_row(row, v.RunOptions(steps=v.DEFAULT_STEPS, timeout_s=300))
-    if "failure" in record:
-        raise MeasureError(record["failure"])
-    model, training = row_specs(row)
-    comparison = compare([phase_to_dict(p) for p in estimate(model, training).phases], summary_peaks(record["measurement"]))
-    assert abs(comparison.steady.peak.error) <= 0.03
-    assert abs(comparison.first.peak.error) <= 0.05
+    comparison, record = measure_row_comparison("tiny-llama/fsdp2-3/bf16/ckpt/4x256/w2/actoffload-cpu")
+    assert_peaks_within_targets(comparison)
     assert any(note.startswith("activation offload: at most") for note in record["measurement"]["notes"])

@@ -5,6 +5,8 @@ estimate against the definitions of FSDP2's units, and on 2 gloo ranks against a
 
 import pytest
 
+from grid_rows import assert_peaks_within_targets, measure_row_comparison
+
 from zeroplan.errors import SpecError
 from zeroplan.estimate import estimate
 from zeroplan.estimate.facts import model_facts
@@ -72,17 +74,5 @@ def test_plain_loop_bytes_do_not_change_with_the_default_units():
 @pytest.mark.distributed
 def test_split_units_estimate_within_targets_of_the_measured_loop():
     pytest.importorskip("torch")
-    from zeroplan.errors import MeasureError
-    from zeroplan.estimate.serialize import phase_to_dict
-    from zeroplan.measure import validate as v
-    from zeroplan.measure.comparison import compare, summary_peaks
-    from zeroplan.measure.grid import GRID, row_specs
-
-    (row,) = [row for row in GRID if row.id == "tiny-llama/fsdp2-3/fp32/nockpt/2x128/w2/units-split"]
-    record = v.measure_row(row, v.RunOptions(steps=v.DEFAULT_STEPS, timeout_s=300))
-    if "failure" in record:
-        raise MeasureError(record["failure"])
-    model, training = row_specs(row)
-    comparison = compare([phase_to_dict(p) for p in estimate(model, training).phases], summary_peaks(record["measurement"]))
-    assert abs(comparison.steady.peak.error) <= 0.03
-    assert abs(comparison.first.peak.error) <= 0.05
+    comparison, record = measure_row_comparison("tiny-llama/fsdp2-3/fp32/nockpt/2x128/w2/units-split")
+    assert_peaks_within_targets(comparison)

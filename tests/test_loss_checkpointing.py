@@ -9,6 +9,8 @@ the estimate against a measurement of the same program (steady peak 3%, first st
 
 import pytest
 
+from grid_rows import assert_peaks_within_targets, measure_row_comparison
+
 from zeroplan.estimate import estimate
 from zeroplan.estimate.activations import _op_saved_per_token, _Widths, activation_bytes
 from zeroplan.estimate.result import Step
@@ -189,17 +191,5 @@ def test_measure_losses_equal_torch_cross_entropy():
 ])
 def test_estimate_within_targets_of_the_measured_program(row_id):
     pytest.importorskip("torch")
-    from zeroplan.errors import MeasureError
-    from zeroplan.estimate.serialize import phase_to_dict
-    from zeroplan.measure import validate as v
-    from zeroplan.measure.comparison import compare, summary_peaks
-    from zeroplan.measure.grid import GRID, row_specs
-
-    (row,) = [row for row in GRID if row.id == row_id]
-    record = v.measure_row(row, v.RunOptions(steps=v.DEFAULT_STEPS, timeout_s=300))
-    if "failure" in record:
-        raise MeasureError(record["failure"])
-    model, training = row_specs(row)
-    comparison = compare([phase_to_dict(p) for p in estimate(model, training).phases], summary_peaks(record["measurement"]))
-    assert abs(comparison.steady.peak.error) <= 0.03
-    assert abs(comparison.first.peak.error) <= 0.05
+    comparison, record = measure_row_comparison(row_id)
+    assert_peaks_within_targets(comparison)
