@@ -111,10 +111,21 @@ def test_torchtitan_chunked_loss_measured_within_targets_of_its_estimate():
     from zeroplan.measure.comparison import compare, run_peaks
     from zeroplan.measure.launcher import run_measurement
 
-    training = _titan(precision="fp32")
+    training = _titan(precision="fp32", fsdp2={"units": "root"})  # measure runs the chunked loss with the head in the root
     result = run_measurement(TINY, training, nproc=2, backend="gloo", steps=2, timeout_s=300)
     assert result.implementation.startswith("zeroplan loop reproducing torchtitan 0.3.0 (model init meta, chunked loss "
                                             "(ChunkedLossWrapper, 8 chunks)")
     comparison = compare(estimate_to_dict(estimate(TINY, training), training)["phases"], run_peaks(result.to_json_dict()))
     assert abs(comparison.steady.peak.error) <= 0.03
     assert abs(comparison.first.peak.error) <= 0.05
+
+
+def test_torchtitan_chunked_loss_with_a_head_unit_is_refused_before_any_worker_starts():
+    """With [norm, lm_head] an FSDP2 unit of its own (torchtitan's wrapping), the ChunkedLossWrapper's
+    backward inside the forward crashed the gloo workers (SIGSEGV); measure says so instead."""
+    pytest.importorskip("torch")
+    from zeroplan.errors import MeasureError
+    from zeroplan.measure.launcher import run_measurement
+
+    with pytest.raises(MeasureError, match="fsdp2.units: measure runs torchtitan's chunked loss with the head in the root"):
+        run_measurement(TINY, _titan(precision="fp32"), nproc=2, backend="gloo", steps=2, timeout_s=60)

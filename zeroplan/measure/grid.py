@@ -254,7 +254,7 @@ def _grid() -> tuple[Row, ...]:
     # with its recipe's defaults: torchtitan 0.3.0's llama3 configs (FSDP2, meta init, per-op
     # checkpointing, ChunkedLossWrapper); torchtune 0.6.1's full_finetune_single_device (one rank
     # without DDP, pure bf16, optimizer in backward, CEWithChunkedOutputLoss).
-    rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", checkpointing="op", recipe="torchtitan"))
+    rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", checkpointing="op", recipe="torchtitan", fsdp2_units="root"))
     rows.append(Row("tiny-llama", "torch", 0, "pure-bf16", world=1, recipe="torchtune"))
     # FSDP2 units outside the blocks (issue 11): accelerate's and torchtitan's split (untied: embeddings,
     # [norm, head]; tied GPT-2: one [embeddings, norm, head] unit), and torchtitan's 2024 last block kept.

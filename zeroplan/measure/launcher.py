@@ -128,6 +128,13 @@ def run_measurement(
         raise MeasureError("ddp: torchtitan's chunked loss runs each chunk's backward inside the forward, which "
                            "measure's DDP runner does not reproduce; measure engine fsdp2, one rank without ddp, "
                            "or --loss standard")
+    program = training.program
+    if (training.engine.value == "fsdp2" and program.recipe.value == "torchtitan" and program.loss.value == "chunked"
+            and training.fsdp2_wrapping.units.value == "split"):
+        # torchtitan's ChunkedLossWrapper runs lm_head's backward inside the forward; with [norm, lm_head]
+        # an FSDP2 unit of its own the gloo workers of torch 2.13 crash (SIGSEGV) in it (docs/measure.md)
+        raise MeasureError("fsdp2.units: measure runs torchtitan's chunked loss with the head in the root unit only "
+                           "(fsdp2 units root); the estimate of units split is not measured on CPU")
     if training.engine.value == "paper":  # refused here, before any worker starts
         raise MeasureError("engine: paper is the ZeRO paper's accounting, not a program to run; measure torch, fsdp2 or deepspeed")
     if nproc < 1:
