@@ -174,7 +174,10 @@ def test_ctrl_c_during_a_build_ends_the_command_its_compilers_and_their_lock(tmp
     argv = [sys.executable, "-m", "zeroplan", "measure", "tiny-llama", "--engine", "deepspeed", "--zero", "1",
             "--nproc", "2", "--precision", "fp32", "--seq-len", "64", "--timeout", "30"]
     with open(stderr, "wb") as err:
-        command = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        # A job started in the background of a non-interactive shell inherits SIGINT ignored, and Python
+        # keeps an ignored SIGINT: give the command the terminal's default, as a user's Ctrl-C meets it.
+        command = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _wait_for(lambda: build.is_dir() and working_in(build), "a compiler in the build folder", 300)
         assert "compiling DeepSpeed's shared-memory comm op, about 35 s, once" in stderr.read_text()
