@@ -75,4 +75,6 @@ def test_the_estimate_says_which_recipe_and_knobs_it_used():
     data = json.loads(CliRunner().invoke(cli, ["estimate", "llama-2-7b", "--gpus", "8", "--zero", "3", "--format", "json"]).output)
     assert data["program"] == {"recipe": "hf-trainer", "model_init": "zero-init", "grad_sync": "every", "ddp": False,
                                "optimizer_impl": "fused", "optimizer_in_backward": False, "loss": "standard",
-                               "loss_chunks": 1, "activation_offload": "none"}
+                               "loss_chunks": 1, "activation_offload": "none",
+                               "fsdp2": {"units": "split", "reshard_root": True, "reshard_head": False,
+                                         "reshard_last_block": True}}

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from zeroplan.estimate.result import Estimate, NodeBytes, PhaseBytes
 
 if TYPE_CHECKING:
-    from zeroplan.spec.program import Program
+    from zeroplan.spec.program import FSDP2Wrapping, Program
     from zeroplan.spec.training import TrainingSpec
 
 
@@ -62,7 +62,7 @@ def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_byte
         "phases": [phase_to_dict(phase) for phase in estimate.phases],
         "per_node": per_node_to_dict(estimate.per_node),
         "config": config,
-        "program": program_to_dict(training.program),
+        "program": program_to_dict(training.program) | {"fsdp2": program_to_dict(training.fsdp2_wrapping)},
         "notes": [*estimate.notes, *notes],
     }
     if gpu_memory_bytes is not None:
@@ -71,8 +71,8 @@ def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_byte
     return data
 
 
-def program_to_dict(program: Program) -> dict[str, Any]:
-    """The resolved training program: every knob's value, the recipe's default where none was given."""
+def program_to_dict(program: Program | FSDP2Wrapping) -> dict[str, Any]:
+    """The resolved training program (or FSDP2 wrapping): every knob's value, the recipe's default where none was given."""
     return {name: value.value if hasattr(value, "value") else value for name, value in program._asdict().items()}
 
 
