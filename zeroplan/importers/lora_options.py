@@ -95,3 +95,48 @@ def _default_targets(model: Any) -> tuple[str, ...]:
     if model_type in PEFT_DEFAULT_TARGETS:
         return PEFT_DEFAULT_TARGETS[model_type]
     raise SpecError(f"--lora-targets: PEFT has no default targets for {model_type or 'this model'}; name the modules")
+
+
+def lora_command_options(training: Any) -> str:
+    """The options that give `training`'s LoRA and base storage back to `zeroplan estimate` (for the
+    check command `plan --emit` prints: a DeepSpeed JSON carries no adapters)."""
+    parts = []
+    lora, quant = training.lora, training.quant
+    if lora is not None:
+        parts += ["--lora-rank", str(lora.rank), "--lora-targets", ",".join(lora.targets)]
+        if lora.dropout:
+            parts += ["--lora-dropout", str(lora.dropout)]
+        if lora.dora:
+            parts.append("--dora")
+        if lora.modules_to_save:
+            parts += ["--modules-to-save", ",".join(lora.modules_to_save)]
+    if quant is not None:
+        parts += ["--base-precision", quant.base_precision.value]
+        if quant.double_quant:
+            parts.append("--double-quant")
+        if quant.base_precision.is_quantized and quant.compute_dtype != "bf16":
+            parts += ["--compute-dtype", quant.compute_dtype]
+        if quant.quant_storage != "uint8":
+            parts += ["--quant-storage", quant.quant_storage]
+    return "".join(f" {part}" for part in parts)
+
+
+def fsdp2_peft_lines(training: Any) -> list[str]:
+    """Comment lines for the FSDP2 snippet of a LoRA plan (importers/fsdp2_snippet.py)."""
+    if training.lora is None:
+        return []
+    lines = [
+        "# LoRA: pass the PEFT model (get_peft_model) and its blocks. FSDP2 shards each parameter on its own, so a",
+        "# unit may mix frozen base weights and trainable adapters: FSDP1's use_orig_params=True is not needed. The",
+        "# optimizer takes the trainable parameters only; frozen ones get no gradient and no state.",
+    ]
+    quant = training.quant
+    if quant is not None and quant.base_precision.is_4bit:
+        lines += [
+            f"# QLoRA: load with BitsAndBytesConfig(bnb_4bit_quant_storage=torch.{_TORCH_DTYPE[quant.quant_storage]}) so the",
+            "# packed 4-bit weights shard as the other parameters do (zeroplan has not run bitsandbytes under FSDP2).",
+        ]
+    return lines
+
+
+_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "uint8": "uint8"}
