@@ -350,10 +350,13 @@ def with_adapter_activations(acts, tokens: int, extra: AdapterActivations, weigh
 
 # --- the estimate's hooks (estimate/__init__.py) --------------------------------------------------
 
-def adapter_element_bytes(engine: str, precision: str, comp: int) -> int:
+def adapter_element_bytes(engine: str, precision: str, comp: int, recipe: str = "hf-trainer") -> int:
     """The adapters' dtype: PEFT keeps them fp32 (get_peft_model autocast_adapter_dtype=True) and the
     torch engine leaves them so; DeepSpeed casts the whole module to its 16-bit dtype
-    (engine.py `_configure_distributed_model`); FSDP2 gathers them in its param_dtype."""
+    (engine.py `_configure_distributed_model`); FSDP2 gathers them in its param_dtype; torchtune's
+    LoRALinear is built in the model's dtype."""
+    if recipe == "torchtune":
+        return comp
     if engine == "torch" or precision == "fp32":
         return FP32_BYTES
     return comp
@@ -365,7 +368,8 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
 
     lora, quant = training.lora, training.quant
     autocast = _autocast(training)
-    adapter_element = adapter_element_bytes(training.engine.value, training.precision.value, comp)
+    adapter_element = adapter_element_bytes(training.engine.value, training.precision.value, comp,
+                                            training.recipe.value)
     attn_reads, mlp_reads = _input_projections(spec)
     extra = adapter_activations(spec, lora, autocast, comp, adapter_element, training.device.value == "cuda",
                                 attn_reads, mlp_reads)
