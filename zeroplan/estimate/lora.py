@@ -438,6 +438,9 @@ def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:
         if _sharded(training):
             notes.append("the gathered copies of a quantized block are counted in the engine's dtype, not packed: "
                          "an overestimate of the gathering buffers")
+    if lora.modules_to_save and training.engine.value == "torch" and quant is not None:
+        notes.append("modules_to_save copies are counted in the engine's fp32 like the adapters; PEFT keeps them in "
+                     "the base dtype: their parameters, gradients and states are overestimated")
     if training.checkpointing.value != "none":
         notes.append("checkpointing with a frozen base: PEFT/the Trainer call enable_input_require_grads so the "
                      "checkpointed blocks get gradients (no bytes kept)")
