@@ -42,8 +42,11 @@ def test_deepspeed_json_leaves_to_the_trainer_what_the_trainer_fills():
     # stage3_prefetch_bucket_size = 0.9*h*h, stage3_param_persistence_threshold = 10*h
     knobs = {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
              "stage3_param_persistence_threshold": 10 * h}
-    config = trainer_deepspeed_config(_training(engine="deepspeed", zero_stage=3, deepspeed=knobs), h)
+    config = trainer_deepspeed_config(_training(engine="deepspeed", zero_stage=3, deepspeed=knobs | {"client_optimizer": True}), h)
     assert "optimizer" not in config  # the Trainer's own torch optimizer is the client optimizer
+    # DeepSpeed's own AdamW otherwise (DummyOptim in deepspeed_optim_sched), torch's on a CPU run
+    own = trainer_deepspeed_config(_training(engine="deepspeed", zero_stage=3, deepspeed=knobs), h)
+    assert own["optimizer"] == {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
         assert config[key] == "auto"
     assert config["bf16"]["enabled"] == config["fp16"]["enabled"] == "auto"
