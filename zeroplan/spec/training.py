@@ -242,6 +242,11 @@ class TrainingSpec(BaseModel):
         if program.grad_sync == GradSync.LAST and self.engine == Engine.DEEPSPEED:
             # engine.py `backward` -> `allreduce_gradients` reduces at every micro-batch; there is no no_sync
             raise ValueError("grad_sync last: DeepSpeed reduces gradients at every micro-batch (grad_sync every)")
+        if program.activation_offload == ActivationOffload.CPU and self.engine == Engine.DEEPSPEED:
+            # deepspeed 0.19.8 runtime/activation_checkpointing/checkpointing.py: cpu_checkpointing moves the
+            # checkpointed blocks' inputs only, not every saved activation as torchtune's OffloadActivations
+            raise ValueError("activation_offload cpu is torchtune's OffloadActivations (fsdp2 or torch); DeepSpeed offers "
+                             "activation_checkpointing.cpu_checkpointing, which offloads checkpoint inputs only: not modelled")
         if self.ddp and self.engine != Engine.TORCH:
             raise ValueError(f"ddp applies to engine torch; engine {self.engine.value} wraps the model itself")
         self._check_fsdp2()
