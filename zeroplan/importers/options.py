@@ -73,7 +73,7 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
     """
     from pydantic import ValidationError
 
-    from zeroplan.spec.training import TrainingSpec
+    from zeroplan.spec.training import FSDP2Knobs, TrainingSpec
     from zeroplan.spec.validation import describe_validation_error
 
     values: dict[str, Any] = {}
@@ -82,6 +82,9 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
         # --gpus lets a DeepSpeed train_batch_size be split into micro-batch and accumulation.
         values.update(config.settings(options.get("gpus"), getattr(model, "hidden_size", None)))
     values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) not in (None, ())})
+    fsdp2 = {knob: options[f"fsdp2_{knob}"] for knob in FSDP2Knobs.model_fields if options.get(f"fsdp2_{knob}") is not None}
+    if fsdp2:  # --fsdp2-* options (cli/common.py) over the config file's fsdp2 settings
+        values["fsdp2"] = {**(values.get("fsdp2") or {}), **fsdp2}
     try:
         training = TrainingSpec.model_validate(values)
     except ValidationError as error:
