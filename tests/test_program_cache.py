@@ -24,3 +24,16 @@ def test_clearing_the_caches_changes_no_result():
     before = (spec.program, spec.fsdp2_wrapping)
     clear_caches()
     assert (spec.program, spec.fsdp2_wrapping) == before
+
+
+def test_the_dropout_of_one_model_follows_each_spec():
+    from zeroplan.estimate import estimate
+    from zeroplan.importers.catalog import resolve_model
+
+    model = resolve_model("tiny-gpt2")  # one object, as a plan asks for it
+    for dropout, device in ((None, "cpu"), (0.0, "cpu"), (None, "cuda"), (0.1, "cuda"), (None, "cpu")):
+        training = TrainingSpec(engine="torch", gpus=1, micro_batch=2, seq_len=64, dropout=dropout, device=device)
+        # a copy of the model is another object: whatever was asked before, the same bytes
+        assert estimate(model, training).peak == estimate(model.model_copy(), training).peak
+    trained = TrainingSpec(engine="torch", gpus=1, micro_batch=2, seq_len=64, device="cpu")
+    assert estimate(model, trained).peak != estimate(model, trained.varied(dropout=0.1)).peak  # masks are kept
