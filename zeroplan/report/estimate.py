@@ -12,6 +12,8 @@ from typing import Any
 
 from zeroplan.estimate.serialize import MODEL_COLUMNS, gpu_memory_left_bytes, node_count
 from zeroplan.report.common import CATEGORY_LABELS, amount, table
+from zeroplan.spec.optimizer_step import OptimizerStep, deepspeed_optimizer_step
+from zeroplan.spec.program import OptimizerImpl
 from zeroplan.spec.units import bytes_in_unit
 
 _SHORT_LABELS = CATEGORY_LABELS | {"optimizer_states": "opt states", "temporaries": "temps"}
@@ -50,12 +52,23 @@ def _describe_program(data: dict[str, Any]) -> str:
         f"model init {program['model_init']}",
         f"gradient sync {program['grad_sync']}" if data["config"]["grad_accum"] > 1 else None,
         "DDP" if program["ddp"] else None,
-        f"{program['optimizer_impl']} {data['config']['optimizer']}",
+        _optimizer_step(data),
         "optimizer in backward" if program["optimizer_in_backward"] else None,
         loss,
         "activations offloaded to cpu" if program["activation_offload"] == "cpu" else None,
     ]
     return f"recipe {program['recipe']}: " + ", ".join(part for part in parts if part)
+
+
+def _optimizer_step(data: dict[str, Any]) -> str:
+    """The kernel that steps and the optimizer: the program's, or DeepSpeed's own (spec/optimizer_step.py)."""
+    config, impl = data["config"], OptimizerImpl(data["program"]["optimizer_impl"])
+    step = OptimizerStep(impl, None)
+    if config["engine"] == "deepspeed":
+        step = deepspeed_optimizer_step(cpu_run=config["device"] == "cpu", offload_optimizer=config["offload_optimizer"] != "none",
+                                        client_optimizer=config["deepspeed"]["client_optimizer"],
+                                        optimizer=config["optimizer"], program_impl=impl)
+    return f"{step.impl.value} {config['optimizer']}" + (f" ({step.via})" if step.via else "")
 
 
 def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
