@@ -27,6 +27,18 @@ def test_a_cpu_run_says_torch_s_for_loop_steps_deepspeed_s_adamw():
     assert "fused adamw" in _program_line("--device", "cpu", "--offload-optimizer", "cpu")  # DeepSpeedCPUAdam
 
 
+def test_the_json_names_the_kernel_the_text_names():
+    # one answer for both outputs: the JSON's program.optimizer_step is what the text line prints
+    import json
+    result = CliRunner().invoke(cli, ["estimate", "tiny-llama", "--engine", "deepspeed", "--zero", "2", "--gpus", "2",
+                                      "--device", "cpu", "--format", "json"])
+    assert json.loads(result.output)["program"]["optimizer_step"] == {"impl": "for-loop", "via": "DeepSpeed's torch_adam"}
+    result = CliRunner().invoke(cli, ["estimate", "tiny-llama", "--engine", "fsdp2", "--zero", "3", "--gpus", "2",
+                                      "--device", "cpu", "--format", "json"])
+    program = json.loads(result.output)["program"]
+    assert program["optimizer_step"] == {"impl": program["optimizer_impl"], "via": None}
+
+
 @pytest.mark.parametrize("cpu_run, offload, client, optimizer, expected", [
     (True, False, False, "adamw", (OptimizerImpl.FOR_LOOP, "DeepSpeed's torch_adam")),
     (False, False, False, "adamw", (OptimizerImpl.FUSED, None)),  # FusedAdam, in place

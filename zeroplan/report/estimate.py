@@ -12,8 +12,6 @@ from typing import Any
 
 from zeroplan.estimate.serialize import MODEL_COLUMNS, gpu_memory_left_bytes, node_count
 from zeroplan.report.common import CATEGORY_LABELS, amount, table
-from zeroplan.spec.optimizer_step import OptimizerStep, deepspeed_optimizer_step
-from zeroplan.spec.program import OptimizerImpl
 from zeroplan.spec.units import bytes_in_unit
 
 _SHORT_LABELS = CATEGORY_LABELS | {"optimizer_states": "opt states", "temporaries": "temps"}
@@ -62,13 +60,8 @@ def _describe_program(data: dict[str, Any]) -> str:
 
 def _optimizer_step(data: dict[str, Any]) -> str:
     """The kernel that steps and the optimizer: the program's, or DeepSpeed's own (spec/optimizer_step.py)."""
-    config, impl = data["config"], OptimizerImpl(data["program"]["optimizer_impl"])
-    step = OptimizerStep(impl, None)
-    if config["engine"] == "deepspeed":
-        step = deepspeed_optimizer_step(cpu_run=config["device"] == "cpu", offload_optimizer=config["offload_optimizer"] != "none",
-                                        client_optimizer=config["deepspeed"]["client_optimizer"],
-                                        optimizer=config["optimizer"], program_impl=impl)
-    return f"{step.impl.value} {config['optimizer']}" + (f" ({step.via})" if step.via else "")
+    step = data["program"]["optimizer_step"]
+    return f"{step['impl']} {data['config']['optimizer']}" + (f" ({step['via']})" if step["via"] else "")
 
 
 def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:

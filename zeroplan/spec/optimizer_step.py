@@ -10,9 +10,12 @@ build), and torch's AdamW on CPU tensors runs its for-loop (optimizer.py `_defau
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from zeroplan.spec.program import OptimizerImpl
+
+if TYPE_CHECKING:
+    from zeroplan.spec.training import TrainingSpec
 
 
 class OptimizerStep(NamedTuple):
@@ -29,3 +32,14 @@ def deepspeed_optimizer_step(*, cpu_run: bool, offload_optimizer: bool, client_o
     if offload_optimizer or not cpu_run:
         return OptimizerStep(OptimizerImpl.FUSED, None)  # DeepSpeedCPUAdam, FusedAdam: in place
     return OptimizerStep(OptimizerImpl.FOR_LOOP, "DeepSpeed's torch_adam")
+
+
+def training_optimizer_step(training: "TrainingSpec") -> OptimizerStep:
+    """The kernel that steps this run's optimizer: the program's, or under DeepSpeed its own."""
+    impl = training.program.optimizer_impl
+    if training.engine.value != "deepspeed":
+        return OptimizerStep(impl, None)
+    return deepspeed_optimizer_step(cpu_run=training.device.value == "cpu",
+                                    offload_optimizer=training.offload_optimizer.value != "none",
+                                    client_optimizer=training.deepspeed.client_optimizer,
+                                    optimizer=training.optimizer.value, program_impl=impl)
