@@ -91,3 +91,13 @@ def test_torchtitan_layers_per_stage_gives_the_virtual_stages(tmp_path):
                    "pipeline_parallel_layers_per_stage = 6\n")
     training = training_spec_from_options({"gpus": 56}, config)
     assert (training.mesh.pp_virtual_stages, training.mesh.pp_schedule.value) == (2, "zero-bubble")
+
+
+def test_compare_on_a_mesh_shows_each_configurations_worst_rank():
+    result = run("compare", "llama-3-8b", "--gpus", "16", "--zero", "2,3", "--engine", "fsdp2", "--tp", "2", "--pp", "2",
+                 "--grad-accum", "4", "--format", "json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)["rows"]
+    for row, stage in zip(rows, (2, 3)):
+        training = TrainingSpec(engine="fsdp2", zero_stage=stage, gpus=16, grad_accum=4, mesh=MeshSpec(tp=2, pp=2))
+        assert row["per_gpu"]["peak"] == estimate_mesh(resolve_model("llama-3-8b"), training).worst.estimate.peak_bytes

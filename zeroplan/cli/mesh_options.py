@@ -29,3 +29,10 @@ MESH_OPTIONS = [
                  help=_help("sequence_parallel")),
     click.option("--loss-parallel/--no-loss-parallel", "mesh_loss_parallel", default=None, help=_help("loss_parallel")),
 ]
+
+
+def mesh_options(function):
+    """Every mesh option on a command (`zeroplan compare`; estimate has them through `estimate_options`)."""
+    for decorator in reversed(MESH_OPTIONS):
+        function = decorator(function)
+    return function

@@ -305,3 +305,8 @@ def estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
     micro_batches = training.grad_accum if mesh.pp > 1 else 1
     ranks = tuple(_rank_estimate(model, training, kind, micro_batches) for kind in rank_kinds(model, mesh, micro_batches))
     return MeshEstimate(mesh, ranks)
+
+
+def worst_rank_estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
+    """The estimate of the rank with the highest peak: what decides whether a mesh fits (`zeroplan compare`)."""
+    return estimate_mesh(model, training).worst.estimate
