@@ -136,3 +136,17 @@ def test_experts_split_over_ep():
     # efsdp = dp_shard x cp x tp / ep = 1, fsdp = 8: stored 8 / 1 larger so that fsdp's cut leaves 1/ep of them
     assert block["moe.experts.down_proj"] == whole["moe.experts.down_proj"] // 8 * 8
     assert estimate_mesh(model, training).worst.estimate.peak.categories.buffers > 0
+
+
+@pytest.mark.parametrize("stages, in_flight", [((0,), 4), ((0, 4), 11)])
+def test_micro_batches_in_flight_keep_their_stage_chunks(stages, in_flight):
+    # the profiled micro-batch covers the rank's every stage chunk; each further chunk in flight keeps a
+    # chunk's blocks (layers / stages of them) for the whole step
+    model = resolve_model("llama-3-8b")
+    training = fsdp(gpus=8, pp=4) if len(stages) == 1 else fsdp(gpus=8, pp=4, pp_schedule="interleaved-1f1b",
+                                                                  pp_virtual_stages=2)
+    kind = RankKind(0, stages, 8, True, False, 1)
+    one = rank_activations(model, training, kind, 2)
+    many = rank_activations(model, training, kind._replace(in_flight=in_flight), 2)
+    chunk = one.embedding + 8 * one.saved_per_block // len(stages)
+    assert many.embedding - one.embedding == (in_flight - len(stages)) * chunk

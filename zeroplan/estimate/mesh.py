@@ -223,10 +223,13 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         changes.update(saved_per_block=0, recompute_block=0, block_backward_transient=0, block_backward_freed=0,
                        block_forward_transient=0)
     acts = replace(acts, **changes) if changes else acts
-    if kind.in_flight > 1:
-        # the other micro-batches in flight keep their stage's saved tensors for the whole of this one's step
-        one = acts.embedding + kind.layers * acts.saved_per_block
-        acts = replace(acts, embedding=acts.embedding + (kind.in_flight - 1) * one)
+    # The profile runs one micro-batch through all the rank's blocks: as many stage chunks as it has stages.
+    # The other chunks in flight keep their stage's saved tensors for the whole of this one's step.
+    chunks = len(kind.stages)
+    extra = max(kind.in_flight - chunks, 0)
+    if extra:
+        chunk = acts.embedding + kind.layers * acts.saved_per_block // chunks
+        acts = replace(acts, embedding=acts.embedding + extra * chunk)
     return acts
 
 
