@@ -150,3 +150,20 @@ def test_micro_batches_in_flight_keep_their_stage_chunks(stages, in_flight):
     many = rank_activations(model, training, kind._replace(in_flight=in_flight), 2)
     chunk = one.embedding + 8 * one.saved_per_block // len(stages)
     assert many.embedding - one.embedding == (in_flight - len(stages)) * chunk
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_eager_attention_keeps_korthikanti_5as2b_over_t(tp):
+    # Korthikanti et al. 2022 sections 4.1-4.2: the attention core keeps 5as^2b bytes per layer in 16-bit
+    # with dropout (softmax output 2, dropout mask 1, dropped probabilities 2 per score), 5as^2b/t under TP.
+    # GPT-2's eager attention on CUDA keeps exactly these; the s^2 part is what doubling s adds beyond twice.
+    model = _megatron_block(hidden=1024, heads=16).model_copy(update=dict(attention_dropout=0.1))
+    kind = WHOLE._replace(layers=model.num_layers)
+
+    def saved(seq: int) -> int:
+        training = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=8, seq_len=seq, attention="eager",
+                                mesh=MeshSpec(tp=tp))
+        return rank_activations(model, training, kind, 2).saved_per_block
+
+    s, a = 1024, model.num_heads
+    assert (saved(2 * s) - 2 * saved(s)) == 5 * a * (2 * s * s) // tp
