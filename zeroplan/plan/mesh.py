@@ -1,9 +1,10 @@
 """`zeroplan plan --mesh`: search tensor, context and pipeline parallel degrees (and the pipeline schedule)
 with ZeRO/FSDP2 for the meshes whose worst rank fits, ranked by `zeroplan.plan.mesh_cost` (issue 14).
 
-For each mesh (tp x cp x pp x schedule x checkpointing) the micro-batch grows while the worst rank fits:
-the per-rank peak never shrinks as it grows (activations and the pipeline's buffers scale with it). Every
-configuration shown has had a full per-rank estimate (`estimate_mesh`)."""
+For each mesh (tp x cp x pp x schedule x checkpointing) the largest micro-batch whose worst rank fits is found
+by bisection (the per-rank peak never shrinks as it grows: activations and the pipeline's buffers scale with
+it), and the mesh is shown once, at its cheapest micro-batch that fits. Every configuration shown has had a
+full per-rank estimate (`estimate_mesh`)."""
 
 from __future__ import annotations
 
@@ -85,27 +86,58 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
     evaluated, fitting = 0, []
     for mesh in _meshes(model, base):
         for mode in checkpointing:
+            trainings = []
             for micro in (m for m in _DEGREES if m <= max_micro_batch):
                 accum = _accumulation(mesh, base.gpus, micro, global_batch)
                 if accum is None:
                     continue
                 try:
-                    training = base.varied(mesh=mesh, checkpointing=mode, micro_batch=micro, grad_accum=accum,
-                                           zero_stage=2 if mesh.pp > 1 else base.zero_stage)
-                    result = estimate_mesh(model, training)
+                    trainings.append(base.varied(mesh=mesh, checkpointing=mode, micro_batch=micro, grad_accum=accum,
+                                                 zero_stage=2 if mesh.pp > 1 else base.zero_stage))
                 except SpecError:
                     break
-                evaluated += 1
-                if result.worst.estimate.peak_bytes > budget_bytes:
-                    break  # a larger micro-batch keeps more
-                worst = result.worst
-                cost = mesh_step_cost(model, flops, worst.params, worst.kind.layers, training, assumptions)
-                fitting.append(MeshCandidate(training, result, cost))
+            candidate, count = _cheapest_fit(model, flops, trainings, budget_bytes, assumptions)
+            evaluated += count
+            if candidate is not None:
+                fitting.append(candidate)
     fitting.sort(key=lambda c: (c.cost.gpu_seconds_per_token, c.training.mesh.model_ranks))
     best = fitting[0] if fitting else None
     ranked = tuple(MeshCandidate(c.training, c.estimate, c.cost, _reason(i, c, best))
                    for i, c in enumerate(fitting[:top], start=1))
     return MeshPlan(model.name, base.gpus, budget_bytes, evaluated, len(fitting), ranked)
+
+
+def _cheapest_fit(model: TransformerSpec, flops, trainings: list[TrainingSpec], budget_bytes: int,
+                  assumptions: Assumptions) -> tuple[MeshCandidate | None, int]:
+    """The cheapest of `trainings` (one mesh, micro-batches ascending) whose worst rank fits, and the estimates
+    made. The worst rank's peak never shrinks as the micro-batch grows, so the ones that fit are a prefix,
+    found by bisection; their costs use the worst rank kind of the largest that fits, and the cheapest gets a
+    full estimate of its own."""
+    estimates: dict[int, MeshEstimate] = {}
+
+    def fits(index: int) -> bool:
+        if index not in estimates:
+            try:
+                estimates[index] = estimate_mesh(model, trainings[index])
+            except SpecError:
+                return False
+        return estimates[index].worst.estimate.peak_bytes <= budget_bytes
+
+    if not trainings or not fits(0):
+        return None, len(estimates)
+    low, high = 0, len(trainings)  # trainings[low] fits, trainings[high] does not (or is past the end)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    worst = estimates[low].worst
+    costs = [mesh_step_cost(model, flops, worst.params, worst.kind.layers, training, assumptions)
+             for training in trainings[:low + 1]]
+    best = min(range(low + 1), key=lambda index: costs[index].gpu_seconds_per_token)
+    if best not in estimates:
+        fits(best)
+    chosen = estimates[best].worst
+    cost = mesh_step_cost(model, flops, chosen.params, chosen.kind.layers, trainings[best], assumptions)
+    return MeshCandidate(trainings[best], estimates[best], cost), len(estimates)
 
 
 def _params(model: TransformerSpec, base: TrainingSpec) -> tuple[int, int]:
