@@ -78,3 +78,14 @@ def test_emit_torchtitan_needs_the_mesh_search(tmp_path):
     result = CliRunner().invoke(cli, ["plan", "llama-3-8b", "--gpu", "h100-80gb", "--gpus", "16", "--engine", "fsdp2",
                                       "--emit", "torchtitan", str(tmp_path / "a.toml")])
     assert result.exit_code == 2 and "--emit torchtitan writes a mesh plan: add --mesh" in result.output
+
+
+def test_plan_mesh_emits_a_torchtitan_toml_that_estimate_reads_back(tmp_path):
+    path = tmp_path / "plan.toml"
+    result = CliRunner().invoke(cli, ["plan", "llama-3-8b", "--gpu", "h100-80gb", "--gpus", "16", "--engine", "fsdp2",
+                                      "--seq-len", "4096", "--mesh", "--top", "1", "--max-micro-batch", "4",
+                                      "--emit", "torchtitan", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "it reads back to the same estimate" in result.output + (result.stderr or "")
+    estimate = CliRunner().invoke(cli, ["estimate", "--config", str(path), "--gpus", "16", "--format", "json"])
+    assert estimate.exit_code == 0, estimate.output

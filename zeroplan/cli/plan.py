@@ -160,6 +160,9 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
     emit = options["emit"]
     if emit and emit[0] != "torchtitan":
         raise click.UsageError(f"--mesh writes a torchtitan TOML: use --emit torchtitan FILE, not {emit[0]}")
+    if emit and options["config_file"] is None:
+        # the plan models the program the TOML will state (torchtitan v0.2.2: whole-logits cross-entropy)
+        options = {**options, "recipe": options["recipe"] or "torchtitan", "loss": options["loss"] or "standard"}
     base = base_training(options, (3, 2), gpu_counts[0], model)
     if base.engine != Engine.FSDP2:
         raise SpecError("--mesh: meshes are searched with FSDP2 (torchtitan); give --engine fsdp2")
