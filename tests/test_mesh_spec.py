@@ -88,3 +88,12 @@ def test_ulysses_splits_heads():
     spec = TrainingSpec(gpus=16, engine="deepspeed", zero_stage=2, mesh=MeshSpec(cp=16))
     with pytest.raises(SpecError, match=r"mesh.cp: Ulysses splits heads over cp x tp = 16, .* num_kv_heads 8"):
         check_mesh(resolve_model("llama-3-8b"), spec)
+
+
+def test_lora_is_not_cut_by_a_mesh_yet():
+    from zeroplan.importers.options import training_spec_from_options
+
+    spec = training_spec_from_options({"gpus": 8, "engine": "fsdp2", "zero_stage": 3, "lora_rank": 16, "mesh_tp": 2},
+                                      None, resolve_model("llama-3-8b"))
+    with pytest.raises(SpecError, match=r"mesh: LoRA adapters and quantized bases are not modelled on a mesh yet"):
+        check_mesh(resolve_model("llama-3-8b"), spec)

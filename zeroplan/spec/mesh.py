@@ -139,6 +139,8 @@ def check_mesh(model: ModelSpec, training: TrainingSpec) -> None:
     mesh = training.mesh
     if mesh.is_trivial:
         return
+    if getattr(training, "lora", None) is not None or getattr(training, "quant", None) is not None:
+        raise SpecError("mesh: LoRA adapters and quantized bases are not modelled on a mesh yet; use tp/cp/pp/ep 1")
     if getattr(model, "kind", None) != "transformer":
         raise SpecError("mesh: a model given by parameter count cannot be cut by tp/cp/pp/ep; give its config")
     deepspeed = training.engine.value == "deepspeed"
