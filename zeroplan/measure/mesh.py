@@ -20,7 +20,8 @@ What a rank does, in torchtitan's order (torchtitan/models/llama3/infra/parallel
   ("dp_replicate", "dp_shard") (HSDP when dp_replicate > 1), reshard_after_forward as the ZeRO
   stage says (fsdp2_engine.py);
 - then the shards are materialised (`to_empty`, `init_materialized`) and AdamW created.
-Context parallelism does not run on CPU (docs/measure.md, "Meshes"): it is refused here.
+What this does not run (context and expert parallelism, ...) is refused before the workers start
+(measure/mesh_rules.py).
 
 Pipeline runs: the worker calls `forward` grad_accum times per step; the micro-batches are the
 schedule's (n_microbatches = grad_accum), so `forward` keeps the first ones and runs the whole
@@ -46,6 +47,7 @@ from zeroplan.measure.engines import (
     module_buffers,
     optimizer_state_tensors,
 )
+from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.training import Precision, TrainingSpec
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # torchtitan ParallelDims.build_mesh order
@@ -53,66 +55,28 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # torchtitan Paralle
 
 @dataclass(frozen=True)
 class MeshShape:
-    """The degrees of one run's mesh, dp_shard resolved from the world size."""
+    """One run's mesh (spec/mesh.py MeshSpec) with dp_shard resolved from the world size."""
 
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
+    spec: MeshSpec
+    dp_shard: int
+
+    def __getattr__(self, name: str):  # tp, pp, pp_schedule, sequence_parallel, ...: the spec's
+        return getattr(self.spec, name)
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name) for name in MESH_DIMS)
-
-    @property
-    def stages(self) -> int:
-        return self.pp * self.pp_virtual_stages
+        return tuple(self.dp_shard if name == "dp_shard" else getattr(self.spec, name) for name in MESH_DIMS)
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.spec.dp_replicate * self.dp_shard
 
 
 def mesh_shape(training: TrainingSpec, world_size: int) -> MeshShape | None:
     """The mesh of `training` on `world_size` ranks; None when every degree is one (a plain run)."""
-    mesh = getattr(training, "mesh", None)
-    if mesh is None:
+    if training.mesh.is_trivial:
         return None
-    degrees = {name: getattr(mesh, name, 1) or 1 for name in ("tp", "cp", "pp", "ep", "dp_replicate")}
-    if all(value == 1 for value in degrees.values()):
-        return None
-    others = degrees["tp"] * degrees["cp"] * degrees["pp"] * degrees["dp_replicate"]
-    if world_size % others:
-        raise MeasureError(f"training.mesh: tp x cp x pp x dp_replicate = {others} does not divide {world_size} ranks")
-    schedule = getattr(mesh, "pp_schedule", "1f1b")
-    return MeshShape(
-        pp=degrees["pp"], dp_replicate=degrees["dp_replicate"], dp_shard=world_size // others, cp=degrees["cp"],
-        tp=degrees["tp"], ep=degrees["ep"], pp_schedule=getattr(schedule, "value", schedule),
-        pp_virtual_stages=getattr(mesh, "pp_virtual_stages", 1) or 1,
-        sequence_parallel=bool(getattr(mesh, "sequence_parallel", True)),
-        loss_parallel=bool(getattr(mesh, "loss_parallel", True)),
-    )
-
-
-def check_measurable(shape: MeshShape, training: TrainingSpec) -> None:
-    """Refuse, naming the field, what this file does not run."""
-    if shape.cp > 1:
-        raise MeasureError("training.mesh.cp: context parallelism does not run on CPU in torch 2.13 (its ring attention "
-                           "handles the CUDA attention kernels only; docs/measure.md, Meshes); measure with cp 1")
-    if shape.ep > 1:
-        raise MeasureError("training.mesh.ep: expert parallelism is not measured; measure with ep 1")
-    if training.program.loss.value != "standard":
-        raise MeasureError(f"training.loss: {training.program.loss.value} is not measured on a mesh; use standard")
-    if training.engine.value not in ("fsdp2", "torch"):
-        raise MeasureError(f"engine: {training.engine.value} is not measured on a mesh here; use fsdp2")
-    if training.offload_optimizer.value != "none" or training.offload_params.value != "none":
-        raise MeasureError("training.offload: offload is not measured on a mesh")
+    return MeshShape(training.mesh, training.mesh.dp_shard(world_size))
 
 
 def build_device_mesh(shape: MeshShape, ctx: RunContext):
@@ -409,10 +373,10 @@ class PipelineRunner:
             pipelining.PipelineStage(module, stage_id, shape.stages, ctx.device, group=group)
             for module, stage_id in zip(self.stages, stage_ids(shape, pp_rank))
         ]
-        if shape.pp_schedule not in _SCHEDULES:
-            raise MeasureError(f"training.mesh.pp_schedule: {shape.pp_schedule} is not measured; use one of {', '.join(_SCHEDULES)}")
-        schedule_class = getattr(pipelining, _SCHEDULES[shape.pp_schedule])
-        single = shape.pp_virtual_stages == 1 and shape.pp_schedule in ("gpipe", "1f1b")
+        if shape.pp_schedule.value not in _SCHEDULES:
+            raise MeasureError(f"training.mesh.pp_schedule: {shape.pp_schedule.value} is not measured; use one of {', '.join(_SCHEDULES)}")
+        schedule_class = getattr(pipelining, _SCHEDULES[shape.pp_schedule.value])
+        single = shape.pp_virtual_stages == 1 and not shape.pp_schedule.looped
         self.schedule = schedule_class(pipeline_stages[0] if single else pipeline_stages,
                                        n_microbatches=training.grad_accum, loss_fn=self._loss)
         self.optimizer = make_optimizer([p for m in self.stages for p in m.parameters() if p.requires_grad], training)
@@ -462,7 +426,6 @@ class PipelineRunner:
 
 
 def build_mesh_runner(model: nn.Module, training: TrainingSpec, ctx: RunContext, shape: MeshShape):
-    check_measurable(shape, training)
     mesh = build_device_mesh(shape, ctx)
     if shape.pp > 1:
         return PipelineRunner(model, training, ctx, shape, mesh)

@@ -64,8 +64,7 @@ def _inject_fault(rank: int) -> None:
 
 def _implementation(job: dict, training) -> str:
     """The job's model implementation; a mesh run's is the reference model (measure/mesh.py says why)."""
-    mesh = getattr(training, "mesh", None)
-    if mesh is not None and any((getattr(mesh, name, 1) or 1) > 1 for name in ("tp", "cp", "pp", "ep", "dp_replicate")):
+    if not training.mesh.is_trivial:
         return "reference"
     return job.get("implementation", "auto")
 

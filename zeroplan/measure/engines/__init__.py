@@ -170,7 +170,7 @@ def materialize(model: "torch.nn.Module", device) -> None:
 
 def _mesh(training: TrainingSpec, ctx: RunContext):
     """The mesh of a run whose degrees are not all one (measure/mesh.py `MeshShape`), else None."""
-    if getattr(training, "mesh", None) is None:
+    if training.mesh.is_trivial:
         return None
     return importlib.import_module("zeroplan.measure.mesh").mesh_shape(training, ctx.world_size)
 

@@ -1,0 +1,50 @@
+"""What `zeroplan measure` runs on a device mesh, checked before any worker starts (no torch here).
+
+measure/mesh.py runs tensor parallelism (with sequence and loss parallelism), FSDP2 over the
+data-parallel dimensions (HSDP with dp_replicate) and torch.distributed.pipelining stages on
+zeroplan's reference Llama model, in zeroplan's own loop. What it does not run is refused here,
+one line naming the field: context parallelism (torch 2.13's ring attention handles the CUDA
+attention kernels only; docs/measure.md, "Meshes"), expert parallelism, the Hugging Face Trainer,
+engines other than fsdp2, offload, losses other than standard, learned positions.
+"""
+
+from __future__ import annotations
+
+from zeroplan.errors import MeasureError
+from zeroplan.spec.model import TransformerSpec
+from zeroplan.spec.training import TrainingSpec
+
+MESH_RECIPES = ("torchtitan", "plain")  # zeroplan's loop; the Trainer owns its own and has no mesh
+
+
+def is_mesh_run(training: TrainingSpec) -> bool:
+    """Whether `training` cuts the GPUs beyond data-parallel sharding (spec/mesh.py)."""
+    return not training.mesh.is_trivial
+
+
+def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec) -> None:
+    """Raise MeasureError for a mesh run that measure/mesh.py cannot run."""
+    if not is_mesh_run(training):
+        return
+    mesh = training.mesh
+    if mesh.cp > 1:
+        raise MeasureError("mesh.cp: context parallelism does not run on CPU with torch 2.13 (its ring attention "
+                           "handles the CUDA attention kernels only; docs/measure.md, Meshes); measure with cp 1")
+    if mesh.ep > 1:
+        raise MeasureError("mesh.ep: expert parallelism is not measured; measure with ep 1")
+    if training.recipe.value not in MESH_RECIPES:
+        raise MeasureError(f"recipe: a mesh is measured in zeroplan's loop ({' or '.join(MESH_RECIPES)}), "
+                           f"not {training.recipe.value}")
+    if training.engine.value != "fsdp2":
+        raise MeasureError(f"engine: a mesh is measured with fsdp2 (torchtitan's composition), not {training.engine.value}")
+    if training.program.loss.value != "standard":
+        raise MeasureError(f"loss: {training.program.loss.value} is not measured on a mesh; use --loss standard")
+    if training.offload_optimizer.value != "none" or training.offload_params.value != "none":
+        raise MeasureError("offload: offload is not measured on a mesh")
+    if training.program.activation_offload.value != "none":
+        raise MeasureError("activation_offload: activation offload is not measured on a mesh")
+    if model.position_embedding != "rotary":
+        raise MeasureError("model: a mesh is measured on Llama-family models (rotary positions, as torchtitan's plan)")
+    if model.num_layers % mesh.stages:
+        raise MeasureError(f"mesh.pp: {model.num_layers} layers do not split evenly into {mesh.stages} stages "
+                           "(the measured split is even)")
