@@ -260,9 +260,13 @@ def apply_tp(module: nn.Module, tp_mesh, shape: MeshShape) -> None:
 
 # --- FSDP2 over the data-parallel dimensions ---------------------------------------------------
 
-def apply_fsdp(module: nn.Module, dp_mesh, training: TrainingSpec) -> None:
-    """torchtitan `apply_fsdp`: every block, then the stage's root; reshard as fsdp2_engine.py."""
+def apply_fsdp(module: StageModule, dp_mesh, training: TrainingSpec) -> None:
+    """torchtitan `apply_fsdp`: every block; under units split the embeddings and [final norm,
+    head] as units of their own (fsdp2_engine.py does the same without a mesh); then the stage's
+    root. reshard_after_forward as the ZeRO stage and `training.fsdp2_wrapping` say."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from zeroplan.spec.program import FSDP2Units
 
     dtype = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(training.precision)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
@@ -273,6 +277,12 @@ def apply_fsdp(module: nn.Module, dp_mesh, training: TrainingSpec) -> None:
         last = i == len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy,
                     reshard_after_forward=wrapping.reshard_last_block if last else reshard)
+    if wrapping.units == FSDP2Units.SPLIT:
+        if module.embed_tokens is not None:
+            fully_shard(module.embed_tokens, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        if module.lm_head is not None:
+            fully_shard([module.final_norm, module.lm_head], mesh=dp_mesh, mp_policy=mp_policy,
+                        reshard_after_forward=wrapping.reshard_head)
     fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=wrapping.reshard_root)
 
 
