@@ -47,10 +47,10 @@ from zeroplan.measure.engines import (
     module_buffers,
     optimizer_state_tensors,
 )
+from zeroplan.measure.mesh_rules import MESH_DIMS
 from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.training import Precision, TrainingSpec
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # torchtitan ParallelDims.build_mesh order
 
 
 @dataclass(frozen=True)

@@ -48,3 +48,29 @@ def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec) -> None:
     if model.num_layers % mesh.stages:
         raise MeasureError(f"mesh.pp: {model.num_layers} layers do not split evenly into {mesh.stages} stages "
                            "(the measured split is even)")
+
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The dimensions of the measured mesh, outermost first (torchtitan ParallelDims.build_mesh)."""
+
+
+def rank_coordinates(training: TrainingSpec, rank: int) -> dict[str, int]:
+    """Where `rank` sits on the measured mesh: `init_device_mesh` lays ranks out row-major,
+    `arange(world).view(sizes)` (torch/distributed/device_mesh.py), so the innermost (tp) varies fastest."""
+    mesh = training.mesh
+    sizes = {"pp": mesh.pp, "dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard(training.gpus),
+             "cp": mesh.cp, "tp": mesh.tp}
+    coordinates = {}
+    for name in reversed(MESH_DIMS):
+        rank, coordinates[name] = divmod(rank, sizes[name])
+    return {name: coordinates[name] for name in MESH_DIMS}
+
+
+def rank_kind(training: TrainingSpec, rank: int) -> str:
+    """The measured rank's kind: its pipeline position ("first", "middle", "last"; "only" without
+    pipelining), the one thing that makes ranks of a torchtitan mesh hold different bytes."""
+    mesh = training.mesh
+    if mesh.pp == 1:
+        return "only"
+    stage = rank_coordinates(training, rank)["pp"]
+    return "first" if stage == 0 else "last" if stage == mesh.pp - 1 else "middle"
