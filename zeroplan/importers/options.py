@@ -82,6 +82,9 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
         # --gpus lets a DeepSpeed train_batch_size be split into micro-batch and accumulation.
         values.update(config.settings(options.get("gpus"), getattr(model, "hidden_size", None)))
     values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) not in (None, ())})
+    from zeroplan.importers.mesh_options import mesh_values  # --tp, --pp, ... over the config's mesh (issue 14)
+
+    mesh_values(options, values)
     try:
         training = TrainingSpec.model_validate(values)
     except ValidationError as error:
