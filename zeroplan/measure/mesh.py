@@ -325,6 +325,17 @@ def _held_tensors(modules: list[nn.Module], optimizer, shape: MeshShape, trainin
     }
 
 
+def _param_groups(modules: list[nn.Module]) -> list[dict]:
+    """DTensors and plain tensors in groups of their own: without sequence parallelism the norms stay
+    plain tensors, and one fused/foreach AdamW step over both fails ("aten._fused_adamw_.default got
+    mixed torch.Tensor and DTensor"); the optimizer steps each group on its own, the same bytes."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for module in modules for p in module.parameters() if p.requires_grad]
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return [{"params": group} for group in groups if group]
+
+
 class TensorParallelRunner(TorchOptimizerSteps):
     """TP/SP (and FSDP2 over dp) without pipelining: the worker's forward/backward/step."""
 
@@ -334,7 +345,7 @@ class TensorParallelRunner(TorchOptimizerSteps):
         self.grad_accum, self._micro = training.grad_accum, 0
         self.stage = StageModule(lm, 0, len(lm.layers), is_first=True, is_last=True)
         _parallelize([self.stage], mesh, shape, training, ctx)
-        self.optimizer = make_optimizer([p for p in self.stage.parameters() if p.requires_grad], training)
+        self.optimizer = make_optimizer(_param_groups([self.stage]), training)
 
     def _loss_context(self):
         if self.shape.tp > 1 and self.shape.loss_parallel:
@@ -389,7 +400,7 @@ class PipelineRunner:
         single = shape.pp_virtual_stages == 1 and not shape.pp_schedule.looped
         self.schedule = schedule_class(pipeline_stages[0] if single else pipeline_stages,
                                        n_microbatches=training.grad_accum, loss_fn=self._loss)
-        self.optimizer = make_optimizer([p for m in self.stages for p in m.parameters() if p.requires_grad], training)
+        self.optimizer = make_optimizer(_param_groups(self.stages), training)
         self._inputs: list[torch.Tensor] = []
         self._labels: list[torch.Tensor] = []
 
