@@ -59,3 +59,35 @@ def test_bad_meshes_are_one_line_and_exit_2(args, message):
     result = run("estimate", "llama-3-8b", "--zero", "3", "--engine", "fsdp2", *args)
     assert result.exit_code == 2
     assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def _toml(tmp_path, parallelism: str, training: str = "local_batch_size = 8\nglobal_batch_size = 64\nseq_len = 8192\n"):
+    path = tmp_path / "job.toml"
+    path.write_text(f'[model]\nname = "llama3"\nflavor = "70B"\n[training]\n{training}[parallelism]\n{parallelism}')
+    return str(path)
+
+
+def test_torchtitan_parallelism_table_is_read_into_the_mesh(tmp_path):
+    from zeroplan.importers.options import training_spec_from_options
+
+    config = _toml(tmp_path, "tensor_parallel_degree = 8\npipeline_parallel_degree = 4\ncontext_parallel_degree = 2\n"
+                   'pipeline_parallel_schedule = "Interleaved1F1B"\ndata_parallel_replicate_degree = 2\n'
+                   "data_parallel_shard_degree = 1\npipeline_parallel_microbatch_size = 2\n")
+    training = training_spec_from_options({}, config)
+    mesh = training.mesh
+    assert (mesh.tp, mesh.cp, mesh.pp, mesh.dp_replicate, mesh.pp_schedule.value, mesh.pp_virtual_stages) == \
+        (8, 2, 4, 2, "interleaved-1f1b", 2)
+    assert training.gpus == 8 * 2 * 4 * 2 * 1
+    # global 64 over local 8 x (dp_replicate 2 x dp_shard 1) = 4 steps, each 8 / 2 = 4 pipeline micro-batches of 2
+    assert (training.micro_batch, training.grad_accum) == (2, 16)
+    assert training.zero_stage == 2  # fsdp_reshard_after_forward "default" is `not pp_enabled`
+
+
+def test_torchtitan_layers_per_stage_gives_the_virtual_stages(tmp_path):
+    from zeroplan.importers.options import training_spec_from_options
+
+    # (80 + 2) / 6 -> 14 stages over pp 7 = 2 per rank
+    config = _toml(tmp_path, 'pipeline_parallel_degree = 7\npipeline_parallel_schedule = "InterleavedZeroBubble"\n'
+                   "pipeline_parallel_layers_per_stage = 6\n")
+    training = training_spec_from_options({"gpus": 56}, config)
+    assert (training.mesh.pp_virtual_stages, training.mesh.pp_schedule.value) == (2, "zero-bubble")
