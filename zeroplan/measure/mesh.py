@@ -10,7 +10,7 @@ What a rank does, in torchtitan's order (torchtitan/models/llama3/infra/parallel
 `parallelize_llama`, torchtitan/distributed/pipeline_parallel.py `pipeline_llm`):
 - the mesh is `init_device_mesh` over ("pp", "dp_replicate", "dp_shard", "cp", "tp") (torchtitan
   ParallelDims.build_mesh), dp_shard = world / (pp * dp_replicate * cp * tp);
-- pipeline: the rank keeps the blocks of its stage(s) (even split; stage 0 the embeddings, the
+- pipeline: the rank keeps the blocks of its stage(s) (torchtitan's split; stage 0 the embeddings, the
   last stage the final norm and the head), each stage a `PipelineStage`, driven by the schedule;
 - tensor parallelism (`apply_tp`): embeddings rowwise, q/k/v and gate/up colwise, o and down
   rowwise, the head colwise; with sequence parallelism the norms are `SequenceParallel` and the
@@ -192,11 +192,13 @@ def stage_ids(shape: MeshShape, pp_rank: int) -> list[int]:
 
 
 def split_stages(lm: nn.Module, shape: MeshShape, pp_rank: int) -> list[StageModule]:
-    layers = len(lm.layers)
-    if layers % shape.stages:
-        raise MeasureError(f"training.mesh.pp: {layers} layers do not split evenly into {shape.stages} stages")
-    per = layers // shape.stages
-    return [StageModule(lm, s * per, (s + 1) * per, is_first=s == 0, is_last=s == shape.stages - 1)
+    """The rank's stages, blocks split as torchtitan splits them (zeroplan.estimate.mesh.stage_layers:
+    the embedding and the head count as a layer each, distributed/pipeline_parallel.py)."""
+    from zeroplan.estimate.mesh import stage_layers
+
+    counts = stage_layers(len(lm.layers), shape.stages)
+    starts = [sum(counts[:s]) for s in range(shape.stages + 1)]
+    return [StageModule(lm, starts[s], starts[s + 1], is_first=s == 0, is_last=s == shape.stages - 1)
             for s in stage_ids(shape, pp_rank)]
 
 
@@ -287,7 +289,8 @@ def apply_fsdp(module: StageModule, dp_mesh, training: TrainingSpec) -> None:
 
 
 def _uses_fsdp(shape: MeshShape, training: TrainingSpec) -> bool:
-    return training.engine.value == "fsdp2" and shape.dp > 1
+    # torchtitan parallel_dims.py `fsdp_enabled`: dp_shard > 1 (or cp > 1, refused here)
+    return training.engine.value == "fsdp2" and shape.dp_shard > 1
 
 
 # --- the runners -------------------------------------------------------------------------------

@@ -45,10 +45,9 @@ def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec) -> None:
         raise MeasureError("activation_offload: activation offload is not measured on a mesh")
     if model.position_embedding != "rotary":
         raise MeasureError("model: a mesh is measured on Llama-family models (rotary positions, as torchtitan's plan)")
-    if model.num_layers % mesh.stages:
-        raise MeasureError(f"mesh.pp: {model.num_layers} layers do not split evenly into {mesh.stages} stages "
-                           "(the measured split is even)")
-
+    if mesh.dp_replicate > 1 and mesh.dp_shard(training.gpus) == 1:
+        raise MeasureError("mesh.dp_replicate: without data-parallel sharding torchtitan replicates with DDP "
+                           "(parallelize.py apply_ddp), which is not measured on a mesh; leave dp_shard above 1")
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The dimensions of the measured mesh, outermost first (torchtitan ParallelDims.build_mesh)."""
