@@ -20,6 +20,11 @@ def test_context_parallelism_is_refused_naming_the_field():
         refuse_unmeasurable(resolve_model("tiny-llama"), _training(2, cp=2))
 
 
+def test_a_simulated_pipeline_is_refused():
+    with pytest.raises(MeasureError, match="mesh.pp: a pipeline does not run under --simulate"):
+        refuse_unmeasurable(resolve_model("tiny-llama"), _training(2, pp=2), simulate=True)
+
+
 def test_the_trainer_recipe_is_refused_on_a_mesh():
     training = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=2, device="cpu", recipe="hf-trainer", mesh={"tp": 2})
     with pytest.raises(MeasureError, match="recipe: a mesh is measured in zeroplan's loop"):

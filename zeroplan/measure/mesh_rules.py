@@ -22,11 +22,14 @@ def is_mesh_run(training: TrainingSpec) -> bool:
     return not training.mesh.is_trivial
 
 
-def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec) -> None:
+def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate: bool = False) -> None:
     """Raise MeasureError for a mesh run that measure/mesh.py cannot run."""
     if not is_mesh_run(training):
         return
     mesh = training.mesh
+    if simulate and mesh.pp > 1:
+        # pipelining/schedules.py `_warmup_p2p` reads its shape vote with .item(): DataDependentOutputException
+        raise MeasureError("mesh.pp: a pipeline does not run under --simulate (fake tensors); measure it on real ranks")
     if mesh.cp > 1:
         raise MeasureError("mesh.cp: context parallelism does not run on CPU with torch 2.13 (its ring attention "
                            "handles the CUDA attention kernels only; docs/measure.md, Meshes); measure with cp 1")
