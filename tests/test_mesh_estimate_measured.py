@@ -26,17 +26,14 @@ def _steady_peaks(training: TrainingSpec) -> dict[int, int]:
     (_training(2, tp=2, sequence_parallel=False, loss_parallel=False), {0: 8_424_104}),
     (_training(2, tp=2), {0: 6_721_716}),
     (_training(2, 4, pp=2, pp_schedule="gpipe"), {0: 15_610_988, 1: 20_488_848}),
-], ids=["tp2-nosp", "tp2-sp", "pp2-gpipe"])
+    (_training(2, 4, pp=2, pp_schedule="1f1b"), {0: 10_979_436, 1: 11_271_300}),
+    (_training(4, 4, pp=2, pp_schedule="1f1b"), {0: 10_496_636, 1: 10_115_476}),
+], ids=["tp2-nosp", "tp2-sp", "pp2-gpipe", "pp2-1f1b", "pp2-1f1b-dp2"])
 def test_each_rank_kind_is_within_three_percent_of_its_measured_rank(training, measured):
     estimated = _steady_peaks(training)
     assert estimated.keys() == measured.keys()
     for rank, measured_bytes in measured.items():
         assert estimated[rank] == pytest.approx(measured_bytes, rel=0.03)
-
-
-def test_a_pipelined_fsdp2_first_stage_is_within_three_percent_of_its_measured_rank():
-    # 1F1B, pp 2 x dp_shard 2: the first stage (measured 10,496,636 bytes); the last stage reads 5% low (docs/measure.md)
-    assert _steady_peaks(_training(4, 4, pp=2, pp_schedule="1f1b"))[0] == pytest.approx(10_496_636, rel=0.03)
 
 
 def test_tensor_parallelism_alone_holds_no_fsdp2_buffers():

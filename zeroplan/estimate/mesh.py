@@ -236,9 +236,10 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         acts = replace(acts, embedding=acts.embedding + (kind.in_flight - 1) * one)
     if kind.head and mesh.pp > 1:
         # the last stage keeps every micro-batch's output, the logits, until the step ends (stage.py
-        # `output_chunks`, merged by `_merge_outputs`): those not in flight stay as well
+        # `output_chunks`, merged by `_merge_outputs`): those not in flight stay, and the current one's
+        # stays through its own backward beside its logits gradients (seen at the 1F1B last stage's peak)
         micro_batches = training.grad_accum
-        acts = replace(acts, embedding=acts.embedding + (micro_batches - max(kind.in_flight, 1)) * acts.logits)
+        acts = replace(acts, embedding=acts.embedding + (micro_batches - max(kind.in_flight, 1) + 1) * acts.logits)
     return acts
 
 
