@@ -217,6 +217,12 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     if mesh.tp > 1 and mesh.sequence_parallel:
         saved = acts.saved_per_block - _sequence_parallel_saving(model, training, tokens, act_bytes)
         changes.update(saved_per_block=saved, block_input_grad_bytes=acts.block_input_grad_bytes // mesh.tp)
+    if mesh.tp > 1 and mesh.sequence_parallel and kind.head:
+        # the final norm is SequenceParallel too (torchtitan apply_tp "norm"): its input, normalised output
+        # and rstd are cut over tp; its output, all-gathered for the head, is not
+        h = model.hidden_size
+        per_token = FP32_BYTES * h + act_bytes * h + FP32_BYTES if model.norm == "rmsnorm" else act_bytes * h + 2 * FP32_BYTES
+        changes.update(final_norm=acts.final_norm - tokens * per_token * (mesh.tp - 1) // mesh.tp)
     if mesh.tp > 1 and mesh.loss_parallel and kind.head:
         # loss_parallel fuses nll_loss's and log_softmax's backward into one gradient; the log_softmax handler
         # returns it as it is (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`)
