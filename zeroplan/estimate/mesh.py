@@ -31,7 +31,8 @@ from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, Phase, PhaseBytes
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
-from zeroplan.spec.training import Checkpointing, TrainingSpec
+from zeroplan.spec.program import GradSync
+from zeroplan.spec.training import Checkpointing, Engine, TrainingSpec
 
 # Tensor-parallel plans (torchtitan v0.2.2 models/llama3/infra/parallelize.py `apply_tp`; 0.3.0
 # models/common/decoder_sharding.py): layer names, by how their weight is cut over tp.
@@ -216,6 +217,16 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     if mesh.tp > 1 and mesh.sequence_parallel:
         saved = acts.saved_per_block - _sequence_parallel_saving(model, training, tokens, act_bytes)
         changes.update(saved_per_block=saved, block_input_grad_bytes=acts.block_input_grad_bytes // mesh.tp)
+    if mesh.tp > 1 and mesh.sequence_parallel and kind.head:
+        # the final norm is SequenceParallel too (torchtitan apply_tp "norm"): its input, normalised output
+        # and rstd are cut over tp; its output, all-gathered for the head, is not
+        h = model.hidden_size
+        per_token = FP32_BYTES * h + act_bytes * h + FP32_BYTES if model.norm == "rmsnorm" else act_bytes * h + 2 * FP32_BYTES
+        changes.update(final_norm=acts.final_norm - tokens * per_token * (mesh.tp - 1) // mesh.tp)
+    if mesh.tp > 1 and mesh.loss_parallel and kind.head:
+        # loss_parallel fuses nll_loss's and log_softmax's backward into one gradient; the log_softmax handler
+        # returns it as it is (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`)
+        changes.update(logits_grad=acts.logits_grad // 2)
     if not kind.head:  # the loss and logits live on the last stage; a stage's backward starts from a received gradient
         changes.update(logits=0, loss_saved=0, loss_transient=0, logits_grad=0, logits_grad_cast=0,
                        head_backward_temporary=0, final_norm=0)
@@ -228,8 +239,16 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     chunks = len(kind.stages)
     extra = max(kind.in_flight - chunks, 0)
     if extra:
-        chunk = acts.embedding + kind.layers * acts.saved_per_block // chunks
-        acts = replace(acts, embedding=acts.embedding + extra * chunk)
+        one = acts.embedding + kind.layers * acts.saved_per_block // chunks
+        if kind.head and chunks == 1:  # the last stage computes each micro-batch's loss right after its forward (`_maybe_compute_loss`)
+            one += acts.final_norm + acts.logits + acts.loss_saved
+        acts = replace(acts, embedding=acts.embedding + extra * one)
+    if kind.head and mesh.pp > 1:
+        # the last stage keeps every micro-batch's output, the logits, until the step ends (stage.py
+        # `output_chunks`, merged by `_merge_outputs`): those not in flight stay, and the current one's
+        # stays through its own backward beside its logits gradients (seen at the 1F1B last stage's peak)
+        micro_batches = training.grad_accum
+        acts = replace(acts, embedding=acts.embedding + (micro_batches - max(kind.in_flight // chunks, 1) + 1) * acts.logits)
     return acts
 
 
@@ -287,7 +306,21 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
     facts = rank_facts(model, training, kind)
     acts = rank_activations(model, training, kind, dtypes.activation)
     setup = setup_of(training)._replace(gpus=mesh.fsdp_degree(training.gpus))
-    result = _engine_profile(training.engine)(facts, setup, acts)
+    engine = training.engine
+    if engine == Engine.FSDP2 and setup.gpus == 1:
+        # torchtitan applies fully_shard only when dp_shard > 1 or cp > 1 (distributed/parallel_dims.py
+        # `fsdp_enabled`): a rank with nothing to shard steps its TP/PP-local parameters as one plain module
+        engine, setup = Engine.TORCH, setup._replace(zero_stage=0, program=setup.program._replace(ddp=False))
+    if mesh.pp > 1 and engine == Engine.FSDP2:
+        # a pipeline stage's FSDP2 backward skips the reduce-scatter until the step's last micro-batch
+        # (pipelining/stage.py `backward_maybe_with_nosync`: set_requires_gradient_sync(False), then
+        # `perform_reduce_grad`): the unsharded gradients accumulate, as grad_sync last
+        setup = setup._replace(accumulating=True, program=setup.program._replace(grad_sync=GradSync.LAST))
+    if mesh.pp > 1 and mesh.pp_schedule == PPSchedule.GPIPE:
+        # GPipe runs every micro-batch's forward before the first backward (schedules.py ScheduleGPipe
+        # `_step_microbatches`): no accumulated gradient sits beside the activations in flight; 1F1B's does
+        setup = setup._replace(accumulating=False)
+    result = _engine_profile(engine)(facts, setup, acts)
     phases = _with_buffers(_with_overhead(result.phases, overhead_bytes(training)),
                            mesh_buffers(model, training, kind, dtypes.activation, micro_batches))
     implementation = f"{IMPLEMENTATION}/{training.attention.value}"
