@@ -4,6 +4,7 @@ Llama 3.x): the fields each family's transformers 5.23.0 modeling file hard-code
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,22 @@ def test_sliding_window_pattern_needs_a_window():
     spec = resolve_model("qwen3-8b")
     with pytest.raises(ValueError, match="sliding_window_pattern 2 needs a sliding_window"):
         spec.model_validate(spec.model_dump() | {"sliding_window_pattern": 2})
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "qwen3_next"}, r"model_type 'qwen3_next' is not supported \(nearest supported: qwen3\); supported: "),
+    ({"model_type": "olmo2", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4},
+     r"no 'intermediate_size', required for model_type 'olmo2'"),
+])
+def test_cli_bad_config_json_is_one_line_exit_2(tmp_path, config, message):
+    from click.testing import CliRunner
+
+    from zeroplan.cli import cli
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    result = CliRunner().invoke(cli, ["estimate", str(path), "--gpus", "8"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert re.search(message, lines[0])

@@ -161,3 +161,21 @@ def test_transformers_meta_model_has_the_same_parameters(path):
     # (GPT-2 c_attn, GPT-NeoX query_key_value, Phi-3 qkv_proj/gate_up_proj, Mixtral 3-D experts).
     # ... in registration order, which DeepSpeed flattens and partitions by.
     assert [(p.numel(), p.shape[0]) for p in block.parameters()] == [(t.numel, t.rows) for t in layout.block]
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "olmo2-tiny", "phi4-tiny"])
+def test_tiny_family_models_as_measure_builds_them(name):
+    # The config `zeroplan measure` builds each tiny family model from (measure/workload.py), on the
+    # meta device: the same tensors, block by block, in registration order.
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from zeroplan.measure.workload import hf_config_kwargs
+
+    spec = resolve_model(name)
+    model_type, kwargs = hf_config_kwargs(spec)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **kwargs))
+    layout = param_layout(spec)
+    assert sum(p.numel() for p in model.parameters()) == layout.total_params
+    block = _decoder_layers(model, spec.num_layers)[0]
+    assert [(p.numel(), p.shape[0]) for p in block.parameters()] == [(t.numel, t.rows) for t in layout.block]
