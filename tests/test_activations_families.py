@@ -9,6 +9,8 @@ terms must vanish for every model that leaves the family fields at their default
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import zeroplan.estimate.activations_families as families
@@ -21,6 +23,9 @@ CASES = [
     ("gemma2-tiny", "eager"),  # Gemma2PreTrainedModel._supports_sdpa is False: SDPA cannot soft-cap
     ("gemma3-tiny", "fused"), ("gemma3-tiny", "eager"),
     ("olmo2-tiny", "fused"), ("olmo2-tiny", "eager"),
+    ("phi4-tiny", "fused"), ("phi4-tiny", "eager"),
+    (str(Path(__file__).parent / "data" / "phi3-mha-tiny.toml"), "fused"),  # phi-3-mini's attention: no GQA
+    (str(Path(__file__).parent / "data" / "phi3-mha-tiny.toml"), "eager"),
 ]
 
 

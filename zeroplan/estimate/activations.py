@@ -447,7 +447,8 @@ def _family_saved_per_token(spec: TransformerSpec, core: _Core, checkpointing: C
     eager_core = core.kernel == "eager" and checkpointing != Checkpointing.SELECTIVE
     return (families.qk_norm_saved_per_token(spec, w.comp) + 2 * families.output_norm_saved_per_token(spec, w.comp)
             + inputs + families.softcap_scores_per_token(spec, eager_core, seq_len, w.comp)
-            + families.sliding_saved_per_token(spec, core.kernel, seq_len, w.comp))
+            + families.sliding_saved_per_token(spec, core.kernel, seq_len, w.comp)
+            + families.phi3_sdpa_saved_per_token(spec, core.kernel, checkpointing == Checkpointing.SELECTIVE, w.comp))
 
 
 def _family_attention_backward_per_token(spec: TransformerSpec, core: _Core, checkpointing: Checkpointing, seq_len: int,

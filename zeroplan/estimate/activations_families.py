@@ -124,3 +124,18 @@ def rotary_tables(spec: TransformerSpec) -> int:
     frequency (Gemma3TextModel's rotary_emb per layer type, rope_local_base_freq): two pairs."""
     both = 0 < sliding_layers(spec) < spec.num_layers
     return 2 if spec.model_type == "gemma3_text" and both else 1
+
+
+def phi3_sdpa_saved_per_token(spec: TransformerSpec, kernel: str, selective: bool, comp: int) -> int:
+    """What Phi3Attention keeps beyond separate q, k, v projections (modeling_phi3.py): v is a view
+    of the fused qkv_proj output, so whoever keeps v keeps that whole storage (q + kv more); and
+    rotary's torch.cat makes q contiguous in (batch, heads, seq, d), so SDPA's output comes out in
+    that layout and sdpa_attention_forward's transpose(1, 2).contiguous() copies it for o_proj (q
+    more). Under selective checkpointing the core's output is that copy (nothing more). Eager
+    attention keeps nothing more than the Llama block (measured with and without grouped-query
+    attention: tests/test_activations_families.py)."""
+    if spec.model_type != "phi3" or kernel != "fused":
+        return 0
+    q_width = spec.num_heads * spec.dim_per_head
+    kv_width = spec.kv_heads * spec.dim_per_head
+    return comp * ((q_width + kv_width) + (0 if selective else q_width))
