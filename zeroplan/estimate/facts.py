@@ -62,7 +62,8 @@ def _transformer_facts(spec: TransformerSpec, freeze: tuple[str, ...]) -> ModelF
     layout = param_layout(spec)
     groups = (
         _group("embedding", layout.embedding, 1, "embeddings" in freeze),
-        _group("block", layout.block, layout.num_blocks, "blocks" in freeze),
+        # one group per run of like blocks, in forward order (dense and sparse MLPs: estimate/moe_layout.py)
+        *(_group("block", tensors, count, "blocks" in freeze) for tensors, count in layout.runs),
         _group("final", layout.final, 1, "final" in freeze),
     )
     return _facts(spec.name, groups)

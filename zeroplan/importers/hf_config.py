@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from zeroplan.errors import SpecError
+from zeroplan.importers.hf_moe_config import MOE_FAMILIES, MoEConfigProblem
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.validation import describe_validation_error
 
@@ -168,6 +169,10 @@ _FAMILIES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
     "mixtral": _mixtral,
     "phi3": _phi3,
     "qwen2": _qwen2,
+} | {
+    # Qwen3-MoE, DeepSeek-V3, GPT-OSS (importers/hf_moe_config.py): the Llama-like fields, then theirs
+    model_type: (lambda config, defaults=defaults, read=read: read(config, _rotary_gated(config, tie=False, **defaults)))
+    for model_type, (defaults, read) in MOE_FAMILIES.items()
 }
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))
@@ -192,7 +197,7 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str, source: str | None
         )
     try:
         fields = family(config) | {"name": name, "source": source, "hf_model_type": model_type}
-    except _ConfigProblem as exc:
+    except (_ConfigProblem, MoEConfigProblem) as exc:
         raise SpecError(f"{where}: {exc}") from None
     try:
         return TransformerSpec.model_validate(fields)

@@ -178,6 +178,10 @@ def hf_config_kwargs(spec: TransformerSpec, dropout: DropoutRates = DropoutRates
             "embd_pdrop": 0.0,  # read by no Phi3Model module
             "sliding_window": None,
         }
+    if spec.moe is not None or spec.mla is not None or spec.attention_sinks:  # Qwen3-MoE, DeepSeek-V3, GPT-OSS
+        from zeroplan.measure.moe_config import moe_config_kwargs
+
+        return model_type, moe_config_kwargs(spec, rotary)
     raise MeasureError(
         f"model: hf_model_type {model_type!r} has no Hugging Face mapping here; "
         "use llama, mistral, mixtral, qwen2, gemma, phi3, gpt2 or gpt_neox"

@@ -1,0 +1,167 @@
+"""Activation terms of the mixture-of-experts and latent-attention blocks (Qwen3-MoE, DeepSeek-V3,
+GPT-OSS), per token, as transformers 5.23.0 runs them; `zeroplan.estimate.activations` calls
+these for a spec with `moe`, `mla` or attention sinks. Derivations: docs/engines/moe.md.
+
+Experts run through transformers' grouped kernel (integrations/moe.py
+`grouped_mm_experts_forward`, the default `experts_implementation` wherever torch has
+grouped_mm): the token-expert pairs (S = tokens x top-k) are gathered, sorted by expert and
+multiplied as one grouped matmul per projection, so what is kept scales with S, however the
+tokens spread over the experts: a load imbalance changes no activation byte on one rank.
+"""
+
+from __future__ import annotations
+
+from zeroplan.spec.model import TransformerSpec
+
+FP32_BYTES = 4
+INT64_BYTES = 8
+
+
+def _gate_saved(spec: TransformerSpec) -> int:
+    """Intermediate-width tensors a routed expert's activation keeps per token-expert pair.
+
+    Default gate (integrations/moe.py `_default_apply_gate`): the gate_up output (2i, kept through
+    the chunk views read by SiLU and the product), SiLU's output, the product (down's input): 4.
+    GPT-OSS (GptOssExperts._apply_gate): gate_up (2i, kept by both clamps through its strided
+    views), the clamped gate, sigmoid's output, up + 1, the gated product and the output: 7."""
+    return 7 if spec.hf_model_type == "gpt_oss" else 4
+
+
+def _router_saved(spec: TransformerSpec, comp: int) -> int:
+    moe = spec.moe
+    experts, k = moe.num_experts, moe.experts_per_token
+    if moe.router == "topk-softmax":
+        # GptOssTopKRouter: topk over the logits keeps its indices; softmax over the k values its output.
+        return INT64_BYTES * k + comp * k
+    if moe.router == "sigmoid-grouped":
+        # DeepseekV3TopkRouter: the fp32 copy of the input that the fp32 linear keeps, sigmoid's fp32
+        # output, gather's index, the normalised weights (in-place division keeps its result and
+        # the fp32 sum). The group top-k branch only picks indices: nothing of it stays.
+        return FP32_BYTES * (spec.hidden_size + experts) + INT64_BYTES * k + FP32_BYTES * (k + 1)
+    # Qwen3MoeTopKRouter: fp32 softmax over all experts, top-k's indices, the normalised weights.
+    return FP32_BYTES * experts + INT64_BYTES * k + FP32_BYTES * (k + 1)
+
+
+def _pair_saved(spec: TransformerSpec, comp: int) -> int:
+    """Kept per token-expert pair by grouped_mm_experts_forward: the gathered input (read by the
+    gate_up grouped matmul), the activation's tensors, the down output and the pair's weight (both
+    kept by the weighting multiply), and three int64 index tensors (the gather by perm // k, the
+    weights' gather by perm, the un-permute by inv_perm); GPT-OSS's two bias gathers add two."""
+    h, inner = spec.hidden_size, spec.moe.expert_intermediate_size
+    indices = 3 + (2 if spec.moe.expert_bias else 0)
+    return comp * (2 * h + _gate_saved(spec) * inner + 1) + INT64_BYTES * indices
+
+
+def sparse_mlp_saved_per_token(spec: TransformerSpec, comp: int) -> int:
+    """A sparse MLP's saved bytes per token: router, routed pairs, and the shared expert's gated
+    MLP (DeepseekV3MoE.shared_experts: gate, SiLU, up, product)."""
+    moe = spec.moe
+    shared = 4 * comp * moe.shared_expert_intermediate_size
+    return _router_saved(spec, comp) + moe.experts_per_token * _pair_saved(spec, comp) + shared
+
+
+def _dense_saved(spec: TransformerSpec, comp: int) -> int:
+    return 4 * comp * spec.intermediate_size  # gate, SiLU(gate), up, product (LlamaMLP's)
+
+
+def _sparse_wins(spec: TransformerSpec, comp: int) -> bool:
+    """Blocks of both kinds (dense first layers) are all counted as the kind that keeps more
+    (conservative: docs/engines/moe.md, "Blocks of two kinds")."""
+    if not spec.moe.dense_layers:
+        return True
+    if len(spec.moe.dense_layers) >= spec.num_layers:
+        return False
+    return sparse_mlp_saved_per_token(spec, comp) >= _dense_saved(spec, comp)
+
+
+def mlp_saved_per_token(spec: TransformerSpec, comp: int) -> int:
+    return sparse_mlp_saved_per_token(spec, comp) if _sparse_wins(spec, comp) else _dense_saved(spec, comp)
+
+
+def mlp_backward_transient_per_token(spec: TransformerSpec, resid: int, comp: int) -> int:
+    """Gradients in flight at the peak of the MLP's backward: the block output's gradient, and in
+    the routed experts' activation backward four intermediate-width gradients per pair (the
+    product's, SiLU's, up's, and their concatenation into gate_up's; GPT-OSS's clamps and strided
+    views make six); a dense MLP's three (activations.py `_block_backward_transient_per_token`)."""
+    h = spec.hidden_size
+    if not _sparse_wins(spec, comp):
+        return resid * h + 3 * comp * spec.intermediate_size
+    moe = spec.moe
+    per_pair = 6 if spec.hf_model_type == "gpt_oss" else 4
+    return resid * h + per_pair * moe.experts_per_token * comp * moe.expert_intermediate_size
+
+
+def mlp_backward_freed_per_token(spec: TransformerSpec, comp: int) -> int:
+    """Saved tensors the MLP's backward has freed by its peak: the down output and the pair
+    weights (the weighting multiply's) and the product (down's input); dense: the product."""
+    if not _sparse_wins(spec, comp):
+        return comp * spec.intermediate_size
+    moe = spec.moe
+    return moe.experts_per_token * comp * (spec.hidden_size + moe.expert_intermediate_size + 1)
+
+
+def mlp_forward_transient_per_token(spec: TransformerSpec, resid: int, comp: int, checkpointed: bool) -> int:
+    """Live in the last block's forward beyond its saved tensors: the weighted pairs and their
+    un-permuted copy (two S x h) beside the block's output being written; under checkpointing,
+    one pair's activation tensors as well."""
+    h = spec.hidden_size
+    if not _sparse_wins(spec, comp):
+        inner = 3 * comp * spec.intermediate_size if checkpointed else 0
+        return resid * h + comp * h + inner
+    moe = spec.moe
+    pairs = 2 * moe.experts_per_token * comp * h
+    if checkpointed:
+        pairs += moe.experts_per_token * comp * (h + _gate_saved(spec) * moe.expert_intermediate_size)
+    return resid * h + comp * h + pairs
+
+
+def router_weight_copy_bytes(spec: TransformerSpec) -> int:
+    """DeepseekV3TopkRouter casts its weight to fp32 for the linear, which keeps the copy."""
+    if spec.moe is None or spec.moe.router != "sigmoid-grouped" or not _sparse_wins(spec, FP32_BYTES):
+        return 0
+    return FP32_BYTES * spec.moe.num_experts * spec.hidden_size
+
+
+def qk_norm_saved_per_token(spec: TransformerSpec, comp: int) -> int:
+    """Qwen3MoeAttention's q_norm and k_norm (RMSNorm over head_dim): the fp32 upcast, the
+    normalised tensor cast back (kept by the weight multiply), rsqrt per head; their output goes
+    through rotary multiplies that keep cos and sin only."""
+    if spec.hf_model_type != "qwen3_moe":
+        return 0
+    d = spec.dim_per_head
+    widths = (spec.num_heads + spec.kv_heads) * d
+    return (FP32_BYTES + comp) * widths + FP32_BYTES * (spec.num_heads + spec.kv_heads)
+
+
+def _rms_saved(width: int, comp: int) -> int:
+    # upcast, normalised cast back, rsqrt, and the output read by the next projection
+    return FP32_BYTES * width + comp * width + FP32_BYTES + comp * width
+
+
+def mla_saved_per_token(spec: TransformerSpec, comp: int) -> int:
+    """DeepseekV3Attention under a fused kernel, per token: q_a_layernorm's and kv_a_layernorm's
+    tensors (their outputs kept by q_b_proj and kv_b_proj), then what SDPA keeps: the query and
+    the key assembled from the no-rope and rope parts (heads x (nope + rope) each), the value, a
+    view of kv_b_proj's output that keeps all of it (heads x (nope + v)), the output and the
+    fp32 log-sum-exp. In fp32 kv_a_layernorm's upcast is a no-op view: the whole compressed
+    output (kv_lora_rank + rope) stays."""
+    mla, heads = spec.mla, spec.num_heads
+    q_path = _rms_saved(mla.q_lora_rank, comp) if mla.q_lora_rank else 0
+    kv_norm = _rms_saved(mla.kv_lora_rank, comp) + (FP32_BYTES * mla.qk_rope_head_dim if comp == FP32_BYTES else 0)
+    qk = 2 * comp * heads * mla.qk_head_dim
+    value_storage = comp * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    out = comp * heads * mla.v_head_dim
+    return q_path + kv_norm + qk + value_storage + out + FP32_BYTES * heads
+
+
+def sinks_probs_saved(comp: int) -> tuple[int, int]:
+    """GPT-OSS eager attention with sinks, per score: the softmax output over s + 1 logits in the
+    scores' dtype (no fp32 upcast), and the matmul's contiguous copy of the sliced probabilities;
+    returns (bytes per score, bytes per head per token: the sink column and max's int64 index)."""
+    return 2 * comp, comp + INT64_BYTES
+
+
+def gpt_oss_norm_extra_per_token(spec: TransformerSpec, comp: int) -> int:
+    """GptOssRMSNorm multiplies the weight in fp32 and casts after: the multiply keeps the fp32
+    normalised tensor, not a cast back to the compute dtype."""
+    return (FP32_BYTES - comp) * spec.hidden_size if spec.hf_model_type == "gpt_oss" else 0
