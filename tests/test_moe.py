@@ -91,3 +91,21 @@ def test_the_big_moe_models_answer(args):
     result = CliRunner().invoke(cli, ["estimate", *args, "--format", "json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["per_gpu"]["peak"] > 0
+
+
+def _per_gpu(*args: str) -> dict:
+    result = CliRunner().invoke(cli, ["estimate", *args, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)["per_gpu"]
+
+
+def test_fsdp2_pads_expert_tensors_on_dim_0_beyond_one_expert_per_rank():
+    # FSDP2 shards dim 0 (the expert count) padded to the world size (_sharded_param_data): GPT-OSS-120B's
+    # 128 experts on 256 ranks leave each rank a whole expert of each tensor, twice its even share.
+    one_expert = 2880 * 5760 + 5760 + 2880 * 2880 + 2880  # gate_up_proj, its bias, down_proj, its bias
+    fp32 = 4  # FSDP2 keeps fp32 sharded parameters under bf16 mixed precision
+    at_256 = _per_gpu("gpt-oss-120b", "--engine", "fsdp2", "--zero", "3", "--gpus", "256")["params"]
+    at_128 = _per_gpu("gpt-oss-120b", "--engine", "fsdp2", "--zero", "3", "--gpus", "128")["params"]
+    experts = 36 * one_expert * fp32
+    assert experts < at_256 < experts * 1.02
+    assert at_128 - experts > 1.9 * (at_256 - experts)  # the rest (about) halves from 128 to 256 ranks

@@ -751,7 +751,8 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         + _residual_masks_per_token(spec, dropout, w)
         + moe.qk_norm_saved_per_token(spec, w.comp)
     )
-    full_block = tokens * block_per_token + block_casts + moe.router_weight_copy_bytes(spec)
+    full_block = tokens * block_per_token + block_casts + moe.router_weight_copy_bytes(spec, w.comp)
+    full_block += moe.mixed_blocks_bytes(spec, tokens, w.comp)  # dense and sparse blocks: their mean
     attention_saved = attention_temporary = 0
     if core.kernel != "fused":
         saved_pt, temporary_pt = _attention_backward_per_token(spec, core, checkpointing, seq_len, w, attn_reads)

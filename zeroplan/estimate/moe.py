@@ -34,10 +34,12 @@ def _router_saved(spec: TransformerSpec, comp: int) -> int:
         # GptOssTopKRouter: topk over the logits keeps its indices; softmax over the k values its output.
         return INT64_BYTES * k + comp * k
     if moe.router == "sigmoid-grouped":
-        # DeepseekV3TopkRouter: the fp32 copy of the input that the fp32 linear keeps, sigmoid's fp32
-        # output, gather's index, the normalised weights (in-place division keeps its result and
-        # the fp32 sum). The group top-k branch only picks indices: nothing of it stays.
-        return FP32_BYTES * (spec.hidden_size + experts) + INT64_BYTES * k + FP32_BYTES * (k + 1)
+        # DeepseekV3TopkRouter: the fp32 copy of the input that the fp32 linear keeps (the input
+        # itself in fp32), sigmoid's fp32 output, gather's index, the normalised weights (in-place
+        # division keeps its result and the fp32 sum). The group top-k branch only picks indices:
+        # its graph is freed with its discarded values.
+        upcast = FP32_BYTES * spec.hidden_size if comp != FP32_BYTES else 0
+        return upcast + FP32_BYTES * experts + INT64_BYTES * k + FP32_BYTES * (k + 1)
     # Qwen3MoeTopKRouter: fp32 softmax over all experts, top-k's indices, the normalised weights.
     return FP32_BYTES * experts + INT64_BYTES * k + FP32_BYTES * (k + 1)
 
@@ -46,9 +48,9 @@ def _pair_saved(spec: TransformerSpec, comp: int) -> int:
     """Kept per token-expert pair by grouped_mm_experts_forward: the gathered input (read by the
     gate_up grouped matmul), the activation's tensors, the down output and the pair's weight (both
     kept by the weighting multiply), and three int64 index tensors (the gather by perm // k, the
-    weights' gather by perm, the un-permute by inv_perm); GPT-OSS's two bias gathers add two."""
+    weights' gather by perm, the un-permute by inv_perm); GPT-OSS's two bias gathers share a fourth."""
     h, inner = spec.hidden_size, spec.moe.expert_intermediate_size
-    indices = 3 + (2 if spec.moe.expert_bias else 0)
+    indices = 3 + (1 if spec.moe.expert_bias else 0)
     return comp * (2 * h + _gate_saved(spec) * inner + 1) + INT64_BYTES * indices
 
 
@@ -65,17 +67,28 @@ def _dense_saved(spec: TransformerSpec, comp: int) -> int:
 
 
 def _sparse_wins(spec: TransformerSpec, comp: int) -> bool:
-    """Blocks of both kinds (dense first layers) are all counted as the kind that keeps more
-    (conservative: docs/engines/moe.md, "Blocks of two kinds")."""
-    if not spec.moe.dense_layers:
-        return True
-    if len(spec.moe.dense_layers) >= spec.num_layers:
-        return False
-    return sparse_mlp_saved_per_token(spec, comp) >= _dense_saved(spec, comp)
+    """Is the last block (forward order) sparse? Its terms stand for every block's, and
+    `mixed_blocks_bytes` corrects the saved bytes to the mean over the blocks of both kinds
+    (docs/engines/moe.md, "Blocks of two kinds")."""
+    return spec.moe.sparse(spec.num_layers - 1)
 
 
 def mlp_saved_per_token(spec: TransformerSpec, comp: int) -> int:
     return sparse_mlp_saved_per_token(spec, comp) if _sparse_wins(spec, comp) else _dense_saved(spec, comp)
+
+
+def mixed_blocks_bytes(spec: TransformerSpec, tokens: int, comp: int) -> int:
+    """What one block's saved bytes change by when every block keeps the mean over the dense and
+    sparse blocks (DeepSeek's first_k_dense_replace, Qwen3-MoE's mlp_only_layers), rather than the
+    last block's: exact for the whole forward, the moment the step peaks in."""
+    if spec.moe is None:
+        return 0
+    dense = sum(1 for i in range(spec.num_layers) if not spec.moe.sparse(i))
+    sparse = spec.num_layers - dense
+    last = mlp_saved_per_token(spec, comp) * tokens + router_weight_copy_bytes(spec, comp)
+    sparse_block = sparse_mlp_saved_per_token(spec, comp) * tokens + _router_weight_copy(spec, comp)
+    total = dense * _dense_saved(spec, comp) * tokens + sparse * sparse_block
+    return total // spec.num_layers - last
 
 
 def mlp_backward_transient_per_token(spec: TransformerSpec, resid: int, comp: int) -> int:
@@ -115,9 +128,16 @@ def mlp_forward_transient_per_token(spec: TransformerSpec, resid: int, comp: int
     return resid * h + comp * h + pairs
 
 
-def router_weight_copy_bytes(spec: TransformerSpec) -> int:
-    """DeepseekV3TopkRouter casts its weight to fp32 for the linear, which keeps the copy."""
-    if spec.moe is None or spec.moe.router != "sigmoid-grouped" or not _sparse_wins(spec, FP32_BYTES):
+def router_weight_copy_bytes(spec: TransformerSpec, comp: int) -> int:
+    """DeepseekV3TopkRouter casts its weight to fp32 for the linear, which keeps the copy (a
+    16-bit model's; an fp32 weight is its own)."""
+    if spec.moe is None or not _sparse_wins(spec, comp):
+        return 0
+    return _router_weight_copy(spec, comp)
+
+
+def _router_weight_copy(spec: TransformerSpec, comp: int) -> int:
+    if spec.moe.router != "sigmoid-grouped" or comp == FP32_BYTES:
         return 0
     return FP32_BYTES * spec.moe.num_experts * spec.hidden_size
 
@@ -143,22 +163,24 @@ def mla_saved_per_token(spec: TransformerSpec, comp: int) -> int:
     tensors (their outputs kept by q_b_proj and kv_b_proj), then what SDPA keeps: the query and
     the key assembled from the no-rope and rope parts (heads x (nope + rope) each), the value, a
     view of kv_b_proj's output that keeps all of it (heads x (nope + v)), the output and the
-    fp32 log-sum-exp. In fp32 kv_a_layernorm's upcast is a no-op view: the whole compressed
+    fp32 log-sum-exp; then o_proj keeps the output's transposed copy (the query, made by torch.cat,
+    is head-major, so the kernel's output is too and `.transpose(1, 2).contiguous()` copies). In fp32 kv_a_layernorm's upcast is a no-op view: the whole compressed
     output (kv_lora_rank + rope) stays."""
     mla, heads = spec.mla, spec.num_heads
     q_path = _rms_saved(mla.q_lora_rank, comp) if mla.q_lora_rank else 0
     kv_norm = _rms_saved(mla.kv_lora_rank, comp) + (FP32_BYTES * mla.qk_rope_head_dim if comp == FP32_BYTES else 0)
     qk = 2 * comp * heads * mla.qk_head_dim
     value_storage = comp * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-    out = comp * heads * mla.v_head_dim
+    out = 2 * comp * heads * mla.v_head_dim
     return q_path + kv_norm + qk + value_storage + out + FP32_BYTES * heads
 
 
 def sinks_probs_saved(comp: int) -> tuple[int, int]:
-    """GPT-OSS eager attention with sinks, per score: the softmax output over s + 1 logits in the
-    scores' dtype (no fp32 upcast), and the matmul's contiguous copy of the sliced probabilities;
-    returns (bytes per score, bytes per head per token: the sink column and max's int64 index)."""
-    return 2 * comp, comp + INT64_BYTES
+    """GPT-OSS eager attention with sinks (modeling_gpt_oss.eager_attention_forward): the softmax
+    output over s + 1 logits in the scores' dtype (no fp32 upcast), which the matmul with v reads
+    through a slice; returns (bytes per score, bytes per head and token: the sink column and the
+    int64 index max keeps for its backward)."""
+    return comp, comp + INT64_BYTES
 
 
 def gpt_oss_norm_extra_per_token(spec: TransformerSpec, comp: int) -> int:
