@@ -504,7 +504,7 @@ def _block_backward_transient_per_token(spec: TransformerSpec, w: _Widths) -> in
 def _block_backward_freed_per_token(spec: TransformerSpec, dropout: _Dropout, w: _Widths) -> int:
     """The MLP's product and, with residual dropout, the MLP output's mask (its backward ran first)."""
     k = spec.experts_per_token if spec.is_moe else 1
-    product = moe.mlp_backward_freed_per_token(spec, w.comp) if spec.moe is not None else k * w.comp * spec.intermediate_size
+    product = moe.mlp_backward_freed_per_token(spec, w.resid, w.comp) if spec.moe is not None else k * w.comp * spec.intermediate_size
     return product + (dropout.mask(w.comp) * spec.hidden_size if dropout.residual else 0)
 
 

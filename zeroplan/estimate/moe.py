@@ -91,26 +91,50 @@ def mixed_blocks_bytes(spec: TransformerSpec, tokens: int, comp: int) -> int:
     return total // spec.num_layers - last
 
 
-def mlp_backward_transient_per_token(spec: TransformerSpec, resid: int, comp: int) -> int:
-    """Gradients in flight at the peak of the MLP's backward: the block output's gradient, and in
-    the routed experts' activation backward four intermediate-width gradients per pair (the
-    product's, SiLU's, up's, and their concatenation into gate_up's; GPT-OSS's clamps and strided
-    views make six); a dense MLP's three (activations.py `_block_backward_transient_per_token`)."""
-    h = spec.hidden_size
-    if not _sparse_wins(spec, comp):
-        return resid * h + 3 * comp * spec.intermediate_size
-    moe = spec.moe
+def _backward_moment(spec: TransformerSpec, resid: int, comp: int) -> tuple[int, int]:
+    """(allocated, freed) per token at the peak of a sparse MLP's backward: the larger, net of the
+    saved tensors freed by then, of two moments. The weighting multiply's backward: the gradient
+    of the un-permuted copy (index_put into zeros), of the down output, and the product that
+    reduces to the weights' gradient, three S x h, nothing freed yet. The gate activation's
+    backward: four intermediate-width gradients per pair (the product's, SiLU's, up's, their
+    concatenation into gate_up's; GPT-OSS's clamps and strided views make six), the down output,
+    the pair weights and the product freed. Both beside the block output's gradient."""
+    moe, h = spec.moe, spec.hidden_size
+    k, inner = moe.experts_per_token, moe.expert_intermediate_size
+    weighting = (resid * h + 3 * k * comp * h, 0)
     per_pair = 6 if spec.hf_model_type == "gpt_oss" else 4
-    return resid * h + per_pair * moe.experts_per_token * comp * moe.expert_intermediate_size
+    gate = (resid * h + per_pair * k * comp * inner, k * comp * (h + inner + 1))
+    return max(weighting, gate, key=lambda moment: moment[0] - moment[1])
 
 
-def mlp_backward_freed_per_token(spec: TransformerSpec, comp: int) -> int:
-    """Saved tensors the MLP's backward has freed by its peak: the down output and the pair
-    weights (the weighting multiply's) and the product (down's input); dense: the product."""
+def first_block_gradient(spec: TransformerSpec) -> int | None:
+    """Gradient elements of a sparse last block alive at its MLP's backward peak
+    (`_backward_moment`), where the engines otherwise take its output projection's .grad
+    (engines/common.py `early_gradients`): none at the weighting multiply's moment, the experts'
+    down_proj (and bias) at the gate activation's, its grouped matmul's backward having run.
+    None for a dense last block."""
+    if spec.moe is None or not _sparse_wins(spec, 1):
+        return None
+    moe, h = spec.moe, spec.hidden_size
+    allocated, freed = _backward_moment(spec, 1, 1)
+    if not freed:  # the weighting multiply's moment: before any expert weight's gradient
+        return 0
+    return moe.num_experts * h * (moe.expert_intermediate_size + (1 if moe.expert_bias else 0))
+
+
+def mlp_backward_transient_per_token(spec: TransformerSpec, resid: int, comp: int) -> int:
+    """Gradients in flight at the peak of the MLP's backward (`_backward_moment`); a dense MLP's:
+    activations.py `_block_backward_transient_per_token`."""
+    if not _sparse_wins(spec, comp):
+        return resid * spec.hidden_size + 3 * comp * spec.intermediate_size
+    return _backward_moment(spec, resid, comp)[0]
+
+
+def mlp_backward_freed_per_token(spec: TransformerSpec, resid: int, comp: int) -> int:
+    """Saved tensors the MLP's backward has freed by its peak (`_backward_moment`); dense: the product."""
     if not _sparse_wins(spec, comp):
         return comp * spec.intermediate_size
-    moe = spec.moe
-    return moe.experts_per_token * comp * (spec.hidden_size + moe.expert_intermediate_size + 1)
+    return _backward_moment(spec, resid, comp)[1]
 
 
 def mlp_forward_transient_per_token(spec: TransformerSpec, resid: int, comp: int, checkpointed: bool) -> int:
