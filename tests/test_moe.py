@@ -109,3 +109,12 @@ def test_fsdp2_pads_expert_tensors_on_dim_0_beyond_one_expert_per_rank():
     experts = 36 * one_expert * fp32
     assert experts < at_256 < experts * 1.02
     assert at_128 - experts > 1.9 * (at_256 - experts)  # the rest (about) halves from 128 to 256 ranks
+
+
+def test_deepspeed_zero3_gathers_a_whole_moe_layer_at_once():
+    # ZeRO-3 fetches each module's own parameters before its forward: the experts module owns its
+    # fused 3-D tensors, so one DeepSeek-V3 layer gathers all 256 experts (11.5e9 elements with
+    # attention, router and shared expert: 21 GiB in bf16) however many ranks share them.
+    sparse_layer = 11_507_286_016  # tests/test_param_counts.py checks the block against transformers
+    buffers = _per_gpu("deepseek-v3", "--zero", "3", "--gpus", "256")["buffers"]
+    assert buffers >= 2 * sparse_layer

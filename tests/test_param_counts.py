@@ -118,13 +118,12 @@ def test_transformers_meta_model_has_the_same_parameters(path):
 
 
 def _active_params(spec) -> int:
-    """Parameters a token runs through: all but the routed experts it is not sent to."""
-    moe = spec.moe
-    layout = param_layout(spec)
-    sparse_layers = spec.num_layers - len(moe.dense_layers)
-    expert = 3 * spec.hidden_size * moe.expert_intermediate_size + (
-        2 * moe.expert_intermediate_size + spec.hidden_size if moe.expert_bias else 0)
-    return layout.total_params - sparse_layers * (moe.num_experts - moe.experts_per_token) * expert
+    """Parameters a token runs through (the planner's cost model counts these): all but the
+    routed experts it is not sent to."""
+    from zeroplan.plan.cost import model_flops
+
+    total = param_layout(spec).total_params
+    return round(model_flops(spec, total, total).dense_flops_per_token / 6)
 
 
 # Totals and activated parameters as published: Qwen3 model cards (30.5B total, 3.3B activated,

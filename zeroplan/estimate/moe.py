@@ -107,6 +107,16 @@ def _backward_moment(spec: TransformerSpec, resid: int, comp: int) -> tuple[int,
     return max(weighting, gate, key=lambda moment: moment[0] - moment[1])
 
 
+def idle_expert_params(spec: TransformerSpec) -> int:
+    """Parameters a token does not run: the routed experts it is not sent to, in every sparse
+    layer (GPT-OSS's expert biases included)."""
+    moe, h = spec.moe, spec.hidden_size
+    inner = moe.expert_intermediate_size
+    expert = 3 * h * inner + ((2 * inner + h) if moe.expert_bias else 0)
+    sparse_layers = sum(1 for i in range(spec.num_layers) if moe.sparse(i))
+    return sparse_layers * (moe.num_experts - moe.experts_per_token) * expert
+
+
 def first_block_gradient(spec: TransformerSpec) -> int | None:
     """Gradient elements of a sparse last block alive at its MLP's backward peak
     (`_backward_moment`), where the engines otherwise take its output projection's .grad
