@@ -9,9 +9,10 @@ A `ParamCountSpec` (count only) becomes layers of `largest_layer_params` and has
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import zeroplan.estimate.moe as moe
 from zeroplan.errors import SpecError
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.layout import ParamTensor, param_layout
@@ -50,6 +51,8 @@ class ModelFacts:
     groups: tuple[ModuleGroup, ...]  # in forward order
     largest_group_params: int
     largest_tensor_numel: int
+    # a sparse MLP's gradients alive at its backward peak, in place of `early_gradients`' rule (estimate/moe.py)
+    first_block_gradient: int | None = None
 
     def trainable_numels(self) -> list[int]:
         """Every trainable tensor's element count, in `model.parameters()` order (block after block)."""
@@ -75,10 +78,14 @@ def _transformer_facts(spec: TransformerSpec, freeze: tuple[str, ...]) -> ModelF
     layout = param_layout(spec)
     groups = (
         _group("embedding", layout.embedding, 1, "embeddings" in freeze),
-        _group("block", layout.block, layout.num_blocks, "blocks" in freeze),
+        # one group per run of like blocks, in forward order (dense and sparse MLPs: estimate/moe_layout.py)
+        *(_group("block", tensors, count, "blocks" in freeze) for tensors, count in layout.runs),
         _group("final", layout.final, 1, "final" in freeze),
     )
-    return _facts(spec.name, groups)
+    facts = _facts(spec.name, groups)
+    if spec.moe is not None:  # Qwen3-MoE, DeepSeek-V3, GPT-OSS
+        facts = replace(facts, first_block_gradient=moe.first_block_gradient(spec))
+    return facts
 
 
 @memo(maxsize=256)  # one object per model, as `_transformer_facts`

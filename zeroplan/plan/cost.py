@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from zeroplan.estimate.dtypes import StateBytes, state_bytes
+from zeroplan.estimate.moe import idle_expert_params
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Checkpointing, Engine, Offload
 
@@ -145,6 +146,8 @@ def model_flops(model, params: int, trainable_params: int) -> ModelFlops:
             # Each token runs experts_per_token of num_experts gated MLPs (3 h x i matrices each).
             expert = 3 * model.hidden_size * model.intermediate_size
             active = params - model.num_layers * (model.num_experts - model.experts_per_token) * expert
+        if model.moe is not None:  # Qwen3-MoE, DeepSeek-V3, GPT-OSS: experts of their own width
+            active = params - idle_expert_params(model)
         # PaLM appendix B: 12 * L * H * Q * T for forward + backward of QK^T and AV.
         attention = 12.0 * model.num_layers * model.num_heads * model.dim_per_head
     return ModelFlops(params, trainable_params, 6.0 * active, attention)
