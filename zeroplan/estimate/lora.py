@@ -479,12 +479,34 @@ def adapter_param_bytes(facts, training, param: int, steady: bool) -> int:
     sharded as the engine shards; ZeRO-3 keeps tensors under the persistence threshold whole once traced)."""
     element = _engine_param_element(training.engine.value, training.precision.value, param)
     tensors = [(t.numel, g.count) for g in facts.groups for t in g.trainable_tensors]
+    copy_element = saved_copy_element(training)
+    if copy_element is not None:  # the torch engine: modules_to_save copies in the base's dtype
+        return sum(t.numel * g.count * (copy_element if is_saved_copy(t) else element)
+                   for g in facts.groups for t in g.trainable_tensors)
     if not _sharded(training):
         return element * sum(numel * count for numel, count in tensors)
     n = training.gpus
     threshold = training.deepspeed.stage3_param_persistence_threshold if training.engine.value == "deepspeed" else 0
     whole = sum(numel * count for numel, count in tensors if numel <= threshold) if steady else 0
     return element * (sum(_ceil(numel, n) * count for numel, count in tensors) + whole)
+
+
+# --- modules_to_save under the torch engine ----------------------------------------------------
+
+def is_saved_copy(t: ParamTensor) -> bool:
+    return ".modules_to_save." in t.name
+
+
+def saved_copy_element(training) -> int | None:
+    """The bytes of one element of a modules_to_save copy where the torch engine's own dtype is not
+    it, else None. `ModulesToSaveWrapper` (peft/utils/other.py) deep-copies the original module, so
+    the copy is in the base's dtype, and trains there: autocast casts inputs, not parameters, so the
+    Trainer's optimizer sees that 16-bit tensor itself (no fp32 master), its .grad and states alike."""
+    quant = training.quant
+    if quant is None or training.engine.value != "torch" or not training.lora.modules_to_save:
+        return None
+    element = unquantized_element_bytes(quant)
+    return None if element == _engine_param_element("torch", training.precision.value, 0) else element
 
 
 def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:
@@ -499,9 +521,10 @@ def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:
         if packed_storage(training) is not None:
             notes.append(f"the engine shards and gathers each 4-bit weight as its packed {quant.quant_storage} storage; "
                          "its quantization state stays whole on every rank")
-    if lora.modules_to_save and training.engine.value == "torch" and quant is not None:
-        notes.append("modules_to_save copies are counted in the engine's fp32 like the adapters; PEFT keeps them in "
-                     "the base dtype: their parameters, gradients and states are overestimated")
+    copy_element = saved_copy_element(training)
+    if copy_element is not None:
+        notes.append(f"modules_to_save copies train in the base's dtype ({copy_element} bytes per element: PEFT "
+                     "deep-copies the module), with their gradients and optimizer states; no fp32 master")
     if training.checkpointing.value != "none":
         notes.append("checkpointing with a frozen base: PEFT/the Trainer call enable_input_require_grads so the "
                      "checkpointed blocks get gradients (no bytes kept)")
