@@ -65,3 +65,22 @@ def test_the_gathered_block_no_longer_carries_an_overestimate_note():
     notes = " ".join(estimate(LLAMA, training).notes)
     assert "overestimate" not in notes
     assert "packed bf16 storage" in notes
+
+
+def test_deepspeed_zero3_compares_the_packed_count_with_its_persistence_threshold():
+    # parameter_offload.py mark_persistent_parameters: ds_numel <= stage3_param_persistence_threshold
+    # stays gathered on every rank, on top of its partition; a packed weight's ds_numel is numel/4
+    n, threshold = 2, 11_264
+    layout = param_layout(LLAMA)
+    quantized = _quantized(layout.block)
+    assert all(t.numel // 4 <= threshold for t in quantized)
+    assert any(t.numel > threshold for t in quantized)  # q, o and the MLP persist only as packed storage
+    training = TrainingSpec(engine="deepspeed", zero_stage=3, gpus=n, lora=ALL, quant=NF4_BF16,
+                            deepspeed={"stage3_param_persistence_threshold": threshold})
+    packed = sum(t.numel // 2 for t in quantized)
+    absmax = sum(4 * t.numel // 64 for t in quantized)
+    norms = sum(t.numel for t in layout.block if t not in quantized) * 2  # bf16, under the threshold too
+    # the embeddings and head (65,536 elements) partitioned, the final norm whole as well
+    outside = sum(t.numel * 2 // n + (t.numel * 2 if t.numel <= threshold else 0) for t in layout.embedding + layout.final)
+    per_block = packed // n + packed + absmax + norms // n + norms
+    assert estimate(LLAMA, training).param_parts.base_bytes == LLAMA.num_layers * per_block + outside
