@@ -16,7 +16,7 @@ import zeroplan.estimate.moe as moe
 from zeroplan.errors import SpecError
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.layout import ParamTensor, param_layout
-from zeroplan.estimate.lora import lora_layout
+from zeroplan.estimate.lora import PackedStorage, lora_layout, packed_layout, packed_storage
 from zeroplan.spec.lora import LoraSpec
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
@@ -89,9 +89,16 @@ def _transformer_facts(spec: TransformerSpec, freeze: tuple[str, ...]) -> ModelF
 
 
 @memo(maxsize=256)  # one object per model, as `_transformer_facts`
-def _lora_facts(spec: TransformerSpec, lora: LoraSpec) -> ModelFacts:
-    """The model with PEFT's adapters: base tensors frozen, adapters trained (estimate/lora.py)."""
+def _lora_facts(spec: TransformerSpec, lora: LoraSpec, packed: PackedStorage | None = None) -> ModelFacts:
+    """The model with PEFT's adapters: base tensors frozen, adapters trained (estimate/lora.py); with
+    `packed`, the 4-bit weights as the storage a sharding engine gathers (the parameter count stays)."""
     layout = lora_layout(spec, lora)
+    if packed is not None:
+        return replace(_lora_facts(spec, lora), groups=_lora_facts_of(spec, packed_layout(spec, layout, packed)).groups)
+    return _lora_facts_of(spec, layout)
+
+
+def _lora_facts_of(spec: TransformerSpec, layout) -> ModelFacts:
     groups = [_group("embedding", layout.embedding, 1, False), _group("block", layout.block, layout.adapted_blocks, False)]
     if layout.adapted_blocks < spec.num_layers:
         groups.append(_group("block", layout.plain_block, spec.num_layers - layout.adapted_blocks, False))
@@ -132,5 +139,5 @@ def model_facts(spec: TransformerSpec | ParamCountSpec, training: TrainingSpec) 
         )
     freeze = tuple(sorted(training.freeze)) if training.freeze else ()
     if training.lora is not None and isinstance(spec, TransformerSpec):
-        return _lora_facts(spec, training.lora)
+        return _lora_facts(spec, training.lora, packed_storage(training))
     return _transformer_facts(spec, freeze) if isinstance(spec, TransformerSpec) else _count_facts(spec)
