@@ -28,11 +28,11 @@ def test_tp_estimate_prints_the_rank_kinds_and_the_worst():
 
 
 def test_pipeline_json_carries_every_rank_and_the_worst_at_the_top():
-    result = run("estimate", "llama-3-8b", "--gpus", "16", "--tp", "2", "--pp", "4", "--cp", "2", "--grad-accum", "8",
+    result = run("estimate", "llama-3-8b", "--recipe", "torchtitan", "--gpus", "16", "--tp", "2", "--pp", "4", "--cp", "2", "--grad-accum", "8",
                  "--zero", "3", "--engine", "fsdp2", "--seq-len", "8192", "--format", "json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    training = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=16, grad_accum=8, seq_len=8192,
+    training = TrainingSpec(recipe="torchtitan", engine="fsdp2", zero_stage=3, gpus=16, grad_accum=8, seq_len=8192,
                             mesh=MeshSpec(tp=2, pp=4, cp=2))
     expected = estimate_mesh(resolve_model("llama-3-8b"), training)
     assert [rank["per_gpu"]["peak"] for rank in data["ranks"]] == [r.estimate.peak_bytes for r in expected.ranks]
@@ -51,8 +51,8 @@ def test_an_all_ones_mesh_prints_todays_estimate():
     (["--gpus", "8", "--tp", "3"], "mesh: tp 3 x cp 1 x pp 1 x dp_replicate 1 = 3 does not divide gpus 8"),
     (["--gpus", "64", "--tp", "16"], "mesh.tp: 16 does not divide the model's num_kv_heads 8"),
     (["--gpus", "8", "--cp", "2", "--seq-len", "4098"], "mesh.cp: load-balanced context parallelism cuts seq_len 4098"),
-    (["--gpus", "8", "--pp", "8", "--grad-accum", "2"], "mesh.pp: schedule 1f1b needs at least pp 8 micro-batches"),
-    (["--gpus", "8", "--ep", "2"], "mesh.ep: the model has no experts"),
+    (["--recipe", "torchtitan", "--gpus", "8", "--pp", "8", "--grad-accum", "2"], "mesh.pp: schedule 1f1b needs at least pp 8 micro-batches"),
+    (["--recipe", "torchtitan", "--gpus", "8", "--ep", "2"], "mesh.ep: the model has no experts"),
     (["--gpus", "8", "--tp", "2", "--engine", "torch", "--zero", "0"], "mesh.tp: engine torch is data-parallel only"),
 ])
 def test_bad_meshes_are_one_line_and_exit_2(args, message):
@@ -94,10 +94,10 @@ def test_torchtitan_layers_per_stage_gives_the_virtual_stages(tmp_path):
 
 
 def test_compare_on_a_mesh_shows_each_configurations_worst_rank():
-    result = run("compare", "llama-3-8b", "--gpus", "16", "--zero", "2,3", "--engine", "fsdp2", "--tp", "2", "--pp", "2",
+    result = run("compare", "llama-3-8b", "--recipe", "torchtitan", "--gpus", "16", "--zero", "2,3", "--engine", "fsdp2", "--tp", "2", "--pp", "2",
                  "--grad-accum", "4", "--format", "json")
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)["rows"]
     for row, stage in zip(rows, (2, 3)):
-        training = TrainingSpec(engine="fsdp2", zero_stage=stage, gpus=16, grad_accum=4, mesh=MeshSpec(tp=2, pp=2))
+        training = TrainingSpec(recipe="torchtitan", engine="fsdp2", zero_stage=stage, gpus=16, grad_accum=4, mesh=MeshSpec(tp=2, pp=2))
         assert row["per_gpu"]["peak"] == estimate_mesh(resolve_model("llama-3-8b"), training).worst.estimate.peak_bytes

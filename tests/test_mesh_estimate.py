@@ -19,7 +19,7 @@ WHOLE = RankKind(0, (0,), 0, True, True, 1)
 
 
 def fsdp(gpus: int = 8, **mesh) -> TrainingSpec:
-    return TrainingSpec(engine="fsdp2", zero_stage=3, gpus=gpus, grad_accum=8, seq_len=4096, mesh=MeshSpec(**mesh))
+    return TrainingSpec(recipe="torchtitan", engine="fsdp2", zero_stage=3, gpus=gpus, grad_accum=8, seq_len=4096, mesh=MeshSpec(**mesh))
 
 
 @pytest.mark.parametrize("name", ["llama-3-8b", "gpt2", "pythia-1b", "mixtral-8x7b"])
@@ -107,7 +107,7 @@ def test_tp_with_sp_cuts_a_block_by_t_as_korthikanti_but_the_gathered_inputs(tp,
     # (Replicate) input, so exactly those two inputs (attention, MLP: 2sbh each in 16-bit) stay whole.
     model = _megatron_block(hidden=1024, heads=16).model_copy(update=dict(residual_dropout=dropout))
     s, b, h = 2048, 1, model.hidden_size
-    base = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=tp, seq_len=s, precision="bf16")
+    base = TrainingSpec(recipe="torchtitan", engine="fsdp2", zero_stage=3, gpus=tp, seq_len=s, precision="bf16")
     kind = WHOLE._replace(layers=model.num_layers)
     whole = rank_activations(model, base, kind, 2).saved_per_block
     sp = rank_activations(model, base.varied(mesh=MeshSpec(tp=tp)), kind, 2).saved_per_block
@@ -161,7 +161,7 @@ def test_eager_attention_keeps_korthikanti_5as2b_over_t(tp):
     kind = WHOLE._replace(layers=model.num_layers)
 
     def saved(seq: int) -> int:
-        training = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=8, seq_len=seq, attention="eager",
+        training = TrainingSpec(recipe="torchtitan", engine="fsdp2", zero_stage=3, gpus=8, seq_len=seq, attention="eager",
                                 mesh=MeshSpec(tp=tp))
         return rank_activations(model, training, kind, 2).saved_per_block
 

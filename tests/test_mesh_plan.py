@@ -51,7 +51,7 @@ def test_the_emitted_torchtitan_toml_reads_back_to_the_same_estimate(plan8b, tmp
 
 def _cost(mesh: MeshSpec, accum: int):
     model = resolve_model("llama-3-8b")
-    training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=64, seq_len=4096, grad_accum=accum, mesh=mesh)
+    training = TrainingSpec(recipe="torchtitan", engine="fsdp2", zero_stage=2, gpus=64, seq_len=4096, grad_accum=accum, mesh=mesh)
     flops = model_flops(model, 8_030_261_248, 8_030_261_248)
     worst = estimate_mesh(model, training).worst
     return mesh_step_cost(model, flops, worst.params, worst.kind.layers, training, assumptions_for(H100))

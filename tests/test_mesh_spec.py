@@ -12,8 +12,9 @@ from zeroplan.spec.training import TrainingSpec
 
 
 def training(gpus: int = 8, engine: str = "fsdp2", zero_stage: int = 3, **mesh) -> TrainingSpec:
+    recipe = "torchtitan" if engine == "fsdp2" else "hf-trainer"  # torchtitan runs every dimension (spec/mesh.py)
     return TrainingSpec(engine=engine, zero_stage=zero_stage, gpus=gpus, mesh=MeshSpec(**mesh), grad_accum=8,
-                        seq_len=4096)
+                        seq_len=4096, recipe=recipe)
 
 
 def test_default_mesh_is_all_ones_and_data_parallel_takes_every_gpu():
@@ -43,7 +44,7 @@ def test_expert_parallelism_borrows_from_dp_shard_cp_and_tp():
 ])
 def test_world_rules(mesh, message):
     with pytest.raises(SpecError, match=message):
-        TrainingSpec(gpus=8, engine="fsdp2", zero_stage=3).varied(mesh=MeshSpec(**mesh))
+        TrainingSpec(recipe="torchtitan", gpus=8, engine="fsdp2", zero_stage=3).varied(mesh=MeshSpec(**mesh))
 
 
 @pytest.mark.parametrize("engine, stage, mesh, message", [
@@ -60,7 +61,7 @@ def test_engine_rules(engine, stage, mesh, message):
 
 def test_engines_run_their_dimensions():
     TrainingSpec(gpus=8).varied(engine="deepspeed", zero_stage=2, mesh=MeshSpec(tp=2, cp=2))
-    TrainingSpec(gpus=8).varied(engine="fsdp2", zero_stage=3, mesh=MeshSpec(tp=2, cp=2, pp=2))
+    TrainingSpec(gpus=8, engine="fsdp2", zero_stage=3, recipe="torchtitan").varied(mesh=MeshSpec(tp=2, cp=2, pp=2))
 
 
 @pytest.mark.parametrize("model, mesh, seq, message", [
@@ -73,13 +74,13 @@ def test_engines_run_their_dimensions():
     ("mixtral-8x7b", dict(ep=16), 4096, r"mesh.ep: 16 does not divide the model's num_experts 8"),
 ])
 def test_model_rules(model, mesh, seq, message):
-    spec = TrainingSpec(gpus=16, engine="fsdp2", zero_stage=3, grad_accum=16, seq_len=seq, mesh=MeshSpec(**mesh))
+    spec = TrainingSpec(recipe="torchtitan", gpus=16, engine="fsdp2", zero_stage=3, grad_accum=16, seq_len=seq, mesh=MeshSpec(**mesh))
     with pytest.raises(SpecError, match=message):
         check_mesh(resolve_model(model), spec)
 
 
 def test_1f1b_needs_as_many_micro_batches_as_stages():
-    spec = TrainingSpec(gpus=8, engine="fsdp2", zero_stage=3, grad_accum=2, mesh=MeshSpec(pp=4))
+    spec = TrainingSpec(recipe="torchtitan", gpus=8, engine="fsdp2", zero_stage=3, grad_accum=2, mesh=MeshSpec(pp=4))
     with pytest.raises(SpecError, match=r"mesh.pp: schedule 1f1b needs at least pp 4 micro-batches; grad_accum is 2"):
         check_mesh(resolve_model("llama-3-8b"), spec)
 
@@ -97,3 +98,16 @@ def test_lora_is_not_cut_by_a_mesh_yet():
                                       None, resolve_model("llama-3-8b"))
     with pytest.raises(SpecError, match=r"mesh: LoRA adapters and quantized bases are not modelled on a mesh yet"):
         check_mesh(resolve_model("llama-3-8b"), spec)
+
+
+@pytest.mark.parametrize("recipe, mesh, message", [
+    ("hf-trainer", dict(pp=2), r"^1 validation|mesh.pp: recipe hf-trainer does not run it \(it runs tp, cp, dp_replicate\)"),
+    ("hf-trainer", dict(ep=2), r"mesh.ep: recipe hf-trainer does not run it"),
+    ("torchtune", dict(cp=2), r"mesh.cp: recipe torchtune does not run it \(it runs tp, dp_replicate\)"),
+])
+def test_recipes_run_the_dimensions_their_programs_have(recipe, mesh, message):
+    # accelerate 1.15.0 ParallelismConfig has dp_replicate, dp_shard, tp and cp sizes, no pipeline or
+    # expert degree; torchtune's distributed recipes a tensor-parallel dim
+    with pytest.raises(SpecError, match=message):
+        TrainingSpec(gpus=8, engine="fsdp2", zero_stage=3, recipe=recipe, grad_accum=8).varied(mesh=MeshSpec(**mesh))
+    TrainingSpec(gpus=8, engine="fsdp2", zero_stage=3, recipe=recipe).varied(mesh=MeshSpec(tp=2))

@@ -93,7 +93,7 @@ class MeshSpec(BaseModel):
         """Ranks that shard each expert parameter: efsdp = dp_shard * cp * tp / ep (parallel_dims.py `build_mesh`)."""
         return self.dp_shard(gpus) * self.cp * self.tp // self.ep
 
-    def check_world(self, gpus: int, engine: str, zero_stage: int) -> None:
+    def check_world(self, gpus: int, engine: str, zero_stage: int, recipe: str = "torchtitan") -> None:
         """The rules that need only the training spec: the degrees fill `gpus`, the engine runs them.
         Raises ValueError (TrainingSpec's validator turns it into one line naming the field)."""
         if self.is_trivial:
@@ -112,6 +112,24 @@ class MeshSpec(BaseModel):
             raise ValueError(f"mesh.pp_virtual_stages: schedule {self.pp_schedule.value} runs one stage per rank; "
                              "use interleaved-1f1b or zero-bubble")
         _check_engine(self, engine, zero_stage)
+        _check_recipe(self, recipe)
+
+
+# The mesh dimensions each program runs beside data parallelism: the Trainer through accelerate's
+# ParallelismConfig (accelerate 1.15.0 parallelism_config.py: dp_replicate, dp_shard, tp, cp; no
+# pipeline or expert degree), torchtune's distributed recipes a tensor-parallel dim only
+# (full_finetune_distributed.py `tensor_parallel_dim`), torchtitan all of them (parallel_dims.py).
+_RECIPE_DIMENSIONS = {"hf-trainer": ("tp", "cp", "dp_replicate"), "torchtune": ("tp", "dp_replicate")}
+
+
+def _check_recipe(mesh: MeshSpec, recipe: str) -> None:
+    allowed = _RECIPE_DIMENSIONS.get(recipe)
+    if allowed is None:
+        return
+    for name in ("tp", "cp", "pp", "ep", "dp_replicate"):
+        if getattr(mesh, name) > 1 and name not in allowed:
+            raise ValueError(f"mesh.{name}: recipe {recipe} does not run it (it runs {', '.join(allowed)}); "
+                             "recipe torchtitan runs every mesh dimension")
 
 
 def _check_engine(mesh: MeshSpec, engine: str, zero_stage: int) -> None:

@@ -234,7 +234,7 @@ class TrainingSpec(BaseModel):
                 raise ValueError("engine fsdp2 offloads parameters and optimizer together: set offload_optimizer cpu too")
         self._check_program()
         check_training_lora(self)  # spec/lora.py
-        self.mesh.check_world(self.gpus, self.engine.value, self.zero_stage)
+        self.mesh.check_world(self.gpus, self.engine.value, self.zero_stage, self.recipe.value)
         return self
 
     def _check_program(self) -> None:
