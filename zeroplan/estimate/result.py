@@ -92,6 +92,15 @@ class NodeBytes(NamedTuple):
     nvme_bytes: int = 0
 
 
+class ParamParts(NamedTuple):
+    """The `params` category at the peak split in two (LoRA, issue 12): the frozen base's storage
+    (quantized as bitsandbytes stores it) and what trains (adapters, DoRA magnitudes, modules_to_save
+    copies); they sum to the peak's params. `zeroplan measure` records the same split."""
+
+    base_bytes: int
+    adapter_bytes: int
+
+
 class ModelSummary(NamedTuple):
     name: str
     params: int
@@ -108,6 +117,7 @@ class Estimate:
     phases: tuple[PhaseBytes, ...]
     per_node: NodeBytes
     notes: tuple[str, ...] = field(default=())
+    param_parts: ParamParts | None = None  # with LoRA only: the peak's params as base + adapter bytes
 
     @cached_property
     def peak(self) -> PhaseBytes:

@@ -11,6 +11,7 @@ All sizes are ints in bytes. Keys:
 - `per_node`: cpu (pinned included), pinned, nvme;
 - `config`: the TrainingSpec (gpus_per_node resolved), which reads back with
   `TrainingSpec.model_validate`;
+- `param_parts` (with LoRA only): the peak's params as `base` and `adapter` bytes;
 - `gpu_memory` and `fits` (peak <= gpu_memory) only when a GPU memory size was given;
 - `notes`.
 """
@@ -48,7 +49,7 @@ def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_byte
     """The JSON contract for one estimate of `training` (see the module docstring); `notes` are added to
     the estimate's own (those of the --config file: what the run does that is not modelled)."""
     peak = estimate.peak
-    config = training.model_dump(mode="json")
+    config = training.model_dump(mode="json", exclude={name for name in ("lora", "quant") if getattr(training, name) is None})
     config["gpus_per_node"] = training.node_gpus
     data: dict[str, Any] = {
         "model": {
@@ -65,6 +66,8 @@ def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_byte
         "program": program_to_dict(training.program) | {"fsdp2": program_to_dict(training.fsdp2_wrapping)},
         "notes": [*estimate.notes, *notes],
     }
+    if estimate.param_parts is not None:
+        data["param_parts"] = {"base": estimate.param_parts.base_bytes, "adapter": estimate.param_parts.adapter_bytes}
     if gpu_memory_bytes is not None:
         data["gpu_memory"] = gpu_memory_bytes
         data["fits"] = peak.total_bytes <= gpu_memory_bytes

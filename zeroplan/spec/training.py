@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from zeroplan.errors import SpecError
+from zeroplan.spec.lora import LoraSpec, QuantSpec, check_training_lora
 from zeroplan.spec.validation import describe_validation_error
 
 from zeroplan.spec.program import (
@@ -184,6 +185,8 @@ class TrainingSpec(BaseModel):
                                          "only (torchtitan selective_ac_option = N). [default: every block]")
     deepspeed: DeepSpeedKnobs = Field(default_factory=DeepSpeedKnobs, description="DeepSpeed zero_optimization knobs.")
     fsdp2: FSDP2Knobs = Field(default_factory=FSDP2Knobs, description="FSDP2 knobs.")
+    lora: LoraSpec | None = Field(None, description="LoRA adapters (PEFT): the base is frozen, the adapters train.")
+    quant: QuantSpec | None = Field(None, description="Storage of the frozen base (bf16 ... or bitsandbytes nf4).")
 
     @model_validator(mode="after")
     def _check_combination(self) -> "TrainingSpec":
@@ -209,6 +212,7 @@ class TrainingSpec(BaseModel):
                 # CPUOffloadPolicy moves sharded parameters, gradients and the optimizer step together.
                 raise ValueError("engine fsdp2 offloads parameters and optimizer together: set offload_optimizer cpu too")
         self._check_program()
+        check_training_lora(self)  # spec/lora.py
         return self
 
     def _check_program(self) -> None:
