@@ -364,6 +364,13 @@ QLORA_ROWS: tuple = (  # bitsandbytes bases: one rank as the QLoRA scripts run i
     ("tiny-llama", "torch", 1, "bf16", "none", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16",
                                                        dora=True), {}),
     ("tiny-llama", "torch", 0, "bf16", "none", LoraRow(8, base_precision="bf16"), {"world": 1, "ddp": False}),
+    # sharded 4-bit bases (FSDP-QLoRA, ZeRO-3 + bitsandbytes): packed weights stored as bf16, built on the host
+    ("tiny-llama", "fsdp2", 3, "bf16", "none", LoraRow(8, base_precision="nf4", quant_storage="bf16"), {"model_init": "host"}),
+    ("tiny-gpt2", "fsdp2", 2, "bf16", "full", LoraRow(8, base_precision="nf4", double_quant=True, quant_storage="bf16"),
+     {"model_init": "host"}),
+    ("tiny-llama", "deepspeed", 2, "fp32", "none", LoraRow(8, base_precision="nf4", compute_dtype="fp32"), {}),
+    ("tiny-llama", "deepspeed", 3, "bf16", "none", LoraRow(8, base_precision="nf4", quant_storage="bf16"),
+     {"small_buckets": True}),
 )
 
 

@@ -46,7 +46,7 @@ class PhaseResult:
         return "init" if self.step == 0 else "first" if self.step == 1 else "steady"
 
 
-def _adapter_split(phase: PhaseResult) -> dict:
+def adapter_split(phase: PhaseResult) -> dict:
     """{"params_split": {"base": B, "adapter": A}} for a model with PEFT adapters, else {} (the JSON
     of other runs stays as it was)."""
     if phase.adapter_params_bytes is None:
@@ -101,7 +101,7 @@ class RankResult:
                 if found:
                     best = max(found, key=lambda p: p.peak_bytes)
                     rows.append({"step": step, "phase": phase, "peak_bytes": best.peak_bytes, "categories": dict(best.categories)}
-                                | _adapter_split(best))
+                                | adapter_split(best))
         return rows
 
     def to_json_dict(self) -> dict:
@@ -115,7 +115,7 @@ class RankResult:
             "peak_step": peak.step,
             "peak_stage": peak.stage,
             "categories": dict(peak.categories),
-            **_adapter_split(peak),
+            **adapter_split(peak),
             "phases": [_phase_dict(p) for p in self.phases],
             "summary": self.summary(),
             "step_times_s": list(self.step_times_s),

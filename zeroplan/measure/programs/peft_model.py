@@ -145,6 +145,10 @@ def apply_peft(lm: nn.Module, training: Any) -> nn.Module:
         # Params4bit.to("meta") does not quantize (bitsandbytes/nn/modules.py): nothing to shard after
         raise MeasureError("training.quant: bitsandbytes quantizes weights where they are; build the model on the "
                            "host or the device (--model-init host or device), not on the meta device")
+    if kbit_precision(quant) is not None and any(hasattr(p, "ds_tensor") for p in lm.parameters()):
+        # under deepspeed.zero.Init each weight is an empty placeholder (partition_parameters.py): nothing to quantize
+        raise MeasureError("training.quant: bitsandbytes cannot quantize weights partitioned by deepspeed.zero.Init; "
+                           "build the model on the host or the device (--model-init host or device)")
     if kbit_precision(quant) is not None and _is_fake(lm):
         # Params4bit(FakeTensor) fails: "Creating a new Tensor subclass Params4bit but the raw Tensor
         # object is already associated to a python object of type FakeTensor" (docs/measure.md)
