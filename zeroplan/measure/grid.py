@@ -422,5 +422,7 @@ def row_implementation(row: Row) -> str:
     activations a real run never holds. The reference model mirrors transformers' Llama
     (zeroplan/measure/reference_model.py); tests/test_measure_distributed.py checks that a
     simulated reference run matches a real 2-rank one."""
+    if row.lora is not None:  # PEFT adapts Hugging Face models only (measure/programs/peft_model.py)
+        return "auto"
     return "reference" if row.simulate else "auto"
 
