@@ -66,8 +66,8 @@ def test_4bit_knobs_need_a_4bit_base():
 ])
 def test_sharding_a_uint8_packed_4bit_base_is_refused(changes, message):
     with pytest.raises(ValueError, match=message):
-        TrainingSpec(**changes, lora=LoraSpec(rank=8), quant=QuantSpec(base_precision="nf4"))
-    TrainingSpec(**changes, lora=LoraSpec(rank=8), quant=QuantSpec(base_precision="nf4", quant_storage="bf16"))
+        TrainingSpec(**changes, lora=LoraSpec(rank=8, targets=("q_proj",)), quant=QuantSpec(base_precision="nf4"))
+    TrainingSpec(**changes, lora=LoraSpec(rank=8, targets=("q_proj",)), quant=QuantSpec(base_precision="nf4", quant_storage="bf16"))
 
 
 def test_quantized_base_needs_adapters():

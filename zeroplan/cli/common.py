@@ -13,6 +13,7 @@ from typing import Any, TypeVar, get_args
 
 import click
 
+from zeroplan.cli.lora_options import LORA_OPTIONS
 from zeroplan.errors import FieldError, ZeroplanError
 from zeroplan.report.common import FORMATS
 from zeroplan.spec.program import ActivationOffload, GradSync, Loss, ModelInit, OptimizerImpl, Recipe
@@ -36,6 +37,7 @@ OPTION_OF_FIELD = {
     "offloads": "--offload",
     "headroom": "--headroom",
     "global_batch": "--global-batch",
+    "lora.targets": "--lora-targets", "lora.rank": "--lora-rank", "lora.modules_to_save": "--modules-to-save",
 }
 """The option that sets each field a library function names in a `FieldError` (the library knows
 no command line)."""
@@ -160,7 +162,7 @@ TRAINING_OPTIONS = [
         "recipe YAML, an accelerate config YAML, or a ColossalAI-style .py. A TOML or torchtune YAML also names "
         "the model. Options given here override it.",
     ),
-]
+] + LORA_OPTIONS  # cli/lora_options.py
 
 GPU_MEMORY_OPTION = click.option(
     "--gpu-memory", "gpu_memory", type=GpuMemoryType(),

@@ -130,6 +130,9 @@ def _emit(kind: str, path: str, training) -> None:
         text = write_fsdp2_snippet(training)
     write_atomic(path, text, "--emit")
     extra = f" --checkpointing {training.checkpointing.value}" if training.checkpointing.value != "none" else ""
+    from zeroplan.importers.lora_options import lora_command_options
+
+    extra += lora_command_options(training)  # a DeepSpeed JSON carries no adapters
     click.echo(
         f"wrote {path} ({kind}, plan #1); check it with: zeroplan estimate MODEL --config {path} --gpus {training.gpus} "
         f"--seq-len {training.seq_len}{extra}" if kind == "deepspeed" else f"wrote {path} ({kind}, plan #1)",

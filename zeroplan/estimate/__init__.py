@@ -15,9 +15,10 @@ from zeroplan.estimate import caches
 from zeroplan.estimate.activations import activation_bytes, attention_kernel, memory_checkpointing
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, setup_of
+from zeroplan.estimate.lora import lora_activations
 from zeroplan.estimate.facts import ModelFacts, model_facts
 from zeroplan.estimate.overhead import overhead_bytes
-from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, PhaseBytes
+from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, ParamParts, PhaseBytes
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Attention, Device, Engine, TrainingSpec
 
@@ -51,6 +52,7 @@ class _Profiled(NamedTuple):
     result: EngineEstimate
     overhead: int  # added to every phase of the result
     notes: tuple[str, ...]
+    param_parts: ParamParts | None = None  # with LoRA: the peak's params as base + adapter bytes
 
 
 def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
@@ -60,6 +62,8 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     notes: tuple[str, ...] = ()
     if isinstance(model, TransformerSpec):
         acts = activation_bytes(model, training, dtypes.activation)
+        if training.lora is not None:
+            acts = lora_activations(acts, model, training, dtypes.activation)  # estimate/lora.py
         implementation = _IMPLEMENTATIONS[training.attention]
         notes = _checkpointing_notes(model, training)
         if attention_kernel(model, training) == "math":
@@ -73,10 +77,36 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
         result, overhead = _engine_profile(Engine.PAPER)(facts, setup, dtypes), 0
     else:
         result, overhead = _engine_profile(training.engine)(facts, setup, acts), overhead_bytes(training)
+    parts = None
+    if training.lora is not None and isinstance(model, TransformerSpec):
+        result, parts, lora_notes = _with_lora(result, facts, model, training, dtypes.param, overhead)
+        notes += lora_notes
     if acts is not None and acts.offloaded:
         result, offload_notes = _with_offloaded_activations(result, acts.host_bytes, training)
         notes += offload_notes
-    return _Profiled(facts, implementation, result, overhead, notes + result.notes if result.notes else notes)
+    return _Profiled(facts, implementation, result, overhead, notes + result.notes if result.notes else notes, parts)
+
+
+def _with_lora(result: EngineEstimate, facts: ModelFacts, model: TransformerSpec, training: TrainingSpec, param: int,
+               overhead: int) -> tuple[EngineEstimate, ParamParts, tuple[str, ...]]:
+    """The engine's phases with the base stored as `training.quant` says and the dequantized (and DoRA)
+    temporaries of the adapted layers (estimate/lora.py; docs/engines/lora.md)."""
+    from zeroplan.estimate import lora
+    from zeroplan.estimate.result import Phase, Step
+
+    delta = lora.base_params_delta(model, training, param)
+    quant = training.quant
+    dequantized = lora.dequantized_weight_bytes(model, quant) if quant is not None else 0
+    phases = []
+    for p in result.phases:
+        extra = dequantized if p.phase in (Phase.FORWARD, Phase.BACKWARD) else 0
+        categories = p.categories._replace(params=max(0, p.categories.params + delta),
+                                           temporaries=p.categories.temporaries + extra)
+        phases.append(PhaseBytes(p.step, p.phase, categories))
+    result = result._replace(phases=tuple(phases))
+    peak = max(result.phases, key=lambda p: p.total_bytes)
+    adapter = min(peak.categories.params, lora.adapter_param_bytes(facts, training, param, peak.step == Step.STEADY))
+    return result, ParamParts(peak.categories.params - adapter, adapter), lora.lora_notes(model, training, facts)
 
 
 def _with_offloaded_activations(result: EngineEstimate, host_bytes: int, training: TrainingSpec) -> tuple[EngineEstimate, tuple[str, ...]]:
@@ -108,7 +138,7 @@ def _estimate_of(profiled: _Profiled, engine: Engine) -> Estimate:
     facts = profiled.facts
     summary = ModelSummary(facts.name, facts.total_params, facts.trainable_params, profiled.implementation)
     phases = _with_overhead(profiled.result.phases, profiled.overhead)
-    return Estimate(summary, engine.value, phases, profiled.result.per_node, profiled.notes)
+    return Estimate(summary, engine.value, phases, profiled.result.per_node, profiled.notes, profiled.param_parts)
 
 
 def estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:

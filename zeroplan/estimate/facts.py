@@ -15,6 +15,8 @@ from typing import NamedTuple
 from zeroplan.errors import SpecError
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.layout import ParamTensor, param_layout
+from zeroplan.estimate.lora import lora_layout
+from zeroplan.spec.lora import LoraSpec
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
 
@@ -25,6 +27,16 @@ class ModuleGroup(NamedTuple):
     count: int  # identical copies of this group (the transformer blocks)
     frozen: bool  # does not train: no gradients, no optimizer states
     params: int  # elements in one copy
+
+    @property
+    def trainable_tensors(self) -> tuple[ParamTensor, ...]:
+        """The tensors that train (all of a group that trains, but LoRA's frozen base tensors)."""
+        return () if self.frozen else tuple([t for t in self.tensors if not t.frozen])
+
+    @property
+    def trainable_params(self) -> int:
+        """Elements that train in one copy."""
+        return sum(t.numel for t in self.trainable_tensors)
 
 
 # eq=False: hashed and compared by identity. The engines' caches are keyed by ModelFacts, and
@@ -41,17 +53,18 @@ class ModelFacts:
 
     def trainable_numels(self) -> list[int]:
         """Every trainable tensor's element count, in `model.parameters()` order (block after block)."""
-        return [t.numel for g in self.groups if not g.frozen for _ in range(g.count) for t in g.tensors]
+        return [t.numel for g in self.groups for _ in range(g.count) for t in g.trainable_tensors]
 
 
 def _group(role: str, tensors: tuple[ParamTensor, ...], count: int, frozen: bool) -> ModuleGroup:
+    frozen = frozen or all(t.frozen for t in tensors)
     return ModuleGroup(role, tensors, count, frozen, sum(t.numel for t in tensors))
 
 
 def _facts(name: str, groups: tuple[ModuleGroup, ...], trainable: int | None = None) -> ModelFacts:
     total = sum(g.params * g.count for g in groups)
     if trainable is None:
-        trainable = sum(g.params * g.count for g in groups if not g.frozen)
+        trainable = sum(g.trainable_params * g.count for g in groups)
     largest_group = max(g.params for g in groups)
     largest_tensor = max(t.numel for g in groups for t in g.tensors)
     return ModelFacts(name, total, trainable, groups, largest_group, largest_tensor)
@@ -66,6 +79,17 @@ def _transformer_facts(spec: TransformerSpec, freeze: tuple[str, ...]) -> ModelF
         _group("final", layout.final, 1, "final" in freeze),
     )
     return _facts(spec.name, groups)
+
+
+@memo(maxsize=256)  # one object per model, as `_transformer_facts`
+def _lora_facts(spec: TransformerSpec, lora: LoraSpec) -> ModelFacts:
+    """The model with PEFT's adapters: base tensors frozen, adapters trained (estimate/lora.py)."""
+    layout = lora_layout(spec, lora)
+    groups = [_group("embedding", layout.embedding, 1, False), _group("block", layout.block, layout.adapted_blocks, False)]
+    if layout.adapted_blocks < spec.num_layers:
+        groups.append(_group("block", layout.plain_block, spec.num_layers - layout.adapted_blocks, False))
+    groups.append(_group("final", layout.final, 1, False))
+    return _facts(spec.name, tuple(groups))
 
 
 @memo(maxsize=256)  # one object per model, as `_transformer_facts`
@@ -100,4 +124,6 @@ def model_facts(spec: TransformerSpec | ParamCountSpec, training: TrainingSpec) 
             f"under {_gathering_engine(training)}, which gathers one layer at a time"
         )
     freeze = tuple(sorted(training.freeze)) if training.freeze else ()
+    if training.lora is not None and isinstance(spec, TransformerSpec):
+        return _lora_facts(spec, training.lora)
     return _transformer_facts(spec, freeze) if isinstance(spec, TransformerSpec) else _count_facts(spec)

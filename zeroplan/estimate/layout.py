@@ -22,6 +22,7 @@ class ParamTensor(NamedTuple):
     name: str
     numel: int
     rows: int  # size of dim 0: FSDP2 shards on dim 0 and pads it to a multiple of the world size
+    frozen: bool = False  # a frozen tensor in a group that trains (LoRA's base weights beside its adapters)
 
 
 class ParamLayout(NamedTuple):

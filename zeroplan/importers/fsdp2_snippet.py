@@ -8,6 +8,7 @@ _fully_shard.py, fully_shard docstring). Text generation only: no torch import h
 from __future__ import annotations
 
 from zeroplan.errors import SpecError
+from zeroplan.importers.lora_options import fsdp2_peft_lines
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
 
 _PARAM_DTYPE = {  # MixedPrecisionPolicy: compute in param_dtype, reduce gradients in fp32
@@ -41,6 +42,7 @@ def write_fsdp2_snippet(training: TrainingSpec) -> str:
         f"# zeroplan plan: FSDP2, ZeRO stage {training.zero_stage}, {training.precision.value}, "
         f"{training.optimizer.value}, offload {'cpu' if offload else 'none'}, "
         f"micro batch {training.micro_batch} x {training.grad_accum} accumulation x {training.gpus} GPUs",
+        *fsdp2_peft_lines(training),  # importers/lora_options.py
         "import torch",
     ]
     if training.optimizer == Optimizer.ADAM_8BIT:
@@ -60,7 +62,8 @@ def write_fsdp2_snippet(training: TrainingSpec) -> str:
         "    for block in blocks:",
         f"        fully_shard(block, reshard_after_forward={reshard}, mp_policy=mp_policy, offload_policy=offload_policy)",
         f"    fully_shard(model, reshard_after_forward={root}, mp_policy=mp_policy, offload_policy=offload_policy)",
-        f"    optimizer = {_OPTIMIZER[training.optimizer]}",
+        f"    optimizer = {_OPTIMIZER[training.optimizer]}" if training.lora is None else
+        f"    optimizer = {_OPTIMIZER[training.optimizer].replace('model.parameters()', '[p for p in model.parameters() if p.requires_grad]')}",
         *(["    # fp16: scale the loss (torch.amp.GradScaler) so that small gradients do not underflow"]
           if training.precision == Precision.FP16 else []),
         "    return model, optimizer",

@@ -30,6 +30,15 @@ _STRICT = ConfigDict(extra="forbid", frozen=True)
 ALL_LINEAR = "all-linear"  # peft/utils/constants.py INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 
+# peft 0.21.2 peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: what a
+# LoraConfig without target_modules adapts
+PEFT_DEFAULT_TARGETS = {
+    "llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "mixtral": ("q_proj", "v_proj"),
+    "qwen2": ("q_proj", "v_proj"), "gemma": ("q_proj", "v_proj"), "gpt2": ("c_attn",),
+    "gpt_neox": ("query_key_value",), "phi3": ("qkv_proj",),
+}
+
+
 class LoraSpec(BaseModel):
     """A LoRA adapter as PEFT's LoraConfig describes it: only what changes memory (alpha is kept for
     the record: it scales, it stores nothing)."""
@@ -39,7 +48,7 @@ class LoraSpec(BaseModel):
     rank: int = Field(ge=1, description="LoRA rank r: A is (r, in), B is (out, r) for every adapted linear.")
     alpha: float | None = Field(None, description="lora_alpha (scaling alpha / r; no bytes). [default: PEFT's, 8]")
     targets: tuple[str, ...] = Field(
-        (ALL_LINEAR,), min_length=1, description="Modules to adapt, by name as PEFT matches them (q_proj, v_proj, "
+        min_length=1, description="Modules to adapt, by name as PEFT matches them (q_proj, v_proj, "
         "c_attn, query_key_value, ...), or all-linear: every linear layer except the output head.")
     dropout: float = Field(0.0, ge=0, lt=1, description="lora_dropout on each adapter's input (PEFT's default 0: "
                            "nn.Identity, nothing kept).")

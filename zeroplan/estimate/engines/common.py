@@ -103,18 +103,18 @@ def early_gradients(facts: ModelFacts) -> tuple[int, int, int]:
     head = tied = 0
     final = [g for g in facts.groups if g.role == "final" and not g.frozen]
     if final:
-        head = final[0].params
-        if not any(t.name.startswith("lm_head") for t in final[0].tensors):
-            tied = max((t.numel for g in facts.groups if g.role == "embedding" and not g.frozen for t in g.tensors), default=0)
+        head = final[0].trainable_params
+        if not any(t.name.startswith("lm_head") for t in final[0].trainable_tensors):
+            tied = max((t.numel for g in facts.groups if g.role == "embedding" for t in g.trainable_tensors), default=0)
     blocks = [g for g in facts.groups if g.role == "block" and not g.frozen]
     first = 0
     # The output projection: the MLP's last matmul in registration order (architecture.py lists
     # a block's tensors as the model registers them, norms last for Llama).
-    matmuls = [t.name for t in blocks[0].tensors if "norm" not in t.name] if blocks else []
+    matmuls = [t.name for t in blocks[0].trainable_tensors if "norm" not in t.name] if blocks else []
     if matmuls:
         last = ([name for name in matmuls if name.startswith("mlp.")] or matmuls)[-1]
         module = last.rsplit(".", 1)[0] + "."
-        first = sum(t.numel for t in blocks[0].tensors if t.name.startswith(module))
+        first = sum(t.numel for t in blocks[0].trainable_tensors if t.name.startswith(module))
     return head, tied, first
 
 

@@ -102,14 +102,14 @@ class _Run(NamedTuple):
 @memo(maxsize=256)  # measured: DeepSpeed plans take 2-4x longer without it
 def _layout(facts: ModelFacts) -> _Layout:
     # parameter order (model.parameters()): each copy of a block in turn
-    numels = tuple(t.numel for g in facts.groups if not g.frozen for _ in range(g.count) for t in g.tensors)
+    numels = tuple(t.numel for g in facts.groups for _ in range(g.count) for t in g.trainable_tensors)
     # Module groups in backward order (the head first); a frozen group has no gradients but
     # its parameters are still gathered in stage 3.
     backward: list[tuple[int, ...]] = []
     gathered: list[tuple[int, ...]] = []
     for g in reversed(facts.groups):
         tensors = tuple(reversed([t.numel for t in g.tensors]))
-        backward.extend([() if g.frozen else tensors] * g.count)
+        backward.extend([tuple(reversed([t.numel for t in g.trainable_tensors]))] * g.count)
         gathered.extend([tensors] * g.count)
     _, tied, first_block = early_gradients(facts)
     return _Layout(numels, tuple(backward), tuple(gathered), tied, first_block, max(numels, default=0))
@@ -609,7 +609,7 @@ def _stage3_sizes(facts: ModelFacts, n: int, threshold: int) -> tuple[int, int, 
     gathered once, never released, on top of their partition.
     """
     # per distinct tensor of a group, times the group's copies (the blocks are identical)
-    tensors = [(t.numel, g.count, g.frozen) for g in facts.groups for t in g.tensors]
+    tensors = [(t.numel, g.count, g.frozen or t.frozen) for g in facts.groups for t in g.tensors]
     p3_all = sum(ceil_div(x, n) * count for x, count, _ in tensors)
     p3 = sum(ceil_div(x, n) * count for x, count, frozen in tensors if not frozen)
     persistent = sum(x * count for x, count, _ in tensors if x <= threshold)

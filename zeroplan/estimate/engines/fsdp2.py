@@ -73,6 +73,9 @@ def _units(facts: ModelFacts, n: int, split: bool) -> _Units:
     def shard_elems(group) -> int:
         return sum(_padded_shard(t.numel, t.rows, n) for t in group.tensors)
 
+    def trained_elems(group) -> int:
+        return sum(_padded_shard(t.numel, t.rows, n) for t in group.trainable_tensors)
+
     # Units root: the root holds every non-block group. Units split puts the final norm and head in a
     # unit of their own, unless the head is tied to the embeddings (one [embeddings, norm, head] unit:
     # accelerate `fsdp2_prepare_model`, torchtitan `apply_fsdp_to_decoder`).
@@ -86,11 +89,11 @@ def _units(facts: ModelFacts, n: int, split: bool) -> _Units:
         tail=sum(shard_elems(g) for g in tail),
         block=max((shard_elems(g) for g in blocks), default=0),
         total=sum(shard_elems(g) * g.count for g in facts.groups),
-        trainable=sum(shard_elems(g) * g.count for g in facts.groups if not g.frozen),
-        largest=max((_padded_shard(t.numel, t.rows, n) for g in facts.groups if not g.frozen for t in g.tensors), default=0),
-        lead_trainable=sum(shard_elems(g) for g in lead if not g.frozen),
-        tail_trainable=sum(shard_elems(g) for g in tail if not g.frozen),
-        block_trainable=max((shard_elems(g) for g in blocks if not g.frozen), default=0),
+        trainable=sum(trained_elems(g) * g.count for g in facts.groups),
+        largest=max((_padded_shard(t.numel, t.rows, n) for g in facts.groups for t in g.trainable_tensors), default=0),
+        lead_trainable=sum(trained_elems(g) for g in lead),
+        tail_trainable=sum(trained_elems(g) for g in tail),
+        block_trainable=max((trained_elems(g) for g in blocks if not g.frozen), default=0),
         lead_params=sum(g.params for g in lead),
         tail_params=sum(g.params for g in tail),
     )

@@ -88,7 +88,7 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
     # Where the model was built (model_init) does not matter either: DDP wraps it whole, in fp32.
     accumulating = setup.accumulating
     head_numel, tied_numel, first_numel = early_gradients(facts)
-    block_numel = max((g.params for g in facts.groups if g.role == "block" and not g.frozen), default=0)
+    block_numel = max((g.trainable_params for g in facts.groups if g.role == "block" and not g.frozen), default=0)
     num_blocks = acts.num_blocks if acts else 0
 
     phases = []
@@ -132,7 +132,7 @@ def _in_backward_phases(facts: ModelFacts, setup: Setup, acts: ActivationBytes |
     trainable = [g for g in facts.groups if not g.frozen]
 
     def largest(role: str) -> int:
-        return max((t.numel for g in trainable if g.role == role for t in g.tensors), default=0)
+        return max((t.numel for g in trainable if g.role == role for t in g.trainable_tensors), default=0)
 
     def stepping(numel: int) -> tuple[int, int]:
         """(.grad, step temporaries) of one parameter of `numel` elements in its hook."""
@@ -142,8 +142,8 @@ def _in_backward_phases(facts: ModelFacts, setup: Setup, acts: ActivationBytes |
         return optimizer_state_bytes(numel, setup.optimizer, element)
 
     all_states = states_of(facts.trainable_params)
-    head_params = sum(g.params for g in trainable if g.role == "final")
-    block_params = max((g.params for g in trainable if g.role == "block"), default=0)
+    head_params = sum(g.trainable_params for g in trainable if g.role == "final")
+    block_params = max((g.trainable_params for g in trainable if g.role == "block"), default=0)
     _, tied_numel, _ = early_gradients(facts)
     tied = tied_numel * element
     num_blocks = acts.num_blocks if acts else 0

@@ -1,0 +1,90 @@
+"""LoRA and QLoRA on the command line (issue 12): estimate, compare and plan take the same options;
+bad input is one line naming the option, exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from zeroplan.cli import cli
+
+QLORA = ["--lora-rank", "16", "--lora-targets", "all-linear", "--base-precision", "nf4"]
+
+
+def _run(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_done_when_command_answers_with_categories_and_fit():
+    result = _run("estimate", "llama-3-8b", *QLORA, "--gpus", "1", "--gpu-memory", "rtx4090-24gb")
+    assert result.exit_code == 0, result.output
+    assert "Fits in 24.00 GiB per GPU" in result.output
+    assert "41,943,040 trainable" in result.output
+
+
+def test_json_shows_base_and_adapter_bytes_of_the_params():
+    result = _run("estimate", "llama-3-8b", *QLORA, "--engine", "torch", "--format", "json")
+    data = json.loads(result.output)
+    parts = data["param_parts"]
+    assert parts["base"] + parts["adapter"] == data["per_gpu"]["params"]
+    # the torch engine keeps PEFT's fp32 adapters: 41,943,040 x 4 bytes
+    assert parts["adapter"] == 41_943_040 * 4
+    assert data["model"]["trainable_params"] == 41_943_040
+    assert data["config"]["lora"]["rank"] == 16 and data["config"]["quant"]["base_precision"] == "nf4"
+
+
+def test_a_quantized_base_takes_less_than_a_bf16_one():
+    def peak(*extra: str) -> int:
+        result = _run("estimate", "llama-3-8b", "--lora-rank", "16", "--engine", "torch", "--format", "json", *extra)
+        return json.loads(result.output)["per_gpu"]["params"]
+
+    assert peak("--base-precision", "nf4") < peak("--base-precision", "int8") < peak("--base-precision", "bf16")
+
+
+def test_adapter_config_file(tmp_path):
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({"peft_type": "LORA", "r": 8, "target_modules": ["q_proj", "v_proj"]}))
+    result = _run("estimate", "llama-2-7b", "--lora", str(path), "--format", "json")
+    assert json.loads(result.output)["model"]["trainable_params"] == 4_194_304
+
+
+def test_compare_and_plan_take_the_options():
+    result = _run("compare", "llama-3-8b", *QLORA, "--gpus", "1", "--zero", "0", "--gpu-memory", "24GiB")
+    assert result.exit_code == 0, result.output
+    result = _run("plan", "llama-3-8b", "--lora-rank", "64", "--lora-targets", "all-linear", "--gpu", "rtx4090-24gb",
+                  "--gpus", "1")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["llama-3-8b", "--lora-rank", "0"], "Error: --lora-rank: Input should be greater than or equal to 1 (got 0)"),
+    (["llama-3-8b", "--lora-rank", "8", "--lora-targets", "qkv"],
+     "Error: --lora-targets: 'qkv' names no module of llama-3-8b; its modules: q_proj, k_proj, v_proj, o_proj, "
+     "gate_proj, up_proj, down_proj, lm_head, embed_tokens"),
+    (["tiny-gpt2", "--lora-rank", "500", "--lora-targets", "c_attn"],
+     "Error: --lora-rank: 500 exceeds the dimensions of attn.c_attn (128 -> 384)"),
+    (["llama-3-8b", "--lora-dropout", "0.1"], "Error: --lora-dropout: LoRA options need --lora-rank R or --lora"),
+    (["--params", "7B", "--base-precision", "nf4"], "Error: --base-precision: a model known by its parameter count"),
+    (["--params", "7B", "--lora-rank", "8"], "Error: --lora-rank: a model known by its parameter count"),
+    (["llama-3-8b", "--double-quant"], "Error: --double-quant: needs --base-precision"),
+    (["llama-3-8b", "--lora-rank", "8", "--base-precision", "nf4", "--engine", "fsdp2", "--zero", "3", "--gpus", "2"],
+     "Error: quant.quant_storage uint8: engine fsdp2 at zero_stage 3"),
+    (["llama-3-8b", "--lora-rank", "8", "--base-precision", "int8", "--engine", "deepspeed", "--zero", "3", "--gpus", "2"],
+     "Error: quant.base_precision int8: Int8Params cannot be sharded"),
+    (["llama-3-8b", "--base-precision", "nf4"], "Error: quant.base_precision nf4: a quantized base cannot train"),
+])
+def test_bad_input_is_one_line_exit_2(args, message):
+    result = _run("estimate", *args)
+    assert result.exit_code == 2
+    assert result.output.startswith(message), result.output
+    assert result.output.count("\n") == 1
+
+
+def test_bad_adapter_config_is_one_line(tmp_path):
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({"r": 8, "target_modules": ["q_proj"], "peft_version": "2.0.0"}))
+    result = _run("estimate", "llama-3-8b", "--lora", str(path))
+    assert result.exit_code == 2
+    assert result.output == f"Error: {path}: peft_version: unknown version '2.0.0' (this reader knows peft 0.x)\n"

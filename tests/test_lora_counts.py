@@ -1,0 +1,102 @@
+"""Adapter parameter counts (issue 12) against PEFT's definition and published figures.
+
+Where peft is installed, each model of tests/data/hf_configs is built on the meta device with
+transformers, wrapped with peft's get_peft_model, and `get_nb_trainable_parameters` must equal
+zeroplan's count for every target set."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zeroplan.errors import SpecError
+from zeroplan.estimate.layout import param_layout
+from zeroplan.estimate.lora import adapter_params, lora_layout, quantized_weight_bytes
+from zeroplan.importers.catalog import resolve_model
+from zeroplan.importers.hf_config import spec_from_hf_config
+from zeroplan.spec.lora import LoraSpec, QuantSpec
+
+HF_CONFIGS = sorted((Path(__file__).parent / "data" / "hf_configs").glob("*.json"))
+
+# the attention projections each family's PEFT default targets (peft/utils/constants.py
+# TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
+ATTENTION_TARGETS = {"gpt2": ("c_attn",), "gpt_neox": ("query_key_value",), "phi3": ("qkv_proj",)}
+
+
+def _attention(model_type: str) -> tuple[str, ...]:
+    return ATTENTION_TARGETS.get(model_type, ("q_proj", "v_proj"))
+
+
+def _head(model_type: str) -> str:
+    return "lm_head"  # transformers 5 names GPT-NeoX's head lm_head too
+
+
+def test_llama_2_7b_rank_8_q_v_is_peft_printed_count():
+    # PEFT's README: "trainable params: 4,194,304 || all params: 6,742,609,920 || trainable%: 0.0622"
+    spec = resolve_model("llama-2-7b")
+    lora = LoraSpec(rank=8, targets=("q_proj", "v_proj"))
+    assert adapter_params(spec, lora) == 4_194_304
+    assert param_layout(spec).total_params + 4_194_304 == 6_742_609_920
+
+
+def test_all_linear_is_every_linear_but_the_head():
+    # Llama-3-8B, r=16: per block q(4096->4096), k, v(4096->1024), o, gate, up(4096->14336), down
+    spec = resolve_model("llama-3-8b")
+    per_block = 16 * ((4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14336) * 2 + (14336 + 4096))
+    assert adapter_params(spec, LoraSpec(rank=16, targets=("all-linear",))) == 32 * per_block == 41_943_040
+
+
+def test_dora_adds_a_magnitude_per_output_and_a_saved_head_is_a_copy():
+    spec = resolve_model("llama-2-7b")
+    lora = LoraSpec(rank=8, targets=("q_proj", "v_proj"), dora=True, modules_to_save=("lm_head",))
+    assert adapter_params(spec, lora) == 4_194_304 + 32 * 2 * 4096 + 32_000 * 4096
+
+
+@pytest.mark.parametrize("targets, message", [
+    (("qkv",), r"lora.targets: 'qkv' names no module of llama-3-8b; its modules: q_proj, k_proj"),
+])
+def test_a_target_naming_no_module_lists_the_modules(targets, message):
+    with pytest.raises(SpecError, match=message):
+        lora_layout(resolve_model("llama-3-8b"), LoraSpec(rank=8, targets=targets))
+
+
+def test_a_rank_above_a_target_dimension_is_refused():
+    with pytest.raises(SpecError, match=r"lora.rank: 200 exceeds the dimensions of attn.c_attn \(128 -> 384\)"):
+        lora_layout(resolve_model("tiny-gpt2"), LoraSpec(rank=200, targets=("c_attn",)))
+
+
+def test_nf4_storage_follows_bitsandbytes():
+    # 4096 x 4096: 8 MiB packed, 262,144 blocks of 64 -> fp32 absmax; double quant: uint8 absmax,
+    # 1,024 fp32 second-level absmax and the fp32 offset (functional.py quantize_4bit)
+    n = 4096 * 4096
+    assert quantized_weight_bytes(n, 4096, QuantSpec(base_precision="nf4")) == n // 2 + 4 * (n // 64)
+    assert quantized_weight_bytes(n, 4096, QuantSpec(base_precision="nf4", double_quant=True)) == (
+        n // 2 + n // 64 + 4 * (n // 64 // 256) + 4)
+    # Int8Params: int8 weight, SCB fp32 per output row
+    assert quantized_weight_bytes(n, 4096, QuantSpec(base_precision="int8")) == n + 4 * 4096
+
+
+def _peft_count(config: dict, targets, dora: bool = False, modules_to_save=None) -> tuple[int, int]:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, target_modules=targets if targets != ("all-linear",) else "all-linear", use_dora=dora,
+            modules_to_save=modules_to_save))
+    return wrapped.get_nb_trainable_parameters()
+
+
+@pytest.mark.parametrize("path", HF_CONFIGS, ids=lambda p: p.stem)
+def test_adapter_counts_equal_peft(path):
+    config = json.loads(path.read_text())
+    spec = spec_from_hf_config(config, path.stem)
+    model_type = config["model_type"]
+    cases = [(("all-linear",), False, None), (_attention(model_type), True, [_head(model_type)])]
+    for targets, dora, saved in cases:
+        trainable, total = _peft_count(config, list(targets) if targets != ("all-linear",) else targets, dora, saved)
+        lora = LoraSpec(rank=4, targets=targets, dora=dora, modules_to_save=tuple(saved or ()))
+        assert adapter_params(spec, lora) == trainable, (targets, dora, saved)

@@ -1,0 +1,91 @@
+"""The LoRA/QLoRA estimate (issue 12) against definitions: what trains gets gradients and optimizer
+states, bitsandbytes' storage of the base, and the adapters' activations by device."""
+
+from __future__ import annotations
+
+from zeroplan.estimate import estimate
+from zeroplan.estimate.layout import param_layout
+from zeroplan.estimate.lora import adapter_params, quantized_weight_bytes
+from zeroplan.estimate.result import Phase, Step
+from zeroplan.importers.catalog import resolve_model
+from zeroplan.spec.lora import LoraSpec, QuantSpec
+from zeroplan.spec.training import TrainingSpec
+
+LLAMA = resolve_model("tiny-llama")
+ALL = LoraSpec(rank=8, targets=("all-linear",))
+
+
+def _phase(result, step: Step, name: Phase):
+    return next(p for p in result.phases if p.step == step and p.phase == name).categories
+
+
+def test_ddp_buckets_and_adam_states_cover_the_adapters_only():
+    training = TrainingSpec(engine="torch", gpus=2, precision="fp32", lora=ALL)
+    result = estimate(LLAMA, training)
+    trainable = adapter_params(LLAMA, ALL)
+    assert result.model.trainable_params == trainable
+    init = _phase(result, Step.FIRST, Phase.INIT)
+    assert init.buffers == trainable * 4  # reducer.cpp buckets: one fp32 gradient per trainable parameter
+    step = _phase(result, Step.STEADY, Phase.OPTIMIZER_STEP)
+    assert step.optimizer_states == 2 * trainable * 4  # AdamW exp_avg and exp_avg_sq
+    assert step.grads == trainable * 4
+
+
+def test_nf4_base_is_stored_as_bitsandbytes_packs_it():
+    quant = QuantSpec(base_precision="nf4", double_quant=True)
+    training = TrainingSpec(engine="torch", lora=ALL, quant=quant)
+    result = estimate(LLAMA, training)
+    layout = param_layout(LLAMA)
+    linears = [t for t in layout.block if t.name.endswith("proj.weight")]
+    quantized = LLAMA.num_layers * sum(quantized_weight_bytes(t.numel, t.rows, quant) for t in linears)
+    rest = (layout.total_params - LLAMA.num_layers * sum(t.numel for t in linears)) * 2  # bf16 compute dtype
+    adapters = adapter_params(LLAMA, ALL) * 4  # PEFT keeps adapters fp32 (autocast_adapter_dtype)
+    assert _phase(result, Step.FIRST, Phase.INIT).params == quantized + rest + adapters
+    assert result.param_parts.base_bytes == quantized + rest
+    assert result.param_parts.adapter_bytes == adapters
+
+
+def test_quantized_layers_materialise_their_weight_in_forward():
+    plain = estimate(LLAMA, TrainingSpec(engine="torch", lora=ALL, quant=QuantSpec(base_precision="bf16")))
+    nf4 = estimate(LLAMA, TrainingSpec(engine="torch", lora=ALL, quant=QuantSpec(base_precision="nf4")))
+    largest = max(t.numel for t in param_layout(LLAMA).block if t.name.endswith("proj.weight"))
+    forward = (_phase(nf4, Step.STEADY, Phase.FORWARD).temporaries - _phase(plain, Step.STEADY, Phase.FORWARD).temporaries)
+    assert forward == largest * 2  # dequantize_4bit to bf16
+
+
+def test_adapter_dropout_keeps_a_bool_mask_on_cuda_and_a_full_tensor_on_cpu():
+    def forward_activations(device: str) -> int:
+        lora = LoraSpec(rank=8, targets=("all-linear",), dropout=0.1)
+        training = TrainingSpec(engine="torch", precision="fp32", device=device, lora=lora)
+        return _phase(estimate(LLAMA, training), Step.STEADY, Phase.FORWARD).activations
+
+    tokens = 2048
+    inputs = sum(t.numel // t.rows for t in param_layout(LLAMA).block if t.name.endswith("proj.weight"))
+    # aten Dropout.cpp: native_dropout's 1-byte mask on CUDA, the fp32 noise tensor on CPU
+    assert forward_activations("cpu") - forward_activations("cuda") == LLAMA.num_layers * tokens * inputs * (4 - 1)
+
+
+def test_frozen_base_keeps_fewer_activations_than_full_training():
+    full = estimate(LLAMA, TrainingSpec(engine="torch", precision="fp32"))
+    lora = estimate(LLAMA, TrainingSpec(engine="torch", precision="fp32",
+                                        lora=LoraSpec(rank=8, targets=("q_proj", "v_proj"))))
+    # gate/up/down and o_proj are frozen: down_proj's input (the MLP product) is no longer kept
+    tokens, inner = 2048, LLAMA.intermediate_size
+    saved = _phase(full, Step.STEADY, Phase.FORWARD).activations - _phase(lora, Step.STEADY, Phase.FORWARD).activations
+    rank_outputs = 2 * 8 * 4  # A's output kept by B, for q and v
+    assert saved == LLAMA.num_layers * tokens * (4 * inner + 4 * LLAMA.hidden_size - rank_outputs)
+
+
+def test_zero3_keeps_adapters_whole_under_the_persistence_threshold():
+    training = TrainingSpec(engine="deepspeed", zero_stage=3, gpus=4, lora=ALL)
+    result = estimate(LLAMA, training)
+    # every adapter of tiny-llama is under 1e5 elements: partition + the whole tensor, bf16
+    trainable = adapter_params(LLAMA, ALL)
+    per_rank = sum(-(-t.numel // 4) for t in [t for t in _lora_tensors()]) * LLAMA.num_layers
+    assert result.param_parts.adapter_bytes == 2 * (per_rank + trainable)
+
+
+def _lora_tensors():
+    from zeroplan.estimate.lora import lora_layout
+
+    return [t for t in lora_layout(LLAMA, ALL).block if not t.frozen]

@@ -1,0 +1,440 @@
+"""LoRA and QLoRA in the estimate (issue 12): which tensors PEFT adds and trains, how bitsandbytes
+stores the frozen base, and what the adapted layers keep for backward. Derivations, with the engine
+and library files they come from, are in docs/engines/lora.md.
+
+- Adapters (peft 0.21.2 peft/tuners/lora/layer.py `LoraLayer.update_layer`): `lora_A` (r, in) and
+  `lora_B` (out, r) per adapted linear (GPT-2's Conv1D too), B's bias under `lora_bias`, DoRA's
+  `lora_magnitude_vector` (out); an adapted embedding has `lora_embedding_A` (r, vocab) and
+  `lora_embedding_B` (h, r). `modules_to_save` wraps a module in `ModulesToSaveWrapper`
+  (peft/utils/other.py): the original stays, frozen, and a trained copy is added (a tied head's copy
+  is a new tensor: the head is untied).
+- "all-linear" (peft/tuners/tuners_utils.py `_maybe_include_all_linear_layers`): every nn.Linear and
+  Conv1D but the output embedding; Mixtral's router and experts are plain parameters, not layers.
+- Quantized bases (bitsandbytes 0.50.2 nn/modules.py `Params4bit`, `Int8Params`; functional.py
+  `quantize_4bit`): transformers' `replace_with_bnb_linear` swaps the blocks' linear layers; the
+  embeddings, norms, biases and the output head stay in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+from zeroplan.errors import FieldError, SpecError
+from zeroplan.estimate.caches import memo
+from zeroplan.estimate.layout import ParamTensor, param_layout
+from zeroplan.spec.lora import LoraSpec, QuantSpec
+from zeroplan.spec.model import TransformerSpec
+
+FP32_BYTES = 4
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "uint8": 1}
+DOUBLE_QUANT_BLOCK = 256  # functional.py quantize_4bit: quantize_blockwise(_absmax - offset, blocksize=256)
+
+# transformers module names where they differ from the Llama family's (modeling_gpt2.py, modeling_gpt_neox.py)
+_PEFT_NAMES = {
+    "gpt2": {"attn.c_attn": "attn.c_attn", "attn.c_proj": "attn.c_proj", "mlp.c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj",
+             "embed_tokens": "wte", "embed_positions": "wpe", "lm_head": "lm_head"},
+    "gpt_neox": {"attn.qkv_proj": "attention.query_key_value", "attn.o_proj": "attention.dense",
+                 "mlp.fc_in": "mlp.dense_h_to_4h", "mlp.fc_out": "mlp.dense_4h_to_h",
+                 "embed_tokens": "embed_in"},  # transformers 5 names the head lm_head (was embed_out)
+}
+# Mixtral (modeling_mixtral.py MixtralSparseMoeBlock): the router `mlp.gate` and `mlp.experts`'s 3-D
+# gate_up_proj / down_proj; peft 0.21.2 adapts them as parameters (tuners/lora/layer.py ParamWrapper)
+_MOE_NAMES = {"moe.gate": "mlp.gate", "moe.experts.gate_up_proj": "mlp.experts", "moe.experts.down_proj": "mlp.experts"}
+
+
+class Linear(NamedTuple):
+    """One linear layer as PEFT sees it."""
+
+    module: str  # the layout's name (attn.q_proj), which names its tensors
+    peft_name: str  # the name PEFT matches targets against (self_attn.q_proj)
+    in_features: int
+    out_features: int
+    bias: bool
+    role: str  # "block" or "final"
+    kind: str = "linear"  # "linear" (nn.Linear or Conv1D: what bitsandbytes quantizes), "router", "experts"
+    experts: int = 1  # experts sharing one adapter pair (ParamWrapper: A is (r x E, in), B is (out, r x E))
+    rank_factor: int = 1  # peft doubles the rank of a fused gate_up_proj (its rank_pattern)
+
+
+def peft_name(spec: TransformerSpec, module: str) -> str:
+    names = _PEFT_NAMES.get(spec.hf_model_type or "", {})
+    if module in names:
+        return names[module]
+    return "self_attn." + module[len("attn."):] if module.startswith("attn.") else module
+
+
+def _linears(spec: TransformerSpec) -> tuple[Linear, ...]:
+    """The block's linear layers and the output head (untied or tied, it is an nn.Linear)."""
+    layout = param_layout(spec)
+    names = {t.name for t in layout.block}
+    conv1d = spec.hf_model_type == "gpt2"  # Conv1D keeps (in, out): dim 0 is the input
+    found = []
+    for t in layout.block:
+        module = t.name.rsplit(".", 1)[0]
+        if t.name.startswith("moe."):
+            found.extend(_moe_linear(spec, t))
+            continue
+        if not t.name.endswith(".weight") or "norm" in module:
+            continue
+        inner = t.numel // t.rows
+        in_features, out_features = (t.rows, inner) if conv1d else (inner, t.rows)
+        found.append(Linear(module, peft_name(spec, module), in_features, out_features, f"{module}.bias" in names, "block"))
+    found.append(Linear("lm_head", peft_name(spec, "lm_head"), spec.hidden_size, spec.vocab_size, False, "final"))
+    return tuple(found)
+
+
+def _moe_linear(spec: TransformerSpec, t: ParamTensor) -> list[Linear]:
+    h, inner, experts = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    if t.name == "moe.gate.weight":
+        return [Linear("moe.gate", _MOE_NAMES["moe.gate"], h, experts, False, "block", "router")]
+    if t.name == "moe.experts.gate_up_proj":
+        return [Linear(t.name, _MOE_NAMES[t.name], h, 2 * inner, False, "block", "experts", experts, 2)]
+    if t.name == "moe.experts.down_proj":
+        return [Linear(t.name, _MOE_NAMES[t.name], inner, h, False, "block", "experts", experts, 1)]
+    return []
+
+
+def _embeddings(spec: TransformerSpec) -> tuple[tuple[str, str, int], ...]:
+    """(layout name, PEFT name, rows) of each embedding."""
+    return tuple((t.name.rsplit(".", 1)[0], peft_name(spec, t.name.rsplit(".", 1)[0]), t.rows)
+                 for t in param_layout(spec).embedding)
+
+
+def _matches(name: str, target: str) -> bool:
+    # peft tuners_utils.py `check_target_module_exists`: the key itself or a dotted suffix of it
+    return name == target or name.endswith("." + target)
+
+
+def module_names(spec: TransformerSpec) -> list[str]:
+    """The names a user can target in `spec` (the last part of each; dotted suffixes work too)."""
+    names = [linear.peft_name.rsplit(".", 1)[-1] for linear in _linears(spec)]
+    names += [peft for _, peft, _ in _embeddings(spec)]
+    return list(dict.fromkeys(names))
+
+
+class LoraLayout(NamedTuple):
+    """What LoRA adds and trains, as tensors of each module group."""
+
+    embedding: tuple[ParamTensor, ...]  # the embeddings, frozen, plus their adapters and copies
+    block: tuple[ParamTensor, ...]  # one adapted block: frozen base tensors and adapters
+    plain_block: tuple[ParamTensor, ...]  # a block left out by layers_to_transform (all frozen but trained biases)
+    adapted_blocks: int
+    final: tuple[ParamTensor, ...]
+    adapted: tuple[Linear, ...]  # the adapted linear layers of one block (and the head, when targeted)
+
+
+def _frozen(tensors, trainable_bias: bool = False) -> list[ParamTensor]:
+    return [t._replace(frozen=not (trainable_bias and t.name.endswith(".bias"))) for t in tensors]
+
+
+def _adapter(linear: Linear, lora: LoraSpec) -> list[ParamTensor]:
+    r, prefix = lora.rank * linear.rank_factor * linear.experts, linear.module
+    tensors = [ParamTensor(f"{prefix}.lora_A.weight", r * linear.in_features, r),
+               ParamTensor(f"{prefix}.lora_B.weight", linear.out_features * r, linear.out_features)]
+    if lora.lora_bias:
+        tensors.append(ParamTensor(f"{prefix}.lora_B.bias", linear.out_features, linear.out_features))
+    if lora.dora:
+        tensors.append(ParamTensor(f"{prefix}.lora_magnitude_vector.weight", linear.out_features, linear.out_features))
+    return tensors
+
+
+@memo(maxsize=256)
+def lora_layout(spec: TransformerSpec, lora: LoraSpec) -> LoraLayout:
+    """The tensors of `spec` with `lora` applied; a SpecError names a target or rank that does not fit."""
+    linears = _linears(spec)
+    embeddings = _embeddings(spec)
+    known = module_names(spec)
+    excluded = [linear for linear in linears if any(_matches(linear.peft_name, e) for e in lora.exclude_modules)]
+    if lora.all_linear:
+        adapted = [linear for linear in linears if linear.role == "block"]
+        adapted_embeddings: list[tuple[str, str, int]] = []
+    else:
+        for target in lora.targets:
+            if not any(_matches(linear.peft_name, target) for linear in linears) and not any(
+                    _matches(peft, target) for _, peft, _ in embeddings):
+                raise FieldError("lora.targets", f"{target!r} names no module of {spec.name}; its modules: {', '.join(known)}")
+        adapted = [linear for linear in linears if any(_matches(linear.peft_name, t) for t in lora.targets)]
+        adapted_embeddings = [e for e in embeddings if any(_matches(e[1], t) for t in lora.targets)]
+    adapted = [linear for linear in adapted if linear not in excluded]
+    if lora.dora and any(linear.kind == "experts" for linear in adapted):
+        raise SpecError("lora.dora: peft has no DoRA for parameter targets (Mixtral's experts)")
+    for linear in adapted:
+        if lora.rank > min(linear.in_features, linear.out_features):
+            raise FieldError("lora.rank", f"{lora.rank} exceeds the dimensions of {linear.peft_name} "
+                             f"({linear.in_features} -> {linear.out_features})")
+    for target in lora.modules_to_save:
+        if not any(_matches(peft, target) for _, peft, _ in embeddings) and not _matches(peft_name(spec, "lm_head"), target):
+            saveable = [peft for _, peft, _ in embeddings] + [peft_name(spec, "lm_head")]
+            raise FieldError("lora.modules_to_save", f"{target!r} is not a module zeroplan can copy in {spec.name}; "
+                             f"it can: {', '.join(saveable)}")
+    layout = param_layout(spec)
+    every_bias = lora.bias == "all"
+    adapted_modules = {linear.module for linear in adapted}
+
+    def block_tensors(adapt: bool) -> tuple[ParamTensor, ...]:
+        tensors = []
+        for t in layout.block:
+            module = t.name.rsplit(".", 1)[0]
+            lora_only = lora.bias == "lora_only" and adapt and module in adapted_modules
+            tensors += _frozen([t], every_bias or lora_only)
+        if adapt:
+            for linear in adapted:
+                if linear.role == "block":
+                    tensors += _adapter(linear, lora)
+        return tuple(tensors)
+
+    embedding = _frozen(layout.embedding)
+    h = spec.hidden_size
+    for module, peft, rows in embeddings:
+        if any(_matches(peft, e) for _, e, _ in adapted_embeddings):
+            embedding += [ParamTensor(f"{module}.lora_embedding_A", lora.rank * rows, lora.rank),
+                          ParamTensor(f"{module}.lora_embedding_B", h * lora.rank, h)]
+        if any(_matches(peft, target) for target in lora.modules_to_save):
+            embedding.append(ParamTensor(f"{module}.modules_to_save.weight", rows * h, rows))
+    final = _frozen(layout.final, every_bias)
+    head = [linear for linear in adapted if linear.role == "final"]
+    for linear in head:
+        final += _adapter(linear, lora)
+    if any(_matches(peft_name(spec, "lm_head"), target) for target in lora.modules_to_save):
+        final.append(ParamTensor("lm_head.modules_to_save.weight", spec.vocab_size * h, spec.vocab_size))
+    count = spec.num_layers
+    if lora.layers_to_transform is not None:
+        bad = [i for i in lora.layers_to_transform if not 0 <= i < count]
+        if bad:
+            raise SpecError(f"lora.layers_to_transform: block {bad[0]} does not exist ({spec.name} has blocks 0-{count - 1})")
+        count = len(set(lora.layers_to_transform))
+    return LoraLayout(tuple(embedding), block_tensors(True), block_tensors(False), count, tuple(final), tuple(adapted))
+
+
+def adapter_params(spec: TransformerSpec, lora: LoraSpec) -> int:
+    """Trainable elements with `lora` applied: what peft's `get_nb_trainable_parameters` returns first."""
+    layout = lora_layout(spec, lora)
+    plain = spec.num_layers - layout.adapted_blocks
+
+    def trainable(tensors) -> int:
+        return sum(t.numel for t in tensors if not t.frozen)
+
+    return (trainable(layout.embedding) + layout.adapted_blocks * trainable(layout.block)
+            + plain * trainable(layout.plain_block) + trainable(layout.final))
+
+
+# --- the quantized base ------------------------------------------------------------------------
+
+def quantized_weight_bytes(numel: int, out_features: int, quant: QuantSpec) -> int:
+    """Bytes bitsandbytes keeps for one linear weight of `numel` elements.
+
+    4-bit (functional.py `quantize_4bit`): two values per byte, viewed as `quant_storage` (padded to
+    whole elements of it), one fp32 absmax per `blocksize` block; with double quantization the absmax
+    is uint8, with one fp32 absmax per 256 of them and an fp32 offset (the 256-entry code tables are
+    shared). 8-bit (`Int8Params`): int8 weight and one fp32 scale (SCB) per output row."""
+    if quant.base_precision.is_4bit:
+        storage = DTYPE_BYTES[quant.quant_storage]
+        packed = -(-numel // (2 * storage)) * storage
+        blocks = -(-numel // quant.blocksize)
+        if quant.double_quant:
+            return packed + blocks + FP32_BYTES * -(-blocks // DOUBLE_QUANT_BLOCK) + FP32_BYTES
+        return packed + FP32_BYTES * blocks
+    if quant.base_precision.value == "int8":
+        return numel + FP32_BYTES * out_features
+    return numel * DTYPE_BYTES[quant.base_precision.value]
+
+
+def unquantized_element_bytes(quant: QuantSpec) -> int:
+    """Element size of the frozen tensors bitsandbytes leaves alone (embeddings, norms, biases, head)."""
+    if not quant.base_precision.is_quantized:
+        return DTYPE_BYTES[quant.base_precision.value]
+    # prepare_model_for_kbit_training (peft/utils/other.py) casts every non-int8 parameter to fp32
+    return FP32_BYTES if quant.upcast_non_quantized else DTYPE_BYTES[quant.compute_dtype]
+
+
+class BaseTensor(NamedTuple):
+    numel: int
+    count: int  # copies (blocks)
+    stored_bytes: int  # as bitsandbytes (or the base dtype) stores one copy
+
+
+@memo(maxsize=256)
+def base_tensors(spec: TransformerSpec, quant: QuantSpec) -> tuple[BaseTensor, ...]:
+    """Every frozen base tensor with its stored bytes; the blocks' linear weights are the quantized ones."""
+    layout = param_layout(spec)
+    linears = {linear.module: linear for linear in _linears(spec) if linear.role == "block" and linear.kind == "linear"}
+    element = unquantized_element_bytes(quant)
+    tensors = [BaseTensor(t.numel, 1, t.numel * element) for t in layout.embedding + layout.final]
+    for t in layout.block:
+        module, kind = t.name.rsplit(".", 1)
+        if module in linears and kind == "weight":
+            stored = quantized_weight_bytes(t.numel, linears[module].out_features, quant)
+        else:
+            stored = t.numel * element
+        tensors.append(BaseTensor(t.numel, spec.num_layers, stored))
+    return tuple(tensors)
+
+
+def dequantized_weight_bytes(spec: TransformerSpec, quant: QuantSpec) -> int:
+    """The largest weight a quantized layer materialises in the compute dtype in its forward and again
+    in its backward (bitsandbytes autograd/_functions.py MatMul4Bit: `dequantize_4bit(B, quant_state)`;
+    MatMul8bitLt's backward: `CB * SCB / 127`)."""
+    if not quant.base_precision.is_quantized:
+        return 0
+    largest = max((linear.in_features * linear.out_features for linear in _linears(spec)
+                   if linear.role == "block" and linear.kind == "linear"),
+                  default=0)
+    return largest * DTYPE_BYTES[quant.compute_dtype]
+
+
+# --- what the adapted layers keep for backward ---------------------------------------------------
+
+class AdapterActivations(NamedTuple):
+    """Per token of one block: bytes LoRA adds to (or, negative, removes from) what activations.py
+    counts for a block trained whole, and the largest forward temporary of one adapted layer."""
+
+    saved_per_token: int
+    forward_temporary: int  # DoRA's identity, LoRA weight and combined weight for the weight norm
+
+
+def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: int, adapter_element: int,
+                        cuda: bool, attn_reads: int, mlp_reads: int) -> AdapterActivations:
+    """docs/engines/lora.md "Activations": a frozen base linear saves no input (no weight gradient);
+    each adapted linear's A saves its input, its own copy when PEFT's cast to the adapter dtype, autocast's
+    cast or the adapter's dropout makes one; B saves A's output (r); dropout keeps its mask (a bool on
+    CUDA, a tensor of the input's dtype on CPU); DoRA saves the base and LoRA results (2 x out)."""
+    layout = lora_layout(spec, lora)
+    block = [linear for linear in layout.adapted if linear.role == "block"]
+    h, inner = spec.hidden_size, spec.intermediate_size
+    own_copy = autocast or lora.dropout > 0 or adapter_element != comp
+    copy_element = comp if autocast else adapter_element
+    delta = 0
+    # what the base linears kept of their inputs (activations.py `_norm_saved_per_token`, `_mlp_saved_per_token`)
+    readers = {"attn": attn_reads, "mlp": mlp_reads}
+    for side, reads in readers.items():
+        inputs = [linear for linear in block if linear.module.startswith(f"{side}.") and linear.in_features == h
+                  and not linear.module.endswith(("o_proj", "c_proj", "down_proj", "fc_out"))]
+        delta -= comp * h * (reads if autocast else 1)
+        if inputs and not own_copy:
+            delta += comp * h  # A saves the norm's output itself, once for all that read it
+    down = [linear for linear in block if linear.module.endswith(("mlp.down_proj", "mlp.c_proj", "mlp.fc_out"))]
+    if not spec.is_moe:
+        delta -= comp * inner  # the MLP's product, kept by down_proj for its weight gradient only
+        if down and not own_copy:
+            delta += comp * inner
+    temporary = 0
+    for linear in block:
+        if own_copy:
+            delta += copy_element * linear.in_features
+        delta += copy_element * lora.rank  # A's output, kept by B
+        if lora.dropout > 0:
+            delta += (1 if cuda else copy_element) * linear.in_features
+        if lora.dora:
+            delta += 2 * copy_element * linear.out_features
+            temporary = max(temporary, adapter_element * (linear.in_features ** 2 + 2 * linear.in_features * linear.out_features))
+    return AdapterActivations(delta, temporary)
+
+
+def with_adapter_activations(acts, tokens: int, extra: AdapterActivations, weight_casts_removed: int):
+    """`acts` (activations.py ActivationBytes) with LoRA's per-block delta: in the saved tensors, or
+    under full/op checkpointing in the recomputed block (the block keeps its input only)."""
+    delta = tokens * extra.saved_per_token - weight_casts_removed
+
+    def adjusted(a):
+        if a is None:
+            return None
+        if a.recompute_block:
+            changed = replace(a, recompute_block=max(0, a.recompute_block + delta))
+        else:
+            changed = replace(a, saved_per_block=max(0, a.saved_per_block + delta))
+        return replace(changed, checkpointed=adjusted(a.checkpointed)) if a.checkpointed is not None else changed
+
+    return adjusted(acts)
+
+
+# --- the estimate's hooks (estimate/__init__.py) --------------------------------------------------
+
+def adapter_element_bytes(engine: str, precision: str, comp: int) -> int:
+    """The adapters' dtype: PEFT keeps them fp32 (get_peft_model autocast_adapter_dtype=True) and the
+    torch engine leaves them so; DeepSpeed casts the whole module to its 16-bit dtype
+    (engine.py `_configure_distributed_model`); FSDP2 gathers them in its param_dtype."""
+    if engine == "torch" or precision == "fp32":
+        return FP32_BYTES
+    return comp
+
+
+def lora_activations(acts, spec: TransformerSpec, training, comp: int):
+    """`acts` with what the adapted blocks keep instead of what whole blocks keep (docs/engines/lora.md)."""
+    from zeroplan.estimate.activations import _autocast, _input_projections
+
+    lora, quant = training.lora, training.quant
+    autocast = _autocast(training)
+    adapter_element = adapter_element_bytes(training.engine.value, training.precision.value, comp)
+    attn_reads, mlp_reads = _input_projections(spec)
+    extra = adapter_activations(spec, lora, autocast, comp, adapter_element, training.device.value == "cuda",
+                                attn_reads, mlp_reads)
+    casts = 0
+    if autocast:
+        # autocast caches (and the matmul saves) 16-bit casts of fp32 weights: a 16-bit or quantized
+        # base has none; the fp32 adapters have theirs (aten/src/ATen/autocast_mode.cpp cached_cast)
+        layout = lora_layout(spec, lora)
+        base = sum(t.numel for t in layout.block if t.frozen and t.name.endswith("weight") and "norm" not in t.name)
+        adapters = sum(t.numel for t in layout.block if not t.frozen and "lora_" in t.name and "magnitude" not in t.name)
+        stored_16bit = quant is not None and quant.base_precision.value != "fp32"
+        casts = (comp * base if stored_16bit else 0) - comp * adapters
+    return with_adapter_activations(acts, training.micro_batch * training.seq_len, extra, casts)
+
+
+def _engine_param_element(engine: str, precision: str, param: int) -> int:
+    """The element size the engine profile gives every parameter it holds (engines/*.py)."""
+    if engine in ("torch", "fsdp2"):
+        return 2 if precision == "pure-bf16" else FP32_BYTES
+    if engine == "deepspeed":
+        return FP32_BYTES if precision == "fp32" else 2
+    return param
+
+
+def _sharded(training) -> bool:
+    return training.engine.value == "fsdp2" or (training.engine.value in ("deepspeed", "paper") and training.zero_stage == 3)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def base_params_delta(spec: TransformerSpec, training, param: int) -> int:
+    """Bytes per rank the base really takes minus what the engine profile counted for it (every
+    parameter in the engine's dtype): zero without `quant`."""
+    quant = training.quant
+    if quant is None or training.offload_params.value != "none":
+        return 0
+    element = _engine_param_element(training.engine.value, training.precision.value, param)
+    n = training.gpus if _sharded(training) else 1
+    return sum(t.count * (_ceil(t.stored_bytes, n) - _ceil(t.numel, n) * element) for t in base_tensors(spec, quant))
+
+
+def adapter_param_bytes(facts, training, param: int, steady: bool) -> int:
+    """The trained tensors' share of the params category per rank (engines/*.py: the engine's dtype,
+    sharded as the engine shards; ZeRO-3 keeps tensors under the persistence threshold whole once traced)."""
+    element = _engine_param_element(training.engine.value, training.precision.value, param)
+    tensors = [(t.numel, g.count) for g in facts.groups for t in g.trainable_tensors]
+    if not _sharded(training):
+        return element * sum(numel * count for numel, count in tensors)
+    n = training.gpus
+    threshold = training.deepspeed.stage3_param_persistence_threshold if training.engine.value == "deepspeed" else 0
+    whole = sum(numel * count for numel, count in tensors if numel <= threshold) if steady else 0
+    return element * (sum(_ceil(numel, n) * count for numel, count in tensors) + whole)
+
+
+def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:
+    lora, quant = training.lora, training.quant
+    share = facts.trainable_params / facts.total_params
+    notes = [f"LoRA rank {lora.rank}: {facts.trainable_params:,} of {facts.total_params:,} parameters train "
+             f"({share:.4%}); gradients and optimizer states for those only"]
+    if quant is not None and quant.base_precision.is_quantized:
+        notes.append(f"base {quant.base_precision.value}{' + double quantization' if quant.double_quant else ''} as "
+                     f"bitsandbytes stores it; each quantized layer dequantizes its weight to {quant.compute_dtype} in "
+                     "forward and backward (a temporary)")
+        if _sharded(training):
+            notes.append("the gathered copies of a quantized block are counted in the engine's dtype, not packed: "
+                         "an overestimate of the gathering buffers")
+    if training.checkpointing.value != "none":
+        notes.append("checkpointing with a frozen base: PEFT/the Trainer call enable_input_require_grads so the "
+                     "checkpointed blocks get gradients (no bytes kept)")
+    return tuple(notes)
