@@ -30,7 +30,7 @@ def rank_peak_phase(rank: dict) -> str:
 
 def test_ddp_keeps_the_whole_fp32_base_and_adapters_on_every_rank():
     training = TrainingSpec(engine="torch", zero_stage=0, gpus=2, device="cpu", precision="fp32", recipe="plain",
-                            micro_batch=2, seq_len=64, lora={"rank": 8})
+                            micro_batch=2, seq_len=64, lora={"rank": 8, "targets": ["all-linear"]})
     result = run_measurement(resolve_model("tiny-llama"), training, nproc=2, steps=2, timeout_s=240)
     assert "+peft-" in result.implementation
     for split in _steady_split(result):
@@ -40,7 +40,7 @@ def test_ddp_keeps_the_whole_fp32_base_and_adapters_on_every_rank():
 def test_fsdp2_shards_an_nf4_base_and_the_adapters():
     pytest.importorskip("bitsandbytes")
     training = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=2, device="cpu", precision="bf16", recipe="plain",
-                            micro_batch=2, seq_len=64, model_init="host", lora={"rank": 8},
+                            micro_batch=2, seq_len=64, model_init="host", lora={"rank": 8, "targets": ["all-linear"]},
                             quant={"base_precision": "nf4", "compute_dtype": "bf16", "quant_storage": "bf16"})
     result = run_measurement(resolve_model("tiny-llama"), training, nproc=2, steps=2, timeout_s=240)
     assert "+bitsandbytes-" in result.implementation

@@ -54,9 +54,9 @@ def test_lora_on_all_linear_layers_has_rank_times_in_plus_out_per_layer():
 def test_dora_adds_one_magnitude_per_output_feature_and_modules_to_save_copies_the_head():
     lora = TINY_LLAMA_LAYERS * sum(8 * (fan_in + fan_out) for fan_in, fan_out in TINY_LLAMA_LINEARS)
     magnitudes = TINY_LLAMA_LAYERS * sum(fan_out for _, fan_out in TINY_LLAMA_LINEARS)
-    assert _adapter_numel(_build(lora={"rank": 8, "dora": True})) == lora + magnitudes
+    assert _adapter_numel(_build(lora={"rank": 8, "targets": ["all-linear"], "dora": True})) == lora + magnitudes
     head = 512 * 128  # vocab x hidden, the untied lm_head
-    assert _adapter_numel(_build(lora={"rank": 8, "modules_to_save": ["lm_head"]})) == lora + head
+    assert _adapter_numel(_build(lora={"rank": 8, "targets": ["all-linear"], "modules_to_save": ["lm_head"]})) == lora + head
 
 
 @needs_lora_spec
@@ -76,7 +76,7 @@ def test_a_target_the_model_does_not_have_is_a_measure_error():
 def test_a_kbit_base_packs_every_linear_but_the_head(precision, bytes_per_weight):
     bnb = pytest.importorskip("bitsandbytes")
     double_quant = {"double_quant": True} if precision != "int8" else {}  # spec/lora.py: 4-bit only
-    model = _build(lora={"rank": 8}, quant={"base_precision": precision, "compute_dtype": "fp32"} | double_quant)
+    model = _build(lora={"rank": 8, "targets": ["all-linear"]}, quant={"base_precision": precision, "compute_dtype": "fp32"} | double_quant)
     layers = [m for m in model.modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
     assert len(layers) == TINY_LLAMA_LAYERS * len(TINY_LLAMA_LINEARS)
     packed = sum(m.weight.untyped_storage().nbytes() for m in layers)
@@ -91,7 +91,7 @@ def test_a_kbit_base_packs_every_linear_but_the_head(precision, bytes_per_weight
 @needs_lora_spec
 def test_a_kbit_base_on_the_meta_device_is_refused():
     pytest.importorskip("bitsandbytes")
-    training = _training(lora={"rank": 8}, quant={"base_precision": "nf4"})
+    training = _training(lora={"rank": 8, "targets": ["all-linear"]}, quant={"base_precision": "nf4"})
     with pytest.raises(MeasureError, match="training.quant: bitsandbytes quantizes weights where they are"):
         build_workload(resolve_model("tiny-llama"), training, torch.device("meta"))
 
