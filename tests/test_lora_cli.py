@@ -88,3 +88,43 @@ def test_bad_adapter_config_is_one_line(tmp_path):
     result = _run("estimate", "llama-3-8b", "--lora", str(path))
     assert result.exit_code == 2
     assert result.output == f"Error: {path}: peft_version: unknown version '2.0.0' (this reader knows peft 0.x)\n"
+
+
+TORCHTUNE_QLORA = """# tune run lora_finetune_single_device --config llama3_2/1B_qlora_single_device
+model:
+  _component_: torchtune.models.llama3_2.qlora_llama3_2_1b
+  lora_attn_modules: ['q_proj', 'v_proj', 'output_proj']
+  apply_lora_to_mlp: True
+  lora_rank: 64
+  lora_alpha: 128
+  lora_dropout: 0.0
+save_adapter_weights_only: False
+batch_size: 4
+optimizer:
+  _component_: torch.optim.AdamW
+  fused: True
+loss:
+  _component_: torchtune.modules.loss.CEWithChunkedOutputLoss
+gradient_accumulation_steps: 8
+dtype: bf16
+enable_activation_checkpointing: True
+"""
+
+
+def test_torchtune_qlora_recipe(tmp_path):
+    path = tmp_path / "1B_qlora_single_device.yaml"
+    path.write_text(TORCHTUNE_QLORA)
+    data = json.loads(_run("estimate", "--config", str(path), "--format", "json").output)
+    # lora_llama3_2 (torchtune/models/llama3_2/_component_builders.py): q, v, output_proj and the MLP's
+    # w1/w2/w3 of 16 layers at rank 64: 16 x 64 x ((2048+2048) x 2 + (2048+512) + 3 x (2048+8192))
+    assert data["model"]["trainable_params"] == 16 * 64 * (4096 * 2 + 2560 + 3 * 10240) == 42_467_328
+    assert data["config"]["quant"]["base_precision"] == "nf4" and data["config"]["quant"]["double_quant"]
+    assert data["config"]["engine"] == "torch" and data["config"]["precision"] == "pure-bf16"
+
+
+def test_torchtune_lora_builder_arguments_are_checked(tmp_path):
+    path = tmp_path / "lora.yaml"
+    path.write_text(TORCHTUNE_QLORA.replace("lora_rank: 64", "lora_rnak: 64"))
+    result = _run("estimate", "--config", str(path))
+    assert result.exit_code == 2
+    assert result.output == f"Error: {path}: model.lora_rnak is not an argument of torchtune's LoRA model builders\n"

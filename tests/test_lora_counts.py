@@ -100,3 +100,14 @@ def test_adapter_counts_equal_peft(path):
         trainable, total = _peft_count(config, list(targets) if targets != ("all-linear",) else targets, dora, saved)
         lora = LoraSpec(rank=4, targets=targets, dora=dora, modules_to_save=tuple(saved or ()))
         assert adapter_params(spec, lora) == trainable, (targets, dora, saved)
+
+
+def test_llama_3_8b_peft_default_targets_count():
+    # PEFT's print_trainable_parameters for Meta-Llama-3-8B, LoraConfig(r=8) (q_proj, v_proj by default):
+    # "trainable params: 3,407,872 || all params: 8,033,669,120"
+    from zeroplan.spec.lora import PEFT_DEFAULT_TARGETS
+
+    spec = resolve_model("llama-3-8b")
+    lora = LoraSpec(rank=8, targets=PEFT_DEFAULT_TARGETS["llama"])
+    assert adapter_params(spec, lora) == 3_407_872
+    assert param_layout(spec).total_params + 3_407_872 == 8_033_669_120

@@ -89,3 +89,22 @@ def _lora_tensors():
     from zeroplan.estimate.lora import lora_layout
 
     return [t for t in lora_layout(LLAMA, ALL).block if not t.frozen]
+
+
+def test_full_checkpointing_keeps_block_inputs_only_whatever_trains():
+    def forward(lora) -> int:
+        training = TrainingSpec(engine="torch", precision="fp32", checkpointing="full", lora=lora)
+        return _phase(estimate(LLAMA, training), Step.STEADY, Phase.FORWARD).activations
+
+    # torch.utils.checkpoint keeps each block's input: the adapters change what is recomputed, not what is kept
+    assert forward(ALL) == forward(None)
+
+
+def test_prepare_model_for_kbit_training_upcasts_what_is_not_quantized():
+    def params(upcast: bool) -> int:
+        quant = QuantSpec(base_precision="nf4", upcast_non_quantized=upcast)
+        return _phase(estimate(LLAMA, TrainingSpec(engine="torch", lora=ALL, quant=quant)), Step.FIRST, Phase.INIT).params
+
+    layout = param_layout(LLAMA)
+    unquantized = layout.total_params - LLAMA.num_layers * sum(t.numel for t in layout.block if t.name.endswith("proj.weight"))
+    assert params(True) - params(False) == unquantized * (4 - 2)  # bf16 -> fp32

@@ -42,8 +42,11 @@ def test_deepspeed_json_leaves_to_the_trainer_what_the_trainer_fills():
     # stage3_prefetch_bucket_size = 0.9*h*h, stage3_param_persistence_threshold = 10*h
     knobs = {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
              "stage3_param_persistence_threshold": 10 * h}
-    config = trainer_deepspeed_config(_training(engine="deepspeed", zero_stage=3, deepspeed=knobs), h)
+    config = trainer_deepspeed_config(_training(engine="deepspeed", zero_stage=3, deepspeed=knobs | {"client_optimizer": True}), h)
     assert "optimizer" not in config  # the Trainer's own torch optimizer is the client optimizer
+    # DeepSpeed's own AdamW otherwise (DummyOptim in deepspeed_optim_sched), torch's on a CPU run
+    own = trainer_deepspeed_config(_training(engine="deepspeed", zero_stage=3, deepspeed=knobs), h)
+    assert own["optimizer"] == {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
         assert config[key] == "auto"
     assert config["bf16"]["enabled"] == config["fp16"]["enabled"] == "auto"
@@ -143,3 +146,19 @@ def test_trainer_ddp_forward_ends_with_the_fp32_logits_and_their_clone():
     checkpointed = _training(engine="torch", zero_stage=0, checkpointing="full")
     plain = checkpointed.model_copy(update={"recipe": "plain"})
     assert steady_forward(checkpointed).categories.activations == steady_forward(plain).categories.activations
+
+
+@pytest.mark.distributed
+def test_trainer_deepspeed_zero2_bf16_steps_the_trainers_adamw_beside_the_gradient_partition(deepspeed_ops):
+    """The grid's ZeRO-2 bf16 row: the Trainer's fused AdamW is DeepSpeed's client optimizer, stepped
+    one of its two param groups at a time while the bf16 `grads_in_partition` is alive
+    (stage_1_and_2.py `step`): the first step peaks in the first group's update."""
+    pytest.importorskip("deepspeed")
+    deepspeed_ops("deepspeed_shm_comm")
+    from zeroplan.measure.grid import GRID, row_specs
+
+    row = next(r for r in GRID if r.id == "tiny-llama/deepspeed-2/bf16/ckpt/2x128/w2/hf-trainer")
+    _, training = row_specs(row)
+    result, comparison = _measure_and_compare(training)
+    assert comparison.first.measured_phase == comparison.first.estimated_phase == "optimizer_step"
+    _assert_peaks_within_targets(comparison)

@@ -73,15 +73,20 @@ def test_deepspeed_json_without_an_optimizer_section_runs_the_client_optimizer(t
 
 def test_deepspeed_client_optimizer_steps_the_flat_partition():
     # stage 2 on CUDA: DeepSpeed's FusedAdam updates in place; a client torch AdamW steps the rank's
-    # one flat fp32 partition: the for-loop holds two temporaries of it, foreach one (the first step's
-    # moment of the update; at the steady step converting the gradient can be the larger moment)
+    # flat fp32 partition of each param group in turn (stage_1_and_2.py `step`, `_optimizer_step(i)`):
+    # the for-loop holds two temporaries of it, foreach one (the first step's moment of the update; at
+    # the steady step converting the gradient can be the larger moment). The Trainer's AdamW (recipe
+    # hf-trainer) has two groups, the first every parameter with weight decay (trainer.py
+    # `get_decay_parameter_names`: not the biases and norms).
     model = resolve_model("llama-1b")
     common = dict(engine="deepspeed", zero_stage=2, gpus=8, precision="fp32")  # fp32: no flattening temporary
     own = estimate(model, TrainingSpec(**common))
     temps = {impl: _phase(estimate(model, TrainingSpec(**common, deepspeed={"client_optimizer": True}, optimizer_impl=impl)),
                           Step.FIRST, Phase.OPTIMIZER_STEP).categories.temporaries for impl in OptimizerImpl}
-    trainable = model_facts(model, TrainingSpec(**common)).trainable_params
-    partition = -(-trainable // 16) * 16 // 8  # padded to nccl_start_alignment_factor (2) x N, one slice per rank
+    facts = model_facts(model, TrainingSpec(**common))
+    decay = sum(t.numel * g.count for g in facts.groups for t in g.tensors if "norm" not in t.name and not t.name.endswith("bias"))
+    assert decay < facts.trainable_params
+    partition = -(-decay // 16) * 16 // 8  # padded to nccl_start_alignment_factor (2) x N, one slice per rank
     assert _phase(own, Step.FIRST, Phase.OPTIMIZER_STEP).categories.temporaries == temps[OptimizerImpl.FUSED] == 0
     assert temps[OptimizerImpl.FOR_LOOP] == pytest.approx(2 * partition * FP32_BYTES, rel=1e-6)
     assert temps[OptimizerImpl.FOREACH] == pytest.approx(partition * FP32_BYTES, rel=1e-6)
@@ -124,7 +129,12 @@ def test_llama_7b_zero2_fp16_on_v100_with_the_trainers_for_loop_adamw_does_not_f
     one_temporary = step.categories.temporaries // 2
     assert one_temporary / GIB == pytest.approx(3.14, abs=0.005)
     allocated = step.total_bytes - step.categories.overhead - one_temporary
-    assert allocated / GIB == pytest.approx(28.28, rel=0.01)
+    # DeepSpeed 0.19.8 keeps the 16-bit gradient partition (`grads_in_partition`, one buffer for the
+    # Trainer's two param groups) while it steps the first group, as measured on 2 gloo ranks
+    # (docs/measure.md, "The Trainer's AdamW under DeepSpeed"); the 28.28 GiB of the 2023 report, from
+    # an older DeepSpeed, match the rest of the step: without the rank's 16-bit slice of the gradients
+    sixteen_bit_slice = model_facts(model, TrainingSpec(**settings, gpus=8)).trainable_params // 8 * 2
+    assert (allocated - sixteen_bit_slice) / GIB == pytest.approx(28.28, rel=0.01)
     # the Trainer's default today (adamw_torch_fused) fits
     assert run(OptimizerImpl.FUSED).peak_bytes < capacity
 

@@ -213,7 +213,8 @@ def test_catalogue_names_of_the_model_tables_exist():
     ("u.yaml", "model:\n  _component_: torchtune.models.llama3_2.llama3_2_3B\nbatch_size: 1\n",
      r"u\.yaml: model\._component_ torchtune\.models\.llama3_2\.llama3_2_3B is not in zeroplan's catalogue "
      r"\(close: torchtune\.models\.llama3_2\.llama3_2_3b"),
-    ("u.yaml", "model:\n  _component_: torchtune.models.llama3_2.lora_llama3_2_1b\n", r"is a LoRA model: LoRA and QLoRA are not modelled"),
+    ("u.yaml", "model:\n  _component_: torchtune.models.llama3_2.lora_llama3_2_1b\n",
+     r"u\.yaml: model\.lora_attn_modules is missing \(torchtune's LoRA model builders require it\)"),
     ("a.yaml", "distributed_type: FSDP\nnum_procesess: 8\n",
      r"a\.yaml: num_procesess is not an accelerate config key \(did you mean 'num_processes'\?\)"),
 ])

@@ -32,4 +32,6 @@ LORA_OPTIONS = [
                  help=_help(QuantSpec, "compute_dtype", " [default: bf16]")),
     click.option("--quant-storage", "quant_storage", type=click.Choice(["uint8", "bf16", "fp16", "fp32"]),
                  help=_help(QuantSpec, "quant_storage", " [default: uint8]")),
+    click.option("--upcast-non-quantized/--no-upcast-non-quantized", "upcast_non_quantized", default=None,
+                 help=_help(QuantSpec, "upcast_non_quantized")),
 ]

@@ -350,10 +350,13 @@ def with_adapter_activations(acts, tokens: int, extra: AdapterActivations, weigh
 
 # --- the estimate's hooks (estimate/__init__.py) --------------------------------------------------
 
-def adapter_element_bytes(engine: str, precision: str, comp: int) -> int:
+def adapter_element_bytes(engine: str, precision: str, comp: int, recipe: str = "hf-trainer") -> int:
     """The adapters' dtype: PEFT keeps them fp32 (get_peft_model autocast_adapter_dtype=True) and the
     torch engine leaves them so; DeepSpeed casts the whole module to its 16-bit dtype
-    (engine.py `_configure_distributed_model`); FSDP2 gathers them in its param_dtype."""
+    (engine.py `_configure_distributed_model`); FSDP2 gathers them in its param_dtype; torchtune's
+    LoRALinear is built in the model's dtype."""
+    if recipe == "torchtune":
+        return comp
     if engine == "torch" or precision == "fp32":
         return FP32_BYTES
     return comp
@@ -365,7 +368,8 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
 
     lora, quant = training.lora, training.quant
     autocast = _autocast(training)
-    adapter_element = adapter_element_bytes(training.engine.value, training.precision.value, comp)
+    adapter_element = adapter_element_bytes(training.engine.value, training.precision.value, comp,
+                                            training.recipe.value)
     attn_reads, mlp_reads = _input_projections(spec)
     extra = adapter_activations(spec, lora, autocast, comp, adapter_element, training.device.value == "cuda",
                                 attn_reads, mlp_reads)
@@ -434,6 +438,9 @@ def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:
         if _sharded(training):
             notes.append("the gathered copies of a quantized block are counted in the engine's dtype, not packed: "
                          "an overestimate of the gathering buffers")
+    if lora.modules_to_save and training.engine.value == "torch" and quant is not None:
+        notes.append("modules_to_save copies are counted in the engine's fp32 like the adapters; PEFT keeps them in "
+                     "the base dtype: their parameters, gradients and states are overestimated")
     if training.checkpointing.value != "none":
         notes.append("checkpointing with a frozen base: PEFT/the Trainer call enable_input_require_grads so the "
                      "checkpointed blocks get gradients (no bytes kept)")

@@ -14,11 +14,13 @@ from zeroplan.spec.validation import describe_validation_error
 
 _LORA_OPTIONS = {"lora_alpha": "--lora-alpha", "lora_targets": "--lora-targets", "lora_dropout": "--lora-dropout",
                  "dora": "--dora", "modules_to_save": "--modules-to-save"}
-_QUANT_OPTIONS = {"double_quant": "--double-quant", "compute_dtype": "--compute-dtype", "quant_storage": "--quant-storage"}
+_QUANT_OPTIONS = {"double_quant": "--double-quant", "compute_dtype": "--compute-dtype", "quant_storage": "--quant-storage",
+                  "upcast_non_quantized": "--upcast-non-quantized"}
 _OPTION_OF_FIELD = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets",
                     "dropout": "--lora-dropout", "dora": "--dora", "modules_to_save": "--modules-to-save",
                     "base_precision": "--base-precision", "double_quant": "--double-quant",
-                    "compute_dtype": "--compute-dtype", "quant_storage": "--quant-storage"}
+                    "compute_dtype": "--compute-dtype", "quant_storage": "--quant-storage",
+                    "upcast_non_quantized": "--upcast-non-quantized"}
 
 
 def _given(options: Mapping[str, Any], name: str) -> bool:
@@ -118,6 +120,8 @@ def lora_command_options(training: Any) -> str:
             parts += ["--compute-dtype", quant.compute_dtype]
         if quant.quant_storage != "uint8":
             parts += ["--quant-storage", quant.quant_storage]
+        if quant.upcast_non_quantized:
+            parts.append("--upcast-non-quantized")
     return "".join(f" {part}" for part in parts)
 
 

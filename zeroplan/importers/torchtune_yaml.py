@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Mapping
 
 from zeroplan.errors import ZeroplanWarning
+from zeroplan.importers import torchtune_lora
 from zeroplan.importers.torchtitan_toml import selective_option
 from zeroplan.importers.values import Where, as_bool, as_int, as_section, fail
 
@@ -87,8 +88,10 @@ def model_from_torchtune(document: Mapping[str, object], where: Where) -> str:
         raise fail(where, "model._component_", f"must be a builder name, got {builder!r}")
     if builder in MODELS:
         return MODELS[builder]
-    if builder.rsplit(".", 1)[-1].startswith(("lora_", "qlora_")):
-        raise fail(where, "model._component_", f"{builder} is a LoRA model: LoRA and QLoRA are not modelled")
+    base = torchtune_lora.base_builder(builder)  # lora_/qlora_ builders: importers/torchtune_lora.py
+    if base in MODELS:
+        torchtune_lora.check_lora_model(as_section(document["model"], "model", where), where)
+        return MODELS[base]
     close = difflib.get_close_matches(builder, list(MODELS), n=3, cutoff=0.6)
     hint = f" (close: {', '.join(close)})" if close else ""
     raise fail(where, "model._component_", f"{builder} is not in zeroplan's catalogue{hint}; give MODEL (a catalogue "
@@ -98,7 +101,7 @@ def model_from_torchtune(document: Mapping[str, object], where: Where) -> str:
 def check_torchtune(document: Mapping[str, object], text: str, where: Where) -> tuple[str, ...]:
     """Warn about keys the recipes never read; the notes on what the run does that is not modelled."""
     for key in document:
-        if key not in KNOWN_KEYS:
+        if key not in KNOWN_KEYS and key not in torchtune_lora.RECIPE_KEYS:
             close = difflib.get_close_matches(str(key), sorted(KNOWN_KEYS), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             warnings.warn(f"{where(str(key))}: {key} is not read by torchtune's full-finetune recipes{hint}: ignored",
@@ -129,8 +132,6 @@ def check_torchtune(document: Mapping[str, object], text: str, where: Where) -> 
 def _recipe(text: str, where: Where) -> str | None:
     """single_device or distributed, from the `tune run <recipe>` line of the config's header comment."""
     found = _RECIPE_NAME.search(text)
-    if found and found.group(1) == "lora":
-        raise fail(where, "model", f"the config is for {found.group(0)}: LoRA is not modelled")
     return found.group(2) if found else None
 
 
@@ -171,6 +172,7 @@ def settings_from_torchtune(document: Mapping[str, object], text: str, where: Wh
     settings["optimizer_in_backward"] = as_bool(document.get("optimizer_in_bwd", False), "optimizer_in_bwd", where)
     settings.update(_loss(document.get("loss"), where))
     settings.update(_optimizer(document.get("optimizer"), where))
+    settings.update(torchtune_lora.lora_settings(document, where, sharded=not single))
     return settings
 
 

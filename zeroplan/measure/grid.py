@@ -249,6 +249,8 @@ def _grid() -> tuple[Row, ...]:
     for engine, stage in (("torch", 0), ("deepspeed", 2), ("deepspeed", 3), ("fsdp2", 3)):
         rows.append(Row("tiny-llama", engine, stage, "fp32", recipe="hf-trainer"))
         rows.append(Row("tiny-llama", engine, stage, "bf16", checkpointing="full", recipe="hf-trainer"))
+    # DeepSpeed stage 0 with bf16: the FP16_UnfusedOptimizer wrapper in bf16 mode over the Trainer's AdamW
+    rows.append(Row("tiny-llama", "deepspeed", 0, "bf16", checkpointing="full", recipe="hf-trainer"))
     for engine, stage in (("torch", 0), ("deepspeed", 2), ("fsdp2", 2)):
         rows.append(Row("tiny-llama", engine, stage, "fp32", grad_accum=2, recipe="hf-trainer"))
     # Gradient accumulation (2 micro-batches), reduced on the last one only (DDP no_sync, FSDP2
@@ -405,8 +407,11 @@ def row_specs(row: Row, backend: str = "gloo"):
     if row.recipe == "hf-trainer" and row.engine == "deepspeed" and not row.small_buckets:
         from zeroplan.importers.deepspeed_json import trainer_filled_buckets
 
-        # the Hugging Face docs' DeepSpeed JSONs say "auto" for these: the Trainer fills them from the model
-        fields["deepspeed"] = {**fields.get("deepspeed", {}), **trainer_filled_buckets(model.hidden_size, row.stage)}
+        # the Hugging Face docs' DeepSpeed JSONs say "auto" for these: the Trainer fills them from the model;
+        # the JSON the run gives the Trainer has no optimizer section (programs/hf_trainer.py
+        # trainer_deepspeed_config), so the Trainer's AdamW is DeepSpeed's client optimizer
+        fields["deepspeed"] = {**fields.get("deepspeed", {}), **trainer_filled_buckets(model.hidden_size, row.stage),
+                               "client_optimizer": True}
     return model, TrainingSpec(**fields)
 
 

@@ -47,7 +47,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.program import ModelInit, OptimizerImpl
+from zeroplan.spec.program import ModelInit, OptimizerImpl, Recipe
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision
 
 # stage_1_and_2.py `__init__`: the flat group is padded to `nccl_start_alignment_factor` (2) x N.
@@ -92,6 +92,7 @@ class _Run(NamedTuple):
     trainable: int
     layout: _Layout
     step_impl: OptimizerImpl  # the kernel that steps the master (`_step_impl`)
+    first_group: int  # trainable elements of the optimizer's first param group (`_first_param_group`)
     cpu_run: bool
     offload_opt: bool
     offload_par: bool
@@ -121,7 +122,7 @@ def _run(facts: ModelFacts, setup: Setup) -> _Run:
     offload_opt = setup.offload_optimizer != Offload.NONE
     return _Run(
         n=setup.gpus, b=b, total=facts.total_params, trainable=facts.trainable_params, layout=layout,
-        step_impl=_step_impl(setup, offload_opt),
+        step_impl=_step_impl(setup, offload_opt), first_group=_first_param_group(facts, setup),
         cpu_run=setup.device == Device.CPU, offload_opt=offload_opt,
         offload_par=setup.offload_params != Offload.NONE, setup=setup, facts=facts,
     )
@@ -138,6 +139,19 @@ def _step_impl(setup: Setup, offload_opt: bool) -> OptimizerImpl:
     if offload_opt or setup.device != Device.CPU:
         return OptimizerImpl.FUSED
     return OptimizerImpl.FOR_LOOP
+
+
+def _first_param_group(facts: ModelFacts, setup: Setup) -> int:
+    """Trainable elements of the first param group of the optimizer DeepSpeed steps. The Trainer's
+    AdamW has two (transformers trainer.py `create_optimizer`): the parameters with weight decay,
+    then those without (`get_decay_parameter_names`: biases and norms); DeepSpeed's config
+    optimizer and the plain loop's client optimizer take the parameters as one group."""
+    if not (setup.deepspeed.client_optimizer and setup.program.recipe == Recipe.HF_TRAINER):
+        return facts.trainable_params
+    decay = sum(t.numel * g.count for g in facts.groups if not g.frozen for t in g.tensors
+                if "norm" not in t.name and not t.name.endswith("bias"))
+    # engine.py `_configure_optimizer` drops an empty group: then the other is the only one
+    return decay or facts.trainable_params
 
 
 def _step_temporaries(run: _Run, largest: int, total: int) -> int:
@@ -560,16 +574,20 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
             settled.append(_plus(base, buffers=bucket + filled * b, grads=(run.trainable - filled) * b))
             settled.append(_plus(base, buffers=bucket + last_fill_forward * b, grads=kept))
 
-        # `step`: `flatten(averaged_gradients)` (P12 x b) then `.to(fp32)` becomes the master's
-        # .grad (P12 x 4, a second copy only when b != 4) while `grads_in_partition` is alive;
-        # then it is freed and the optimizer steps (states created at the first step).
+        # `step`, one param group after the other: `flatten(averaged_gradients)` (P x b) then
+        # `.to(fp32)` becomes the group's master .grad (P x 4, a second copy only when b != 4) while
+        # `grads_in_partition` is alive; the group's gradients are freed and the optimizer steps it
+        # (states created at the first step). `grads_in_partition` is one buffer for all groups
+        # (`copy_grads_in_partition`), so it lives on while a later group's .grad still views it.
         if run.offload_opt:
             step_point = dict(base, optimizer_states=host(master + states))
         else:
-            convert = dict(base, grads=owned + partition * FP32_BYTES,
-                           temporaries=partition * b if b != FP32_BYTES else 0)
-            stepping = dict(base, optimizer_states=master + states, grads=partition * FP32_BYTES,
-                            temporaries=_step_temporaries(run, partition, partition))
+            several = run.first_group < run.trainable
+            first = ceil_div(run.first_group, alignment) * alignment // n if several else partition
+            convert = dict(base, grads=owned + first * FP32_BYTES, temporaries=first * b if b != FP32_BYTES else 0)
+            stepping = dict(base, optimizer_states=master + max(held, _states(run, first)),
+                            grads=(owned if several else 0) + first * FP32_BYTES,
+                            temporaries=_step_temporaries(run, first, first))
             step_point = largest_point(convert, stepping)
         steps.append(_StepMoments(step, during, largest_point(*settled), phase(step, Phase.OPTIMIZER_STEP, **step_point)))
     host_bytes = (master + states + host_grads + host_buffers) if run.offload_opt and not run.cpu_run else 0

@@ -186,7 +186,8 @@ def _arguments(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, s
     if training.engine == Engine.DEEPSPEED:
         # the user's JSON as given ("auto" included: the Trainer fills it), else the spec's
         user = ctx.engine_config
-        kwargs["deepspeed"] = json.loads(json.dumps(user)) if user is not None else trainer_deepspeed_config(training, spec.hidden_size)
+        kwargs["deepspeed"] = json.loads(json.dumps(user)) if user is not None else trainer_deepspeed_config(
+            training, spec.hidden_size, cpu=not ctx.is_cuda)
     if training.engine == Engine.FSDP2:
         kwargs.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": training.zero_stage == 3,
                                               "transformer_layer_cls_to_wrap": [_block_class_name(spec, training)]})
@@ -201,16 +202,23 @@ def _arguments(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, s
     return args
 
 
-def trainer_deepspeed_config(training: TrainingSpec, hidden_size: int) -> dict:
+def trainer_deepspeed_config(training: TrainingSpec, hidden_size: int, *, cpu: bool = True) -> dict:
     """The DeepSpeed JSON of `training` as a Trainer user writes it (the Hugging Face docs' configs):
     zeroplan's writer for the ZeRO section, "auto" wherever the Trainer fills a value from its
-    arguments or from the model (integrations/deepspeed.py HfTrainerDeepSpeedConfig), and no
-    `optimizer` section, so that the Trainer's own torch optimizer is DeepSpeed's client optimizer
-    (deepspeed_optim_sched)."""
+    arguments or from the model (integrations/deepspeed.py HfTrainerDeepSpeedConfig). With
+    `deepspeed.client_optimizer` no `optimizer` section, so that the Trainer's own torch optimizer is
+    DeepSpeed's client optimizer (deepspeed_optim_sched); without it DeepSpeed's own AdamW, as the
+    estimate of that spec models it (torch's AdamW on a `cpu` run: engine.py `torch_adam`)."""
     from zeroplan.importers.deepspeed_json import trainer_filled_buckets, write_deepspeed_config
 
     config = write_deepspeed_config(training)
-    del config["optimizer"]
+    if training.deepspeed.client_optimizer:
+        del config["optimizer"]
+    else:
+        params = config["optimizer"].setdefault("params", {})
+        params.update(lr="auto", weight_decay="auto")  # trainer_config_process fills them
+        if cpu and training.offload_optimizer == Offload.NONE and training.optimizer != Optimizer.SGD:
+            params["torch_adam"] = True  # no JIT build of FusedAdam on CPU (measure/engines/deepspeed_engine.py)
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         config[key] = "auto"
     config["fp16"]["enabled"] = config["bf16"]["enabled"] = "auto"
