@@ -132,11 +132,14 @@ def main() -> None:
               f"{measured['cpu_rate']:,.0f} CPU, {measured['cold_cpu_rate']:,.0f} CPU cold; "
               f"one estimate per config: {naive:,.0f} configs/s")
 
+    default_rate = rows[0][4]["cpu_rate"]
+    verdict = "passes" if default_rate >= TARGET else f"misses ({default_rate:,.0f} configs/s of CPU)"
     lines = [
         "# Planner speed",
         "",
         (f"Measured {datetime.now(UTC):%Y-%m-%d %H:%M} UTC with `python bench/plan_speed.py --runs {args.runs}` on "
-        f"{platform.machine()} ({os.cpu_count()} cores), Python {platform.python_version()}; median of {args.runs} runs, "
+        f"{platform.machine()} ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end), "
+        f"Python {platform.python_version()}; median of {args.runs} runs, "
         "each with a new planner (warm and cold estimator caches: see below). A configuration is a (stage, offload, checkpointing, GPU count, "
         "micro-batch, accumulation) point whose fit is decided exactly and whose step cost is computed."),
         "",
@@ -165,9 +168,9 @@ def main() -> None:
         "per configuration.",
         "",
         "Reading the numbers: the rate grows with the micro-batches per choice, because the evaluations per",
-        "choice stay at about two; one evaluation costs about 20 us of CPU inside a plan, plus about 0.5 ms",
-        "per plan in the planner (validated specs and a cost model per choice, the ranking). The default",
-        "searches (powers of two, 11 micro-batches per choice) pass the target with a margin. A global batch",
+        "choice stay at about two; the planner adds a validated spec and a cost model per choice, and the",
+        f"ranking. The default search (powers of two, 11 micro-batches per choice) {verdict} the target in this",
+        "run. A global batch",
         "with few divisors per GPU count leaves 2-4 configurations per choice (one without accumulation, a",
         "few with), most settled by one failing probe: that row is bound by the evaluation rate, at about",
         "2x the rate of one estimate per configuration, and is the closest to the target. The cold column",

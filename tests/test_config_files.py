@@ -496,14 +496,15 @@ def _fully_shard_reshard(source: str) -> list[object]:
 
 
 @pytest.mark.parametrize("spec, reshard", [
-    (TrainingSpec(engine="fsdp2", zero_stage=2), [False, False]),
-    (TrainingSpec(engine="fsdp2", zero_stage=3), [True, True]),
-    (TrainingSpec(engine="fsdp2", zero_stage=3, fsdp2={"reshard_root_after_forward": False}), [True, False]),
-    (TrainingSpec(engine="fsdp2", zero_stage=3, offload_optimizer="cpu", offload_params="cpu", precision="fp16",
+    (TrainingSpec(recipe="plain", engine="fsdp2", zero_stage=2), [False, False]),
+    (TrainingSpec(recipe="plain", engine="fsdp2", zero_stage=3), [True, True]),
+    (TrainingSpec(recipe="plain", engine="fsdp2", zero_stage=3, fsdp2={"reshard_root_after_forward": False}), [True, False]),
+    (TrainingSpec(recipe="plain", engine="fsdp2", zero_stage=3, offload_optimizer="cpu", offload_params="cpu", precision="fp16",
                   optimizer="sgd"), [True, True]),
-    (TrainingSpec(engine="fsdp2", zero_stage=2, precision="pure-bf16", optimizer="adam8bit"), [False, False]),
+    (TrainingSpec(recipe="plain", engine="fsdp2", zero_stage=2, precision="pure-bf16", optimizer="adam8bit"), [False, False]),
 ])
 def test_fsdp2_snippet_compiles_and_reshards_by_stage(spec, reshard):
+    """The root form (units root: the plain recipe); units split: tests/test_fsdp2_emit.py."""
     source = write_fsdp2_snippet(spec)
     compile(source, "<fsdp2 plan>", "exec")
     assert _fully_shard_reshard(source) == reshard  # blocks, then root
@@ -522,7 +523,7 @@ def test_fsdp2_snippet_runs_on_one_cpu_rank(tmp_path):
     torch = pytest.importorskip("torch")
     import torch.distributed as dist
 
-    spec = TrainingSpec(engine="fsdp2", zero_stage=3, precision="bf16", device="cpu",
+    spec = TrainingSpec(recipe="plain", engine="fsdp2", zero_stage=3, precision="bf16", device="cpu",
                         offload_optimizer="cpu", offload_params="cpu")
     namespace: dict[str, object] = {}
     exec(compile(write_fsdp2_snippet(spec), "<fsdp2 plan>", "exec"), namespace)

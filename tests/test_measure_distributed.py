@@ -174,11 +174,11 @@ def test_hugging_face_model_holds_the_same_model_states_as_the_reference():
     assert _category(hf, "activations", phase="forward") == pytest.approx(forward, rel=0.1)
 
 
-def test_simulated_two_ranks_match_a_real_two_rank_run():
-    # The reference implementation (the default here): under fake tensors transformers builds
-    # an explicit attention mask, so a simulated Hugging Face model keeps a little more.
-    real = _run("tiny-llama", "fsdp2", 3)
-    fake = _run("tiny-llama", "fsdp2", 3, simulate=True)
+@pytest.mark.parametrize("implementation", ["reference", "hf"])
+def test_simulated_two_ranks_match_a_real_two_rank_run(implementation):
+    # transformers' model too: under fake tensors it computes its attention mask as a real run (fake_hf.py)
+    real = _run("tiny-llama", "fsdp2", 3, implementation=implementation)
+    fake = _run("tiny-llama", "fsdp2", 3, simulate=True, implementation=implementation)
     assert fake.backend == "fake" and fake.world_size == 2 and len(fake.ranks) == 1
     for step, phase in [(1, "forward"), (2, "forward"), (2, "backward"), (2, "optimizer_step")]:
         (simulated,) = [p for p in fake.ranks[0].phases if (p.step, p.phase) == (step, phase)]

@@ -27,6 +27,8 @@ from zeroplan.spec.training import (
     Precision,
     TrainingSpec,
 )
+from zeroplan.spec.program import FSDP2Units
+from zeroplan.spec.training import FSDP2Knobs
 from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -111,6 +113,11 @@ def _apply(decorators: list[Callable[[F], F]], function: F) -> F:
     return function
 
 
+def _fsdp2_help(knob: str) -> str:
+    """An FSDP2 knob's description (engine fsdp2 only)."""
+    return f"Engine fsdp2: {FSDP2Knobs.model_fields[knob].description}"
+
+
 _POSITIVE = click.IntRange(min=1)
 
 MODEL_OPTIONS = [
@@ -148,6 +155,14 @@ TRAINING_OPTIONS = [
     click.option("--loss-chunks", "loss_chunks", type=_POSITIVE, metavar="N", help=_help("loss_chunks")),
     click.option("--activation-offload", "activation_offload", type=_choice(ActivationOffload), help=_help("activation_offload")),
     click.option("--checkpoint-every", "checkpoint_every", type=_POSITIVE, metavar="N", help=_help("checkpoint_every")),
+    # FSDP2 wrapping (TrainingSpec.fsdp2, FSDP2Knobs): options named fsdp2_<knob>, nested by training_spec_from_options
+    click.option("--fsdp2-units", "fsdp2_units", type=_choice(FSDP2Units), help=_fsdp2_help("units")),
+    click.option("--fsdp2-reshard-root/--no-fsdp2-reshard-root", "fsdp2_reshard_root_after_forward", default=None,
+                 help=_fsdp2_help("reshard_root_after_forward")),
+    click.option("--fsdp2-reshard-head/--no-fsdp2-reshard-head", "fsdp2_reshard_head_after_forward", default=None,
+                 help=_fsdp2_help("reshard_head_after_forward")),
+    click.option("--fsdp2-reshard-last-block/--no-fsdp2-reshard-last-block", "fsdp2_reshard_last_block", default=None,
+                 help=_fsdp2_help("reshard_last_block")),
     click.option(
         "--freeze", "freeze", multiple=True, metavar="GROUP",
         # tuple[Literal["embeddings", "blocks", "final"], ...] -> the literal's values

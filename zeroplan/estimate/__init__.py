@@ -21,6 +21,7 @@ from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, ParamParts, PhaseBytes
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Attention, Device, Engine, TrainingSpec
+from zeroplan.spec.training import clear_caches as clear_resolved_programs
 
 IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, with the model's dropout rates
 # engine -> (module under zeroplan.estimate.engines, its profile function). A module is imported
@@ -174,3 +175,4 @@ def clear_caches() -> None:
     per-configuration sizes): the next estimate runs as the first of a process does. For
     benchmarks and tests; results never depend on it."""
     caches.clear_all()
+    clear_resolved_programs()  # spec/training.py: the resolved programs and FSDP2 wrappings

@@ -525,8 +525,17 @@ def _autocast(training: TrainingSpec) -> bool:
 
 
 def _dropout(spec: TransformerSpec, training: TrainingSpec) -> _Dropout:
+    key = (training.dropout, training.device)
+    last_spec, last_key, last = _LAST_DROPOUT
+    if spec is last_spec and key == last_key:  # a plan asks for one model's, several times per configuration
+        return last
     rates = spec.dropout_rates(training.dropout)
-    return _Dropout(rates.embedding > 0, rates.attention > 0, rates.residual > 0, training.device == Device.CUDA)
+    found = _Dropout(rates.embedding > 0, rates.attention > 0, rates.residual > 0, training.device == Device.CUDA)
+    _LAST_DROPOUT[:] = (spec, key, found)  # holds the (frozen) spec: its id is never reused while kept
+    return found
+
+
+_LAST_DROPOUT: list = [None, None, None]  # `_dropout`'s last (spec, (dropout, device), result)
 
 
 def attention_kernel(spec: TransformerSpec, training: TrainingSpec) -> str:

@@ -22,8 +22,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from zeroplan.estimate.result import Estimate, NodeBytes, PhaseBytes
+from zeroplan.spec.optimizer_step import training_optimizer_step
 
 if TYPE_CHECKING:
+    from zeroplan.spec.optimizer_step import OptimizerStep
     from zeroplan.spec.program import FSDP2Wrapping, Program
     from zeroplan.spec.training import TrainingSpec
 
@@ -63,7 +65,8 @@ def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_byte
         "phases": [phase_to_dict(phase) for phase in estimate.phases],
         "per_node": per_node_to_dict(estimate.per_node),
         "config": config,
-        "program": program_to_dict(training.program) | {"fsdp2": program_to_dict(training.fsdp2_wrapping)},
+        "program": program_to_dict(training.program) | {"fsdp2": program_to_dict(training.fsdp2_wrapping),
+                                                         "optimizer_step": program_to_dict(training_optimizer_step(training))},
         "notes": [*estimate.notes, *notes],
     }
     if estimate.param_parts is not None:
@@ -74,7 +77,7 @@ def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_byte
     return data
 
 
-def program_to_dict(program: Program | FSDP2Wrapping) -> dict[str, Any]:
+def program_to_dict(program: Program | FSDP2Wrapping | OptimizerStep) -> dict[str, Any]:
     """The resolved training program (or FSDP2 wrapping): every knob's value, the recipe's default where none was given."""
     return {name: value.value if hasattr(value, "value") else value for name, value in program._asdict().items()}
 

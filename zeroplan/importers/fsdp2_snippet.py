@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from zeroplan.errors import SpecError
 from zeroplan.importers.lora_options import fsdp2_peft_lines
+from zeroplan.spec.program import FSDP2Units
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
 
 _PARAM_DTYPE = {  # MixedPrecisionPolicy: compute in param_dtype, reduce gradients in fp32
@@ -27,17 +28,21 @@ _OPTIMIZER = {
 
 
 def write_fsdp2_snippet(training: TrainingSpec) -> str:
-    """Python source defining `apply_plan(model, blocks, lr)` -> (model, optimizer) for this plan."""
+    """Python source defining `apply_plan(model, blocks, lr)` -> (model, optimizer) for this plan; under
+    `fsdp2.units` split `apply_plan(model, blocks, embeddings, head, lr)`, the wrapping the estimate
+    assumed (`training.fsdp2_wrapping`, as measure/engines/fsdp2_engine.py applies it)."""
     if training.zero_stage not in (2, 3):
         raise SpecError(f"zero_stage {training.zero_stage} has no FSDP2 form: fully_shard covers stages 2 and 3")
     if Offload.NVME in (training.offload_optimizer, training.offload_params):
         raise SpecError("FSDP2 offloads to cpu only (CPUOffloadPolicy); nvme needs DeepSpeed")
     reshard = training.zero_stage == 3
-    root = reshard if training.fsdp2.reshard_root_after_forward is None else training.fsdp2.reshard_root_after_forward
+    wrapping = training.fsdp2_wrapping
+    split = wrapping.units == FSDP2Units.SPLIT
     offload = Offload.CPU in (training.offload_optimizer, training.offload_params)
     # CPUOffloadPolicy pins host memory, which fails on a machine without an accelerator (NOTES.md);
     # pin on a GPU run only. It moves sharded parameters, gradients and the optimizer step together.
     pin = training.device == Device.CUDA
+    policies = "mp_policy=mp_policy, offload_policy=offload_policy"
     lines = [
         f"# zeroplan plan: FSDP2, ZeRO stage {training.zero_stage}, {training.precision.value}, "
         f"{training.optimizer.value}, offload {'cpu' if offload else 'none'}, "
@@ -51,17 +56,46 @@ def write_fsdp2_snippet(training: TrainingSpec) -> str:
         "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard",
         "",
         "",
-        "def apply_plan(model, blocks, lr=1e-4):",
-        '    """Shard each block, then the root; call after init_process_group, before training."""',
     ]
+    if split:
+        lines += [
+            "def apply_plan(model, blocks, embeddings, head, lr=1e-4):",
+            '    """Shard each block, the embeddings (list of modules) and the head ([final norm, output',
+            "    projection]) as units of their own (accelerate's fsdp2_prepare_model), then the root;",
+            '    call after init_process_group, before training."""',
+        ]
+    else:
+        lines += [
+            "def apply_plan(model, blocks, lr=1e-4):",
+            '    """Shard each block, then the root; call after init_process_group, before training."""',
+        ]
     if training.precision == Precision.PURE_BF16:
         lines.append("    model = model.to(torch.bfloat16)")
     lines += [
         f"    mp_policy = {_PARAM_DTYPE[training.precision]}",
         f"    offload_policy = {f'CPUOffloadPolicy(pin_memory={pin})' if offload else 'OffloadPolicy()'}",
-        "    for block in blocks:",
-        f"        fully_shard(block, reshard_after_forward={reshard}, mp_policy=mp_policy, offload_policy=offload_policy)",
-        f"    fully_shard(model, reshard_after_forward={root}, mp_policy=mp_policy, offload_policy=offload_policy)",
+    ]
+    if wrapping.reshard_last_block == reshard:
+        lines += ["    for block in blocks:", f"        fully_shard(block, reshard_after_forward={reshard}, {policies})"]
+    else:
+        lines += [
+            "    for block in blocks[:-1]:",
+            f"        fully_shard(block, reshard_after_forward={reshard}, {policies})",
+            f"    fully_shard(blocks[-1], reshard_after_forward={wrapping.reshard_last_block}, {policies})",
+        ]
+    if split:
+        lines += [
+            "    tied = any(p is q for m in head for p in m.parameters() for e in embeddings for q in e.parameters())",
+            "    if tied:  # one unit holds the shared matrix",
+            f"        fully_shard(embeddings + head, reshard_after_forward={wrapping.reshard_head}, {policies})",
+            "    else:",
+            f"        fully_shard(embeddings, reshard_after_forward={reshard}, {policies})",
+            f"        fully_shard(head, reshard_after_forward={wrapping.reshard_head}, {policies})",
+            f"    fully_shard(model, {policies})  # holds no parameters",
+        ]
+    else:
+        lines.append(f"    fully_shard(model, reshard_after_forward={wrapping.reshard_root}, {policies})")
+    lines += [
         f"    optimizer = {_OPTIMIZER[training.optimizer]}" if training.lora is None else
         f"    optimizer = {_OPTIMIZER[training.optimizer].replace('model.parameters()', '[p for p in model.parameters() if p.requires_grad]')}",
         *(["    # fp16: scale the loss (torch.amp.GradScaler) so that small gradients do not underflow"]

@@ -73,7 +73,7 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
     """
     from pydantic import ValidationError
 
-    from zeroplan.spec.training import TrainingSpec
+    from zeroplan.spec.training import FSDP2Knobs, TrainingSpec
     from zeroplan.spec.validation import describe_validation_error
 
     values: dict[str, Any] = {}
@@ -85,6 +85,9 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
     from zeroplan.importers.lora_options import lora_values
 
     values.update(lora_values(options, model, values))  # --lora-*, --base-precision: importers/lora_options.py
+    fsdp2 = {knob: options[f"fsdp2_{knob}"] for knob in FSDP2Knobs.model_fields if options.get(f"fsdp2_{knob}") is not None}
+    if fsdp2:  # --fsdp2-* options (cli/common.py) over the config file's fsdp2 settings
+        values["fsdp2"] = {**(values.get("fsdp2") or {}), **fsdp2}
     try:
         training = TrainingSpec.model_validate(values)
     except ValidationError as error:

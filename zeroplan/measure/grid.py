@@ -421,13 +421,7 @@ def run_backend(row: Row, backend: str) -> str:
 
 
 def row_implementation(row: Row) -> str:
-    """The model code a row runs. Simulated rows run zeroplan's reference model: under fake
-    tensors transformers takes the run for tracing (utils/import_utils.py is_tracing) and builds
-    an explicit causal mask that a real run does not, so a Hugging Face model would measure
-    activations a real run never holds. The reference model mirrors transformers' Llama
-    (zeroplan/measure/reference_model.py); tests/test_measure_distributed.py checks that a
-    simulated reference run matches a real 2-rank one."""
-    if row.lora is not None:  # PEFT adapts Hugging Face models only (measure/programs/peft_model.py)
-        return "auto"
-    return "reference" if row.simulate else "auto"
+    """The model code a row runs: transformers' where installed, simulated rows too (their fake
+    tensors run the model as a real run does: zeroplan/measure/fake_hf.py)."""
+    return "auto"
 

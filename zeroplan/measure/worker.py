@@ -107,9 +107,9 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
 
     fake_mode = contextlib.nullcontext()
     if backend == "fake":
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from zeroplan.measure.fake_hf import fake_tensor_mode
 
-        fake_mode = FakeTensorMode()
+        fake_mode = fake_tensor_mode()
     step_times: list[float] = []
     fits, oom_message = True, None
     # The accounting is entered inside the fake mode, so it sees the fake tensors it makes.
@@ -153,12 +153,6 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     notes = []
     if backend == "fake":
         notes.append(f"simulated: one process under FakeTensorMode stands for rank 0 of {world_size}")
-        if held.get("model_name", "").startswith("hf-"):
-            # transformers/utils/import_utils.py is_tracing(): a FakeTensor counts as tracing, so
-            # the model builds an explicit causal mask instead of SDPA's is_causal. Seen here:
-            # tiny-llama and tiny-gpt2 keep 32-64 KiB per layer more than a real run.
-            notes.append("simulated Hugging Face model: under fake tensors transformers builds an explicit "
-                         "attention mask, so activations read a little high (the reference implementation does not)")
     offload = getattr(held.get("model"), "offload", None)
     if offload is not None:  # measure/activation_offload.py: host copies are kept out of the device counts
         notes.append(f"activation offload: at most {offload.peak_host_bytes:,} bytes of host copies per rank, "

@@ -50,12 +50,18 @@ def _describe_program(data: dict[str, Any]) -> str:
         f"model init {program['model_init']}",
         f"gradient sync {program['grad_sync']}" if data["config"]["grad_accum"] > 1 else None,
         "DDP" if program["ddp"] else None,
-        f"{program['optimizer_impl']} {data['config']['optimizer']}",
+        _optimizer_step(data),
         "optimizer in backward" if program["optimizer_in_backward"] else None,
         loss,
         "activations offloaded to cpu" if program["activation_offload"] == "cpu" else None,
     ]
     return f"recipe {program['recipe']}: " + ", ".join(part for part in parts if part)
+
+
+def _optimizer_step(data: dict[str, Any]) -> str:
+    """The kernel that steps and the optimizer: the program's, or DeepSpeed's own (spec/optimizer_step.py)."""
+    step = data["program"]["optimizer_step"]
+    return f"{step['impl']} {data['config']['optimizer']}" + (f" ({step['via']})" if step["via"] else "")
 
 
 def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:

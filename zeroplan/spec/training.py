@@ -5,6 +5,7 @@ knobs of the engine that runs it. Validated once here; everything downstream tru
 from __future__ import annotations
 
 from enum import Enum
+from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -138,6 +139,23 @@ class FSDP2Knobs(BaseModel):
         "(torchtitan's 2024 benchmarks kept it: false).")
 
 
+# The planner reads the program and wrapping of thousands of specs that share a few: each distinct
+# input is resolved once (pure functions of hashable values, returning immutable records).
+_fsdp2_wrapping_of = lru_cache(maxsize=256)(resolve_fsdp2_wrapping)
+
+
+@lru_cache(maxsize=256)
+def _program_of(recipe: Recipe, engine: Engine, zero_stage: int, gpus: int, device: Device,
+                knobs: tuple[object, ...]) -> Program:
+    return resolve_program(recipe, engine.value, zero_stage, gpus, device.value, dict(zip(KNOBS, knobs)))
+
+
+def clear_caches() -> None:
+    """Forget the resolved programs and wrappings (estimate.clear_caches: a process's first plan)."""
+    _fsdp2_wrapping_of.cache_clear()
+    _program_of.cache_clear()
+
+
 class TrainingSpec(BaseModel):
     """One training configuration, as a user would choose it."""
 
@@ -246,6 +264,11 @@ class TrainingSpec(BaseModel):
         if program.grad_sync == GradSync.LAST and self.engine == Engine.DEEPSPEED:
             # engine.py `backward` -> `allreduce_gradients` reduces at every micro-batch; there is no no_sync
             raise ValueError("grad_sync last: DeepSpeed reduces gradients at every micro-batch (grad_sync every)")
+        if program.activation_offload == ActivationOffload.CPU and self.engine == Engine.DEEPSPEED:
+            # deepspeed 0.19.8 runtime/activation_checkpointing/checkpointing.py: cpu_checkpointing moves the
+            # checkpointed blocks' inputs only, not every saved activation as torchtune's OffloadActivations
+            raise ValueError("activation_offload cpu is torchtune's OffloadActivations (fsdp2 or torch); DeepSpeed offers "
+                             "activation_checkpointing.cpu_checkpointing, which offloads checkpoint inputs only: not modelled")
         if self.ddp and self.engine != Engine.TORCH:
             raise ValueError(f"ddp applies to engine torch; engine {self.engine.value} wraps the model itself")
         self._check_fsdp2()
@@ -274,14 +297,15 @@ class TrainingSpec(BaseModel):
     def fsdp2_wrapping(self) -> FSDP2Wrapping:
         """The FSDP2 units and their resharding: the explicit knobs over the recipe's defaults."""
         knobs = self.fsdp2
-        return resolve_fsdp2_wrapping(self.recipe, self.zero_stage, knobs.units, knobs.reshard_root_after_forward,
-                                      knobs.reshard_head_after_forward, knobs.reshard_last_block)
+        return _fsdp2_wrapping_of(self.recipe, self.zero_stage, knobs.units, knobs.reshard_root_after_forward,
+                                  knobs.reshard_head_after_forward, knobs.reshard_last_block)
 
     @property
     def program(self) -> Program:
         """Every program knob resolved: the explicit ones over the recipe's defaults."""
-        return resolve_program(self.recipe, self.engine.value, self.zero_stage, self.gpus, self.device.value,
-                               {name: getattr(self, name) for name in KNOBS})
+        values = self.__dict__  # pydantic keeps the field values here
+        return _program_of(self.recipe, self.engine, self.zero_stage, self.gpus, self.device,
+                           tuple(map(values.__getitem__, KNOBS)))
 
     @property
     def node_gpus(self) -> int:

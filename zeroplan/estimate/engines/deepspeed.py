@@ -47,6 +47,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.spec.optimizer_step import deepspeed_optimizer_step
 from zeroplan.spec.program import ModelInit, OptimizerImpl, Recipe
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision
 
@@ -131,14 +132,10 @@ def _run(facts: ModelFacts, setup: Setup) -> _Run:
 def _step_impl(setup: Setup, offload_opt: bool) -> OptimizerImpl:
     """The kernel that steps the fp32 master: a client torch optimizer's own (a DeepSpeed JSON without
     an `optimizer` section, as the Hugging Face Trainer passes its AdamW); DeepSpeed's config optimizer
-    otherwise: DeepSpeedCPUAdam with offload (ops/adam/cpu_adam.py) and FusedAdam on CUDA
-    (ops/adam/fused_adam.py, multi_tensor_applier) update in place; on a CPU run it is torch's AdamW
-    (`torch_adam`, the measure runner's choice), whose default there is the for-loop."""
-    if setup.deepspeed.client_optimizer:
-        return setup.program.optimizer_impl
-    if offload_opt or setup.device != Device.CPU:
-        return OptimizerImpl.FUSED
-    return OptimizerImpl.FOR_LOOP
+    otherwise (spec/optimizer_step.py: DeepSpeedCPUAdam, FusedAdam, or torch's for-loop on a CPU run)."""
+    return deepspeed_optimizer_step(cpu_run=setup.device == Device.CPU, offload_optimizer=offload_opt,
+                                    client_optimizer=setup.deepspeed.client_optimizer, optimizer=setup.optimizer.value,
+                                    program_impl=setup.program.optimizer_impl).impl
 
 
 def _first_param_group(facts: ModelFacts, setup: Setup) -> int:
