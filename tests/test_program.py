@@ -77,4 +77,5 @@ def test_the_estimate_says_which_recipe_and_knobs_it_used():
                                "optimizer_impl": "fused", "optimizer_in_backward": False, "loss": "standard",
                                "loss_chunks": 1, "activation_offload": "none",
                                "fsdp2": {"units": "split", "reshard_root": True, "reshard_head": False,
-                                         "reshard_last_block": True}}
+                                         "reshard_last_block": True},
+                               "optimizer_step": {"impl": "fused", "via": None}}

@@ -229,10 +229,11 @@ _TUNE = ("model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nbatch_si
 
 
 @pytest.mark.parametrize("name, text, gpus, message", [
-    ("t.toml", '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = 8\n',
-     8, r"t\.toml: parallelism\.tensor_parallel_degree is 8: not modelled yet: issue 14"),
-    ("t.toml", '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 4\n',
-     8, r"parallelism\.pipeline_parallel_degree is 4: not modelled yet: issue 14"),
+    ("t.toml", '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = 8\n'
+     'data_parallel_shard_degree = 2\n', 8, r"t\.toml: parallelism\.data_parallel_shard_degree is 2, so the mesh takes 16 "
+     r"GPUs \(x tp x cp x pp x data_parallel_replicate_degree\) but --gpus is 8"),
+    ("t.toml", '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\npipeline_parallel_degree = 4\n'
+     'pipeline_parallel_schedule = "ZBVZeroBubble"\n', 8, r"parallelism\.pipeline_parallel_schedule 'ZBVZeroBubble' is not modelled"),
     ("t.toml", '[model]\nname = "llama3"\nflavor = "8B"\n[activation_checkpoint]\nselective_ac_option = "ops"\n',
      8, r"activation_checkpoint\.selective_ac_option must be 'op' or a whole number of blocks, got 'ops'"),
     ("t.toml", '[model]\nname = "llama3"\nflavor = "8B"\n[optimizer]\nname = "Lion"\n',

@@ -202,7 +202,9 @@ def training_options(function: F) -> F:
 
 def estimate_options(function: F) -> F:
     """Everything `zeroplan estimate` takes besides the output: model, training, --gpu-memory."""
-    return _apply(MODEL_OPTIONS + TRAINING_OPTIONS + [GPU_MEMORY_OPTION], function)
+    from zeroplan.cli.mesh_options import MESH_OPTIONS
+
+    return _apply(MODEL_OPTIONS + TRAINING_OPTIONS + MESH_OPTIONS + [GPU_MEMORY_OPTION], function)
 
 
 def output_options(function: F) -> F:

@@ -8,6 +8,7 @@ import click
 
 from zeroplan.cli.common import FiniteFloatRange, output_options
 from zeroplan.cli.grid_options import estimate_options_except, gpu_memory_options
+from zeroplan.cli.mesh_options import mesh_options
 
 
 @click.command("compare")
@@ -20,6 +21,7 @@ from zeroplan.cli.grid_options import estimate_options_except, gpu_memory_option
 @gpu_memory_options
 @click.option("--headroom", type=FiniteFloatRange(0, 1, max_open=True), default=0.0, show_default=True,
               help="Fraction of GPU memory to keep free when deciding whether a config fits.")
+@mesh_options
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), metavar="FILE.png",
               help="Also draw the per-GPU breakdown as stacked bars (needs matplotlib: pip install 'zeroplan[plot]').")
 @output_options
@@ -52,7 +54,10 @@ def command(**options: Any) -> None:
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
     base = base_training(options, stages, max(gpu_counts), model)
-    comparison = compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"])
+    estimator = None
+    if not base.mesh.is_trivial:  # every row is the worst rank of the mesh (issue 14)
+        from zeroplan.estimate.mesh import worst_rank_estimate as estimator
+    comparison = compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"], estimator)
     click.echo(render_comparison(comparison, options["output_format"], options["units"]), nl=False)
     if options["plot_file"]:
         from zeroplan.report.plot import plot_comparison

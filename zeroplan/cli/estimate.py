@@ -30,6 +30,8 @@ def command(**options: Any) -> None:
       zeroplan estimate --config llama3_8b.toml --gpus 8
       zeroplan estimate --config 1B_full_single_device.yaml
       zeroplan estimate --params 7.5e9 --gpus 64 --zero 3 --engine paper --units GB
+      zeroplan estimate llama-3-70b --gpus 64 --tp 8 --zero 3 --engine fsdp2 --seq-len 8192
+      zeroplan estimate llama-3-70b --gpus 64 --tp 8 --pp 4 --grad-accum 8 --zero 3 --engine fsdp2
     """
     from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
 
@@ -37,6 +39,16 @@ def command(**options: Any) -> None:
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
     training = training_spec_from_options(options, config, model)
+
+    if not training.mesh.is_trivial:  # tp, cp, pp, ep or HSDP: one estimate per rank kind (issue 14)
+        from zeroplan.estimate.mesh import estimate_mesh
+        from zeroplan.estimate.serialize_mesh import mesh_estimate_to_dict
+        from zeroplan.report.mesh import render_mesh_estimate
+
+        data = mesh_estimate_to_dict(estimate_mesh(model, training), training, gpu_memory_bytes=options["gpu_memory"],
+                                     notes=config.notes if config else ())
+        click.echo(render_mesh_estimate(data, options["output_format"], options["units"]), nl=False)
+        return
 
     from zeroplan.estimate import estimate
     from zeroplan.estimate.serialize import estimate_to_dict

@@ -9,8 +9,16 @@ from typing import Any
 import click
 
 from zeroplan.cli.common import FiniteFloatRange, model_options, training_options
+from zeroplan.cli.mesh_options import MESH_OPTIONS
 from zeroplan.errors import MissingDependencyError, SpecError
 from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
+
+def mesh_options(function):
+    """--tp, --pp, ... (cli/mesh_options.py): measure runs a mesh as zeroplan/measure/mesh.py says."""
+    for option in reversed(MESH_OPTIONS):
+        function = option(function)
+    return function
+
 
 IMPLEMENTATIONS = ("auto", "hf", "reference")  # zeroplan.measure.workload.IMPLEMENTATIONS (that module imports torch)
 EXIT_DOES_NOT_FIT = 3
@@ -21,6 +29,7 @@ reached) is still printed and written; 2 is a user error or a failed run, as for
 @click.command("measure")
 @model_options
 @training_options
+@mesh_options
 @click.option("--nproc", type=click.IntRange(min=1), required=True, help="Ranks to run (local worker processes; simulated ranks with --simulate).")
 @click.option("--simulate", is_flag=True, help="One process simulating --nproc ranks (fake tensors and process group; fsdp2 only).")
 @click.option("--backend", type=click.Choice(["gloo", "nccl"]), help="gloo: CPU processes; nccl: one process per GPU. [default: nccl where GPUs are visible, else gloo]")
@@ -81,12 +90,13 @@ def command(**options: Any) -> None:
 
             user_config(engine_config, training, nproc)  # a stage or batch that disagrees fails here, before any rank starts
 
-    from zeroplan.estimate import estimate
+    from zeroplan.estimate.mesh import estimate_mesh
     from zeroplan.estimate.serialize import estimate_to_dict
     from zeroplan.measure.comparison import compare, run_peaks
     from zeroplan.report.measure import render_table, report_data
 
-    estimated = estimate_to_dict(estimate(model, training), training)  # before the run: its errors come first
+    # the worst rank kind on a mesh, set against the rank that peaks highest; before the run: its errors come first
+    estimated = estimate_to_dict(estimate_mesh(model, training).worst.estimate, training)
     result = run_measurement(
         model, training, nproc=nproc, backend=backend, simulate=simulate,
         steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],

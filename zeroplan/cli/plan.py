@@ -44,8 +44,13 @@ def _rate(name: str, field: str, unit: str, help_text: str):
 @_rate("--nvme-bandwidth", "nvme_gbps", "GB/s", "NVMe bandwidth per node [default: 7].")
 @click.option("--max-efficiency", type=FiniteFloatRange(0, 1, min_open=True), help="Best fraction of peak FLOP/s a step reaches [default: 0.5].")
 @click.option("--half-efficiency-tokens", type=click.IntRange(min=0), help="Tokens per micro-batch at half of --max-efficiency [default: 1024].")
-@click.option("--emit", nargs=2, type=(click.Choice(["deepspeed", "fsdp"]), click.Path(dir_okay=False)), metavar="deepspeed|fsdp FILE",
-              help="Write the best plan as a DeepSpeed JSON config, or as an FSDP2 Python snippet (with --engine fsdp2).")
+@click.option("--emit", nargs=2, type=(click.Choice(["deepspeed", "fsdp", "torchtitan"]), click.Path(dir_okay=False)),
+              metavar="deepspeed|fsdp|torchtitan FILE",
+              help="Write the best plan as a DeepSpeed JSON config, or as an FSDP2 Python snippet (with --engine fsdp2), "
+              "or (with --mesh) as a torchtitan job TOML.")
+@click.option("--mesh", "mesh_search", is_flag=True, default=False,
+              help="Search tensor, context and pipeline parallel degrees and the pipeline schedule too (engine fsdp2, "
+              "one GPU count): the cheapest meshes whose worst rank fits.")
 @output_options
 def command(**options: Any) -> None:
     """Find the configurations of MODEL that fit the GPUs (ZeRO stage x offload x checkpointing x
@@ -106,6 +111,11 @@ def command(**options: Any) -> None:
     options["config_file"] = config = load_config(options["config_file"])  # read once, for every grid point
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
+    if options["mesh_search"] or (emit_kind := (options["emit"] or ("",))[0]) == "torchtitan":
+        if not options["mesh_search"]:
+            raise click.UsageError(f"--emit {emit_kind} writes a mesh plan: add --mesh")
+        _plan_mesh(options, model, space, limits, assumptions, gpu_counts)
+        return
     base = base_training(options, space.zero_stages or (0, 1, 2, 3), max(gpu_counts), model)
     emit = options["emit"]
     if emit and emit[0] == "fsdp" and base.engine != Engine.FSDP2:
@@ -138,3 +148,47 @@ def _emit(kind: str, path: str, training) -> None:
         f"--seq-len {training.seq_len}{extra}" if kind == "deepspeed" else f"wrote {path} ({kind}, plan #1)",
         err=True,
     )
+
+
+def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tuple[int, ...]) -> None:
+    """`--mesh`: the mesh search of zeroplan.plan.mesh, its table, and --emit torchtitan (issue 14)."""
+    from zeroplan.cli.grid_options import base_training
+    from zeroplan.errors import SpecError
+    from zeroplan.plan.mesh import mesh_plan_to_dict, plan_mesh
+    from zeroplan.report.mesh import render_mesh_plan
+    from zeroplan.spec.training import Engine
+
+    if len(gpu_counts) != 1:
+        raise click.UsageError("--mesh searches the meshes of one GPU count: give --gpus N")
+    emit = options["emit"]
+    if emit and emit[0] != "torchtitan":
+        raise click.UsageError(f"--mesh writes a torchtitan TOML: use --emit torchtitan FILE, not {emit[0]}")
+    if emit and options["config_file"] is None:
+        # the plan models the program the TOML will state (torchtitan v0.2.2: whole-logits cross-entropy)
+        options = {**options, "recipe": options["recipe"] or "torchtitan", "loss": options["loss"] or "standard"}
+    base = base_training(options, (3, 2), gpu_counts[0], model)
+    if base.engine != Engine.FSDP2:
+        raise SpecError("--mesh: meshes are searched with FSDP2 (torchtitan); give --engine fsdp2")
+    result = plan_mesh(model, base, limits.budget_bytes, assumptions, space.checkpointing,
+                       max_micro_batch=min(space.max_micro_batch, 64), global_batch=space.global_batch, top=options["top"])
+    click.echo(render_mesh_plan(mesh_plan_to_dict(result), options["output_format"], options["units"]), nl=False)
+    if emit:
+        if not result.top:
+            raise SpecError("--emit torchtitan: nothing fits, so there is no plan to write")
+        from zeroplan.importers.torchtitan_write import write_torchtitan_toml
+        from zeroplan.spec.files import write_atomic
+
+        from zeroplan.estimate.mesh import estimate_mesh
+        from zeroplan.importers.options import training_spec_from_options
+
+        best = result.top[0]
+        write_atomic(emit[1], write_torchtitan_toml(best.training, result.model_name), "--emit")
+        # read it back as `zeroplan estimate --config` does: the same per-rank peaks, or say where it differs
+        back = estimate_mesh(model, training_spec_from_options({"gpus": best.training.gpus}, emit[1], model))
+        peaks = [rank.estimate.peak_bytes for rank in back.ranks]
+        same = peaks == [rank.estimate.peak_bytes for rank in best.estimate.ranks]
+        verdict = "it reads back to the same estimate" if same else (
+            f"it reads back to a worst rank of {back.worst.estimate.peak_bytes:,} bytes, not "
+            f"{best.estimate.worst.estimate.peak_bytes:,}: the TOML states torchtitan's program (recipe torchtitan)")
+        click.echo(f"wrote {emit[1]} (torchtitan, plan #1); {verdict}; check it with: zeroplan estimate --config "
+                   f"{emit[1]} --gpus {best.training.gpus}", err=True)

@@ -51,7 +51,8 @@ def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_byte
     """The JSON contract for one estimate of `training` (see the module docstring); `notes` are added to
     the estimate's own (those of the --config file: what the run does that is not modelled)."""
     peak = estimate.peak
-    config = training.model_dump(mode="json", exclude={name for name in ("lora", "quant") if getattr(training, name) is None})
+    excluded = {name for name in ("lora", "quant") if getattr(training, name) is None}
+    config = training.model_dump(mode="json", exclude=excluded | ({"mesh"} if training.mesh.is_trivial else set()))
     config["gpus_per_node"] = training.node_gpus
     data: dict[str, Any] = {
         "model": {

@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Mapping
 
 from zeroplan.errors import ZeroplanWarning
+from zeroplan.importers.mesh_options import pipeline_micro_batch, torchtitan_mesh
 from zeroplan.importers.values import Where, as_bool, as_int, as_section, fail
 
 RECIPE = "torchtitan"
@@ -48,7 +49,7 @@ _V022_SECTIONS: dict[str, object] = {
                  "enable_cpu_offload", "dtype", "mixed_precision_param", "mixed_precision_reduce", "gc_freq",
                  "gc_debug", "dataloader"},
     "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
-                    "tensor_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel",
+                    "tensor_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel", "enable_sequence_parallel",
                     "pipeline_parallel_degree", "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
                     "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage",
                     "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size",
@@ -184,28 +185,43 @@ def settings_from_torchtitan(document: Mapping[str, object], where: Where, gpus:
                ("experimental", "context_parallel_degree"), ("training", "data_parallel_replicate_degree")] if old else
               [("parallelism", f"{kind}_parallel_degree") for kind in ("tensor", "pipeline", "context", "expert")]
               + [("parallelism", "data_parallel_replicate_degree")])
-    for table, key in others:
-        if integer(table, key, 1) > 1:
-            raise fail(where, f"{table}.{key}", f"is {section[table][key]}: {_NOT_MODELLED}")
+    if old:
+        for table, key in others:
+            if integer(table, key, 1) > 1:
+                raise fail(where, f"{table}.{key}", f"is {section[table][key]}: {_NOT_MODELLED}")
+    mesh = {} if old else torchtitan_mesh(parallelism, _model_layers(document, where), where)  # issue 14
+    model_ranks = mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("pp", 1) * mesh.get("dp_replicate", 1)
+    if model_ranks > 1 or mesh.get("ep", 1) > 1:
+        settings["mesh"] = mesh
 
     shard_table = "training" if old else "parallelism"
     shard = as_int(section[shard_table].get("data_parallel_shard_degree", -1),
                    f"{shard_table}.data_parallel_shard_degree", where, minimum=-1)
     if shard == 0 or shard < -1:
         raise fail(where, f"{shard_table}.data_parallel_shard_degree", f"must be -1 (all ranks) or >= 1, got {shard}")
-    if shard > 0:
+    if shard > 0 and model_ranks > 1:
+        if gpus is not None and gpus != shard * model_ranks:
+            raise fail(where, f"{shard_table}.data_parallel_shard_degree", f"is {shard}, so the mesh takes {shard * model_ranks} "
+                       f"GPUs (x tp x cp x pp x data_parallel_replicate_degree) but --gpus is {gpus}; make them equal")
+        settings["gpus"] = shard * model_ranks
+    elif shard > 0:
         if gpus is not None and gpus != shard:
             raise fail(where, f"{shard_table}.data_parallel_shard_degree", f"is {shard} but --gpus is {gpus}; make them equal")
         settings["gpus"] = shard
-    world = shard if shard > 0 else gpus or 1
-    if world > 1:
+    if model_ranks > 1:
+        # the data-parallel ranks: torchtitan's batch mesh, dp_replicate x dp_shard
+        world = mesh["dp_replicate"] * (shard if shard > 0 else max((gpus or model_ranks) // model_ranks, 1))
+    else:
+        world = shard if shard > 0 else gpus or 1
+    if world * model_ranks > 1:
         # parallelize.py apply_fsdp: every block, reshard_after_forward from fsdp_reshard_after_forward
         # ("default": True without pipeline parallelism; "never": False); one rank runs no FSDP.
         settings["engine"] = "fsdp2"
         reshard = "default" if old else parallelism.get("fsdp_reshard_after_forward", "default")
         if reshard not in ("default", "always", "never"):
             raise fail(where, "parallelism.fsdp_reshard_after_forward", f"must be default, always or never, got {reshard!r}")
-        settings["zero_stage"] = 2 if reshard == "never" else 3
+        # "default" is `not pp_enabled` (torchtitan distributed/fsdp.py): no resharding under pipeline parallelism
+        settings["zero_stage"] = 2 if reshard == "never" or (reshard == "default" and mesh.get("pp", 1) > 1) else 3
     else:
         settings.update(engine="torch", zero_stage=0)
 
@@ -222,6 +238,10 @@ def settings_from_torchtitan(document: Mapping[str, object], where: Where, gpus:
             raise fail(where, "training.global_batch_size", f"{global_batch} is not a multiple of local_batch_size "
                        f"{micro} x {world} data-parallel ranks")
         settings["grad_accum"] = global_batch // (micro * world)
+    if mesh.get("pp", 1) > 1:
+        # the pipeline runs each local batch as micro-batches, which zeroplan counts as accumulation steps
+        size, count = pipeline_micro_batch(parallelism, micro, where)
+        settings.update(micro_batch=size, grad_accum=settings.get("grad_accum", 1) * count)
     settings["precision"] = _precision(training, where)
     if as_bool(training.get("enable_cpu_offload", False), "training.enable_cpu_offload", where):
         settings.update(offload_optimizer="cpu", offload_params="cpu")  # FSDP2 CPUOffloadPolicy
@@ -230,6 +250,17 @@ def settings_from_torchtitan(document: Mapping[str, object], where: Where, gpus:
     # v0.2.2 components/loss.py and 9dec370 train.py: cross_entropy over the whole fp32-upcast logits.
     settings["loss"] = "standard"
     return settings
+
+
+def _model_layers(document: Mapping[str, object], where: Where) -> int | None:
+    """The layers of the model the TOML names, when the catalogue has it (pipeline stages need them)."""
+    from zeroplan.errors import SpecError
+    from zeroplan.importers.catalog import resolve_model
+
+    try:
+        return getattr(resolve_model(model_from_torchtitan(document, where)), "num_layers", None)
+    except SpecError:
+        return None
 
 
 def _check_keys(document: Mapping[str, object], sections: Mapping[str, object], where: Where, strict: bool) -> None:

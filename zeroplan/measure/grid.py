@@ -94,6 +94,7 @@ class Row:
     fsdp2_units: str | None = None  # fsdp2: root or split (spec/program.py FSDP2Units); None: the recipe's
     reshard_last_block: bool | None = None  # fsdp2 at stage 3: False keeps the last block gathered
     activation_offload: str | None = None  # none or cpu (torchtune's OffloadActivations); None: the recipe's
+    mesh: tuple[tuple[str, Any], ...] = ()  # spec/mesh.py MeshSpec fields beyond data parallelism, e.g. (("tp", 2),)
     lora: LoraRow | None = None  # PEFT adapters and a quantized base (ids "lora-..." / "qlora-...")
 
     @property
@@ -115,6 +116,7 @@ class Row:
             + (("keeplast",) if self.reshard_last_block is False else ()) \
             + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ())
         row_id = "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
+        row_id = mesh_row_id(self.mesh, row_id) if self.mesh else row_id
         return f"{self.lora.id}/{row_id}" if self.lora is not None else row_id
 
     @property
@@ -154,6 +156,8 @@ class Row:
                 fields[knob] = getattr(self, knob)
         if self.optimizer_in_backward:
             fields["optimizer_in_backward"] = True
+        if self.mesh:
+            fields["mesh"] = dict(self.mesh)
         if self.model_init is None and self.engine == "deepspeed" and self.recipe == "plain":
             fields["model_init"] = "device"  # the plain loop builds whole, then deepspeed.initialize partitions (no zero.Init)
         if self.lora is not None:
@@ -312,8 +316,36 @@ def _grid() -> tuple[Row, ...]:
     rows.append(Row("tiny-llama", "torch", 0, "bf16", world=1, micro_batch=4, seq_len=256, activation_offload="cpu"))
     rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", checkpointing="full", micro_batch=4, seq_len=256,
                     activation_offload="cpu"))
+    rows.extend(mesh_rows())
     rows.extend(_lora_rows())
     return tuple(rows)
+
+
+def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str) -> str:
+    """"mesh-" and the mesh's degrees before the row's id: mesh-tp2-sp/tiny-llama/fsdp2-3/..."""
+    knobs = dict(mesh)
+    degrees = "-".join(f"{name}{knobs[name]}" for name in ("tp", "cp", "pp", "ep", "dp_replicate") if knobs.get(name, 1) > 1)
+    extras = ([knobs["pp_schedule"]] if "pp_schedule" in knobs else []) \
+        + (["nosp"] if knobs.get("sequence_parallel") is False else []) \
+        + (["nolossparallel"] if knobs.get("loss_parallel") is False else [])
+    return "-".join(["mesh", degrees, *extras]) + "/" + row_id
+
+
+def mesh_rows() -> list[Row]:
+    """Tensor, sequence and pipeline parallelism with FSDP2 (issue 14, measure/mesh.py): torchtitan's
+    loop with its standard loss, tiny-llama (2 KV heads: tp 2 at most), real gloo ranks and one
+    simulated world. Context parallelism does not run on CPU (docs/measure.md, "Meshes")."""
+    titan = {"recipe": "torchtitan", "loss": "standard"}
+    return [
+        Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("tp", 2), ("sequence_parallel", False), ("loss_parallel", False)), **titan),
+        Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("tp", 2),), **titan),
+        Row("tiny-llama", "fsdp2", 3, "bf16", mesh=(("tp", 2),), world=4, **titan),
+        Row("tiny-llama", "fsdp2", 2, "fp32", mesh=(("tp", 2),), world=4, **titan),
+        Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "gpipe")), grad_accum=4, **titan),
+        Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "1f1b")), grad_accum=4, **titan),
+        Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "1f1b")), grad_accum=4, world=4, **titan),
+        Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("tp", 2),), world=64, simulate=True, **titan),
+    ]
 
 
 def _lora_rows() -> list[Row]:

@@ -31,6 +31,7 @@ from typing import Callable
 from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build
 from zeroplan.measure.processes import child_env, exit_status, kill_sessions, last_line, spawn
+from zeroplan.measure.mesh_rules import refuse_unmeasurable
 from zeroplan.measure.result import MeasureResult, RankResult
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Device, TrainingSpec
@@ -135,6 +136,7 @@ def run_measurement(
         # an FSDP2 unit of its own the gloo workers of torch 2.13 crash (SIGSEGV) in it (docs/measure.md)
         raise MeasureError("fsdp2.units: measure runs torchtitan's chunked loss with the head in the root unit only "
                            "(fsdp2 units root); the estimate of units split is not measured on CPU")
+    refuse_unmeasurable(model, training, simulate)  # a mesh run measure/mesh.py cannot run
     if training.engine.value == "paper":  # refused here, before any worker starts
         raise MeasureError("engine: paper is the ZeRO paper's accounting, not a program to run; measure torch, fsdp2 or deepspeed")
     if nproc < 1:

@@ -287,7 +287,7 @@ class Report:
 def build_report(rows: Sequence[Row], records: dict[str, dict[str, Any]], reasons: dict[str, str], *,
                  backend: str, steps: int, command: str, wall_seconds: float | None = None) -> Report:
     """Estimate every row now and set it against its cached measurement."""
-    from zeroplan.estimate import estimate
+    from zeroplan.estimate.mesh import estimate_mesh
     from zeroplan.estimate.serialize import phase_to_dict
 
     out = []
@@ -296,7 +296,8 @@ def build_report(rows: Sequence[Row], records: dict[str, dict[str, Any]], reason
         comparison = None
         if record is not None and "measurement" in record:
             model, training = row_specs(row, backend)
-            phases = [phase_to_dict(phase) for phase in estimate(model, training).phases]
+            # the worst rank kind's estimate against the rank that peaks highest (a plain row has one kind)
+            phases = [phase_to_dict(phase) for phase in estimate_mesh(model, training).worst.estimate.phases]
             comparison = compare(phases, summary_peaks(record["measurement"]))
         stale = record is not None and record.get("fingerprint") != fingerprint(row, backend, steps)
         out.append(RowReport(row, record, comparison, reason_for(row.id, reasons), stale))

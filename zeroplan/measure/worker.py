@@ -62,6 +62,13 @@ def _inject_fault(rank: int) -> None:
         raise torch.OutOfMemoryError(f"injected out-of-memory on rank {rank}")
 
 
+def _implementation(job: dict, training) -> str:
+    """The job's model implementation; a mesh run's is the reference model (measure/mesh.py says why)."""
+    if not training.mesh.is_trivial:
+        return "reference"
+    return job.get("implementation", "auto")
+
+
 def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     """Run one rank's measurement; return the `ok` JSON object."""
     import torch
@@ -120,7 +127,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
             with recorder.phase(0, "model", default_category="temporaries"):
                 with model_context(training, ctx):
                     workload = build_workload(
-                        spec, training, model_device(training, ctx), implementation=job.get("implementation", "auto")
+                        spec, training, model_device(training, ctx), implementation=_implementation(job, training)
                     )
                 held["model"], held["model_name"] = workload.model, workload.implementation
                 if getattr(training, "lora", None) is not None or getattr(training, "quant", None) is not None:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from zeroplan.errors import SpecError
 from zeroplan.spec.lora import LoraSpec, QuantSpec, check_training_lora
+from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.validation import describe_validation_error
 
 from zeroplan.spec.program import (
@@ -205,6 +206,8 @@ class TrainingSpec(BaseModel):
     fsdp2: FSDP2Knobs = Field(default_factory=FSDP2Knobs, description="FSDP2 knobs.")
     lora: LoraSpec | None = Field(None, description="LoRA adapters (PEFT): the base is frozen, the adapters train.")
     quant: QuantSpec | None = Field(None, description="Storage of the frozen base (bf16 ... or bitsandbytes nf4).")
+    mesh: MeshSpec = Field(default_factory=MeshSpec, description="Tensor, context, pipeline and expert parallelism "
+                           "and HSDP replicas around the data-parallel sharding (all ones: data parallelism only).")
 
     @model_validator(mode="after")
     def _check_combination(self) -> "TrainingSpec":
@@ -231,6 +234,7 @@ class TrainingSpec(BaseModel):
                 raise ValueError("engine fsdp2 offloads parameters and optimizer together: set offload_optimizer cpu too")
         self._check_program()
         check_training_lora(self)  # spec/lora.py
+        self.mesh.check_world(self.gpus, self.engine.value, self.zero_stage)
         return self
 
     def _check_program(self) -> None:

@@ -137,6 +137,8 @@ def model_device(training: TrainingSpec, ctx: RunContext):
     import torch
 
     init = training.program.model_init.value
+    if _mesh(training, ctx) is not None:  # a mesh run builds on meta, then shards (measure/mesh.py)
+        return torch.device("meta")
     return torch.device("meta") if init == "meta" else torch.device("cpu") if init == "host" else ctx.device
 
 
@@ -166,12 +168,22 @@ def materialize(model: "torch.nn.Module", device) -> None:
     model.init_materialized()
 
 
+def _mesh(training: TrainingSpec, ctx: RunContext):
+    """The mesh of a run whose degrees are not all one (measure/mesh.py `MeshShape`), else None."""
+    if training.mesh.is_trivial:
+        return None
+    return importlib.import_module("zeroplan.measure.mesh").mesh_shape(training, ctx.world_size)
+
+
 def engine_names() -> tuple[str, ...]:
     return tuple(_ENGINE_MODULES)
 
 
 def build_runner(model: "torch.nn.Module", training: TrainingSpec, ctx: RunContext) -> EngineRunner:
     """Wrap `model` with the engine `training.engine` names and create its optimizer."""
+    shape = _mesh(training, ctx)
+    if shape is not None:  # tensor, sequence and pipeline parallelism with FSDP2 (measure/mesh.py)
+        return importlib.import_module("zeroplan.measure.mesh").build_mesh_runner(model, training, ctx, shape)
     name = training.engine.value
     if name not in _ENGINE_MODULES:
         raise MeasureError(f"engine: {name} cannot be measured; choose one of {', '.join(_ENGINE_MODULES)}")

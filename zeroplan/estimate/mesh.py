@@ -1,0 +1,348 @@
+"""Per-rank estimates on a device mesh (issue 14): tensor, context, pipeline and expert parallelism
+around ZeRO/FSDP. Derivations and sources: docs/engines/mesh.md.
+
+Ranks of one mesh differ only along the pipeline: every pipeline stage is a rank kind (the first
+holds the embedding and the most micro-batches in flight, the last the output head and the
+logits). Each kind is estimated by the single-rank engine profiles over what that rank holds:
+- parameters: its stage's modules, TP-sharded as torchtitan's plans shard them (colwise q/k/v and
+  gate/up, rowwise o/down, the embedding on its vocabulary rows, the head colwise), experts split
+  over EP; the engine then shards those over the data-parallel ranks only (`MeshSpec.fsdp_degree`);
+- activations: one micro-batch of seq_len / cp tokens through heads / tp, intermediate / tp, with
+  the norms' own tensors over the sequence split by tp under sequence parallelism, plus the other
+  micro-batches its schedule keeps in flight (kept for the whole step, as the embedding's are);
+- buffers: the ring's key/value chunks and fp32 accumulators (CP), the pipeline's receive buffers
+  (PP), the all-to-all dispatch and combine buffers (EP).
+An all-ones mesh is today's estimate, unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import NamedTuple
+
+from zeroplan.estimate import IMPLEMENTATION, _engine_profile, _with_overhead, estimate
+from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, activation_bytes
+from zeroplan.estimate.dtypes import state_bytes
+from zeroplan.estimate.engines.common import ceil_div, setup_of
+from zeroplan.estimate.facts import ModelFacts, ModuleGroup, model_facts
+from zeroplan.estimate.layout import ParamTensor, param_layout
+from zeroplan.estimate.overhead import overhead_bytes
+from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, Phase, PhaseBytes
+from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
+from zeroplan.spec.model import ModelSpec, TransformerSpec
+from zeroplan.spec.program import GradSync
+from zeroplan.spec.training import Checkpointing, Engine, TrainingSpec
+
+# Tensor-parallel plans (torchtitan v0.2.2 models/llama3/infra/parallelize.py `apply_tp`; 0.3.0
+# models/common/decoder_sharding.py): layer names, by how their weight is cut over tp.
+_COLWISE = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "gate_proj", "up_proj", "gate_up_proj", "c_fc",
+            "fc_in", "lm_head", "experts")
+_ROWWISE = ("o_proj", "c_proj", "down_proj", "fc_out", "embed_tokens")
+
+
+class RankKind(NamedTuple):
+    """Ranks that hold the same things: one pipeline rank's stages and what flows through them."""
+
+    pp_rank: int  # 0 .. pp - 1
+    stages: tuple[int, ...]  # the pipeline stages this rank runs (several under looped schedules)
+    layers: int  # transformer blocks it holds
+    embedding: bool  # holds the token embedding (stage 0)
+    head: bool  # holds the final norm and the output head, and computes the loss (the last stage)
+    in_flight: int  # micro-batches whose activations its schedule keeps at once (stage-sized chunks)
+
+    @property
+    def label(self) -> str:
+        parts = ["embedding"] * self.embedding + [f"{self.layers} layers"] + ["head, loss"] * self.head
+        return f"pp rank {self.pp_rank} ({', '.join(parts)})"
+
+
+class RankEstimate(NamedTuple):
+    kind: RankKind
+    ranks: int  # GPUs of this kind in the world
+    params: int  # parameters the rank holds before data-parallel sharding (its stage, cut by tp and ep)
+    estimate: Estimate
+
+
+@dataclass(frozen=True)
+class MeshEstimate:
+    """Every distinct rank kind's estimate; `worst` is the one with the highest peak."""
+
+    mesh: MeshSpec
+    ranks: tuple[RankEstimate, ...]
+
+    @cached_property
+    def worst(self) -> RankEstimate:
+        return max(self.ranks, key=lambda rank: rank.estimate.peak_bytes)
+
+
+def stage_layers(num_layers: int, stages: int) -> list[int]:
+    """Blocks per pipeline stage as torchtitan splits them (distributed/pipeline_parallel.py
+    `generate_llm_fqn_per_model_part`, input and output weights 1): the embedding and the head
+    each count as one layer, the num_layers + 2 are spread evenly, the first stages taking the remainder."""
+    if stages == 1:
+        return [num_layers]
+    effective = num_layers + 2
+    per_stage, extra = divmod(effective, stages)
+    counts = [per_stage + (1 if index < extra else 0) for index in range(stages)]
+    counts[0] -= 1
+    counts[-1] -= 1
+    return counts
+
+
+def in_flight(schedule: PPSchedule, pp: int, pp_rank: int, virtual: int, micro_batches: int) -> int:
+    """Micro-batches (stage chunks) whose activations a pipeline rank keeps at its peak
+    (torch/distributed/pipelining/schedules.py): GPipe all of them; Schedule1F1B warms up with
+    min(n, pp - rank) forwards before its first backward; the interleaved schedules `_get_warmup_ops`
+    (v - 1) * per_round + k * (pp - 1 - rank), capped at n * v, then one forward more before each
+    backward (k = 2 for Interleaved1F1B, 1 for InterleavedZeroBubble)."""
+    if pp == 1:
+        return 1
+    if schedule == PPSchedule.GPIPE:
+        return micro_batches
+    if schedule == PPSchedule.ONE_F_ONE_B:
+        return min(micro_batches, pp - pp_rank)
+    per_round = micro_batches // max(1, micro_batches // pp)
+    factor = 2 if schedule == PPSchedule.INTERLEAVED_1F1B else 1
+    warmup = min((virtual - 1) * per_round + factor * (pp - 1 - pp_rank), micro_batches * virtual)
+    return min(warmup + 1, micro_batches * virtual)
+
+
+def rank_kinds(model: TransformerSpec, mesh: MeshSpec, micro_batches: int) -> list[RankKind]:
+    counts = stage_layers(model.num_layers, mesh.stages)
+    kinds = []
+    for pp_rank in range(mesh.pp):
+        # looped schedules give rank r the stages r, r + pp, r + 2 pp, ... (schedules.py `stage_index`)
+        stages = tuple(pp_rank + loop * mesh.pp for loop in range(mesh.pp_virtual_stages))
+        chunks = in_flight(mesh.pp_schedule, mesh.pp, pp_rank, mesh.pp_virtual_stages, micro_batches)
+        kinds.append(RankKind(pp_rank, stages, sum(counts[s] for s in stages), 0 in stages,
+                              mesh.stages - 1 in stages, chunks))
+    return kinds
+
+
+def _sharded(tensor: ParamTensor, mesh: MeshSpec, moe: bool) -> ParamTensor:
+    """One tensor as a rank holds it under TP (and EP for the experts)."""
+    layer = tensor.name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+    if layer == "experts" and mesh.ep > 1:
+        # experts split on dim 0 over ep (torchtitan ExpertParallel); not cut by tp then (0.3.0: efsdp borrows tp)
+        return ParamTensor(tensor.name, tensor.numel // mesh.ep, tensor.rows // mesh.ep)
+    if mesh.tp == 1:
+        return tensor
+    colwise, rowwise = layer in _COLWISE, layer in _ROWWISE
+    if not (colwise or rowwise):
+        return tensor  # norms and the router are replicated
+    if layer == "experts":  # (E, out, in): cut on dim 1
+        return ParamTensor(tensor.name, tensor.numel // mesh.tp, tensor.rows)
+    if tensor.name.endswith(".bias"):  # a colwise bias is cut with its outputs; a rowwise one is replicated
+        return tensor if rowwise else ParamTensor(tensor.name, ceil_div(tensor.rows, mesh.tp), ceil_div(tensor.rows, mesh.tp))
+    # nn.Linear stores (out, in), GPT-2's Conv1D (in, out): colwise cuts the outputs, rowwise the inputs;
+    # the embedding's rowwise plan cuts its vocabulary rows (dim 0)
+    conv1d = layer.startswith("c_")
+    if (colwise and not conv1d) or (rowwise and (conv1d or layer == "embed_tokens")):
+        rows = ceil_div(tensor.rows, mesh.tp)  # dim 0, as DTensor's Shard(0): ceil(rows / tp) rows
+        return ParamTensor(tensor.name, rows * (tensor.numel // tensor.rows), rows)
+    return ParamTensor(tensor.name, tensor.numel // mesh.tp, tensor.rows)
+
+
+def rank_facts(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> ModelFacts:
+    """The parameters one rank of `kind` holds, before the data-parallel sharding."""
+    layout, mesh, freeze = param_layout(model), training.mesh, training.freeze
+
+    def group(role: str, tensors: tuple[ParamTensor, ...], count: int, frozen: bool) -> ModuleGroup:
+        local = tuple(_sharded(t, mesh, model.is_moe) for t in tensors)
+        return ModuleGroup(role, local, count, frozen, sum(t.numel for t in local))
+
+    groups = []
+    if kind.embedding:
+        groups.append(group("embedding", layout.embedding, 1, "embeddings" in freeze))
+    if kind.layers:
+        groups.append(group("block", _experts_resharded(layout.block, training), kind.layers, "blocks" in freeze))
+    if kind.head:
+        groups.append(group("final", layout.final, 1, "final" in freeze))
+    total = sum(g.params * g.count for g in groups)
+    trainable = sum(g.params * g.count for g in groups if not g.frozen)
+    largest_group = max(g.params for g in groups)
+    largest_tensor = max(t.numel for g in groups for t in g.tensors)
+    return ModelFacts(model.name, total, trainable, tuple(groups), largest_group, largest_tensor)
+
+
+def _experts_resharded(block: tuple[ParamTensor, ...], training: TrainingSpec) -> tuple[ParamTensor, ...]:
+    """Experts are sharded over efsdp ranks, not the dense fsdp ones (parallel_dims.py `build_mesh`):
+    their size is scaled by fsdp / efsdp so that the engine's sharding over fsdp leaves each rank
+    its efsdp shard (the gathered expert unit is then off by that factor: docs/engines/mesh.md)."""
+    mesh, gpus = training.mesh, training.gpus
+    if mesh.ep == 1:
+        return block
+    fsdp, efsdp = mesh.fsdp_degree(gpus), mesh.expert_fsdp_degree(gpus)
+    return tuple(ParamTensor(t.name, t.numel * fsdp // efsdp, t.rows * fsdp // efsdp)
+                 if ".experts." in t.name else t for t in block)
+
+
+def _local_view(model: TransformerSpec, mesh: MeshSpec, kind: RankKind) -> TransformerSpec:
+    """The model as one rank's activations see it: heads and the MLP width cut by tp, the vocabulary too
+    under loss parallelism, its stage's blocks only."""
+    tp = mesh.tp
+    moe_by_ep = model.is_moe and mesh.ep > 1
+    return model.model_copy(update=dict(
+        num_heads=model.num_heads // tp, num_kv_heads=model.kv_heads // tp, head_dim=model.dim_per_head,
+        intermediate_size=model.intermediate_size if moe_by_ep else model.intermediate_size // tp,
+        vocab_size=ceil_div(model.vocab_size, tp) if mesh.loss_parallel else model.vocab_size,
+        num_layers=max(kind.layers, 1)))
+
+
+def _sequence_parallel_saving(model: TransformerSpec, training: TrainingSpec, tokens: int, act_bytes: int) -> int:
+    """What sequence parallelism takes off one block's saved tensors: the two norms' own tensors (their
+    input, fp32 upcast and rstd; not the output, which the colwise linears keep all-gathered) and the
+    residual stream a checkpointed block keeps, cut over tp (Korthikanti et al. 2022 section 4.2.2)."""
+    tp, h = training.mesh.tp, model.hidden_size
+    if training.checkpointing in (Checkpointing.FULL, Checkpointing.OP):
+        per_token = act_bytes * h  # the block input a checkpoint keeps
+    elif model.norm == "rmsnorm":
+        per_token = 2 * (FP32_BYTES * h + act_bytes * h + FP32_BYTES)  # LlamaRMSNorm: fp32 input, normalised, rstd
+    else:
+        per_token = 2 * (act_bytes * h + 2 * FP32_BYTES)  # LayerNorm: input, mean, rstd
+    if model.dropout_rates(training.dropout).residual and training.checkpointing not in (Checkpointing.FULL, Checkpointing.OP):
+        # the attention and MLP outputs' dropout runs after the reduce-scatter: its two masks are cut too
+        per_token += 2 * h * (1 if training.device.value == "cuda" else act_bytes)
+    return tokens * per_token * (tp - 1) // tp
+
+
+def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankKind, act_bytes: int) -> ActivationBytes:
+    mesh = training.mesh
+    local_seq = training.seq_len // mesh.cp
+    local = training.varied(seq_len=local_seq, mesh=MeshSpec())
+    acts = activation_bytes(_local_view(model, mesh, kind), local, act_bytes)
+    tokens = training.micro_batch * local_seq
+    changes: dict[str, int] = {}
+    if mesh.tp > 1 and mesh.sequence_parallel:
+        saved = acts.saved_per_block - _sequence_parallel_saving(model, training, tokens, act_bytes)
+        changes.update(saved_per_block=saved, block_input_grad_bytes=acts.block_input_grad_bytes // mesh.tp)
+    if mesh.tp > 1 and mesh.sequence_parallel and kind.head:
+        # the final norm is SequenceParallel too (torchtitan apply_tp "norm"): its input, normalised output
+        # and rstd are cut over tp; its output, all-gathered for the head, is not
+        h = model.hidden_size
+        per_token = FP32_BYTES * h + act_bytes * h + FP32_BYTES if model.norm == "rmsnorm" else act_bytes * h + 2 * FP32_BYTES
+        changes.update(final_norm=acts.final_norm - tokens * per_token * (mesh.tp - 1) // mesh.tp)
+    if mesh.tp > 1 and mesh.loss_parallel and kind.head:
+        # loss_parallel fuses nll_loss's and log_softmax's backward into one gradient; the log_softmax handler
+        # returns it as it is (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`)
+        changes.update(logits_grad=acts.logits_grad // 2)
+    if not kind.head:  # the loss and logits live on the last stage; a stage's backward starts from a received gradient
+        changes.update(logits=0, loss_saved=0, loss_transient=0, logits_grad=0, logits_grad_cast=0,
+                       head_backward_temporary=0, final_norm=0)
+    if not kind.layers:
+        changes.update(saved_per_block=0, recompute_block=0, block_backward_transient=0, block_backward_freed=0,
+                       block_forward_transient=0)
+    acts = replace(acts, **changes) if changes else acts
+    # The profile runs one micro-batch through all the rank's blocks: as many stage chunks as it has stages.
+    # The other chunks in flight keep their stage's saved tensors for the whole of this one's step.
+    chunks = len(kind.stages)
+    extra = max(kind.in_flight - chunks, 0)
+    if extra:
+        one = acts.embedding + kind.layers * acts.saved_per_block // chunks
+        if kind.head and chunks == 1:  # the last stage computes each micro-batch's loss right after its forward (`_maybe_compute_loss`)
+            one += acts.final_norm + acts.logits + acts.loss_saved
+        acts = replace(acts, embedding=acts.embedding + extra * one)
+    if kind.head and mesh.pp > 1:
+        # the last stage keeps every micro-batch's output, the logits, until the step ends (stage.py
+        # `output_chunks`, merged by `_merge_outputs`): those not in flight stay, and the current one's
+        # stays through its own backward beside its logits gradients (seen at the 1F1B last stage's peak)
+        micro_batches = training.grad_accum
+        acts = replace(acts, embedding=acts.embedding + (micro_batches - max(kind.in_flight // chunks, 1) + 1) * acts.logits)
+    return acts
+
+
+class MeshBuffers(NamedTuple):
+    """Communication buffers a rank holds beyond the data-parallel engine's, by phase."""
+
+    forward: int
+    backward: int
+    steady: int  # allocated once and kept (the pipeline's receive buffers)
+
+
+def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind, act_bytes: int,
+                 micro_batches: int) -> MeshBuffers:
+    mesh = training.mesh
+    tokens = training.micro_batch * training.seq_len // mesh.cp
+    q_width = model.num_heads * model.dim_per_head // mesh.tp
+    kv_width = model.kv_heads * model.dim_per_head // mesh.tp
+    forward = backward = steady = 0
+    if mesh.cp > 1 and kind.layers and training.engine.value != "deepspeed":
+        # ring attention (torch/distributed/tensor/experimental/_context_parallel/_attention.py, convert_to_f32):
+        # forward: the next key/value chunk and fp32 output and log-sum-exp accumulators;
+        # backward: fp32 grad_query/key/value accumulators and each step's, the rotating k, v and dk, dv
+        forward += tokens * (2 * kv_width * act_bytes + FP32_BYTES * (q_width + model.num_heads // mesh.tp))
+        backward += tokens * (2 * FP32_BYTES * (q_width + 2 * kv_width) + 2 * kv_width * (act_bytes + FP32_BYTES))
+    elif mesh.cp > 1 and kind.layers:
+        # Ulysses (deepspeed/sequence/layer.py _SeqAllToAll): q, k, v and the output re-laid out by all-to-all
+        forward += tokens * (2 * q_width + 2 * kv_width) * act_bytes
+        backward += tokens * (2 * q_width + 2 * kv_width) * act_bytes
+    if mesh.pp > 1:
+        # torch/distributed/pipelining/stage.py `_prepare_forward_infra` / `_create_grad_recv_info`: a receive
+        # buffer per micro-batch for the stage input (all but stage 0) and for its gradient (all but the last)
+        boundary = tokens * model.hidden_size * act_bytes // (mesh.tp if mesh.sequence_parallel else 1)
+        stage_count = len(kind.stages)
+        receives = stage_count - (1 if kind.embedding else 0)
+        grad_receives = stage_count - (1 if kind.head else 0)
+        steady += micro_batches * boundary * (receives + grad_receives)
+    if mesh.ep > 1 and model.is_moe and kind.layers:
+        # all-to-all dispatch and combine (torchtitan models/moe): each token's top-k copies sent and received
+        routed = tokens * model.experts_per_token * model.hidden_size * act_bytes // (mesh.tp if mesh.sequence_parallel else 1)
+        forward += 2 * routed
+        backward += 2 * routed
+    return MeshBuffers(forward, backward, steady)
+
+
+def _with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers) -> tuple[PhaseBytes, ...]:
+    extra = {Phase.FORWARD: buffers.forward + buffers.steady, Phase.BACKWARD: buffers.backward + buffers.steady,
+             Phase.OPTIMIZER_STEP: buffers.steady}
+    return tuple(PhaseBytes(p.step, p.phase, p.categories + CategoryBytes(buffers=extra.get(p.phase, 0)))
+                 for p in phases)
+
+
+def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int) -> RankEstimate:
+    mesh = training.mesh
+    dtypes = state_bytes(training.precision, training.optimizer)
+    facts = rank_facts(model, training, kind)
+    acts = rank_activations(model, training, kind, dtypes.activation)
+    setup = setup_of(training)._replace(gpus=mesh.fsdp_degree(training.gpus))
+    engine = training.engine
+    if engine == Engine.FSDP2 and setup.gpus == 1:
+        # torchtitan applies fully_shard only when dp_shard > 1 or cp > 1 (distributed/parallel_dims.py
+        # `fsdp_enabled`): a rank with nothing to shard steps its TP/PP-local parameters as one plain module
+        engine, setup = Engine.TORCH, setup._replace(zero_stage=0, program=setup.program._replace(ddp=False))
+    if mesh.pp > 1 and engine == Engine.FSDP2:
+        # a pipeline stage's FSDP2 backward skips the reduce-scatter until the step's last micro-batch
+        # (pipelining/stage.py `backward_maybe_with_nosync`: set_requires_gradient_sync(False), then
+        # `perform_reduce_grad`): the unsharded gradients accumulate, as grad_sync last
+        setup = setup._replace(accumulating=True, program=setup.program._replace(grad_sync=GradSync.LAST))
+    if mesh.pp > 1 and mesh.pp_schedule == PPSchedule.GPIPE:
+        # GPipe runs every micro-batch's forward before the first backward (schedules.py ScheduleGPipe
+        # `_step_microbatches`): no accumulated gradient sits beside the activations in flight; 1F1B's does
+        setup = setup._replace(accumulating=False)
+    result = _engine_profile(engine)(facts, setup, acts)
+    phases = _with_buffers(_with_overhead(result.phases, overhead_bytes(training)),
+                           mesh_buffers(model, training, kind, dtypes.activation, micro_batches))
+    implementation = f"{IMPLEMENTATION}/{training.attention.value}"
+    whole = model_facts(model, training)
+    summary = ModelSummary(model.name, whole.total_params, whole.trainable_params, implementation)
+    rank = Estimate(summary, training.engine.value, phases, result.per_node, result.notes)
+    return RankEstimate(kind, training.gpus // mesh.pp, facts.total_params, rank)
+
+
+def estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
+    """Each distinct rank kind of `training.mesh`, estimated; an all-ones mesh is `estimate(model, training)`."""
+    mesh = training.mesh
+    if mesh.is_trivial:
+        kind = RankKind(0, (0,), getattr(model, "num_layers", 0), True, True, 1)
+        single = estimate(model, training)
+        return MeshEstimate(mesh, (RankEstimate(kind, training.gpus, single.model.params, single),))
+    check_mesh(model, training)
+    micro_batches = training.grad_accum if mesh.pp > 1 else 1
+    ranks = tuple(_rank_estimate(model, training, kind, micro_batches) for kind in rank_kinds(model, mesh, micro_batches))
+    return MeshEstimate(mesh, ranks)
+
+
+def worst_rank_estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
+    """The estimate of the rank with the highest peak: what decides whether a mesh fits (`zeroplan compare`)."""
+    return estimate_mesh(model, training).worst.estimate

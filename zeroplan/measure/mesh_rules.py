@@ -1,0 +1,78 @@
+"""What `zeroplan measure` runs on a device mesh, checked before any worker starts (no torch here).
+
+measure/mesh.py runs tensor parallelism (with sequence and loss parallelism), FSDP2 over the
+data-parallel dimensions (HSDP with dp_replicate) and torch.distributed.pipelining stages on
+zeroplan's reference Llama model, in zeroplan's own loop. What it does not run is refused here,
+one line naming the field: context parallelism (torch 2.13's ring attention handles the CUDA
+attention kernels only; docs/measure.md, "Meshes"), expert parallelism, the Hugging Face Trainer,
+engines other than fsdp2, offload, losses other than standard, learned positions.
+"""
+
+from __future__ import annotations
+
+from zeroplan.errors import MeasureError
+from zeroplan.spec.model import TransformerSpec
+from zeroplan.spec.training import TrainingSpec
+
+MESH_RECIPES = ("torchtitan", "plain")  # zeroplan's loop; the Trainer owns its own and has no mesh
+
+
+def is_mesh_run(training: TrainingSpec) -> bool:
+    """Whether `training` cuts the GPUs beyond data-parallel sharding (spec/mesh.py)."""
+    return not training.mesh.is_trivial
+
+
+def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate: bool = False) -> None:
+    """Raise MeasureError for a mesh run that measure/mesh.py cannot run."""
+    if not is_mesh_run(training):
+        return
+    mesh = training.mesh
+    if simulate and mesh.pp > 1:
+        # pipelining/schedules.py `_warmup_p2p` reads its shape vote with .item(): DataDependentOutputException
+        raise MeasureError("mesh.pp: a pipeline does not run under --simulate (fake tensors); measure it on real ranks")
+    if mesh.cp > 1:
+        raise MeasureError("mesh.cp: context parallelism does not run on CPU with torch 2.13 (its ring attention "
+                           "handles the CUDA attention kernels only; docs/measure.md, Meshes); measure with cp 1")
+    if mesh.ep > 1:
+        raise MeasureError("mesh.ep: expert parallelism is not measured; measure with ep 1")
+    if training.recipe.value not in MESH_RECIPES:
+        raise MeasureError(f"recipe: a mesh is measured in zeroplan's loop ({' or '.join(MESH_RECIPES)}), "
+                           f"not {training.recipe.value}")
+    if training.engine.value != "fsdp2":
+        raise MeasureError(f"engine: a mesh is measured with fsdp2 (torchtitan's composition), not {training.engine.value}")
+    if training.program.loss.value != "standard":
+        raise MeasureError(f"loss: {training.program.loss.value} is not measured on a mesh; use --loss standard")
+    if training.offload_optimizer.value != "none" or training.offload_params.value != "none":
+        raise MeasureError("offload: offload is not measured on a mesh")
+    if training.program.activation_offload.value != "none":
+        raise MeasureError("activation_offload: activation offload is not measured on a mesh")
+    if model.position_embedding != "rotary":
+        raise MeasureError("model: a mesh is measured on Llama-family models (rotary positions, as torchtitan's plan)")
+    if mesh.dp_replicate > 1 and mesh.dp_shard(training.gpus) == 1:
+        raise MeasureError("mesh.dp_replicate: without data-parallel sharding torchtitan replicates with DDP "
+                           "(parallelize.py apply_ddp), which is not measured on a mesh; leave dp_shard above 1")
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The dimensions of the measured mesh, outermost first (torchtitan ParallelDims.build_mesh)."""
+
+
+def rank_coordinates(training: TrainingSpec, rank: int) -> dict[str, int]:
+    """Where `rank` sits on the measured mesh: `init_device_mesh` lays ranks out row-major,
+    `arange(world).view(sizes)` (torch/distributed/device_mesh.py), so the innermost (tp) varies fastest."""
+    mesh = training.mesh
+    sizes = {"pp": mesh.pp, "dp_replicate": mesh.dp_replicate, "dp_shard": mesh.dp_shard(training.gpus),
+             "cp": mesh.cp, "tp": mesh.tp}
+    coordinates = {}
+    for name in reversed(MESH_DIMS):
+        rank, coordinates[name] = divmod(rank, sizes[name])
+    return {name: coordinates[name] for name in MESH_DIMS}
+
+
+def rank_kind(training: TrainingSpec, rank: int) -> str:
+    """The measured rank's kind: its pipeline position ("first", "middle", "last"; "only" without
+    pipelining), the one thing that makes ranks of a torchtitan mesh hold different bytes."""
+    mesh = training.mesh
+    if mesh.pp == 1:
+        return "only"
+    stage = rank_coordinates(training, rank)["pp"]
+    return "first" if stage == 0 else "last" if stage == mesh.pp - 1 else "middle"

@@ -1,0 +1,174 @@
+"""`zeroplan plan --mesh`: search tensor, context and pipeline parallel degrees (and the pipeline schedule)
+with ZeRO/FSDP2 for the meshes whose worst rank fits, ranked by `zeroplan.plan.mesh_cost` (issue 14).
+
+For each mesh (tp x cp x pp x schedule x checkpointing) the largest micro-batch whose worst rank fits is found
+by bisection (the per-rank peak never shrinks as it grows: activations and the pipeline's buffers scale with
+it), and the mesh is shown once, at its cheapest micro-batch that fits. Every configuration shown has had a
+full per-rank estimate (`estimate_mesh`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zeroplan.errors import SpecError
+from zeroplan.estimate.mesh import MeshEstimate, estimate_mesh
+from zeroplan.plan.cost import Assumptions, model_flops
+from zeroplan.plan.mesh_cost import MeshStepCost, mesh_step_cost
+from zeroplan.spec.mesh import MeshSpec, PPSchedule
+from zeroplan.spec.model import TransformerSpec
+from zeroplan.spec.training import Checkpointing, TrainingSpec
+
+_DEGREES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    training: TrainingSpec
+    estimate: MeshEstimate
+    cost: MeshStepCost
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    model_name: str
+    gpus: int
+    budget_bytes: int
+    evaluated: int
+    fitting: int
+    top: tuple[MeshCandidate, ...]
+
+
+def _meshes(model: TransformerSpec, base: TrainingSpec) -> list[MeshSpec]:
+    """tp within a node and dividing the heads; cp while each rank keeps 1024 tokens or more; pp up to 16 stages
+    with 1F1B and Interleaved 1F1B (2 stages per rank, torchtitan's default for looped schedules)."""
+    gpus, seq = base.gpus, base.seq_len
+    meshes = []
+    for tp in _DEGREES:
+        if tp > base.node_gpus or model.num_heads % tp or model.kv_heads % tp:
+            continue
+        for cp in _DEGREES:
+            if seq % (2 * cp) or (cp > 1 and seq // cp < 1024) or (seq // cp) % tp:
+                continue
+            for pp in (1, 2, 4, 8, 16):
+                if gpus % (tp * cp * pp) or model.num_layers < pp:
+                    continue
+                schedules = [(PPSchedule.ONE_F_ONE_B, 1)]
+                if pp > 1 and model.num_layers >= 2 * pp:
+                    schedules.append((PPSchedule.INTERLEAVED_1F1B, 2))
+                for schedule, virtual in schedules:
+                    meshes.append(MeshSpec(tp=tp, cp=cp, pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual))
+    return meshes
+
+
+def _reason(rank: int, candidate: MeshCandidate, best: MeshCandidate | None) -> str:
+    """Why it ranks here: its largest costs beside compute, and how far it is from the best."""
+    terms = {name: value for name, value in candidate.cost.terms().items() if name not in ("compute",) and value > 0}
+    top_terms = sorted(terms.items(), key=lambda item: -item[1])[:2]
+    share = ", ".join(f"{name} {value / candidate.cost.step_s:.0%}" for name, value in top_terms) or "compute only"
+    worst = candidate.estimate.worst
+    head = f"worst rank {worst.kind.label} at {worst.estimate.peak_bytes / 2**30:.1f} GiB; step beyond compute: {share}"
+    if rank == 1 or best is None:
+        return f"cheapest per token; {head}"
+    slower = candidate.cost.gpu_seconds_per_token / best.cost.gpu_seconds_per_token - 1
+    return f"{slower:.0%} more GPU time per token than #1; {head}"
+
+
+def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, assumptions: Assumptions,
+              checkpointing: tuple[Checkpointing, ...] = (Checkpointing.NONE, Checkpointing.FULL),
+              max_micro_batch: int = 16, global_batch: int | None = None, top: int = 5) -> MeshPlan:
+    """The cheapest meshes of `base.gpus` GPUs whose worst rank fits `budget_bytes`. Without `global_batch`,
+    a pipeline runs 2 x pp micro-batches per step (torchtitan needs at least pp for 1F1B)."""
+    if not isinstance(model, TransformerSpec):
+        raise SpecError("mesh: a model given by parameter count cannot be cut by tp/cp/pp; give its config")
+    flops = model_flops(model, *_params(model, base))
+    evaluated, fitting = 0, []
+    for mesh in _meshes(model, base):
+        for mode in checkpointing:
+            trainings = []
+            for micro in (m for m in _DEGREES if m <= max_micro_batch):
+                accum = _accumulation(mesh, base.gpus, micro, global_batch)
+                if accum is None:
+                    continue
+                try:
+                    trainings.append(base.varied(mesh=mesh, checkpointing=mode, micro_batch=micro, grad_accum=accum,
+                                                 zero_stage=2 if mesh.pp > 1 else base.zero_stage))
+                except SpecError:
+                    break
+            candidate, count = _cheapest_fit(model, flops, trainings, budget_bytes, assumptions)
+            evaluated += count
+            if candidate is not None:
+                fitting.append(candidate)
+    fitting.sort(key=lambda c: (c.cost.gpu_seconds_per_token, c.training.mesh.model_ranks))
+    best = fitting[0] if fitting else None
+    ranked = tuple(MeshCandidate(c.training, c.estimate, c.cost, _reason(i, c, best))
+                   for i, c in enumerate(fitting[:top], start=1))
+    return MeshPlan(model.name, base.gpus, budget_bytes, evaluated, len(fitting), ranked)
+
+
+def _cheapest_fit(model: TransformerSpec, flops, trainings: list[TrainingSpec], budget_bytes: int,
+                  assumptions: Assumptions) -> tuple[MeshCandidate | None, int]:
+    """The cheapest of `trainings` (one mesh, micro-batches ascending) whose worst rank fits, and the estimates
+    made. The worst rank's peak never shrinks as the micro-batch grows, so the ones that fit are a prefix,
+    found by bisection; their costs use the worst rank kind of the largest that fits, and the cheapest gets a
+    full estimate of its own."""
+    estimates: dict[int, MeshEstimate] = {}
+
+    def fits(index: int) -> bool:
+        if index not in estimates:
+            try:
+                estimates[index] = estimate_mesh(model, trainings[index])
+            except SpecError:
+                return False
+        return estimates[index].worst.estimate.peak_bytes <= budget_bytes
+
+    if not trainings or not fits(0):
+        return None, len(estimates)
+    low, high = 0, len(trainings)  # trainings[low] fits, trainings[high] does not (or is past the end)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    worst = estimates[low].worst
+    costs = [mesh_step_cost(model, flops, worst.params, worst.kind.layers, training, assumptions)
+             for training in trainings[:low + 1]]
+    best = min(range(low + 1), key=lambda index: costs[index].gpu_seconds_per_token)
+    if best not in estimates:
+        fits(best)
+    chosen = estimates[best].worst
+    cost = mesh_step_cost(model, flops, chosen.params, chosen.kind.layers, trainings[best], assumptions)
+    return MeshCandidate(trainings[best], estimates[best], cost), len(estimates)
+
+
+def _params(model: TransformerSpec, base: TrainingSpec) -> tuple[int, int]:
+    from zeroplan.estimate.facts import model_facts
+
+    facts = model_facts(model, base)
+    return facts.total_params, facts.trainable_params
+
+
+def _accumulation(mesh: MeshSpec, gpus: int, micro: int, global_batch: int | None) -> int | None:
+    """Micro-batches per step: the global batch over the data-parallel ranks, or 2 x pp under a pipeline."""
+    data_parallel = gpus // mesh.model_ranks
+    if global_batch is None:
+        return 2 * mesh.pp if mesh.pp > 1 else 1
+    if global_batch % (data_parallel * micro):
+        return None
+    return global_batch // (data_parallel * micro)
+
+
+def mesh_plan_to_dict(plan: MeshPlan) -> dict[str, Any]:
+    """`zeroplan plan --mesh` as plain data: every shown mesh, its worst rank's peak, its cost terms and reason."""
+    from zeroplan.estimate.serialize import per_gpu_to_dict
+    from zeroplan.estimate.serialize_mesh import mesh_to_dict
+
+    return {
+        "model": plan.model_name, "gpus": plan.gpus, "budget": plan.budget_bytes, "evaluated": plan.evaluated,
+        "fitting": plan.fitting,
+        "top": [{"rank": rank, "mesh": mesh_to_dict(c.training), "checkpointing": c.training.checkpointing.value,
+                 "zero_stage": c.training.zero_stage, "micro_batch": c.training.micro_batch,
+                 "grad_accum": c.training.grad_accum, "worst_rank": c.estimate.worst.kind.label,
+                 "per_gpu": per_gpu_to_dict(c.estimate.worst.estimate), "step_s": c.cost.step_s,
+                 "tokens_per_s_per_gpu": c.cost.tokens_per_s, "cost_terms_s": c.cost.terms(), "reason": c.reason}
+                for rank, c in enumerate(plan.top, start=1)],
+    }
