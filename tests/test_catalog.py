@@ -16,7 +16,7 @@ from zeroplan.errors import SpecError, UnknownModelError
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 
 REPO = Path(__file__).resolve().parent.parent
-SYNTHETIC = {"tiny-llama", "tiny-gpt2", "llama-100m"}
+SYNTHETIC = {"tiny-llama", "tiny-gpt2", "llama-100m", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "olmo2-tiny", "phi4-tiny"}
 
 TINY_TOML = """\
 name = "tiny"

@@ -21,6 +21,12 @@ MINIMAL = {
     "phi3": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4},
     "gpt2": {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4},
     "gpt_neox": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4},
+    # Qwen3 32 key/value heads, Gemma 2/3 4, OLMo 2 as many as heads; gemma3 nests its language model.
+    "qwen3": {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 32},
+    "gemma2": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 8},
+    "gemma3_text": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 8},
+    "gemma3": {"text_config": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2}},
+    "olmo2": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4},
 }
 
 
@@ -96,7 +102,8 @@ def test_name_source_and_model_type_are_recorded():
 def test_unsupported_model_type_lists_the_supported_ones():
     with pytest.raises(
         SpecError,
-        match=r"^x/config\.json: model_type 'bert' is not supported; supported: gemma, gpt2, gpt_neox, llama, mistral, mixtral, phi3, qwen2$",
+        match=r"^x/config\.json: model_type 'bert' is not supported; supported: gemma, gemma2, gemma3, gemma3_text, gpt2, "
+              r"gpt_neox, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3$",
     ):
         spec_from_hf_config({"model_type": "bert", "hidden_size": 8}, "m", source="x/config.json")
     with pytest.raises(SpecError, match=r"model_type None is not supported"):
@@ -138,6 +145,8 @@ def test_defaults_agree_with_transformers(model_type):
     torch = pytest.importorskip("torch")
     token_ids = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}  # within the tiny vocabulary
     config = transformers.AutoConfig.for_model(model_type, **MINIMAL[model_type], **token_ids)
+    if model_type == "gemma3":  # an image-text model: zeroplan reads its language model
+        config = transformers.AutoConfig.for_model("gemma3_text", **MINIMAL[model_type]["text_config"], **token_ids)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == param_layout(_spec(model_type)).total_params

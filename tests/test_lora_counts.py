@@ -82,6 +82,8 @@ def _peft_count(config: dict, targets, dora: bool = False, modules_to_save=None)
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
+    if "text_config" in config:  # a multimodal config (gemma3): zeroplan models the language model, as Gemma3ForCausalLM builds it
+        config = {**config["text_config"], "model_type": config["text_config"].get("model_type", "gemma3_text")}
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
         wrapped = peft.get_peft_model(model, peft.LoraConfig(

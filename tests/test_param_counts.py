@@ -28,7 +28,29 @@ PUBLISHED = {
     "llama-3-70b": 70_553_706_496,
     "mistral-7b": 7_241_732_096,
     "mixtral-8x7b": 46_702_792_704,
+    # The dense families of issue 13 (Hub safetensors totals, model_specs/<name>.toml cites each config.json)
+    "qwen3-8b": 8_190_735_360,
+    "qwen3-14b": 14_768_307_200,
+    "qwen3-32b": 32_762_123_264,
+    "gemma-2-2b": 2_614_341_888,
+    "gemma-2-9b": 9_241_705_984,
+    "gemma-2-27b": 27_227_128_320,
+    "gemma-3-1b": 999_885_952,
+    "olmo-2-7b": 7_298_617_344,
+    "olmo-2-13b": 13_716_198_400,
+    "phi-4": 14_659_507_200,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
+    "llama-3.3-70b": 70_553_706_496,
 }
+
+# Qwen3 model cards (tied embeddings; the checkpoints also store lm_head, so the Hub's totals count
+# the embedding twice): "Number of Parameters" and "(Non-Embedding)", in billions as printed.
+QWEN3_MODEL_CARDS = {"qwen3-0.6b": (0.6, 0.44), "qwen3-1.7b": (1.7, 1.4), "qwen3-4b": (4.0, 3.6)}
+
+# Gemma 3 4B/12B/27B are image-text checkpoints: the Hub's safetensors total is the language model
+# (the catalogue entry) plus the SigLIP vision tower and projector of its config.json.
+GEMMA3_IMAGE_TEXT_TOTALS = {"gemma-3-4b": 4_300_079_472, "gemma-3-12b": 12_187_325_040, "gemma-3-27b": 27_432_406_640}
 
 HF_CONFIGS = sorted((Path(__file__).parent / "data" / "hf_configs").glob("*.json"))
 
@@ -68,6 +90,31 @@ def test_mixtral_active_params_per_token():
     assert round(active / 1e9, 1) == 12.9
 
 
+@pytest.mark.parametrize("name, card", QWEN3_MODEL_CARDS.items())
+def test_qwen3_tied_totals_match_model_cards(name, card):
+    spec = resolve_model(name)
+    total = param_layout(spec).total_params
+    embedding = spec.vocab_size * spec.hidden_size
+    assert (round(total / 1e9, 1), round((total - embedding) / 1e9, len(str(card[1]).split(".")[1]))) == card
+
+
+@pytest.mark.parametrize("name, total", GEMMA3_IMAGE_TEXT_TOTALS.items())
+def test_gemma3_language_model_plus_vision_tower_is_the_published_total(name, total):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    spec = resolve_model(name)
+    text = {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
+            "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
+            "vocab_size": spec.vocab_size, "sliding_window": spec.sliding_window}
+    vision = _read(Path(__file__).parent / "data" / "hf_configs" / "gemma-3-4b.json")["vision_config"]  # the same in all three
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=256)
+    with torch.device("meta"):
+        model = transformers.Gemma3ForConditionalGeneration(config)
+    assert sum(p.numel() for p in model.parameters()) == total
+    language = sum(p.numel() for n, p in model.named_parameters() if ".language_model." in n or n.startswith("lm_head"))
+    assert language == param_layout(spec).total_params
+
+
 def test_hf_configs_cover_every_supported_model_type():
     assert {_read(path)["model_type"] for path in HF_CONFIGS} == set(SUPPORTED_MODEL_TYPES)
 
@@ -98,6 +145,8 @@ def test_transformers_meta_model_has_the_same_parameters(path):
     config = _read(path)
     spec = spec_from_hf_config(config, path.stem)
     layout = param_layout(spec)
+    if config["model_type"] == "gemma3":  # an image-text config: its language model, as Gemma3ForCausalLM
+        config = config["text_config"]
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
 
@@ -111,4 +160,22 @@ def test_transformers_meta_model_has_the_same_parameters(path):
     # Tensor by tensor, with dim 0 (what FSDP2 pads and shards): fused projections included
     # (GPT-2 c_attn, GPT-NeoX query_key_value, Phi-3 qkv_proj/gate_up_proj, Mixtral 3-D experts).
     # ... in registration order, which DeepSpeed flattens and partitions by.
+    assert [(p.numel(), p.shape[0]) for p in block.parameters()] == [(t.numel, t.rows) for t in layout.block]
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "olmo2-tiny", "phi4-tiny"])
+def test_tiny_family_models_as_measure_builds_them(name):
+    # The config `zeroplan measure` builds each tiny family model from (measure/workload.py), on the
+    # meta device: the same tensors, block by block, in registration order.
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from zeroplan.measure.workload import hf_config_kwargs
+
+    spec = resolve_model(name)
+    model_type, kwargs = hf_config_kwargs(spec)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **kwargs))
+    layout = param_layout(spec)
+    assert sum(p.numel() for p in model.parameters()) == layout.total_params
+    block = _decoder_layers(model, spec.num_layers)[0]
     assert [(p.numel(), p.shape[0]) for p in block.parameters()] == [(t.numel, t.rows) for t in layout.block]

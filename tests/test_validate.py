@@ -44,7 +44,8 @@ def test_grid_ids_are_unique_and_every_row_is_a_valid_spec():
 
 def test_grid_covers_the_issue():
     rows = GRID
-    assert {r.model for r in rows} == {"tiny-llama", "tiny-gpt2", "llama-100m", "llama-1b"}
+    families = {"qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "olmo2-tiny", "phi4-tiny"}  # issue 13's dense families
+    assert {r.model for r in rows} == {"tiny-llama", "tiny-gpt2", "llama-100m", "llama-1b"} | families
     setups = {(r.engine, r.stage) for r in rows if not r.client_optimizer and r.recipe == "plain"}
     assert setups == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)}
     # the optimizer's kernel on every engine that steps a torch optimizer; no DDP and the optimizer in

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import zeroplan.estimate.activations_families as families
 from zeroplan.estimate.layout import param_layout
 from zeroplan.estimate.caches import memo
 from zeroplan.spec.model import TransformerSpec
@@ -326,7 +327,8 @@ def _norm_saved_per_token(spec: TransformerSpec, w: _Widths, reads: int) -> int:
     h = spec.hidden_size
     out = w.comp * h * (reads if w.autocast else 1)
     if spec.norm == "rmsnorm":
-        return FP32_BYTES * h + w.resid * h + FP32_BYTES + out
+        normed = FP32_BYTES if spec.norm_weight_in_fp32 else w.resid  # Gemma2RMSNorm, Olmo2RMSNorm: weight before the cast
+        return FP32_BYTES * h + normed * h + FP32_BYTES + out
     return w.resid * h + 2 * FP32_BYTES + out
 
 
@@ -424,12 +426,46 @@ def _softmax_bytes(spec: TransformerSpec, w: _Widths) -> int:
 def _norm_saves_block_input(spec: TransformerSpec, w: _Widths) -> bool:
     """Does a block's first norm save the block's input tensor itself (LayerNorm; RMSNorm on an
     fp32 input, whose .float() is a no-op), so that full checkpointing's kept input is that one?"""
+    if spec.norm_placement == "post":  # OLMo 2: q_proj keeps the input itself, or its autocast cast
+        return not w.autocast
     return spec.norm != "rmsnorm" or w.resid == FP32_BYTES
 
 
 def _softmax_in_compute_dtype(spec: TransformerSpec) -> bool:
     """GPT-2's eager attention (modeling_gpt2.eager_attention_forward) softmaxes in the scores' dtype."""
     return spec.position_embedding == "learned" or spec.hf_model_type == "gpt2"
+
+
+def _family_saved_per_token(spec: TransformerSpec, core: _Core, checkpointing: Checkpointing, seq_len: int, w: _Widths,
+                            attn_reads: int, mlp_reads: int) -> int:
+    """The dense families' block terms (estimate/activations_families.py); zero for a Llama block."""
+    h = spec.hidden_size
+    inputs = sum(families.post_norm_input_delta_per_token(
+        spec, _norm_saved_per_token(spec, w, reads), w.comp * h * reads if w.autocast else w.resid * h)
+        for reads in (attn_reads, mlp_reads))
+    # selective checkpointing recomputes the core, soft-capping included
+    eager_core = core.kernel == "eager" and checkpointing != Checkpointing.SELECTIVE
+    return (families.qk_norm_saved_per_token(spec, w.comp) + 2 * families.output_norm_saved_per_token(spec, w.comp)
+            + inputs + families.softcap_scores_per_token(spec, eager_core, seq_len, w.comp)
+            + families.sliding_saved_per_token(spec, core.kernel, seq_len, w.comp)
+            + families.phi3_sdpa_saved_per_token(spec, core.kernel, checkpointing == Checkpointing.SELECTIVE, w.comp))
+
+
+def _family_attention_backward_per_token(spec: TransformerSpec, core: _Core, checkpointing: Checkpointing, seq_len: int,
+                                         w: _Widths, attn_reads: int) -> tuple[int, int]:
+    """(saved, allocated) added at the softmax's backward by the dense families: the q/k norms'
+    tensors and tanh's soft-capped scores are still alive (their backwards come after), OLMo 2's
+    projections keep the block input instead of a norm's tensors."""
+    h = spec.hidden_size
+    qk = families.qk_norm_saved_per_token(spec, w.comp)
+    softcap = families.softcap_scores_per_token(spec, core.kernel == "eager", seq_len, w.comp)
+    if checkpointing == Checkpointing.FULL:  # the block is recomputed: all of it allocated in backward
+        return 0, qk + softcap
+    inputs = families.post_norm_input_delta_per_token(
+        spec, _norm_saved_per_token(spec, w, attn_reads), w.comp * h * attn_reads if w.autocast else w.resid * h)
+    if checkpointing == Checkpointing.SELECTIVE:  # the core's tanh comes back with it
+        return qk + inputs, softcap
+    return qk + inputs + softcap, 0
 
 
 def _mlp_saved_per_token(spec: TransformerSpec, w: _Widths) -> int:
@@ -492,7 +528,8 @@ def _block_backward_transient_per_token(spec: TransformerSpec, w: _Widths) -> in
 def _block_backward_freed_per_token(spec: TransformerSpec, dropout: _Dropout, w: _Widths) -> int:
     """The MLP's product and, with residual dropout, the MLP output's mask (its backward ran first)."""
     k = spec.experts_per_token if spec.is_moe else 1
-    return k * w.comp * spec.intermediate_size + (dropout.mask(w.comp) * spec.hidden_size if dropout.residual else 0)
+    return (k * w.comp * spec.intermediate_size + (dropout.mask(w.comp) * spec.hidden_size if dropout.residual else 0)
+            + families.output_norm_saved_per_token(spec, w.comp))  # post_feedforward_layernorm's backward ran first
 
 
 def _residual_masks_per_token(spec: TransformerSpec, dropout: _Dropout, w: _Widths) -> int:
@@ -745,11 +782,14 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         + _norm_saved_per_token(spec, w, mlp_reads)
         + _mlp_saved_per_token(spec, w)
         + _residual_masks_per_token(spec, dropout, w)
+        + _family_saved_per_token(spec, core, checkpointing, seq_len, w, attn_reads, mlp_reads)
     )
-    full_block = tokens * block_per_token + block_casts
+    full_block = tokens * block_per_token + block_casts + families.offset_weights_bytes(spec)
     attention_saved = attention_temporary = 0
     if core.kernel != "fused":
         saved_pt, temporary_pt = _attention_backward_per_token(spec, core, checkpointing, seq_len, w, attn_reads)
+        family_saved, family_temporary = _family_attention_backward_per_token(spec, core, checkpointing, seq_len, w, attn_reads)
+        saved_pt, temporary_pt = saved_pt + family_saved, temporary_pt + family_temporary
         attention_saved, attention_temporary = tokens * saved_pt, tokens * temporary_pt
     recompute = forward_casts = 0
     if checkpointing in (Checkpointing.FULL, Checkpointing.OP):
@@ -784,12 +824,18 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         # dtype, shared by the batch and every block; each block's rotary multiply saves them
         # (checkpointed blocks keep them as inputs) until the first block's backward.
         # Partial rotary (GPT-NeoX, Phi-3) rotates fewer dimensions: counted at full head width.
-        embedding += 2 * seq_len * spec.dim_per_head * w.resid
+        embedding += (2 * seq_len * spec.dim_per_head * families.rotary_element_bytes(spec, w.resid)
+                      * families.rotary_tables(spec))
     if checkpointing != Checkpointing.NONE and attention == Attention.EAGER:
         embedding += _eager_mask_bytes(micro_batch, seq_len, w)
+        if 0 < families.sliding_layers(spec) < spec.num_layers:  # a second, sliding-window mask
+            embedding += _eager_mask_bytes(micro_batch, seq_len, w)
     head = _loss_terms(spec, micro_batch, seq_len, loss, loss_chunks, w, act_bytes, head_cast, chunking, fp32_head_grad)
+    if loss == Loss.STANDARD:  # the model's own forward soft-caps its logits (Gemma 2)
+        head["loss_saved"] += tokens * families.final_softcap_per_token(spec, act_bytes)
     # The final norm keeps what a block's norm keeps, its output read by lm_head alone.
-    final_norm = tokens * _norm_saved_per_token(spec, w, 1) + head_cast + head.pop("final_norm")
+    final_norm = (tokens * _norm_saved_per_token(spec, w, 1) + head_cast + head.pop("final_norm")
+                  + families.offset_weights_bytes(spec, final=True))
     head["loss_transient"] += forward_casts
     return ActivationBytes(
         saved_per_block=saved_block,

@@ -102,7 +102,18 @@ def _attention(spec: TransformerSpec) -> list[ParamTensor]:
         + _linear("attn.k_proj", h, kv_width, spec.attention_bias)
         + _linear("attn.v_proj", h, kv_width, spec.attention_bias)
         + _linear("attn.o_proj", q_width, h, spec.attention_out_bias)
+        + _qk_norms(spec)
     )
+
+
+def _qk_norms(spec: TransformerSpec) -> list[ParamTensor]:
+    # Qwen3Attention / Gemma3Attention register q_norm and k_norm (head_dim each) after o_proj;
+    # Olmo2Attention's span the whole projections (num_heads x head_dim, num_kv_heads x head_dim).
+    if spec.qk_norm == "none":
+        return []
+    q_width, kv_width = (spec.dim_per_head,) * 2 if spec.qk_norm == "head" else (
+        spec.num_heads * spec.dim_per_head, spec.kv_heads * spec.dim_per_head)
+    return [ParamTensor("attn.q_norm.weight", q_width, q_width), ParamTensor("attn.k_norm.weight", kv_width, kv_width)]
 
 
 def _mlp(prefix: str, spec: TransformerSpec) -> list[ParamTensor]:
@@ -148,7 +159,15 @@ def _block(spec: TransformerSpec) -> list[ParamTensor]:
     if spec.hf_model_type == "gpt_neox":
         # GPTNeoXLayer.__init__: input_layernorm, post_attention_layernorm, attention, mlp.
         return norms + _attention(spec) + mlp
-    # LlamaDecoderLayer (and Mistral, Mixtral, Qwen2, Gemma, Phi-3): self_attn, mlp, then
+    if spec.norm_placement == "sandwich":
+        # Gemma2DecoderLayer / Gemma3DecoderLayer: input_layernorm, post_attention_layernorm,
+        # pre_feedforward_layernorm, post_feedforward_layernorm, after self_attn and mlp.
+        norms = (_norm("attn_norm", spec) + _norm("attn_out_norm", spec) + _norm("mlp_norm", spec)
+                 + _norm("mlp_out_norm", spec))
+    elif spec.norm_placement == "post":
+        # Olmo2DecoderLayer: post_attention_layernorm and post_feedforward_layernorm only.
+        norms = _norm("attn_out_norm", spec) + _norm("mlp_out_norm", spec)
+    # LlamaDecoderLayer (and Mistral, Mixtral, Qwen2, Qwen3, Gemma, Phi-3): self_attn, mlp, then
     # input_layernorm and post_attention_layernorm.
     return _attention(spec) + mlp + norms
 

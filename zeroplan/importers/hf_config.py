@@ -105,6 +105,91 @@ def _phi3(config: Mapping[str, Any]) -> dict[str, Any]:
     return fields | {"residual_dropout": _value(config, ("resid_pdrop",), 0.0)}
 
 
+def _qwen3(config: Mapping[str, Any]) -> dict[str, Any]:
+    # Qwen3Config: num_key_value_heads 32, head_dim 128, max_position_embeddings 32768, untied;
+    # Qwen3Attention puts `attention_bias` on q, k, v and o_proj and an RMSNorm of head_dim on q
+    # and k (q_norm, k_norm). Its sliding window (use_sliding_window, off in every release) changes
+    # no saved tensor under fused attention and is not read.
+    fields = _rotary_gated(config, kv_heads=32, head_dim=128, max_positions=32768, tie=False)
+    bias = _value(config, ("attention_bias",), False)
+    return fields | {"attention_bias": bias, "attention_out_bias": bias, "qk_norm": "head"}
+
+
+def _olmo2(config: Mapping[str, Any]) -> dict[str, Any]:
+    # Olmo2Config: max_position_embeddings 2048, untied; Olmo2Attention puts `attention_bias` on q,
+    # k, v and o_proj and one RMSNorm over the whole q and k projections; Olmo2DecoderLayer norms
+    # the attention and MLP outputs only (post_attention_layernorm, post_feedforward_layernorm);
+    # Olmo2RMSNorm multiplies the weight before casting back.
+    fields = _rotary_gated(config, kv_heads=None, head_dim=None, max_positions=2048, tie=False)
+    bias = _value(config, ("attention_bias",), False)
+    return fields | {"attention_bias": bias, "attention_out_bias": bias, "qk_norm": "projection",
+                     "norm_placement": "post", "norm_weight_in_fp32": True}
+
+
+def _sliding_pattern(config: Mapping[str, Any], default: int) -> int:
+    """Every Nth layer global: from `layer_types` when the config lists them, else
+    `sliding_window_pattern` (Gemma 3's config.json), else the family's default."""
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        return _value(config, ("sliding_window_pattern",), default)
+    if not isinstance(layer_types, list) or not layer_types:
+        raise _ConfigProblem("layer_types must be a list of 'sliding_attention' / 'full_attention'")
+    full = [i + 1 for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    pattern = full[0] if full else len(layer_types) + 1
+    expected = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(len(layer_types))]
+    if layer_types != expected:
+        raise _ConfigProblem("layer_types: only every Nth layer full (the others sliding) is supported")
+    return pattern
+
+
+def _gemma_sandwich(config: Mapping[str, Any], *, max_positions: int, pattern: int,
+                    softcaps: tuple[float | None, float | None]) -> dict[str, Any]:
+    """Gemma 2 and Gemma 3 text: four RMSNorms per block of (1 + w) in fp32, embeddings scaled by
+    sqrt(hidden), tied, sliding-window layers every `pattern`th one global."""
+    fields = _rotary_gated(config, kv_heads=4, head_dim=256, max_positions=max_positions, tie=True)
+    bias = _value(config, ("attention_bias",), False)
+    window = _value(config, ("sliding_window",), 4096)
+    return fields | {
+        "attention_bias": bias,
+        "attention_out_bias": bias,
+        "norm_placement": "sandwich",
+        "norm_weight_in_fp32": True,
+        "norm_unit_offset": True,
+        "embedding_scale": True,
+        "attention_softcap": _value(config, ("attn_logit_softcapping",), softcaps[0]),
+        "final_logit_softcap": _value(config, ("final_logit_softcapping",), softcaps[1]),
+        "sliding_window": window,
+        "sliding_window_pattern": _sliding_pattern(config, pattern) if window else 1,
+    }
+
+
+def _gemma2(config: Mapping[str, Any]) -> dict[str, Any]:
+    # Gemma2Config: num_key_value_heads 4, head_dim 256, max_position_embeddings 8192, tied,
+    # sliding_window 4096 on every other layer (layer_types: (i + 1) % 2), attn_logit_softcapping
+    # 50.0, final_logit_softcapping 30.0 (modeling_gemma2.py eager_attention_forward, Gemma2ForCausalLM).
+    return _gemma_sandwich(config, max_positions=8192, pattern=2, softcaps=(50.0, 30.0))
+
+
+def _gemma3_text(config: Mapping[str, Any]) -> dict[str, Any]:
+    # Gemma3TextConfig: as Gemma 2, plus q_norm and k_norm of head_dim (Gemma3Attention), five
+    # sliding layers to one global (sliding_window_pattern 6), no soft-capping by default.
+    return _gemma_sandwich(config, max_positions=131_072, pattern=6, softcaps=(None, None)) | {
+        "qk_norm": "head"}
+
+
+def _gemma3(config: Mapping[str, Any]) -> dict[str, Any]:
+    # Gemma3Config (image-text): the language model is text_config, a Gemma3TextConfig; the
+    # vision tower and projector are not counted. The published 4B/12B/27B config.json files
+    # leave vocab_size (and 4B the head counts) to Gemma3TextConfig's defaults (262,208; 8 and 4).
+    text = config.get("text_config")
+    if not isinstance(text, Mapping):
+        raise _ConfigProblem("no 'text_config', required for model_type 'gemma3' (its language model)")
+    defaults = {"vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4}
+    return _gemma3_text(defaults | {k: v for k, v in text.items() if v is not None}) | {
+        "hf_model_type": "gemma3_text",
+        "tie_word_embeddings": _value(text, ("tie_word_embeddings",), _value(config, ("tie_word_embeddings",), True))}
+
+
 def _gpt2(config: Mapping[str, Any]) -> dict[str, Any]:
     # GPT2Config: n_positions 1024, n_inner None -> 4 * n_embd (GPT2Block), tied; its
     # attribute_map lets hidden_size etc. stand for n_embd etc. GPT2Attention's c_attn / c_proj
@@ -161,16 +246,31 @@ def _gpt_neox(config: Mapping[str, Any]) -> dict[str, Any]:
 
 _FAMILIES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
     "gemma": _gemma,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "gemma3_text": _gemma3_text,
     "gpt2": _gpt2,
     "gpt_neox": _gpt_neox,
     "llama": _llama,
     "mistral": _mistral,
     "mixtral": _mixtral,
+    "olmo2": _olmo2,
     "phi3": _phi3,
     "qwen2": _qwen2,
+    "qwen3": _qwen3,
 }
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))
+
+
+def _nearest(model_type: Any) -> str:
+    """", nearest: X" for a model_type close to a supported one (qwen3_next -> qwen3)."""
+    if not isinstance(model_type, str):
+        return ""
+    import difflib  # only an unsupported model_type needs it
+
+    close = difflib.get_close_matches(model_type.lower(), SUPPORTED_MODEL_TYPES, n=1, cutoff=0.6)
+    return f" (nearest supported: {close[0]})" if close else ""
 
 
 def is_hf_config(data: Mapping[str, Any]) -> bool:
@@ -188,10 +288,12 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str, source: str | None
     family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise SpecError(
-            f"{where}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{where}: model_type {model_type!r} is not supported{_nearest(model_type)}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     try:
-        fields = family(config) | {"name": name, "source": source, "hf_model_type": model_type}
+        # a family may name the model_type of the part it reads (gemma3: its gemma3_text language model)
+        fields = {"hf_model_type": model_type} | family(config) | {"name": name, "source": source}
     except _ConfigProblem as exc:
         raise SpecError(f"{where}: {exc}") from None
     try:

@@ -317,6 +317,7 @@ def _grid() -> tuple[Row, ...]:
     rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", checkpointing="full", micro_batch=4, seq_len=256,
                     activation_offload="cpu"))
     rows.extend(mesh_rows())
+    rows += _dense_family_rows()
     rows.extend(_lora_rows())
     return tuple(rows)
 
@@ -345,6 +346,27 @@ def mesh_rows() -> list[Row]:
         Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "1f1b")), grad_accum=4, **titan),
         Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "1f1b")), grad_accum=4, world=4, **titan),
         Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("tp", 2),), world=64, simulate=True, **titan),
+    ]
+
+
+def _dense_family_rows() -> list[Row]:
+    """The dense families of issue 13 through their transformers classes: each family's block terms
+    (q/k norms, sandwich and post norms, soft-capping under eager, sliding windows under SDPA) in
+    fp32, in 16-bit under FSDP2 and DeepSpeed, under autocast, and with checkpointing."""
+    return [
+        Row("qwen3-tiny", "torch", 1, "fp32"),
+        Row("qwen3-tiny", "fsdp2", 3, "bf16", checkpointing="selective"),
+        Row("qwen3-tiny", "deepspeed", 2, "bf16", attention="eager"),
+        Row("gemma2-tiny", "torch", 1, "fp32", attention="eager"),  # SDPA cannot soft-cap: eager only on CPU
+        Row("gemma2-tiny", "fsdp2", 3, "bf16", attention="eager"),
+        Row("gemma2-tiny", "torch", 0, "bf16", attention="eager", checkpointing="full"),
+        Row("gemma3-tiny", "torch", 1, "fp32"),
+        Row("gemma3-tiny", "torch", 1, "fp32", attention="eager"),
+        Row("gemma3-tiny", "fsdp2", 3, "bf16"),
+        Row("olmo2-tiny", "torch", 1, "fp32"),
+        Row("olmo2-tiny", "torch", 0, "bf16", micro_batch=4, seq_len=256),
+        Row("olmo2-tiny", "deepspeed", 2, "bf16", attention="eager", checkpointing="full"),
+        Row("phi4-tiny", "torch", 1, "fp32"),
     ]
 
 

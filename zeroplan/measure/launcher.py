@@ -137,6 +137,10 @@ def run_measurement(
         raise MeasureError("fsdp2.units: measure runs torchtitan's chunked loss with the head in the root unit only "
                            "(fsdp2 units root); the estimate of units split is not measured on CPU")
     refuse_unmeasurable(model, training, simulate)  # a mesh run measure/mesh.py cannot run
+    if model.attention_softcap and training.attention.value == "fused":
+        # transformers 5.23.0 Gemma2PreTrainedModel._supports_sdpa is False (docs/measure.md)
+        raise MeasureError("attention: SDPA cannot soft-cap attention logits (transformers refuses it for "
+                           f"{model.model_type}); measure --attention eager")
     if training.engine.value == "paper":  # refused here, before any worker starts
         raise MeasureError("engine: paper is the ZeRO paper's accounting, not a program to run; measure torch, fsdp2 or deepspeed")
     if nproc < 1:

@@ -177,11 +177,36 @@ def hf_config_kwargs(spec: TransformerSpec, dropout: DropoutRates = DropoutRates
             "resid_pdrop": dropout.residual,
             "embd_pdrop": 0.0,  # read by no Phi3Model module
             "sliding_window": None,
+            "pad_token_id": 0,  # Phi3Config's 32000 is outside a small test vocabulary (values change no memory)
         }
+    families = _dense_family_kwargs(spec, rotary)
+    if families is not None:
+        return model_type, families
     raise MeasureError(
         f"model: hf_model_type {model_type!r} has no Hugging Face mapping here; "
-        "use llama, mistral, mixtral, qwen2, gemma, phi3, gpt2 or gpt_neox"
+        "use llama, mistral, mixtral, qwen2, gemma, phi3, gpt2, gpt_neox, qwen3, gemma2, gemma3_text or olmo2"
     )
+
+
+def _dense_family_kwargs(spec: TransformerSpec, rotary: dict) -> dict | None:
+    """Config fields of the dense families of issue 13 (Qwen3, Gemma 2, Gemma 3 text, OLMo 2); None for others."""
+    bias = {"attention_bias": spec.attention_bias}
+    if spec.model_type == "qwen3":
+        return rotary | bias | {"use_sliding_window": False}
+    if spec.model_type == "olmo2":
+        return rotary | bias
+    if spec.model_type not in ("gemma2", "gemma3_text"):
+        return None
+    pattern = spec.sliding_window_pattern
+    layer_types = [("full_attention" if spec.sliding_window is None or (i + 1) % pattern == 0 else "sliding_attention")
+                   for i in range(spec.num_layers)]
+    return rotary | bias | {
+        "sliding_window": spec.sliding_window,
+        "layer_types": layer_types,
+        "attn_logit_softcapping": spec.attention_softcap,
+        "final_logit_softcapping": spec.final_logit_softcap,
+        "query_pre_attn_scalar": spec.dim_per_head,
+    }
 
 
 def _find_blocks(lm: nn.Module, num_layers: int) -> nn.ModuleList:
@@ -221,6 +246,9 @@ def _build_reference(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.
     if any(spec.dropout_rates(training.dropout)):
         raise MeasureError("dropout: zeroplan's reference model has no dropout layers; measure with transformers "
                            "(implementation hf) or with --dropout 0")
+    if spec.model_type in ("qwen3", "gemma2", "gemma3_text", "olmo2"):
+        raise MeasureError(f"model: zeroplan's reference model builds Llama and GPT-2 blocks, not {spec.model_type}'s; "
+                           "measure with transformers (implementation hf, not --simulate)")
     eager = training.attention.value == "eager"
     # Built in its dtype (not converted after: .to() cannot swap fake tensors under --simulate).
     default = torch.get_default_dtype()

@@ -97,6 +97,44 @@ class TransformerSpec(BaseModel):
     published_params: int | None = Field(
         None, ge=1, description="Total parameter count as published, checked by the tests."
     )
+    # Dense families of transformers 5.23.0 (issue 13); the defaults are the Llama block's.
+    qk_norm: Literal["none", "head", "projection"] = Field(
+        "none", description="RMSNorm on queries and keys before rotary: head, one weight of head_dim shared by the "
+        "heads (Qwen3Attention.q_norm/k_norm, Gemma3Attention); projection, one over the whole q and k projection "
+        "(Olmo2Attention); transformers/models/<type>/modeling_<type>.py."
+    )
+    norm_placement: Literal["pre", "sandwich", "post"] = Field(
+        "pre", description="Where a block's norms sit: pre, before attention and MLP (Llama); sandwich, before and "
+        "after each (four norms, Gemma2DecoderLayer/Gemma3DecoderLayer); post, after each only, on the branch "
+        "output before the residual add (Olmo2DecoderLayer)."
+    )
+    norm_weight_in_fp32: bool = Field(
+        False, description="RMSNorm multiplies its weight into the fp32 normalised tensor and casts after "
+        "(Gemma2RMSNorm, Gemma3RMSNorm, Olmo2RMSNorm), instead of casting first (LlamaRMSNorm)."
+    )
+    norm_unit_offset: bool = Field(
+        False, description="RMSNorm scales by (1 + weight), its weight initialised to zero (Gemma2RMSNorm, Gemma3RMSNorm)."
+    )
+    embedding_scale: bool = Field(
+        False, description="The embeddings are multiplied by sqrt(hidden_size) (Gemma2TextScaledWordEmbedding."
+        "embed_scale, a buffer, not a parameter): a temporary, nothing saved."
+    )
+    attention_softcap: float | None = Field(
+        None, gt=0, description="Attention logit soft-capping: scores = cap * tanh(scores / cap) before the softmax "
+        "(Gemma 2 attn_logit_softcapping 50; eager_attention_forward in modeling_gemma2.py; SDPA cannot run it)."
+    )
+    final_logit_softcap: float | None = Field(
+        None, gt=0, description="Final logit soft-capping: logits = cap * tanh(logits / cap) after lm_head "
+        "(Gemma2ForCausalLM final_logit_softcapping 30)."
+    )
+    sliding_window: int | None = Field(
+        None, ge=1, description="Keys a sliding-window layer attends to (Gemma 2 4096, Gemma 3 512/1024); None: every "
+        "layer attends to the whole sequence."
+    )
+    sliding_window_pattern: int = Field(
+        1, ge=1, description="With sliding_window, every Nth layer (1-based) attends globally and the others through "
+        "the window: Gemma 2 alternates (2), Gemma 3 has five local to one global (6); 1: every layer slides."
+    )
 
     @model_validator(mode="after")
     def _check_dropout(self) -> "TransformerSpec":
@@ -117,6 +155,8 @@ class TransformerSpec(BaseModel):
             )
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_kv_heads {self.kv_heads} does not divide num_heads {self.num_heads}")
+        if self.sliding_window is None and self.sliding_window_pattern != 1:
+            raise ValueError(f"sliding_window_pattern {self.sliding_window_pattern} needs a sliding_window")
         if self.experts_per_token > self.num_experts:
             raise ValueError(
                 f"experts_per_token {self.experts_per_token} exceeds num_experts {self.num_experts}"
