@@ -16,7 +16,8 @@ from zeroplan.errors import SpecError, UnknownModelError
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 
 REPO = Path(__file__).resolve().parent.parent
-SYNTHETIC = {"tiny-llama", "tiny-gpt2", "llama-100m", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "olmo2-tiny", "phi4-tiny"}
+SYNTHETIC = {"tiny-llama", "tiny-gpt2", "llama-100m", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "olmo2-tiny", "phi4-tiny",
+             "qwen3moe-tiny", "dsv3-tiny", "gptoss-tiny"}
 
 TINY_TOML = """\
 name = "tiny"
@@ -156,7 +157,7 @@ def test_other_files_are_refused(in_tmp):
 
 def test_unsupported_config_json_is_named(in_tmp):
     (in_tmp / "config.json").write_text('{"model_type": "bert", "hidden_size": 768}')
-    with pytest.raises(SpecError, match=r"^config\.json: model_type 'bert' is not supported; supported: gemma, "):
+    with pytest.raises(SpecError, match=r"^config\.json: model_type 'bert' is not supported; supported: deepseek_v3, gemma, "):
         resolve_model("config.json")
 
 

@@ -27,6 +27,11 @@ MINIMAL = {
     "gemma3_text": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 8},
     "gemma3": {"text_config": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2}},
     "olmo2": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4},
+    # Qwen3-MoE: 4 kv heads by default; DeepSeek-V3: wide enough for its default MLA ranks (q 1536,
+    # kv 512) and its 3 dense first layers; GPT-OSS: 8 kv heads of 64 by default.
+    "qwen3_moe": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 8},
+    "deepseek_v3": {"vocab_size": 64, "hidden_size": 2048, "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 16},
+    "gpt_oss": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 8},
 }
 
 
@@ -102,8 +107,8 @@ def test_name_source_and_model_type_are_recorded():
 def test_unsupported_model_type_lists_the_supported_ones():
     with pytest.raises(
         SpecError,
-        match=r"^x/config\.json: model_type 'bert' is not supported; supported: gemma, gemma2, gemma3, gemma3_text, gpt2, "
-              r"gpt_neox, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3$",
+        match=r"^x/config\.json: model_type 'bert' is not supported; supported: deepseek_v3, gemma, gemma2, gemma3, "
+              r"gemma3_text, gpt2, gpt_neox, gpt_oss, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe$",
     ):
         spec_from_hf_config({"model_type": "bert", "hidden_size": 8}, "m", source="x/config.json")
     with pytest.raises(SpecError, match=r"model_type None is not supported"):
@@ -177,3 +182,22 @@ def test_dropout_on_a_layer_the_family_lacks_is_named():
     neox = _spec("gpt_neox")
     with pytest.raises(ValueError, match="differ, but GPT-NeoX sets both from one hidden_dropout"):
         neox.model_validate(neox.model_dump() | {"embedding_dropout": 0.1})
+
+
+def test_moe_families_defaults():
+    # configuration_<type>.py defaults (transformers 5.23.0) for every key the minimal configs leave out.
+    qwen = _spec("qwen3_moe")
+    assert (qwen.kv_heads, qwen.max_position_embeddings, qwen.tie_word_embeddings) == (4, 32768, False)
+    assert (qwen.moe.num_experts, qwen.moe.experts_per_token, qwen.moe.expert_intermediate_size) == (128, 8, 768)
+    assert qwen.moe.dense_layers == () and qwen.moe.router == "softmax-topk"
+    deepseek = _spec("deepseek_v3")
+    assert (deepseek.kv_heads, deepseek.head_dim, deepseek.max_position_embeddings) == (16, 64, 4096)
+    assert (deepseek.moe.num_experts, deepseek.moe.experts_per_token, deepseek.moe.expert_intermediate_size,
+            deepseek.moe.shared_expert_intermediate_size, deepseek.moe.dense_layers) == (256, 8, 2048, 2048, (0, 1, 2))
+    assert deepseek.mla.model_dump() == {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                         "qk_nope_head_dim": 128, "v_head_dim": 128}
+    assert _spec("deepseek_v3", q_lora_rank=None).mla.q_lora_rank is None  # DeepSeek-V2-Lite style: one q_proj
+    oss = _spec("gpt_oss")
+    assert (oss.kv_heads, oss.head_dim, oss.attention_bias, oss.attention_out_bias, oss.attention_sinks) == (8, 64, True, True, True)
+    assert (oss.moe.num_experts, oss.moe.experts_per_token, oss.moe.expert_intermediate_size) == (128, 4, 48)
+    assert oss.moe.router_bias and oss.moe.expert_bias

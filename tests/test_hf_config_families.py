@@ -81,10 +81,10 @@ def test_missing_field_is_named(name, key):
         spec_from_hf_config(config, "m")
 
 
-@pytest.mark.parametrize("model_type, nearest", [("qwen3_next", "qwen3"), ("gemma3n", "gemma3"), ("olmo3", "olmo2")])
+@pytest.mark.parametrize("model_type, nearest", [("qwen3_next", "qwen3_moe"), ("gemma3n", "gemma3"), ("olmo3", "olmo2")])
 def test_unsupported_model_type_names_the_nearest(model_type, nearest):
     with pytest.raises(SpecError, match=rf"model_type '{model_type}' is not supported \(nearest supported: {nearest}\); "
-                                        r"supported: gemma, .*qwen3$"):
+                                        r"supported: deepseek_v3, gemma, .*qwen3, qwen3_moe$"):
         spec_from_hf_config({"model_type": model_type}, "m")
 
 
@@ -95,7 +95,7 @@ def test_sliding_window_pattern_needs_a_window():
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"model_type": "qwen3_next"}, r"model_type 'qwen3_next' is not supported \(nearest supported: qwen3\); supported: "),
+    ({"model_type": "qwen3_next"}, r"model_type 'qwen3_next' is not supported \(nearest supported: qwen3_moe\); supported: "),
     ({"model_type": "olmo2", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4},
      r"no 'intermediate_size', required for model_type 'olmo2'"),
 ])

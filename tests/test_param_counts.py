@@ -9,6 +9,7 @@ memory, no weights) and its parameters are counted tensor by tensor.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -154,13 +155,15 @@ def test_transformers_meta_model_has_the_same_parameters(path):
 
     # Per module group, the units ZeRO-3 and FSDP2 gather: embeddings, one block, the rest.
     embeddings = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters())
-    block = _decoder_layers(model, spec.num_layers)[0]
     assert embeddings == layout.embedding_params
-    assert sum(p.numel() for p in block.parameters()) == layout.block_params
-    # Tensor by tensor, with dim 0 (what FSDP2 pads and shards): fused projections included
-    # (GPT-2 c_attn, GPT-NeoX query_key_value, Phi-3 qkv_proj/gate_up_proj, Mixtral 3-D experts).
-    # ... in registration order, which DeepSpeed flattens and partitions by.
-    assert [(p.numel(), p.shape[0]) for p in block.parameters()] == [(t.numel, t.rows) for t in layout.block]
+    # Every block, run by run in forward order (DeepSeek-V3's dense first layers, then its sparse ones).
+    blocks = iter(_decoder_layers(model, spec.num_layers))
+    for tensors, count in layout.runs:
+        for block in [next(blocks) for _ in range(count)]:
+            # Tensor by tensor, with dim 0 (what FSDP2 pads and shards): fused projections included
+            # (GPT-2 c_attn, GPT-NeoX query_key_value, Phi-3 qkv_proj/gate_up_proj, 3-D experts).
+            # ... in registration order, which DeepSpeed flattens and partitions by.
+            assert [(p.numel(), p.shape[0]) for p in block.parameters()] == [(t.numel, t.rows) for t in tensors]
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "olmo2-tiny", "phi4-tiny"])
@@ -179,3 +182,49 @@ def test_tiny_family_models_as_measure_builds_them(name):
     assert sum(p.numel() for p in model.parameters()) == layout.total_params
     block = _decoder_layers(model, spec.num_layers)[0]
     assert [(p.numel(), p.shape[0]) for p in block.parameters()] == [(t.numel, t.rows) for t in layout.block]
+
+
+def _active_params(spec) -> int:
+    """Parameters a token runs through (the planner's cost model counts these): all but the
+    routed experts it is not sent to."""
+    from zeroplan.plan.cost import model_flops
+
+    total = param_layout(spec).total_params
+    return round(model_flops(spec, total, total).dense_flops_per_token / 6)
+
+
+# Totals and activated parameters as published: Qwen3 model cards (30.5B total, 3.3B activated,
+# 29.9B non-embedding; 235B, 22B, 234B), DeepSeek-V3 Technical Report section 4.2 (671B, 37B; R1's
+# model card the same), gpt-oss model card table 1 (116.83B, 5.13B; 20.91B, 3.61B: active counts
+# there leave out the embedding). Qwen's and DeepSeek's activated figures are cut, not rounded
+# (3.35B is "3.3B", 37.55B is "37B"); the others are rounded.
+@pytest.mark.parametrize("name, digits, total, active, non_embedding", [
+    ("qwen3-30b-a3b", 1, 30.5, 3.3, 29.9),
+    ("qwen3-235b-a22b", 0, 235, 22, 234),
+    ("deepseek-v3", 0, 671, 37, None),
+    ("deepseek-r1", 0, 671, 37, None),
+    ("gpt-oss-120b", 2, 116.83, 5.13, None),
+    ("gpt-oss-20b", 2, 20.91, 3.61, None),
+])
+def test_moe_totals_and_active_params_as_published(name, digits, total, active, non_embedding):
+    spec = resolve_model(name)
+    layout = param_layout(spec)
+    assert round(layout.total_params / 1e9, digits) == total
+    embedding = spec.vocab_size * spec.hidden_size
+    if spec.hf_model_type == "gpt_oss":
+        assert round((_active_params(spec) - embedding) / 1e9, digits) == active
+    else:
+        assert math.floor(_active_params(spec) / 10 ** (9 - digits)) == round(active * 10 ** digits)
+    if non_embedding is not None:
+        assert round((layout.total_params - 2 * embedding) / 1e9, digits) == non_embedding
+
+
+def test_deepseek_v3_with_its_mtp_layer_is_the_hubs_685b():
+    # DeepSeek-V3's model card: 671B main model weights plus 14B of multi-token-prediction weights,
+    # 685B on the Hub, where layer 61 (the MTP module) also stores its own copies of the embedding
+    # and the output head: one sparse layer, enorm, hnorm, eh_proj, the shared head's norm.
+    spec = resolve_model("deepseek-v3")
+    with_mtp = spec.model_copy(update={"moe": spec.moe.model_copy(update={"mtp_layers": 1})})
+    copies = 2 * spec.vocab_size * spec.hidden_size
+    # 684.49B: the rest of the Hub's 684.53B is the FP8 checkpoint's block scales (one fp32 per 128 x 128).
+    assert abs((param_layout(with_mtp).total_params + copies) / 685e9 - 1) < 0.001

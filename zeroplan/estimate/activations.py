@@ -48,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import zeroplan.estimate.activations_families as families
+import zeroplan.estimate.moe as moe
 from zeroplan.estimate.layout import param_layout
 from zeroplan.estimate.caches import memo
 from zeroplan.spec.model import TransformerSpec
@@ -328,7 +329,7 @@ def _norm_saved_per_token(spec: TransformerSpec, w: _Widths, reads: int) -> int:
     out = w.comp * h * (reads if w.autocast else 1)
     if spec.norm == "rmsnorm":
         normed = FP32_BYTES if spec.norm_weight_in_fp32 else w.resid  # Gemma2RMSNorm, Olmo2RMSNorm: weight before the cast
-        return FP32_BYTES * h + normed * h + FP32_BYTES + out
+        return FP32_BYTES * h + normed * h + FP32_BYTES + out + moe.gpt_oss_norm_extra_per_token(spec, w.resid)
     return w.resid * h + 2 * FP32_BYTES + out
 
 
@@ -341,6 +342,8 @@ def _attention_saved_per_token(spec: TransformerSpec, core: _Core, checkpointing
     # The fused kernel's fp32 log-sum-exp per head, counted under selective checkpointing too
     # (conservative; keeps `memory_checkpointing` exact): docs/engines/activations.md.
     lse = FP32_BYTES * spec.num_heads if core.kernel == "fused" else 0
+    if spec.mla is not None and core.kernel == "fused" and checkpointing != Checkpointing.SELECTIVE:
+        return moe.mla_saved_per_token(spec, w.comp)  # DeepSeek's latent attention
     if checkpointing == Checkpointing.SELECTIVE:
         # The core runs under checkpoint: its inputs stay alive for the recomputation (q, and k
         # and v before repeat_kv), nothing it saves does (measured: docs/engines/activations.md).
@@ -355,6 +358,9 @@ def _attention_saved_per_token(spec: TransformerSpec, core: _Core, checkpointing
     # dropout the matmul keeps the dropped probabilities instead of the cast, and dropout its mask.
     qkv = core.qkv * 3 * q_width
     probs = core.probs_saved * spec.num_heads * seq_len
+    if spec.attention_sinks and core.kernel == "eager" and not core.mask:  # GPT-OSS
+        per_score, per_head = moe.sinks_probs_saved(w.comp)
+        probs = (per_score * seq_len + per_head) * spec.num_heads
     return qkv + out + probs
 
 
@@ -433,7 +439,7 @@ def _norm_saves_block_input(spec: TransformerSpec, w: _Widths) -> bool:
 
 def _softmax_in_compute_dtype(spec: TransformerSpec) -> bool:
     """GPT-2's eager attention (modeling_gpt2.eager_attention_forward) softmaxes in the scores' dtype."""
-    return spec.position_embedding == "learned" or spec.hf_model_type == "gpt2"
+    return spec.position_embedding == "learned" or spec.hf_model_type == "gpt2" or spec.attention_sinks
 
 
 def _family_saved_per_token(spec: TransformerSpec, core: _Core, checkpointing: Checkpointing, seq_len: int, w: _Widths,
@@ -469,6 +475,8 @@ def _family_attention_backward_per_token(spec: TransformerSpec, core: _Core, che
 
 
 def _mlp_saved_per_token(spec: TransformerSpec, w: _Widths) -> int:
+    if spec.moe is not None:  # experts narrower than the dense MLP, shared experts (estimate/moe.py)
+        return moe.mlp_saved_per_token(spec, w.comp)
     h, inner, act = spec.hidden_size, spec.intermediate_size, w.comp
     if spec.mlp == "gated":
         dense = 4 * act * inner  # gate, SiLU(gate), up, product
@@ -502,6 +510,8 @@ def _block_forward_transient_per_token(spec: TransformerSpec, checkpointing: Che
     output is dropped once SiLU has read it) or four (GPT-2's gelu_new written out: the c_fc
     output, 0.5x, 1 + tanh(...) and the product)."""
     h = spec.hidden_size
+    if spec.moe is not None:
+        return moe.mlp_forward_transient_per_token(spec, w.resid, w.comp, checkpointing in (Checkpointing.FULL, Checkpointing.OP))
     if checkpointing not in (Checkpointing.FULL, Checkpointing.OP):
         return (w.resid + w.comp) * h
     k = spec.experts_per_token if spec.is_moe else 1
@@ -521,6 +531,8 @@ def _block_backward_transient_per_token(spec: TransformerSpec, w: _Widths) -> in
     the product (`_block_backward_freed_per_token`). The last block's backward peaks there
     (measured: docs/engines/activations.md).
     """
+    if spec.moe is not None:
+        return moe.mlp_backward_transient_per_token(spec, w.resid, w.comp)
     k = spec.experts_per_token if spec.is_moe else 1
     return w.resid * spec.hidden_size + 3 * k * w.comp * spec.intermediate_size
 
@@ -528,7 +540,8 @@ def _block_backward_transient_per_token(spec: TransformerSpec, w: _Widths) -> in
 def _block_backward_freed_per_token(spec: TransformerSpec, dropout: _Dropout, w: _Widths) -> int:
     """The MLP's product and, with residual dropout, the MLP output's mask (its backward ran first)."""
     k = spec.experts_per_token if spec.is_moe else 1
-    return (k * w.comp * spec.intermediate_size + (dropout.mask(w.comp) * spec.hidden_size if dropout.residual else 0)
+    product = moe.mlp_backward_freed_per_token(spec, w.resid, w.comp) if spec.moe is not None else k * w.comp * spec.intermediate_size
+    return (product + (dropout.mask(w.comp) * spec.hidden_size if dropout.residual else 0)
             + families.output_norm_saved_per_token(spec, w.comp))  # post_feedforward_layernorm's backward ran first
 
 
@@ -783,8 +796,11 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         + _mlp_saved_per_token(spec, w)
         + _residual_masks_per_token(spec, dropout, w)
         + _family_saved_per_token(spec, core, checkpointing, seq_len, w, attn_reads, mlp_reads)
+        + moe.qk_norm_saved_per_token(spec, w.comp)
     )
-    full_block = tokens * block_per_token + block_casts + families.offset_weights_bytes(spec)
+    full_block = (tokens * block_per_token + block_casts + families.offset_weights_bytes(spec)
+                  + moe.router_weight_copy_bytes(spec, w.comp))
+    full_block += moe.mixed_blocks_bytes(spec, tokens, w.comp)  # dense and sparse blocks: their mean
     attention_saved = attention_temporary = 0
     if core.kernel != "fused":
         saved_pt, temporary_pt = _attention_backward_per_token(spec, core, checkpointing, seq_len, w, attn_reads)

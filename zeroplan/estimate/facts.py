@@ -9,13 +9,14 @@ A `ParamCountSpec` (count only) becomes layers of `largest_layer_params` and has
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import zeroplan.estimate.moe as moe
 from zeroplan.errors import SpecError
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.layout import ParamTensor, param_layout
-from zeroplan.estimate.lora import lora_layout
+from zeroplan.estimate.lora import PackedStorage, lora_layout, packed_layout, packed_storage
 from zeroplan.spec.lora import LoraSpec
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
@@ -50,6 +51,8 @@ class ModelFacts:
     groups: tuple[ModuleGroup, ...]  # in forward order
     largest_group_params: int
     largest_tensor_numel: int
+    # a sparse MLP's gradients alive at its backward peak, in place of `early_gradients`' rule (estimate/moe.py)
+    first_block_gradient: int | None = None
 
     def trainable_numels(self) -> list[int]:
         """Every trainable tensor's element count, in `model.parameters()` order (block after block)."""
@@ -75,16 +78,27 @@ def _transformer_facts(spec: TransformerSpec, freeze: tuple[str, ...]) -> ModelF
     layout = param_layout(spec)
     groups = (
         _group("embedding", layout.embedding, 1, "embeddings" in freeze),
-        _group("block", layout.block, layout.num_blocks, "blocks" in freeze),
+        # one group per run of like blocks, in forward order (dense and sparse MLPs: estimate/moe_layout.py)
+        *(_group("block", tensors, count, "blocks" in freeze) for tensors, count in layout.runs),
         _group("final", layout.final, 1, "final" in freeze),
     )
-    return _facts(spec.name, groups)
+    facts = _facts(spec.name, groups)
+    if spec.moe is not None:  # Qwen3-MoE, DeepSeek-V3, GPT-OSS
+        facts = replace(facts, first_block_gradient=moe.first_block_gradient(spec))
+    return facts
 
 
 @memo(maxsize=256)  # one object per model, as `_transformer_facts`
-def _lora_facts(spec: TransformerSpec, lora: LoraSpec) -> ModelFacts:
-    """The model with PEFT's adapters: base tensors frozen, adapters trained (estimate/lora.py)."""
+def _lora_facts(spec: TransformerSpec, lora: LoraSpec, packed: PackedStorage | None = None) -> ModelFacts:
+    """The model with PEFT's adapters: base tensors frozen, adapters trained (estimate/lora.py); with
+    `packed`, the 4-bit weights as the storage a sharding engine gathers (the parameter count stays)."""
     layout = lora_layout(spec, lora)
+    if packed is not None:
+        return replace(_lora_facts(spec, lora), groups=_lora_facts_of(spec, packed_layout(spec, layout, packed)).groups)
+    return _lora_facts_of(spec, layout)
+
+
+def _lora_facts_of(spec: TransformerSpec, layout) -> ModelFacts:
     groups = [_group("embedding", layout.embedding, 1, False), _group("block", layout.block, layout.adapted_blocks, False)]
     if layout.adapted_blocks < spec.num_layers:
         groups.append(_group("block", layout.plain_block, spec.num_layers - layout.adapted_blocks, False))
@@ -125,5 +139,5 @@ def model_facts(spec: TransformerSpec | ParamCountSpec, training: TrainingSpec) 
         )
     freeze = tuple(sorted(training.freeze)) if training.freeze else ()
     if training.lora is not None and isinstance(spec, TransformerSpec):
-        return _lora_facts(spec, training.lora)
+        return _lora_facts(spec, training.lora, packed_storage(training))
     return _transformer_facts(spec, freeze) if isinstance(spec, TransformerSpec) else _count_facts(spec)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
+from zeroplan.estimate.moe_layout import moe_param_layout
 from zeroplan.spec.model import TransformerSpec
 
 
@@ -32,6 +33,13 @@ class ParamLayout(NamedTuple):
     block: tuple[ParamTensor, ...]  # one transformer block; every block is identical
     num_blocks: int
     final: tuple[ParamTensor, ...]  # final norm and, when untied, the output head
+    # Blocks of more than one kind (dense and sparse MLPs: estimate/moe_layout.py), as runs of
+    # (tensors, count) in forward order; `block` is then the largest kind. Empty: `block` x num_blocks.
+    block_runs: tuple[tuple[tuple[ParamTensor, ...], int], ...] = ()
+
+    @property
+    def runs(self) -> tuple[tuple[tuple[ParamTensor, ...], int], ...]:
+        return self.block_runs or ((self.block, self.num_blocks),)
 
     @property
     def embedding_params(self) -> int:
@@ -47,11 +55,12 @@ class ParamLayout(NamedTuple):
 
     @property
     def total_params(self) -> int:
-        return self.embedding_params + self.num_blocks * self.block_params + self.final_params
+        blocks = sum(count * sum(t.numel for t in tensors) for tensors, count in self.runs)
+        return self.embedding_params + blocks + self.final_params
 
     @property
     def all_tensors(self) -> tuple[ParamTensor, ...]:
-        return self.embedding + self.block * self.num_blocks + self.final
+        return self.embedding + sum((tensors * count for tensors, count in self.runs), ()) + self.final
 
 
 def _linear(name: str, in_features: int, out_features: int, bias: bool) -> list[ParamTensor]:
@@ -174,6 +183,8 @@ def _block(spec: TransformerSpec) -> list[ParamTensor]:
 
 def param_layout(spec: TransformerSpec) -> ParamLayout:
     """Every parameter tensor of `spec`, grouped into embedding, one block, and final modules."""
+    if spec.moe is not None or spec.mla is not None or spec.attention_sinks:
+        return _moe_layout(spec)
     h = spec.hidden_size
     embedding = [ParamTensor("embed_tokens.weight", spec.vocab_size * h, spec.vocab_size)]
     if spec.position_embedding == "learned":
@@ -183,3 +194,12 @@ def param_layout(spec: TransformerSpec) -> ParamLayout:
     if not spec.tie_word_embeddings:
         final += _linear("lm_head", h, spec.vocab_size, bias=False)
     return ParamLayout(tuple(embedding), tuple(_block(spec)), spec.num_layers, tuple(final))
+
+
+def _moe_layout(spec: TransformerSpec) -> ParamLayout:
+    """Qwen3-MoE, DeepSeek-V3, GPT-OSS (estimate/moe_layout.py): `block` is the largest kind."""
+    moe = moe_param_layout(spec)
+    runs = tuple((tuple(ParamTensor(*t) for t in tensors), count) for tensors, count in moe.runs)
+    largest = max((tensors for tensors, _ in runs), key=lambda tensors: sum(t.numel for t in tensors))
+    return ParamLayout(tuple(ParamTensor(*t) for t in moe.embedding), largest, sum(count for _, count in runs),
+                       tuple(ParamTensor(*t) for t in moe.final), runs)

@@ -229,15 +229,25 @@ def quantized_weight_bytes(numel: int, out_features: int, quant: QuantSpec) -> i
     is uint8, with one fp32 absmax per 256 of them and an fp32 offset (the 256-entry code tables are
     shared). 8-bit (`Int8Params`): int8 weight and one fp32 scale (SCB) per output row."""
     if quant.base_precision.is_4bit:
-        storage = DTYPE_BYTES[quant.quant_storage]
-        packed = -(-numel // (2 * storage)) * storage
-        blocks = -(-numel // quant.blocksize)
-        if quant.double_quant:
-            return packed + blocks + FP32_BYTES * -(-blocks // DOUBLE_QUANT_BLOCK) + FP32_BYTES
-        return packed + FP32_BYTES * blocks
+        return packed_elements(numel, quant) * DTYPE_BYTES[quant.quant_storage] + quant_state_bytes(numel, quant)
     if quant.base_precision.value == "int8":
         return numel + FP32_BYTES * out_features
     return numel * DTYPE_BYTES[quant.base_precision.value]
+
+
+def packed_elements(numel: int, quant: QuantSpec) -> int:
+    """Elements of `quant_storage` holding a 4-bit weight of `numel` values, two per byte
+    (functional.py `quantize_4bit`: a (packed, 1) tensor viewed as quant_storage)."""
+    return -(-numel // (2 * DTYPE_BYTES[quant.quant_storage]))
+
+
+def quant_state_bytes(numel: int, quant: QuantSpec) -> int:
+    """The 4-bit weight's QuantState: one fp32 absmax per block; with double quantization uint8
+    absmax, one fp32 absmax per 256 of them and an fp32 offset (the code tables are shared)."""
+    blocks = -(-numel // quant.blocksize)
+    if quant.double_quant:
+        return blocks + FP32_BYTES * -(-blocks // DOUBLE_QUANT_BLOCK) + FP32_BYTES
+    return FP32_BYTES * blocks
 
 
 def unquantized_element_bytes(quant: QuantSpec) -> int:
@@ -252,6 +262,7 @@ class BaseTensor(NamedTuple):
     numel: int
     count: int  # copies (blocks)
     stored_bytes: int  # as bitsandbytes (or the base dtype) stores one copy
+    packed: bool = False  # a 4-bit weight: packed storage plus a QuantState
 
 
 @memo(maxsize=256)
@@ -267,7 +278,8 @@ def base_tensors(spec: TransformerSpec, quant: QuantSpec) -> tuple[BaseTensor, .
             stored = quantized_weight_bytes(t.numel, linears[module].out_features, quant)
         else:
             stored = t.numel * element
-        tensors.append(BaseTensor(t.numel, spec.num_layers, stored))
+        packed = quant.base_precision.is_4bit and module in linears and kind == "weight"
+        tensors.append(BaseTensor(t.numel, spec.num_layers, stored, packed))
     return tuple(tensors)
 
 
@@ -402,15 +414,64 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class PackedStorage(NamedTuple):
+    """How a sharding engine sees a 4-bit base: each quantized weight as its packed storage, in
+    elements of the dtype the engine gathers (docs/engines/lora.md "Sharded 4-bit weights")."""
+
+    quant: QuantSpec
+    gathered_element: int  # bytes of one element the engine gathers (FSDP2 param_dtype, DeepSpeed's 16-bit)
+
+
+def packed_storage(training) -> PackedStorage | None:
+    """FSDP2 and DeepSpeed ZeRO-3 shard and gather a 4-bit weight as the tensor it is: bitsandbytes'
+    packed storage (nn/modules.py `Params4bit`: `torch.chunk` keeps the whole QuantState on every
+    chunk), not the weight it dequantizes to; None for the engines that do not shard parameters."""
+    quant = training.quant
+    engine = training.engine.value
+    if quant is None or not quant.base_precision.is_4bit:
+        return None
+    if not (engine == "fsdp2" or (engine == "deepspeed" and training.zero_stage == 3)):
+        return None
+    return PackedStorage(quant, FP32_BYTES if training.precision.value == "fp32" else 2)
+
+
+def _packed_units(numel: int, packed: PackedStorage) -> int:
+    """The packed storage of a 4-bit weight of `numel` values, in the engine's gathered elements."""
+    return _ceil(packed_elements(numel, packed.quant) * DTYPE_BYTES[packed.quant.quant_storage], packed.gathered_element)
+
+
+def packed_layout(spec: TransformerSpec, layout: LoraLayout, packed: PackedStorage) -> LoraLayout:
+    """`layout` with each quantized block weight as its packed storage, a (units, 1) tensor: what
+    fully_shard splits on dim 0 and all-gathers, and what DeepSpeed partitions, gathers and compares
+    with its persistence threshold."""
+    quantized = {linear.module + ".weight" for linear in _linears(spec) if linear.role == "block" and linear.kind == "linear"}
+
+    def storage(tensors: tuple[ParamTensor, ...]) -> tuple[ParamTensor, ...]:
+        return tuple([t._replace(numel=_packed_units(t.numel, packed), rows=_packed_units(t.numel, packed))
+                      if t.frozen and t.name in quantized else t for t in tensors])
+
+    return layout._replace(block=storage(layout.block), plain_block=storage(layout.plain_block))
+
+
 def base_params_delta(spec: TransformerSpec, training, param: int) -> int:
     """Bytes per rank the base really takes minus what the engine profile counted for it (every
-    parameter in the engine's dtype): zero without `quant`."""
+    parameter in the engine's dtype; a 4-bit weight under a sharding engine as its packed storage,
+    `packed_layout`): zero without `quant`."""
     quant = training.quant
     if quant is None or training.offload_params.value != "none":
         return 0
     element = _engine_param_element(training.engine.value, training.precision.value, param)
     n = training.gpus if _sharded(training) else 1
-    return sum(t.count * (_ceil(t.stored_bytes, n) - _ceil(t.numel, n) * element) for t in base_tensors(spec, quant))
+    packed = packed_storage(training)
+    delta = 0
+    for t in base_tensors(spec, quant):
+        if packed is not None and t.packed:
+            # the shards of the packed storage, and the QuantState whole on every rank (Params4bit.__torch_function__)
+            stored = _ceil(packed_elements(t.numel, quant), n) * DTYPE_BYTES[quant.quant_storage] + quant_state_bytes(t.numel, quant)
+            delta += t.count * (stored - _ceil(_packed_units(t.numel, packed), n) * element)
+        else:
+            delta += t.count * (_ceil(t.stored_bytes, n) - _ceil(t.numel, n) * element)
+    return delta
 
 
 def adapter_param_bytes(facts, training, param: int, steady: bool) -> int:
@@ -418,12 +479,34 @@ def adapter_param_bytes(facts, training, param: int, steady: bool) -> int:
     sharded as the engine shards; ZeRO-3 keeps tensors under the persistence threshold whole once traced)."""
     element = _engine_param_element(training.engine.value, training.precision.value, param)
     tensors = [(t.numel, g.count) for g in facts.groups for t in g.trainable_tensors]
+    copy_element = saved_copy_element(training)
+    if copy_element is not None:  # the torch engine: modules_to_save copies in the base's dtype
+        return sum(t.numel * g.count * (copy_element if is_saved_copy(t) else element)
+                   for g in facts.groups for t in g.trainable_tensors)
     if not _sharded(training):
         return element * sum(numel * count for numel, count in tensors)
     n = training.gpus
     threshold = training.deepspeed.stage3_param_persistence_threshold if training.engine.value == "deepspeed" else 0
     whole = sum(numel * count for numel, count in tensors if numel <= threshold) if steady else 0
     return element * (sum(_ceil(numel, n) * count for numel, count in tensors) + whole)
+
+
+# --- modules_to_save under the torch engine ----------------------------------------------------
+
+def is_saved_copy(t: ParamTensor) -> bool:
+    return ".modules_to_save." in t.name
+
+
+def saved_copy_element(training) -> int | None:
+    """The bytes of one element of a modules_to_save copy where the torch engine's own dtype is not
+    it, else None. `ModulesToSaveWrapper` (peft/utils/other.py) deep-copies the original module, so
+    the copy is in the base's dtype, and trains there: autocast casts inputs, not parameters, so the
+    Trainer's optimizer sees that 16-bit tensor itself (no fp32 master), its .grad and states alike."""
+    quant = training.quant
+    if quant is None or training.engine.value != "torch" or not training.lora.modules_to_save:
+        return None
+    element = unquantized_element_bytes(quant)
+    return None if element == _engine_param_element("torch", training.precision.value, 0) else element
 
 
 def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:
@@ -435,12 +518,13 @@ def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:
         notes.append(f"base {quant.base_precision.value}{' + double quantization' if quant.double_quant else ''} as "
                      f"bitsandbytes stores it; each quantized layer dequantizes its weight to {quant.compute_dtype} in "
                      "forward and backward (a temporary)")
-        if _sharded(training):
-            notes.append("the gathered copies of a quantized block are counted in the engine's dtype, not packed: "
-                         "an overestimate of the gathering buffers")
-    if lora.modules_to_save and training.engine.value == "torch" and quant is not None:
-        notes.append("modules_to_save copies are counted in the engine's fp32 like the adapters; PEFT keeps them in "
-                     "the base dtype: their parameters, gradients and states are overestimated")
+        if packed_storage(training) is not None:
+            notes.append(f"the engine shards and gathers each 4-bit weight as its packed {quant.quant_storage} storage; "
+                         "its quantization state stays whole on every rank")
+    copy_element = saved_copy_element(training)
+    if copy_element is not None:
+        notes.append(f"modules_to_save copies train in the base's dtype ({copy_element} bytes per element: PEFT "
+                     "deep-copies the module), with their gradients and optimizer states; no fp32 master")
     if training.checkpointing.value != "none":
         notes.append("checkpointing with a frozen base: PEFT/the Trainer call enable_input_require_grads so the "
                      "checkpointed blocks get gradients (no bytes kept)")

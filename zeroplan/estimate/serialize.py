@@ -116,7 +116,7 @@ def model_rows(specs: Iterable[Any]) -> list[dict[str, Any]]:
                 "hidden": spec.hidden_size,
                 "heads": spec.num_heads,
                 "kv_heads": spec.kv_heads,
-                "experts": spec.num_experts,
+                "experts": spec.moe.num_experts if spec.moe else spec.num_experts,
                 "vocab": spec.vocab_size,
                 "source": spec.source,
             }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from zeroplan.errors import SpecError
 from zeroplan.importers.lora_options import fsdp2_peft_lines
-from zeroplan.spec.program import FSDP2Units
+from zeroplan.spec.program import FSDP2Units, fsdp2_reduces_in_param_dtype
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision, TrainingSpec
 
 _PARAM_DTYPE = {  # MixedPrecisionPolicy: compute in param_dtype, reduce gradients in fp32
@@ -17,6 +17,11 @@ _PARAM_DTYPE = {  # MixedPrecisionPolicy: compute in param_dtype, reduce gradien
     Precision.BF16: "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
     Precision.FP16: "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)",
     Precision.PURE_BF16: "MixedPrecisionPolicy()  # the model itself is bf16: no casts, no fp32 copy",
+}
+# accelerate's policy for the Trainer (spec/program.py fsdp2_reduces_in_param_dtype): gradients reduced in param_dtype
+_PARAM_DTYPE_REDUCED = {
+    Precision.BF16: "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)",
+    Precision.FP16: "MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)",
 }
 _OPTIMIZER = {
     Optimizer.ADAMW: "torch.optim.AdamW(model.parameters(), lr=lr)",
@@ -71,8 +76,11 @@ def write_fsdp2_snippet(training: TrainingSpec) -> str:
         ]
     if training.precision == Precision.PURE_BF16:
         lines.append("    model = model.to(torch.bfloat16)")
+    mp_policy = _PARAM_DTYPE[training.precision]
+    if training.precision in _PARAM_DTYPE_REDUCED and fsdp2_reduces_in_param_dtype(training.program.recipe):
+        mp_policy = _PARAM_DTYPE_REDUCED[training.precision]
     lines += [
-        f"    mp_policy = {_PARAM_DTYPE[training.precision]}",
+        f"    mp_policy = {mp_policy}",
         f"    offload_policy = {f'CPUOffloadPolicy(pin_memory={pin})' if offload else 'OffloadPolicy()'}",
     ]
     if wrapping.reshard_last_block == reshard:

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from zeroplan.errors import SpecError
+from zeroplan.importers.hf_moe_config import MOE_FAMILIES, MoEConfigProblem
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.validation import describe_validation_error
 
@@ -258,6 +259,10 @@ _FAMILIES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
     "phi3": _phi3,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
+} | {
+    # Qwen3-MoE, DeepSeek-V3, GPT-OSS (importers/hf_moe_config.py): the Llama-like fields, then theirs
+    model_type: (lambda config, defaults=defaults, read=read: read(config, _rotary_gated(config, tie=False, **defaults)))
+    for model_type, (defaults, read) in MOE_FAMILIES.items()
 }
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(_FAMILIES))
@@ -294,7 +299,7 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str, source: str | None
     try:
         # a family may name the model_type of the part it reads (gemma3: its gemma3_text language model)
         fields = {"hf_model_type": model_type} | family(config) | {"name": name, "source": source}
-    except _ConfigProblem as exc:
+    except (_ConfigProblem, MoEConfigProblem) as exc:
         raise SpecError(f"{where}: {exc}") from None
     try:
         return TransformerSpec.model_validate(fields)

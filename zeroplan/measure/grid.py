@@ -316,6 +316,13 @@ def _grid() -> tuple[Row, ...]:
     rows.append(Row("tiny-llama", "torch", 0, "bf16", world=1, micro_batch=4, seq_len=256, activation_offload="cpu"))
     rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", checkpointing="full", micro_batch=4, seq_len=256,
                     activation_offload="cpu"))
+    # Mixture of experts and latent attention (issue 13): Qwen3-MoE, DeepSeek-V3 (one dense layer, then
+    # sparse ones), GPT-OSS (eager only: transformers 5.23.0 has no SDPA path for its sinks).
+    for model, attention in (("qwen3moe-tiny", "fused"), ("dsv3-tiny", "fused"), ("gptoss-tiny", "eager")):
+        for engine, stage, precision, ckpt in (("fsdp2", 3, "fp32", "none"), ("fsdp2", 2, "bf16", "full"),
+                                               ("deepspeed", 3, "bf16", "none")):
+            rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, attention=attention,
+                            small_buckets=engine == "deepspeed"))  # buffers the size of the model, not of 5e8 elements
     rows.extend(mesh_rows())
     rows += _dense_family_rows()
     rows.extend(_lora_rows())

@@ -179,6 +179,10 @@ def hf_config_kwargs(spec: TransformerSpec, dropout: DropoutRates = DropoutRates
             "sliding_window": None,
             "pad_token_id": 0,  # Phi3Config's 32000 is outside a small test vocabulary (values change no memory)
         }
+    if spec.moe is not None or spec.mla is not None or spec.attention_sinks:  # Qwen3-MoE, DeepSeek-V3, GPT-OSS
+        from zeroplan.measure.moe_config import moe_config_kwargs
+
+        return model_type, moe_config_kwargs(spec, rotary)
     families = _dense_family_kwargs(spec, rotary)
     if families is not None:
         return model_type, families

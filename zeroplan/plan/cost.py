@@ -6,16 +6,21 @@ No overlap between terms is assumed (the step time is their sum, an upper bound)
 overlap_comm and FSDP2's prefetching hide part of the communication on real hardware.
 
 Terms, per GPU and per optimizer step of `grad_accum` micro-batches:
-- compute: 6 FLOPs per active parameter per token (forward 2 + backward 4) plus the attention
-  score and value products, 12 * L * q_width * seq per token (PaLM, Chowdhery et al. 2022,
-  appendix B), at the GPU's dense BF16 peak times an efficiency that grows with the tokens of a
-  micro-batch (`efficiency` below: throughput lost to small micro-batches).
-- recompute: full checkpointing runs each block's forward again, a third of the compute above;
-  selective recomputes only the attention core's forward, 4 * L * q_width * seq per token
-  (Korthikanti et al. 2022, sections 4-5).
+- compute: 6 FLOPs per trained parameter per token (forward 2, backward 4: the gradient of the
+  layer's input and of its weight; Kaplan et al. 2020 section 2.1, Narayanan et al. 2021 section
+  5.1) and 4 per frozen one (forward 2, input gradient 2: a frozen weight gets no gradient, as in
+  LoRA), over the active parameters, plus the attention score and value products,
+  12 * L * q_width * seq per token (PaLM, Chowdhery et al. 2022, appendix B), at the GPU's dense
+  BF16 peak times an efficiency that grows with the tokens of a micro-batch (`efficiency` below:
+  throughput lost to small micro-batches).
+- recompute: full checkpointing runs each block's forward again (2 FLOPs per parameter and the
+  attention's forward third); selective recomputes only the attention core's forward,
+  4 * L * q_width * seq per token (Korthikanti et al. 2022, sections 4-5).
 - communication: the ZeRO paper (Rajbhandari et al. 2020) section 7: stages 0-2 move 2 Psi
   elements per rank per step (all-reduce = reduce-scatter + all-gather), stage 3 moves 3 Psi
-  (all-gather in forward and in backward, reduce-scatter of gradients). Ring collectives send
+  (all-gather in forward and in backward, reduce-scatter of gradients). With frozen parameters
+  the gradients and the updated parameters are the trained ones (Psi_t); stage 3 and FSDP2 still
+  gather every parameter for compute. Ring collectives send
   (N-1)/N of that (NCCL ring algorithm). Under gradient accumulation stage 2 reduce-scatters at
   every micro-batch (DeepSpeed stage_1_and_2.py, reduce_ready_partitions_and_remove_grads runs in
   every backward when gradients are partitioned) and stage 3 gathers and reduces at every
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from zeroplan.estimate.dtypes import StateBytes, state_bytes
+from zeroplan.estimate.moe import idle_expert_params
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Checkpointing, Engine, Offload
 
@@ -132,8 +138,9 @@ class ModelFlops:
 
     params: int  # Psi: every parameter (gathered and updated)
     trainable_params: int  # parameters with gradients and optimizer states
-    dense_flops_per_token: float  # 6 * active params (forward + backward)
+    dense_flops_per_token: float  # forward + backward: 6 per trained active parameter, 4 per frozen one
     attention_flops_per_token_per_seq: float  # 12 * L * q_width; times seq_len gives FLOPs per token
+    dense_forward_flops_per_token: float = 0.0  # 2 * active params: what full checkpointing runs again
 
 
 def model_flops(model, params: int, trainable_params: int) -> ModelFlops:
@@ -145,9 +152,15 @@ def model_flops(model, params: int, trainable_params: int) -> ModelFlops:
             # Each token runs experts_per_token of num_experts gated MLPs (3 h x i matrices each).
             expert = 3 * model.hidden_size * model.intermediate_size
             active = params - model.num_layers * (model.num_experts - model.experts_per_token) * expert
+        if model.moe is not None:  # Qwen3-MoE, DeepSeek-V3, GPT-OSS: experts of their own width
+            active = params - idle_expert_params(model)
         # PaLM appendix B: 12 * L * H * Q * T for forward + backward of QK^T and AV.
         attention = 12.0 * model.num_layers * model.num_heads * model.dim_per_head
-    return ModelFlops(params, trainable_params, 6.0 * active, attention)
+    # trained parameters among the active ones (all of them when everything trains; for an MoE with
+    # frozen parameters, in proportion: LoRA's expert adapters run for the routed tokens only)
+    trained_active = active if trainable_params >= params else trainable_params * active // params
+    # forward 2 and the input's gradient 2 for every parameter, the weight's gradient 2 for trained ones
+    return ModelFlops(params, trainable_params, 4.0 * active + 2.0 * trained_active, attention, 2.0 * active)
 
 
 def _updated_weight_bytes(sizes: StateBytes) -> int:
@@ -211,23 +224,24 @@ def step_cost_model(flops: ModelFlops, training, assumptions: Assumptions) -> St
     link = assumptions.intra_node_bytes_per_s if n <= training.node_gpus else assumptions.inter_node_bytes_per_s
 
     # ZeRO paper section 7; per rank, ring collectives.
-    reduce_bytes = ring * psi_trainable * element
-    gather_bytes = ring * psi * element
+    reduce_bytes = ring * psi_trainable * element  # gradients: the trained parameters'
+    gather_bytes = ring * psi * element  # every parameter gathered for compute (stage 3, FSDP2)
+    updated_bytes = ring * psi_trainable * element  # the parameters the step updated, shared after it (stages 1-2)
     stage = training.zero_stage
     if stage == 0:
         comm_step, comm_micro = 2 * reduce_bytes, 0.0  # all-reduce at the accumulation boundary
     elif stage == 1 and training.engine == Engine.TORCH:
         # DDP all-reduces the whole gradient, then ZeroRedundancyOptimizer broadcasts each updated
         # shard from its owner (torch/distributed/optim/zero_redundancy_optimizer.py, _sync_params).
-        comm_step, comm_micro = 2 * reduce_bytes + gather_bytes, 0.0
+        comm_step, comm_micro = 2 * reduce_bytes + updated_bytes, 0.0
     elif stage == 1:
-        comm_step, comm_micro = reduce_bytes + gather_bytes, 0.0
+        comm_step, comm_micro = reduce_bytes + updated_bytes, 0.0
     elif stage == 2 and training.engine == Engine.FSDP2:
         # fully_shard(reshard_after_forward=False) still reshards after backward, so every forward
         # all-gathers again, and every backward reduce-scatters.
         comm_step, comm_micro = 0.0, gather_bytes + reduce_bytes
     elif stage == 2:
-        comm_step, comm_micro = gather_bytes, reduce_bytes
+        comm_step, comm_micro = updated_bytes, reduce_bytes
     else:
         comm_step, comm_micro = 0.0, 2 * gather_bytes + reduce_bytes
 
@@ -238,7 +252,7 @@ def step_cost_model(flops: ModelFlops, training, assumptions: Assumptions) -> St
     optimizer_bytes = _optimizer_bytes_per_param(sizes) * trainable_partition
     if training.offload_optimizer != Offload.NONE:
         grads_out = trainable_partition * element / assumptions.pcie_bytes_per_s
-        offload_step += partition * element / assumptions.pcie_bytes_per_s  # updated 16-bit params come back
+        offload_step += trainable_partition * element / assumptions.pcie_bytes_per_s  # updated 16-bit params come back
         if stage >= 2:
             offload_micro += grads_out
         else:
@@ -258,7 +272,8 @@ def step_cost_model(flops: ModelFlops, training, assumptions: Assumptions) -> St
     seq = training.seq_len
     forward_backward = flops.dense_flops_per_token + flops.attention_flops_per_token_per_seq * seq
     if training.checkpointing == Checkpointing.FULL:
-        recompute = forward_backward / 3  # one more forward: 2 of the 6 FLOPs per parameter
+        # one more forward: 2 FLOPs per parameter and the attention's forward third
+        recompute = flops.dense_forward_flops_per_token + flops.attention_flops_per_token_per_seq * seq / 3
     elif training.checkpointing == Checkpointing.SELECTIVE:
         recompute = flops.attention_flops_per_token_per_seq * seq / 3  # the attention core's forward
     else:

@@ -187,14 +187,17 @@ class Planner:
         return checked.model_copy(update={"checkpointing": choice.checkpointing, "micro_batch": micro_batch,
                                           "grad_accum": grad_accum})
 
+    def model_flops(self) -> ModelFlops:
+        if self._flops is None:  # parameter counts: the same for every configuration of the base
+            facts = model_facts(self.model, self.base)
+            self._flops = model_flops(self.model, facts.total_params, facts.trainable_params)
+        return self._flops
+
     def cost_model(self, choice: Choice) -> StepCostModel:
         if choice not in self._costs:
-            if self._flops is None:  # parameter counts: the same for every configuration of the base
-                facts = model_facts(self.model, self.base)
-                self._flops = model_flops(self.model, facts.total_params, facts.trainable_params)
             # (the cost model reads neither the micro-batch nor the accumulation)
             spec = self.training(choice, self.base.micro_batch, self.base.grad_accum)
-            self._costs[choice] = step_cost_model(self._flops, spec, self.assumptions)
+            self._costs[choice] = step_cost_model(self.model_flops(), spec, self.assumptions)
         return self._costs[choice]
 
     def memory_twin(self, choice: Choice) -> Choice:
@@ -378,9 +381,22 @@ class Planner:
 
 
 # -- explaining the ranking ----------------------------------------------------------------------
-def _why(cost: StepCost, choice: Choice, micro_batch: int, training: TrainingSpec) -> dict[str, str]:
+def _frozen_volume(stage: int, engine: Engine) -> str:
+    """What `step_cost_model` moves with frozen parameters: gradients and updated parameters are the
+    trained Ψt; stage 3 and FSDP2 gather all Ψ for compute."""
+    if stage == 3:
+        return "2Ψ + Ψt per micro-batch"
+    if stage == 2:
+        return "Ψ + Ψt per micro-batch" if engine == Engine.FSDP2 else "Ψt per micro-batch + Ψt per step"
+    return "3Ψt per step" if stage == 1 and engine == Engine.TORCH else "2Ψt per step"
+
+
+def _why(cost: StepCost, choice: Choice, micro_batch: int, training: TrainingSpec, flops: ModelFlops) -> dict[str, str]:
     stage = choice.zero_stage
     volume = "3Ψ per micro-batch" if stage == 3 else ("Ψ per micro-batch + Ψ per step" if stage == 2 else "2Ψ per step")
+    if flops.trainable_params < flops.params:  # gradients and updated parameters are the trained Ψt only
+        volume = _frozen_volume(stage, training.engine)
+        volume += f" (Ψt = {flops.trainable_params:,} trained)"
     where = "across nodes" if choice.gpus > training.node_gpus else "inside a node"
     offloaded = [f"{what} over PCIe" for what, target in (("optimizer", choice.offload_optimizer), ("params", choice.offload_params)) if target != Offload.NONE]
     return {
@@ -392,8 +408,9 @@ def _why(cost: StepCost, choice: Choice, micro_batch: int, training: TrainingSpe
     }
 
 
-def _reason(rank: int, cost: StepCost, best: StepCost, choice: Choice, micro_batch: int, training: TrainingSpec) -> str:
-    why = _why(cost, choice, micro_batch, training)
+def _reason(rank: int, cost: StepCost, best: StepCost, choice: Choice, micro_batch: int, training: TrainingSpec,
+            flops: ModelFlops) -> str:
+    why = _why(cost, choice, micro_batch, training, flops)
     per_token = {name: value / cost.tokens for name, value in cost.terms().items()}
     if rank == 1:
         overheads = {name: value for name, value in per_token.items() if name != "compute"}
@@ -467,7 +484,7 @@ def _ranked(planner: Planner, rank: int, hit: Hit, best: StepCost | None) -> Ran
     choice, micro, accum = hit.choice, hit.micro_batch, hit.grad_accum
     training = planner.training(choice, micro, accum)
     cost = planner.cost_model(choice).step_cost(micro, accum)
-    reason = _reason(rank, cost, best or cost, choice, micro, training)
+    reason = _reason(rank, cost, best or cost, choice, micro, training, planner.model_flops())
     return RankedConfig(rank, choice, micro, accum, training, planner.estimate_at(choice, micro, accum), cost, reason)
 
 

@@ -20,6 +20,8 @@ from typing import Annotated, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from zeroplan.spec.moe import MLASpec, MoESpec, check_fits
+
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 DropoutLayer = Literal["embedding", "attention", "residual"]
@@ -135,6 +137,18 @@ class TransformerSpec(BaseModel):
         1, ge=1, description="With sliding_window, every Nth layer (1-based) attends globally and the others through "
         "the window: Gemma 2 alternates (2), Gemma 3 has five local to one global (6); 1: every layer slides."
     )
+    moe: MoESpec | None = Field(
+        None, description="Experts narrower than intermediate_size, shared experts, dense layers (Qwen3-MoE, "
+        "DeepSeek-V3, GPT-OSS): zeroplan.spec.moe."
+    )
+    mla: MLASpec | None = Field(None, description="Multi-head latent attention (DeepSeek-V3): zeroplan.spec.moe.")
+    attention_sinks: bool = Field(False, description="A learned sink logit per head (GPT-OSS GptOssAttention.sinks).")
+
+    @model_validator(mode="after")
+    def _check_moe_and_mla(self) -> "TransformerSpec":
+        if self.moe is not None or self.mla is not None:
+            check_fits(self.hidden_size, self.head_dim, self.num_heads, self.num_layers, self.moe, self.mla)
+        return self
 
     @model_validator(mode="after")
     def _check_dropout(self) -> "TransformerSpec":

@@ -209,3 +209,13 @@ def resolve_program(recipe: Recipe, engine: str, zero_stage: int, gpus: int, dev
     if explicit.get("loss") == Loss.CHUNKED and explicit.get("loss_chunks") is None and values["loss_chunks"] == 1:
         values["loss_chunks"] = 8  # torchtune CEWithChunkedOutputLoss(num_output_chunks=8)
     return Program(recipe=recipe, **values)
+
+
+def fsdp2_reduces_in_param_dtype(recipe: Recipe) -> bool:
+    """Whether the recipe's FSDP2 reduces gradients in the gathered (param) dtype rather than fp32.
+
+    accelerate 1.15.0 (the Trainer) builds `MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)`
+    (utils/dataclasses.py FullyShardedDataParallelPlugin.set_mixed_precision); zeroplan's loop and
+    torchtitan's default (mixed_precision_reduce "float32") reduce in fp32.
+    """
+    return recipe == Recipe.HF_TRAINER

@@ -115,6 +115,8 @@ def early_gradients(facts: ModelFacts) -> tuple[int, int, int]:
         last = ([name for name in matmuls if name.startswith("mlp.")] or matmuls)[-1]
         module = last.rsplit(".", 1)[0] + "."
         first = sum(t.numel for t in blocks[0].trainable_tensors if t.name.startswith(module))
+    if facts.first_block_gradient is not None:  # a sparse MLP's (estimate/moe.py)
+        first = facts.first_block_gradient
     return head, tied, first
 
 

@@ -20,7 +20,8 @@ Read from torch/distributed/fsdp/_fully_shard/ (torch 2.13):
 - CPUOffloadPolicy: sharded parameters, sharded gradients and the optimizer step live on the host;
   each all-gather first copies the unit's shards to the device.
 - MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): shards stay fp32, gathers are bf16,
-  gradients are reduced and kept in fp32.
+  gradients are reduced and kept in fp32. accelerate's policy (the Trainer's) reduces in bf16:
+  `_reduce_element_bytes`.
 Under units root the root's unsharded gradients (the output head's first) are alive from the start
 of backward until the root's post-backward at the very end; under split the head's unit reduces
 them in its own post-backward, before the blocks' backward.
@@ -45,7 +46,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.spec.program import FSDP2Units, GradSync, ModelInit
+from zeroplan.spec.program import FSDP2Units, GradSync, ModelInit, Recipe, fsdp2_reduces_in_param_dtype
 from zeroplan.spec.training import Device, Offload, Precision
 
 
@@ -146,7 +147,7 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     n, precision, device, optimizer, wrapping = setup.gpus, setup.precision, setup.device, setup.optimizer, setup.fsdp2
     storage = HALF_BYTES if precision == Precision.PURE_BF16 else FP32_BYTES
     gathered = FP32_BYTES if precision == Precision.FP32 else HALF_BYTES
-    reduce = storage  # reduce_dtype fp32 under mixed precision, the model dtype otherwise
+    reduce = _reduce_element_bytes(setup.program.recipe, storage, gathered)
     offloaded = setup.offload_optimizer == Offload.CPU
     on_device = not offloaded or device == Device.CPU  # a CPU run has one memory
 
@@ -194,7 +195,8 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     held_grads = accum_lead + accum_tail + num_blocks * accum_block + kept_shards
     host_bytes = 0
     if offloaded:
-        host_bytes = u.total * storage + u.trainable * reduce + optimizer_state_bytes(u.trainable, optimizer, storage)
+        # foreach_reduce casts the reduced shard to the parameters' dtype before it goes to the host
+        host_bytes = u.total * storage + u.trainable * storage + optimizer_state_bytes(u.trainable, optimizer, storage)
     # Autograd writes unsharded gradients in the unsharded parameters' dtype (param_dtype);
     # foreach_reduce's reduce_scatter_input is in the reduce dtype.
     return _Sizes(
@@ -211,6 +213,16 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
         accum_block=accum_block, kept_shards=kept_shards,
         init_params=_init_params(facts, setup, u, storage, on_device, sharded_params),
         host_bytes=host_bytes, padding_note=_padding_note(facts, n, u.total))
+
+
+def _reduce_element_bytes(recipe: Recipe, storage: int, gathered: int) -> int:
+    """Bytes per element of the gradients FSDP2 reduce-scatters (and accumulates unsharded).
+
+    Under accelerate's policy (`fsdp2_reduces_in_param_dtype`) torch `_fsdp_param.py`
+    init_dtype_attrs clamps a reduce_dtype equal to param_dtype to None, so foreach_reduce reduces
+    in the gradients' dtype, the gathered one; the other programs in the shards' dtype.
+    """
+    return gathered if fsdp2_reduces_in_param_dtype(recipe) else storage
 
 
 def _init_params(facts: ModelFacts, setup: Setup, u: _Units, storage: int, on_device: bool, sharded_params: int) -> int:
