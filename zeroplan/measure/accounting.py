@@ -53,6 +53,9 @@ from zeroplan.measure.engines import ENGINE_CATEGORIES
 
 Classifier = Callable[[], dict[str, list[torch.Tensor]]]
 
+ADAPTER_KEY = "adapter_params"
+"""A classifier's optional key: tensors among its params that are PEFT adapters (the base/adapter split)."""
+
 def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages behind a tensor: its own, or for a wrapper subclass (DTensor, a
     float8 tensor) those of the tensors it wraps (`__tensor_flatten__`)."""
@@ -106,6 +109,7 @@ class PhaseMemory:
     peak_bytes: int
     peak_categories: dict[str, int]
     start_bytes: int = 0
+    adapter_params_bytes: int | None = None  # of peak_categories["params"]: adapter storages (None: none named)
 
 
 @dataclass
@@ -159,6 +163,7 @@ class TensorAccounting(TorchDispatchMode):
         self._by_serial: dict[int, _Storage] = {}
         self._born_as: dict[int, str] = {}  # serial -> category given at birth (see begin_phase)
         self._communicated: set[int] = set()  # serials of storages a collective (c10d op) used
+        self._adapter: set[int] = set()  # serials of storages the runner named "adapter_params" (PEFT adapters)
         self._next_serial = 0
         self._classifier: Classifier | None = None
         self._phase: _Phase | None = None
@@ -321,6 +326,11 @@ class TensorAccounting(TorchDispatchMode):
                     record = self._live.get(id(storage))
                     if record is not None and record.ref() is storage:
                         categories.setdefault(record.serial, name)
+        for tensor in by_category.get(ADAPTER_KEY, ()):  # a subset of params: which are adapters
+            for storage in storages_of(tensor):
+                record = self._live.get(id(storage))
+                if record is not None and record.ref() is storage:
+                    self._adapter.add(record.serial)
         return categories
 
     def _snapshot(self) -> _Base:
@@ -348,11 +358,22 @@ class TensorAccounting(TorchDispatchMode):
         (`born_as`, `births_as`); the phase's default."""
         totals = dict.fromkeys(TENSOR_CATEGORIES, 0)
         for serial, (size, category) in storages.items():
-            category = category or at_end.get(serial)
-            if category is None and serial in self._communicated:
-                category = "buffers"
-            totals[category or self._born_as.get(serial) or default] += size
+            totals[self._category(serial, category, at_end, default)] += size
         return totals
+
+    def _category(self, serial: int, category: str | None, at_end: dict[int, str], default: str) -> str:
+        """The category a storage counts under (see `_totals`)."""
+        category = category or at_end.get(serial)
+        if category is None and serial in self._communicated:
+            category = "buffers"
+        return category or self._born_as.get(serial) or default
+
+    def _adapter_bytes(self, storages: dict[int, tuple[int, str | None]], at_end: dict[int, str], default: str) -> int | None:
+        """Bytes of the params at the peak that are adapter storages; None when the runner names none."""
+        if not self._adapter:
+            return None
+        return sum(size for serial, (size, category) in storages.items()
+                   if serial in self._adapter and self._category(serial, category, at_end, default) == "params")
 
     def _retake(self, phase: _Phase) -> None:
         """New base now; materialise the peak first if it lives in the log that goes away."""
@@ -416,8 +437,9 @@ class TensorAccounting(TorchDispatchMode):
             if phase.peak_log_len is not None:
                 phase.peak_storages = self._replay(phase.base, phase.log[: phase.peak_log_len], at_end)
             categories = self._totals(phase.peak_storages, at_end, phase.default_category)
+            adapter_bytes = self._adapter_bytes(phase.peak_storages, at_end, phase.default_category)
             self._phase = None
-            return PhaseMemory(phase.name, self.current_bytes, phase.peak_bytes, categories, phase.start_bytes)
+            return PhaseMemory(phase.name, self.current_bytes, phase.peak_bytes, categories, phase.start_bytes, adapter_bytes)
 
     @contextlib.contextmanager
     def births_as(self, category: str):

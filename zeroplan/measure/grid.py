@@ -23,6 +23,47 @@ SMALL_BUCKETS = {
 
 
 @dataclass(frozen=True)
+class LoraRow:
+    """The PEFT part of a row (TrainingSpec.lora and .quant, zeroplan/spec/lora.py)."""
+
+    rank: int = 8
+    targets: tuple[str, ...] | str = "all-linear"
+    dora: bool = False
+    modules_to_save: tuple[str, ...] = ()
+    dropout: float = 0.0
+    base_precision: str | None = None  # bf16, fp16, fp32, int8, nf4, fp4; None: the model's own
+    double_quant: bool = False
+    compute_dtype: str | None = None  # bitsandbytes compute dtype; None: the spec's default
+    quant_storage: str | None = None  # dtype the packed 4-bit weights are stored in; None: uint8
+
+    @property
+    def id(self) -> str:
+        kbit = self.base_precision in ("int8", "nf4", "fp4")
+        targets = self.targets if isinstance(self.targets, str) else "+".join(self.targets)
+        parts = [f"{'qlora' if kbit else 'lora'}-r{self.rank}", targets]
+        parts += ["dora"] if self.dora else []
+        parts += [f"save-{'+'.join(self.modules_to_save)}"] if self.modules_to_save else []
+        parts += [f"drop{self.dropout:g}"] if self.dropout else []
+        parts += [self.base_precision] if self.base_precision else []
+        parts += ["dq"] if self.double_quant else []
+        parts += [f"compute-{self.compute_dtype}"] if self.compute_dtype else []
+        parts += [f"store-{self.quant_storage}"] if self.quant_storage else []
+        return "-".join(parts)
+
+    def training_fields(self) -> dict[str, Any]:
+        targets = [self.targets] if isinstance(self.targets, str) else list(self.targets)
+        fields: dict[str, Any] = {"lora": {"rank": self.rank, "targets": targets, "dora": self.dora,
+                                           "modules_to_save": list(self.modules_to_save), "dropout": self.dropout}}
+        if self.base_precision is not None:
+            quant: dict[str, Any] = {"base_precision": self.base_precision, "double_quant": self.double_quant}
+            for knob in ("compute_dtype", "quant_storage"):
+                if getattr(self, knob) is not None:
+                    quant[knob] = getattr(self, knob)
+            fields["quant"] = quant
+        return fields
+
+
+@dataclass(frozen=True)
 class Row:
     """One configuration of the grid: a catalogue model, an engine set-up and a workload."""
 
@@ -54,6 +95,7 @@ class Row:
     reshard_last_block: bool | None = None  # fsdp2 at stage 3: False keeps the last block gathered
     activation_offload: str | None = None  # none or cpu (torchtune's OffloadActivations); None: the recipe's
     mesh: tuple[tuple[str, Any], ...] = ()  # spec/mesh.py MeshSpec fields beyond data parallelism, e.g. (("tp", 2),)
+    lora: LoraRow | None = None  # PEFT adapters and a quantized base (ids "lora-..." / "qlora-...")
 
     @property
     def id(self) -> str:
@@ -74,7 +116,8 @@ class Row:
             + (("keeplast",) if self.reshard_last_block is False else ()) \
             + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ())
         row_id = "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
-        return mesh_row_id(self.mesh, row_id) if self.mesh else row_id
+        row_id = mesh_row_id(self.mesh, row_id) if self.mesh else row_id
+        return f"{self.lora.id}/{row_id}" if self.lora is not None else row_id
 
     @property
     def needs_cpu_adam(self) -> bool:
@@ -117,6 +160,8 @@ class Row:
             fields["mesh"] = dict(self.mesh)
         if self.model_init is None and self.engine == "deepspeed" and self.recipe == "plain":
             fields["model_init"] = "device"  # the plain loop builds whole, then deepspeed.initialize partitions (no zero.Init)
+        if self.lora is not None:
+            fields |= self.lora.training_fields()
         return fields
 
 
@@ -280,6 +325,7 @@ def _grid() -> tuple[Row, ...]:
                             small_buckets=engine == "deepspeed"))  # buffers the size of the model, not of 5e8 elements
     rows.extend(mesh_rows())
     rows += _dense_family_rows()
+    rows.extend(_lora_rows())
     return tuple(rows)
 
 
@@ -329,6 +375,66 @@ def _dense_family_rows() -> list[Row]:
         Row("olmo2-tiny", "deepspeed", 2, "bf16", attention="eager", checkpointing="full"),
         Row("phi4-tiny", "torch", 1, "fp32"),
     ]
+
+
+def _lora_rows() -> list[Row]:
+    """LoRA (issue 12) on every engine and stage, fp32 without and bf16 with checkpointing, ranks 8
+    and 64, all linear layers or the attention projections only, DoRA and modules_to_save; QLoRA
+    (bitsandbytes nf4/fp4/int8 bases) where bitsandbytes runs on this CPU (docs/measure.md, "LoRA
+    and QLoRA")."""
+    attention_only = {"tiny-llama": ("q_proj", "v_proj"), "tiny-gpt2": ("c_attn",)}
+    rows = []
+    for model, engine, stage, precision, ckpt, rank, all_linear, extra in (
+        ("tiny-llama", "torch", 0, "fp32", "none", 8, True, {}),
+        ("tiny-gpt2", "torch", 0, "bf16", "full", 64, False, {}),
+        ("tiny-llama", "torch", 0, "bf16", "full", 8, False, {"world": 1, "ddp": False}),
+        ("tiny-gpt2", "torch", 1, "fp32", "none", 8, True, {}),
+        ("tiny-llama", "torch", 1, "bf16", "full", 64, True, {}),
+        ("tiny-llama", "fsdp2", 2, "fp32", "none", 64, False, {}),
+        ("tiny-gpt2", "fsdp2", 2, "bf16", "full", 8, True, {}),
+        ("tiny-llama", "fsdp2", 3, "bf16", "full", 8, True, {}),
+        ("tiny-gpt2", "fsdp2", 3, "fp32", "none", 64, True, {}),
+        ("tiny-llama", "fsdp2", 3, "bf16", "none", 8, True, {"world": 8, "simulate": True}),
+        ("tiny-llama", "deepspeed", 1, "fp32", "none", 8, True, {}),
+        ("tiny-gpt2", "deepspeed", 1, "bf16", "full", 64, False, {}),
+        ("tiny-gpt2", "deepspeed", 2, "fp32", "none", 8, True, {"small_buckets": True}),
+        ("tiny-llama", "deepspeed", 2, "bf16", "full", 64, True, {}),
+        # not small buckets: ZeRO-3 with persistence 0 breaks its prefetch trace on a PEFT model (docs/measure.md)
+        ("tiny-llama", "deepspeed", 3, "fp32", "none", 8, False, {}),
+        ("tiny-gpt2", "deepspeed", 3, "bf16", "full", 8, True, {}),
+    ):
+        targets = "all-linear" if all_linear else attention_only[model]
+        rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, lora=LoraRow(rank, targets), **extra))
+    for model, engine, stage, precision, ckpt, lora, extra in (  # DoRA, modules_to_save, adapter dropout
+        ("tiny-llama", "torch", 0, "fp32", "none", LoraRow(8, dora=True), {}),
+        ("tiny-gpt2", "fsdp2", 3, "bf16", "full", LoraRow(8, dora=True), {}),
+        ("tiny-llama", "deepspeed", 2, "fp32", "none", LoraRow(8, dora=True), {}),
+        ("tiny-llama", "torch", 0, "fp32", "none", LoraRow(8, modules_to_save=("lm_head",)), {}),
+        ("tiny-llama", "fsdp2", 2, "bf16", "none", LoraRow(8, modules_to_save=("lm_head",)), {}),
+        ("tiny-llama", "torch", 0, "fp32", "none", LoraRow(8, dropout=0.1), {"world": 1, "ddp": False}),
+    ):
+        rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, lora=lora, **extra))
+    for model, engine, stage, precision, ckpt, lora, extra in QLORA_ROWS:
+        rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, lora=lora, **extra))
+    return rows
+
+
+QLORA_ROWS: tuple = (  # bitsandbytes bases: one rank as the QLoRA scripts run it, and DDP
+    ("tiny-llama", "torch", 0, "bf16", "full", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16"),
+     {"world": 1, "ddp": False}),
+    ("tiny-llama", "torch", 0, "fp32", "none", LoraRow(8, base_precision="nf4", compute_dtype="fp32"), {"world": 1, "ddp": False}),
+    ("tiny-gpt2", "torch", 0, "bf16", "none", LoraRow(8, base_precision="fp4", double_quant=True, compute_dtype="bf16"), {}),
+    ("tiny-llama", "torch", 0, "fp32", "full", LoraRow(8, base_precision="int8"), {}),
+    ("tiny-llama", "torch", 1, "bf16", "none", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16",
+                                                       dora=True), {}),
+    ("tiny-llama", "torch", 0, "bf16", "none", LoraRow(8, base_precision="bf16"), {"world": 1, "ddp": False}),
+    # sharded 4-bit bases (FSDP-QLoRA, ZeRO-3 + bitsandbytes): packed weights stored as bf16, built on the host
+    ("tiny-llama", "fsdp2", 3, "bf16", "none", LoraRow(8, base_precision="nf4", quant_storage="bf16"), {"model_init": "host"}),
+    ("tiny-gpt2", "fsdp2", 2, "bf16", "full", LoraRow(8, base_precision="nf4", double_quant=True, quant_storage="bf16"),
+     {"model_init": "host"}),
+    ("tiny-llama", "deepspeed", 2, "fp32", "none", LoraRow(8, base_precision="nf4", compute_dtype="fp32"), {}),
+    ("tiny-llama", "deepspeed", 3, "bf16", "none", LoraRow(8, base_precision="nf4", quant_storage="bf16"), {}),
+)
 
 
 GRID: tuple[Row, ...] = _grid()

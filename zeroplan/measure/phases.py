@@ -40,11 +40,13 @@ class PhaseRecorder:
         self.open = None
         memory = self.accounting.end_phase()
         device = self.probe.end_phase()
-        new = PhaseResult(step, name, memory.live_bytes, memory.peak_bytes, memory.peak_categories, device)
+        new = PhaseResult(step, name, memory.live_bytes, memory.peak_bytes, memory.peak_categories, device,
+                          memory.adapter_params_bytes)
         old = self.phases.get((step, name))
         if old is not None:  # another micro-batch of the same step: keep the higher peak
             if old.peak_bytes >= new.peak_bytes:
                 new.peak_bytes, new.categories = old.peak_bytes, old.categories
+                new.adapter_params_bytes = old.adapter_params_bytes
             if old.device and new.device:
                 new.device = {k: max(old.device.get(k, 0), v) if "peak" in k or k.startswith("num_") else v for k, v in new.device.items()}
         self.phases[(step, name)] = new

@@ -38,11 +38,28 @@ class PhaseResult:
     peak_bytes: int  # highest live bytes during the phase
     categories: dict[str, int]  # at the peak; sums to peak_bytes
     device: dict[str, int] | None = None  # CUDA allocator counters of the phase, None on CPU
+    adapter_params_bytes: int | None = None  # of categories["params"]: PEFT adapters (None: a model without them)
 
     @property
     def stage(self) -> str:
         """`init`, `first` or `steady`: the estimate's `Step` (init phases belong to the first step)."""
         return "init" if self.step == 0 else "first" if self.step == 1 else "steady"
+
+
+def adapter_split(phase: PhaseResult) -> dict:
+    """{"params_split": {"base": B, "adapter": A}} for a model with PEFT adapters, else {} (the JSON
+    of other runs stays as it was)."""
+    if phase.adapter_params_bytes is None:
+        return {}
+    params = phase.categories.get("params", 0)
+    return {"params_split": {"base": params - phase.adapter_params_bytes, "adapter": phase.adapter_params_bytes}}
+
+
+def _phase_dict(phase: PhaseResult) -> dict:
+    data = asdict(phase) | {"stage": phase.stage}
+    if data["adapter_params_bytes"] is None:
+        del data["adapter_params_bytes"]
+    return data
 
 
 @dataclass
@@ -83,7 +100,8 @@ class RankResult:
                     found = [p for p in self.phases if p.stage == step and p.phase == phase]
                 if found:
                     best = max(found, key=lambda p: p.peak_bytes)
-                    rows.append({"step": step, "phase": phase, "peak_bytes": best.peak_bytes, "categories": dict(best.categories)})
+                    rows.append({"step": step, "phase": phase, "peak_bytes": best.peak_bytes, "categories": dict(best.categories)}
+                                | adapter_split(best))
         return rows
 
     def to_json_dict(self) -> dict:
@@ -97,7 +115,8 @@ class RankResult:
             "peak_step": peak.step,
             "peak_stage": peak.stage,
             "categories": dict(peak.categories),
-            "phases": [asdict(p) | {"stage": p.stage} for p in self.phases],
+            **adapter_split(peak),
+            "phases": [_phase_dict(p) for p in self.phases],
             "summary": self.summary(),
             "step_times_s": list(self.step_times_s),
             "classifications": self.classifications,
@@ -106,7 +125,8 @@ class RankResult:
     @classmethod
     def from_json_dict(cls, data: dict) -> "RankResult":
         phases = [
-            PhaseResult(p["step"], p["phase"], p["live_bytes"], p["peak_bytes"], dict(p["categories"]), p.get("device"))
+            PhaseResult(p["step"], p["phase"], p["live_bytes"], p["peak_bytes"], dict(p["categories"]), p.get("device"),
+                        p.get("adapter_params_bytes"))
             for p in data["phases"]
         ]
         return cls(

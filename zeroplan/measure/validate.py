@@ -65,7 +65,10 @@ def fingerprint(row: Row, backend: str, steps: int) -> str:
 
 
 def _phase_summary(phase) -> dict[str, Any]:
-    return {"step": phase.step, "phase": phase.phase, "peak_bytes": phase.peak_bytes, "categories": dict(phase.categories)}
+    from zeroplan.measure.result import adapter_split
+
+    return {"step": phase.step, "phase": phase.phase, "peak_bytes": phase.peak_bytes, "categories": dict(phase.categories),
+            **adapter_split(phase)}
 
 
 def summarize_measurement(result) -> dict[str, Any]:

@@ -98,6 +98,11 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     held: dict = {}  # what the classifier can see so far: the model, then the runner
 
     def classify():
+        if "peft" in held:  # adapters apart, quantization states as parameters (programs/peft_model.py)
+            return held["peft"](engine_classify(), held["model"])
+        return engine_classify()
+
+    def engine_classify():
         if "runner" in held:
             return held["runner"].tensors_by_category()
         if "model" in held:
@@ -125,6 +130,10 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
                         spec, training, model_device(training, ctx), implementation=_implementation(job, training)
                     )
                 held["model"], held["model_name"] = workload.model, workload.implementation
+                if getattr(training, "lora", None) is not None or getattr(training, "quant", None) is not None:
+                    from zeroplan.measure.programs.peft_model import with_peft_categories
+
+                    held["peft"] = with_peft_categories
             with recorder.phase(0, "engine", default_category="temporaries", born_as="buffers"):
                 held["runner"] = runner = build_runner(workload.model, training, ctx)
             for step in range(1, job["steps"] + 1):

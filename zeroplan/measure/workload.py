@@ -224,7 +224,12 @@ def _find_blocks(lm: nn.Module, num_layers: int) -> nn.ModuleList:
 
 def _model_dtype(training: TrainingSpec) -> torch.dtype:
     # Mixed precision keeps fp32 parameters (the engines cast); pure-bf16 builds them in bf16.
-    return torch.bfloat16 if training.precision == Precision.PURE_BF16 else torch.float32
+    dtype = torch.bfloat16 if training.precision == Precision.PURE_BF16 else torch.float32
+    if getattr(training, "quant", None) is not None:  # a LoRA base in its own precision (programs/peft_model.py)
+        from zeroplan.measure.programs.peft_model import base_dtype
+
+        return base_dtype(training.quant, dtype)
+    return dtype
 
 
 def _build_hf(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.Module, str]:
@@ -327,6 +332,19 @@ def _attention_module(block: nn.Module) -> nn.Module:
     raise MeasureError(f"training.checkpointing: cannot find the attention module of {type(block).__name__}")
 
 
+def _peft(lm: nn.Module, training: TrainingSpec, use_hf: bool) -> str | None:
+    """Quantize `lm` and add PEFT adapters where the spec asks (programs/peft_model.py); the
+    implementation name's suffix, or None for a model without them."""
+    from zeroplan.measure.programs.peft_model import apply_peft, implementation_suffix, uses_peft
+
+    if not uses_peft(training):
+        return None
+    if not use_hf:
+        raise MeasureError("training.lora: PEFT adapts Hugging Face models; measure with implementation hf (transformers)")
+    apply_peft(lm, training)
+    return implementation_suffix(training)
+
+
 def hf_available() -> bool:
     try:
         import transformers  # noqa: F401
@@ -346,6 +364,8 @@ def build_hf_model(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.Mo
     lm, name = _build_hf(spec, training)
     lm.train()
     _freeze(lm, _find_blocks(lm, spec.num_layers), training.freeze)
+    if getattr(training, "lora", None) is not None or getattr(training, "quant", None) is not None:
+        raise MeasureError("training.lora: the Hugging Face Trainer with PEFT adapters is not measured; use --recipe plain")
     return lm, name
 
 
@@ -365,6 +385,8 @@ def build_workload(
     lm.train()
     blocks = _find_blocks(lm, spec.num_layers)
     _freeze(lm, blocks, training.freeze)
+    with torch.device(device):  # adapters are made where the base is (meta, under model_init meta)
+        name += _peft(lm, training, use_hf) or ""
     if training.checkpointing.value == "full":
         every = training.checkpoint_every or 1
         for index, block in enumerate(blocks, start=1):

@@ -88,6 +88,7 @@ def render_table(data: dict[str, Any], comparison: Comparison, units: str = "GiB
             out.append(f"{_STEP_LABELS[c.step]} CUDA allocator: max allocated {_amount(allocated, units)} {units} "
                        f"(estimate {percent(c.device_errors()['allocated_peak_bytes'])}), "
                        f"max reserved {_amount(reserved, units)} {units}")
+    out += _param_parts_lines(data, comparison, units)
     overhead = max((c.estimated_overhead_bytes for c in compared.values()), default=0)
     if overhead:
         out.append(f"the estimate's overhead ({_amount(overhead, units)} {units}: CUDA context, fragmentation) "
@@ -98,6 +99,28 @@ def render_table(data: dict[str, Any], comparison: Comparison, units: str = "GiB
     if notes:
         out += ["", "Notes:"] + [f"- {note}" for note in notes]
     return "\n".join(out) + "\n"
+
+
+def measured_param_parts(data: dict[str, Any], comparison: Comparison) -> dict[str, dict[str, int]]:
+    """Per step, the compared rank's params at its peak as base and adapter bytes (LoRA runs only)."""
+    parts = {}
+    for step, c in comparison.steps.items():
+        rank = next((r for r in data["ranks"] if r["rank"] == c.rank), None)
+        rows = [row for row in (rank or {}).get("summary", ()) if row["step"] == step and "params_split" in row]
+        if rows:
+            parts[step] = max(rows, key=lambda row: row["peak_bytes"])["params_split"]
+    return parts
+
+
+def _param_parts_lines(data: dict[str, Any], comparison: Comparison, units: str) -> list[str]:
+    estimated = data["estimate"].get("param_parts")
+    lines = []
+    for step, measured in measured_param_parts(data, comparison).items():
+        est = (f" (estimate base {_amount(estimated['base'], units)}, adapter {_amount(estimated['adapter'], units)})"
+               if estimated else "")
+        lines.append(f"{_STEP_LABELS[step]} params measured: base {_amount(measured['base'], units)} {units}, "
+                     f"adapter {_amount(measured['adapter'], units)} {units}{est}")
+    return lines
 
 
 def _oom_line(data: dict[str, Any], units: str) -> str:
