@@ -4,7 +4,8 @@ with ZeRO/FSDP2 for the meshes whose worst rank fits, ranked by `zeroplan.plan.m
 For each mesh (tp x cp x pp x schedule x checkpointing) the largest micro-batch whose worst rank fits is found
 by bisection (the per-rank peak never shrinks as it grows: activations and the pipeline's buffers scale with
 it), and the mesh is shown once, at its cheapest micro-batch that fits. Every configuration shown has had a
-full per-rank estimate (`estimate_mesh`)."""
+full per-rank estimate (`estimate_mesh`); a fit check stops at the first rank over the budget, and a mesh the
+training spec's world rule refuses is not tried (tests/test_mesh_plan_speed.py: the same plan as without)."""
 
 from __future__ import annotations
 
