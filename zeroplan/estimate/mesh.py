@@ -23,12 +23,13 @@ from typing import NamedTuple
 
 from zeroplan.estimate import IMPLEMENTATION, _engine_profile, _with_overhead, estimate
 from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, activation_bytes
+from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import state_bytes
-from zeroplan.estimate.engines.common import ceil_div, setup_of
+from zeroplan.estimate.engines.common import Setup, ceil_div, setup_of
 from zeroplan.estimate.facts import ModelFacts, ModuleGroup, model_facts
 from zeroplan.estimate.layout import ParamTensor, param_layout
 from zeroplan.estimate.overhead import overhead_bytes
-from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, Phase, PhaseBytes
+from zeroplan.estimate.result import Estimate, ModelSummary, Phase, PhaseBytes
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.program import GradSync
@@ -109,7 +110,12 @@ def in_flight(schedule: PPSchedule, pp: int, pp_rank: int, virtual: int, micro_b
 
 
 def rank_kinds(model: TransformerSpec, mesh: MeshSpec, micro_batches: int) -> list[RankKind]:
-    counts = stage_layers(model.num_layers, mesh.stages)
+    return list(_rank_kinds(model.num_layers, mesh, micro_batches))
+
+
+@memo(maxsize=1024)
+def _rank_kinds(num_layers: int, mesh: MeshSpec, micro_batches: int) -> tuple[RankKind, ...]:
+    counts = stage_layers(num_layers, mesh.stages)
     kinds = []
     for pp_rank in range(mesh.pp):
         # looped schedules give rank r the stages r, r + pp, r + 2 pp, ... (schedules.py `stage_index`)
@@ -117,7 +123,7 @@ def rank_kinds(model: TransformerSpec, mesh: MeshSpec, micro_batches: int) -> li
         chunks = in_flight(mesh.pp_schedule, mesh.pp, pp_rank, mesh.pp_virtual_stages, micro_batches)
         kinds.append(RankKind(pp_rank, stages, sum(counts[s] for s in stages), 0 in stages,
                               mesh.stages - 1 in stages, chunks))
-    return kinds
+    return tuple(kinds)
 
 
 def _sharded(tensor: ParamTensor, mesh: MeshSpec, moe: bool) -> ParamTensor:
@@ -146,18 +152,25 @@ def _sharded(tensor: ParamTensor, mesh: MeshSpec, moe: bool) -> ParamTensor:
 
 def rank_facts(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> ModelFacts:
     """The parameters one rank of `kind` holds, before the data-parallel sharding."""
-    layout, mesh, freeze = param_layout(model), training.mesh, training.freeze
+    return _rank_facts(model, training.mesh, training.gpus, training.freeze, kind.embedding, kind.layers, kind.head)
+
+
+# one object per rank kind (hashed by identity downstream): the plan asks again for every micro-batch and checkpointing
+@memo(maxsize=1024)
+def _rank_facts(model: TransformerSpec, mesh: MeshSpec, gpus: int, freeze: tuple[str, ...], embedding: bool,
+                layers: int, head: bool) -> ModelFacts:
+    layout = param_layout(model)
 
     def group(role: str, tensors: tuple[ParamTensor, ...], count: int, frozen: bool) -> ModuleGroup:
         local = tuple(_sharded(t, mesh, model.is_moe) for t in tensors)
         return ModuleGroup(role, local, count, frozen, sum(t.numel for t in local))
 
     groups = []
-    if kind.embedding:
+    if embedding:
         groups.append(group("embedding", layout.embedding, 1, "embeddings" in freeze))
-    if kind.layers:
-        groups.append(group("block", _experts_resharded(layout.block, training), kind.layers, "blocks" in freeze))
-    if kind.head:
+    if layers:
+        groups.append(group("block", _experts_resharded(layout.block, mesh, gpus), layers, "blocks" in freeze))
+    if head:
         groups.append(group("final", layout.final, 1, "final" in freeze))
     total = sum(g.params * g.count for g in groups)
     trainable = sum(g.params * g.count for g in groups if not g.frozen)
@@ -166,11 +179,10 @@ def rank_facts(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -
     return ModelFacts(model.name, total, trainable, tuple(groups), largest_group, largest_tensor)
 
 
-def _experts_resharded(block: tuple[ParamTensor, ...], training: TrainingSpec) -> tuple[ParamTensor, ...]:
+def _experts_resharded(block: tuple[ParamTensor, ...], mesh: MeshSpec, gpus: int) -> tuple[ParamTensor, ...]:
     """Experts are sharded over efsdp ranks, not the dense fsdp ones (parallel_dims.py `build_mesh`):
     their size is scaled by fsdp / efsdp so that the engine's sharding over fsdp leaves each rank
     its efsdp shard (the gathered expert unit is then off by that factor: docs/engines/mesh.md)."""
-    mesh, gpus = training.mesh, training.gpus
     if mesh.ep == 1:
         return block
     fsdp, efsdp = mesh.fsdp_degree(gpus), mesh.expert_fsdp_degree(gpus)
@@ -181,13 +193,17 @@ def _experts_resharded(block: tuple[ParamTensor, ...], training: TrainingSpec) -
 def _local_view(model: TransformerSpec, mesh: MeshSpec, kind: RankKind) -> TransformerSpec:
     """The model as one rank's activations see it: heads and the MLP width cut by tp, the vocabulary too
     under loss parallelism, its stage's blocks only."""
-    tp = mesh.tp
-    moe_by_ep = model.is_moe and mesh.ep > 1
+    return _local_model(model, mesh.tp, model.is_moe and mesh.ep > 1, mesh.loss_parallel, max(kind.layers, 1))
+
+
+# one object per local view: activation_bytes' caches then find it by a cheap hash
+@memo(maxsize=1024)
+def _local_model(model: TransformerSpec, tp: int, moe_by_ep: bool, loss_parallel: bool, layers: int) -> TransformerSpec:
     return model.model_copy(update=dict(
         num_heads=model.num_heads // tp, num_kv_heads=model.kv_heads // tp, head_dim=model.dim_per_head,
         intermediate_size=model.intermediate_size if moe_by_ep else model.intermediate_size // tp,
-        vocab_size=ceil_div(model.vocab_size, tp) if mesh.loss_parallel else model.vocab_size,
-        num_layers=max(kind.layers, 1)))
+        vocab_size=ceil_div(model.vocab_size, tp) if loss_parallel else model.vocab_size,
+        num_layers=layers))
 
 
 def _sequence_parallel_saving(model: TransformerSpec, training: TrainingSpec, tokens: int, act_bytes: int) -> int:
@@ -210,7 +226,7 @@ def _sequence_parallel_saving(model: TransformerSpec, training: TrainingSpec, to
 def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankKind, act_bytes: int) -> ActivationBytes:
     mesh = training.mesh
     local_seq = training.seq_len // mesh.cp
-    local = training.varied(seq_len=local_seq, mesh=MeshSpec())
+    local = _local_training(training, local_seq)
     acts = activation_bytes(_local_view(model, mesh, kind), local, act_bytes)
     tokens = training.micro_batch * local_seq
     changes: dict[str, int] = {}
@@ -250,6 +266,12 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         micro_batches = training.grad_accum
         acts = replace(acts, embedding=acts.embedding + (micro_batches - max(kind.in_flight // chunks, 1) + 1) * acts.logits)
     return acts
+
+
+# every rank kind of one mesh estimate asks for the same one
+@memo(maxsize=64)
+def _local_training(training: TrainingSpec, local_seq: int) -> TrainingSpec:
+    return training.varied(seq_len=local_seq, mesh=MeshSpec())
 
 
 class MeshBuffers(NamedTuple):
@@ -296,8 +318,14 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
 def _with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers) -> tuple[PhaseBytes, ...]:
     extra = {Phase.FORWARD: buffers.forward + buffers.steady, Phase.BACKWARD: buffers.backward + buffers.steady,
              Phase.OPTIMIZER_STEP: buffers.steady}
-    return tuple(PhaseBytes(p.step, p.phase, p.categories + CategoryBytes(buffers=extra.get(p.phase, 0)))
-                 for p in phases)
+    return tuple(PhaseBytes(p.step, p.phase, p.categories._replace(buffers=p.categories.buffers + extra[p.phase]))
+                 if extra.get(p.phase, 0) else p for p in phases)
+
+
+# every rank kind of one mesh estimate asks for the same one
+@memo(maxsize=64)
+def _setup(training: TrainingSpec) -> Setup:
+    return setup_of(training)
 
 
 def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int) -> RankEstimate:
@@ -305,7 +333,7 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
     dtypes = state_bytes(training.precision, training.optimizer)
     facts = rank_facts(model, training, kind)
     acts = rank_activations(model, training, kind, dtypes.activation)
-    setup = setup_of(training)._replace(gpus=mesh.fsdp_degree(training.gpus))
+    setup = _setup(training)._replace(gpus=mesh.fsdp_degree(training.gpus))
     engine = training.engine
     if engine == Engine.FSDP2 and setup.gpus == 1:
         # torchtitan applies fully_shard only when dp_shard > 1 or cp > 1 (distributed/parallel_dims.py
@@ -341,6 +369,27 @@ def estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
     micro_batches = training.grad_accum if mesh.pp > 1 else 1
     ranks = tuple(_rank_estimate(model, training, kind, micro_batches) for kind in rank_kinds(model, mesh, micro_batches))
     return MeshEstimate(mesh, ranks)
+
+
+def estimate_mesh_within(model: ModelSpec, training: TrainingSpec, budget_bytes: int) -> MeshEstimate | None:
+    """`estimate_mesh(model, training)` if its worst rank fits `budget_bytes`, else None. The worst rank's peak
+    is the largest, so the first rank over the budget decides: the ends of the pipeline (the most micro-batches
+    in flight, the logits) are estimated first and the rest only when those fit."""
+    mesh = training.mesh
+    if mesh.is_trivial:
+        whole = estimate_mesh(model, training)
+        return whole if whole.worst.estimate.peak_bytes <= budget_bytes else None
+    check_mesh(model, training)
+    micro_batches = training.grad_accum if mesh.pp > 1 else 1
+    kinds = rank_kinds(model, mesh, micro_batches)
+    ends_first = [0, len(kinds) - 1] + list(range(1, len(kinds) - 1))
+    ranks: dict[int, RankEstimate] = {}
+    for index in ends_first:
+        if index not in ranks:
+            ranks[index] = _rank_estimate(model, training, kinds[index], micro_batches)
+            if ranks[index].estimate.peak_bytes > budget_bytes:
+                return None
+    return MeshEstimate(mesh, tuple(ranks[index] for index in range(len(kinds))))
 
 
 def worst_rank_estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:

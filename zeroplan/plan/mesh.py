@@ -4,15 +4,18 @@ with ZeRO/FSDP2 for the meshes whose worst rank fits, ranked by `zeroplan.plan.m
 For each mesh (tp x cp x pp x schedule x checkpointing) the largest micro-batch whose worst rank fits is found
 by bisection (the per-rank peak never shrinks as it grows: activations and the pipeline's buffers scale with
 it), and the mesh is shown once, at its cheapest micro-batch that fits. Every configuration shown has had a
-full per-rank estimate (`estimate_mesh`)."""
+full per-rank estimate (`estimate_mesh`); a fit check stops at the first rank over the budget, and a mesh the
+training spec's world rule refuses is not tried (tests/test_mesh_plan_speed.py: the same plan as without)."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from zeroplan.errors import SpecError
-from zeroplan.estimate.mesh import MeshEstimate, estimate_mesh
+from zeroplan.estimate.mesh import MeshEstimate, estimate_mesh_within
 from zeroplan.plan.cost import Assumptions, model_flops
 from zeroplan.plan.mesh_cost import MeshStepCost, mesh_step_cost
 from zeroplan.spec.mesh import MeshSpec, PPSchedule
@@ -85,17 +88,10 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
     flops = model_flops(model, *_params(model, base))
     evaluated, fitting = 0, []
     for mesh in _meshes(model, base):
+        if not _world_runs(mesh, base):
+            continue  # every micro-batch and checkpointing of it would fail the same validator: none to estimate
         for mode in checkpointing:
-            trainings = []
-            for micro in (m for m in _DEGREES if m <= max_micro_batch):
-                accum = _accumulation(mesh, base.gpus, micro, global_batch)
-                if accum is None:
-                    continue
-                try:
-                    trainings.append(base.varied(mesh=mesh, checkpointing=mode, micro_batch=micro, grad_accum=accum,
-                                                 zero_stage=2 if mesh.pp > 1 else base.zero_stage))
-                except SpecError:
-                    break
+            trainings = _micro_batch_specs(base, mesh, mode, max_micro_batch, global_batch)
             candidate, count = _cheapest_fit(model, flops, trainings, budget_bytes, assumptions)
             evaluated += count
             if candidate is not None:
@@ -107,24 +103,41 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
     return MeshPlan(model.name, base.gpus, budget_bytes, evaluated, len(fitting), ranked)
 
 
-def _cheapest_fit(model: TransformerSpec, flops, trainings: list[TrainingSpec], budget_bytes: int,
+def _micro_batch_specs(base: TrainingSpec, mesh: MeshSpec, mode: Checkpointing, max_micro_batch: int,
+                       global_batch: int | None) -> Iterator[TrainingSpec]:
+    """The mesh's specs by micro-batch, ascending, up to the first that does not validate; made as they are
+    asked for (most meshes stop at the first, which does not fit)."""
+    for micro in (m for m in _DEGREES if m <= max_micro_batch):
+        accum = _accumulation(mesh, base.gpus, micro, global_batch)
+        if accum is None:
+            continue
+        try:
+            yield base.varied(mesh=mesh, checkpointing=mode, micro_batch=micro, grad_accum=accum,
+                              zero_stage=2 if mesh.pp > 1 else base.zero_stage)
+        except SpecError:
+            return
+
+
+def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], budget_bytes: int,
                   assumptions: Assumptions) -> tuple[MeshCandidate | None, int]:
-    """The cheapest of `trainings` (one mesh, micro-batches ascending) whose worst rank fits, and the estimates
+    """The cheapest of `specs` (one mesh, micro-batches ascending) whose worst rank fits, and the estimates
     made. The worst rank's peak never shrinks as the micro-batch grows, so the ones that fit are a prefix,
     found by bisection; their costs use the worst rank kind of the largest that fits, and the cheapest gets a
     full estimate of its own."""
-    estimates: dict[int, MeshEstimate] = {}
+    trainings = list(itertools.islice(specs, 1))  # the rest are made only when the first fits
+    estimates: dict[int, MeshEstimate | None] = {}  # None: a rank is over the budget (or the spec is invalid)
 
     def fits(index: int) -> bool:
         if index not in estimates:
             try:
-                estimates[index] = estimate_mesh(model, trainings[index])
+                estimates[index] = estimate_mesh_within(model, trainings[index], budget_bytes)
             except SpecError:
                 return False
-        return estimates[index].worst.estimate.peak_bytes <= budget_bytes
+        return estimates[index] is not None
 
     if not trainings or not fits(0):
         return None, len(estimates)
+    trainings.extend(specs)
     low, high = 0, len(trainings)  # trainings[low] fits, trainings[high] does not (or is past the end)
     while high - low > 1:
         middle = (low + high) // 2
@@ -138,6 +151,16 @@ def _cheapest_fit(model: TransformerSpec, flops, trainings: list[TrainingSpec], 
     chosen = estimates[best].worst
     cost = mesh_step_cost(model, flops, chosen.params, chosen.kind.layers, trainings[best], assumptions)
     return MeshCandidate(trainings[best], estimates[best], cost), len(estimates)
+
+
+def _world_runs(mesh: MeshSpec, base: TrainingSpec) -> bool:
+    """Whether the mesh passes `MeshSpec.check_world` as TrainingSpec's validator calls it for the specs varied
+    below (the same gpus, engine, recipe and zero stage for every micro-batch and checkpointing)."""
+    try:
+        mesh.check_world(base.gpus, base.engine.value, 2 if mesh.pp > 1 else base.zero_stage, base.recipe.value)
+    except ValueError:
+        return False
+    return True
 
 
 def _params(model: TransformerSpec, base: TrainingSpec) -> tuple[int, int]:

@@ -1,0 +1,78 @@
+"""The mesh search's shortcuts (issue 14's "answers in under a second") change no plan: a mesh the world rule
+refuses is skipped, a fit check stops at the first rank over the budget, and the specs of larger micro-batches
+are made only when the first fits. The search without them (every spec made, every rank estimated, fresh
+caches) gives the same plan, the same count of estimates, and the same reasons."""
+
+from __future__ import annotations
+
+import pytest
+
+import zeroplan.plan.mesh as mesh_search
+from zeroplan.estimate import clear_caches
+from zeroplan.estimate.mesh import estimate_mesh, estimate_mesh_within
+from zeroplan.importers.catalog import resolve_model
+from zeroplan.importers.gpus import get_gpu
+from zeroplan.plan.cost import assumptions_for
+from zeroplan.plan.mesh import mesh_plan_to_dict, plan_mesh
+from zeroplan.spec.mesh import MeshSpec, PPSchedule
+from zeroplan.spec.training import TrainingSpec
+
+H100 = get_gpu("h100-80gb")
+
+
+def _without_shortcuts(monkeypatch) -> None:
+    """The search as first written: every micro-batch's spec made, every rank of every mesh estimated."""
+
+    def full_estimate(model, training, budget_bytes):
+        whole = estimate_mesh(model, training)
+        return whole if whole.worst.estimate.peak_bytes <= budget_bytes else None
+
+    def every_spec(base, mesh, mode, max_micro_batch, global_batch):
+        return iter(list(real_specs(base, mesh, mode, max_micro_batch, global_batch)))
+
+    real_specs = mesh_search._micro_batch_specs
+    monkeypatch.setattr(mesh_search, "estimate_mesh_within", full_estimate)
+    monkeypatch.setattr(mesh_search, "_world_runs", lambda mesh, base: True)
+    monkeypatch.setattr(mesh_search, "_micro_batch_specs", every_spec)
+
+
+@pytest.mark.parametrize("recipe, gpus, seq_len, budget_gib", [
+    ("torchtitan", 16, 4096, 76),  # pipelines allowed: most ranks estimated lazily
+    ("torchtitan", 16, 4096, 30),  # a tight budget: fit checks stop early, many meshes do not fit
+    ("hf-trainer", 32, 8192, 76),  # the Trainer runs no pipeline: those meshes are skipped by the world rule
+])
+def test_the_search_with_its_shortcuts_gives_the_plan_of_the_full_search(monkeypatch, recipe, gpus, seq_len,
+                                                                         budget_gib):
+    model = resolve_model("llama-3-8b")
+    base = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=gpus, seq_len=seq_len, recipe=recipe)
+    budget = budget_gib * 2**30
+
+    def search():
+        clear_caches()
+        return mesh_plan_to_dict(plan_mesh(model, base, budget, assumptions_for(H100), max_micro_batch=8, top=8))
+
+    fast = search()
+    with monkeypatch.context() as patch:
+        _without_shortcuts(patch)
+        full = search()
+    assert fast == full and fast["top"]
+
+
+@pytest.mark.parametrize("mesh", [
+    MeshSpec(pp=4),
+    MeshSpec(pp=4, pp_schedule=PPSchedule.INTERLEAVED_1F1B, pp_virtual_stages=2),
+    MeshSpec(tp=2, cp=2),
+    MeshSpec(tp=2, pp=2),
+])
+def test_a_fit_check_is_the_full_estimate_when_it_fits_and_none_when_a_rank_is_over(mesh):
+    model = resolve_model("llama-3-8b")
+    training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=16, seq_len=4096, recipe="torchtitan",
+                            micro_batch=2, grad_accum=8, mesh=mesh)
+    whole = estimate_mesh(model, training)
+    peaks = sorted({rank.estimate.peak_bytes for rank in whole.ranks})
+    for budget in (peaks[-1], peaks[-1] - 1, peaks[0] - 1, peaks[0]):
+        within = estimate_mesh_within(model, training, budget)
+        if peaks[-1] <= budget:
+            assert within is not None and within.ranks == whole.ranks
+        else:
+            assert within is None
