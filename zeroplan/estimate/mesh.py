@@ -253,6 +253,8 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     # The profile runs one micro-batch through all the rank's blocks: as many stage chunks as it has stages.
     # The other chunks in flight keep their stage's saved tensors for the whole of this one's step.
     chunks = len(kind.stages)
+    if mesh.pp_schedule.looped and mesh.pp > 1:
+        return acts  # one micro-batch through the rank's stages; `_looped_schedule_peak` walks the schedule
     extra = max(kind.in_flight - chunks, 0)
     if extra:
         one = acts.embedding + kind.layers * acts.saved_per_block // chunks
@@ -272,6 +274,64 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
 @memo(maxsize=64)
 def _local_training(training: TrainingSpec, local_seq: int) -> TrainingSpec:
     return training.varied(seq_len=local_seq, mesh=MeshSpec())
+
+
+def _weight_op_output_width(model: TransformerSpec, mesh: MeshSpec) -> int:
+    """Per token, the outputs of one block's parameter-holding ops (q, k, v, o, the MLP's linears, the
+    two norms) on one rank: their gradients are what stage_backward_input keeps for the W step."""
+    tp, h = mesh.tp, model.hidden_size
+    q_width = model.num_heads * model.dim_per_head // tp
+    kv_width = model.kv_heads * model.dim_per_head // tp
+    mlp_inputs = 2 if model.mlp == "gated" else 1
+    return q_width + 2 * kv_width + h + mlp_inputs * model.intermediate_size // tp + h + 2 * h
+
+
+def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, facts: ModelFacts,
+                            acts: ActivationBytes, phases: tuple[PhaseBytes, ...], act_bytes: int,
+                            micro_batches: int) -> tuple[PhaseBytes, ...]:
+    """The profile's forward and backward phases raised (or lowered) to the peak found by walking the
+    rank's actions of ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (estimate/pipeline_schedule.py):
+    each stage chunk's own saved tensors until its backward (its W under zero bubble), the pending sends and
+    the last stage's logits until the step ends, each stage's gradients once its first backward ran."""
+    from zeroplan.estimate.pipeline_schedule import ChunkBytes, looped_peak, looped_rank_actions
+
+    mesh = training.mesh
+    counts = stage_layers(model.num_layers, mesh.stages)
+    tokens = training.micro_batch * training.seq_len // mesh.cp
+    boundary = tokens * model.hidden_size * act_bytes // (mesh.tp if mesh.sequence_parallel else 1)
+    steady = [p for p in phases if p.step.value == "steady" and p.phase in (Phase.FORWARD, Phase.BACKWARD)]
+    profiled = max(steady, key=lambda p: p.categories.grads + p.categories.activations + p.categories.temporaries)
+    groups = {g.role: g.params * g.count for g in facts.groups}
+    block_params = groups.get("block", 0) // max(kind.layers, 1)
+    zero_bubble = mesh.pp_schedule == PPSchedule.ZERO_BUBBLE
+    last = mesh.stages - 1
+    chunks = {}
+    for stage in kind.stages:
+        params = counts[stage] * block_params + (groups.get("embedding", 0) if stage == 0 else 0) \
+            + (groups.get("final", 0) if stage == last else 0)
+        head_width = model.hidden_size + (ceil_div(model.vocab_size, mesh.tp) if mesh.loss_parallel else model.vocab_size)
+        chunks[stage] = ChunkBytes(
+            saved=counts[stage] * acts.saved_per_block + (acts.embedding if stage == 0 else 0)
+            + (acts.final_norm + acts.loss_saved if stage == last else 0),
+            weight_grad_inputs=zero_bubble * tokens * act_bytes * (counts[stage] * _weight_op_output_width(model, mesh)
+                                                                  + (head_width if stage == last else 0)),
+            sent=boundary if stage != last else 0,
+            sent_grad=boundary if stage != 0 else 0,
+            kept_output=acts.logits if stage == last else 0,
+            grads=profiled.categories.grads * params // max(facts.total_params, 1))
+    actions = looped_rank_actions(mesh.pp, mesh.pp_virtual_stages, micro_batches, kind.pp_rank, zero_bubble)
+    walked = looped_peak(actions, chunks, acts.block_forward_transient,
+                         acts.block_backward_transient - acts.block_backward_freed)
+    # the walk's gradients and pending sends replace the profile's at its peak; the rest is activations
+    activations = walked.total - walked.grads - walked.sends - profiled.categories.temporaries
+    shift = activations - profiled.categories.activations
+
+    def raised(categories: CategoryBytes) -> CategoryBytes:
+        return categories._replace(grads=walked.grads, buffers=categories.buffers + walked.sends,
+                                   activations=max(categories.activations + shift, 0))
+
+    return tuple(PhaseBytes(p.step, p.phase, raised(p.categories)) if p.phase in (Phase.FORWARD, Phase.BACKWARD) else p
+                 for p in phases)
 
 
 class MeshBuffers(NamedTuple):
@@ -349,6 +409,9 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
         # `_step_microbatches`): no accumulated gradient sits beside the activations in flight; 1F1B's does
         setup = setup._replace(accumulating=False)
     result = _engine_profile(engine)(facts, setup, acts)
+    if mesh.pp > 1 and mesh.pp_schedule.looped:
+        result = result._replace(phases=_looped_schedule_phases(model, training, kind, facts, acts, result.phases,
+                                                                dtypes.activation, micro_batches))
     phases = _with_buffers(_with_overhead(result.phases, overhead_bytes(training)),
                            mesh_buffers(model, training, kind, dtypes.activation, micro_batches))
     implementation = f"{IMPLEMENTATION}/{training.attention.value}"

@@ -334,9 +334,13 @@ def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str) -> str:
     knobs = dict(mesh)
     degrees = "-".join(f"{name}{knobs[name]}" for name in ("tp", "cp", "pp", "ep", "dp_replicate") if knobs.get(name, 1) > 1)
     extras = ([knobs["pp_schedule"]] if "pp_schedule" in knobs else []) \
+        + ([f"v{knobs['pp_virtual_stages']}"] if knobs.get("pp_virtual_stages", 1) > 1 else []) \
         + (["nosp"] if knobs.get("sequence_parallel") is False else []) \
         + (["nolossparallel"] if knobs.get("loss_parallel") is False else [])
     return "-".join(["mesh", degrees, *extras]) + "/" + row_id
+
+
+_TINY_LLAMA_4L = "tests/data/tiny-llama-4l.toml"  # relative to the repository root, where validate runs
 
 
 def mesh_rows() -> list[Row]:
@@ -353,6 +357,13 @@ def mesh_rows() -> list[Row]:
         Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "1f1b")), grad_accum=4, **titan),
         Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "1f1b")), grad_accum=4, world=4, **titan),
         Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("tp", 2),), world=64, simulate=True, **titan),
+        # looped schedules need layers >= pp x virtual stages: tiny-llama with 4 layers, a spec file of the tests
+        Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "interleaved-1f1b"), ("pp_virtual_stages", 2)),
+            grad_accum=4, **titan),
+        Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "zero-bubble"), ("pp_virtual_stages", 2)),
+            grad_accum=4, **titan),
+        Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "interleaved-1f1b"), ("pp_virtual_stages", 2)),
+            grad_accum=4, world=4, **titan),
     ]
 
 
