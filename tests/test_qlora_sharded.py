@@ -55,7 +55,8 @@ def test_each_rank_holds_a_shard_of_the_packed_weights_and_their_whole_quant_sta
     layout = param_layout(LLAMA)
     quantized = _quantized(layout.block)
     packed = sum(t.numel // 2 for t in quantized) // n
-    absmax = sum(4 * t.numel // 64 for t in quantized)  # one fp32 absmax per 64 values, on every rank
+    # one fp32 absmax per 64 values and the state's own 16-value fp32 nf4 code (functional.py quantize_4bit), on every rank
+    absmax = sum(4 * t.numel // 64 + 4 * 16 for t in quantized)
     rest = (layout.total_params - LLAMA.num_layers * sum(t.numel for t in quantized)) * 2 // n  # bf16 shards
     assert estimate(LLAMA, training).param_parts.base_bytes == LLAMA.num_layers * (packed + absmax) + rest
 
@@ -78,7 +79,7 @@ def test_deepspeed_zero3_compares_the_packed_count_with_its_persistence_threshol
     training = TrainingSpec(engine="deepspeed", zero_stage=3, gpus=n, lora=ALL, quant=NF4_BF16,
                             deepspeed={"stage3_param_persistence_threshold": threshold})
     packed = sum(t.numel // 2 for t in quantized)
-    absmax = sum(4 * t.numel // 64 for t in quantized)
+    absmax = sum(4 * t.numel // 64 + 4 * 16 for t in quantized)  # absmax and the state's own nf4 code
     norms = sum(t.numel for t in layout.block if t not in quantized) * 2  # bf16, under the threshold too
     # the embeddings and head (65,536 elements) partitioned, the final norm whole as well
     outside = sum(t.numel * 2 // n + (t.numel * 2 if t.numel <= threshold else 0) for t in layout.embedding + layout.final)
