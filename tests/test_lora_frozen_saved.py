@@ -77,3 +77,18 @@ def test_quant_state_bytes_are_those_of_bitsandbytes_quant_state(double_quant):
     stored = sum(t.numel() * t.element_size() for t in tensors)
     quant = QuantSpec(base_precision="nf4", double_quant=double_quant)
     assert quant_state_bytes(weight.numel(), quant) == stored
+
+
+def test_int8_row_scales_are_counted_after_the_first_forward():
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    from zeroplan.measure.programs.peft_model import quantization_state_tensors
+
+    out_features, in_features = 48, 64
+    layer = bnb.nn.Linear8bitLt(in_features, out_features, bias=False, has_fp16_weights=False)
+    layer.weight = bnb.nn.Int8Params(torch.randn(out_features, in_features), requires_grad=False,
+                                     has_fp16_weights=False).to("cpu")
+    layer(torch.randn(4, in_features))
+    # init_8bit_state moved SCB from the weight to layer.state: one fp32 scale per output row still lives
+    assert layer.weight.SCB is None
+    assert sum(t.numel() * t.element_size() for t in quantization_state_tensors(layer)) == 4 * out_features
