@@ -45,12 +45,26 @@ def test_nf4_base_is_stored_as_bitsandbytes_packs_it():
     assert result.param_parts.adapter_bytes == adapters
 
 
-def test_quantized_layers_materialise_their_weight_in_forward():
-    plain = estimate(LLAMA, TrainingSpec(engine="torch", lora=ALL, quant=QuantSpec(base_precision="bf16")))
-    nf4 = estimate(LLAMA, TrainingSpec(engine="torch", lora=ALL, quant=QuantSpec(base_precision="nf4")))
-    largest = max(t.numel for t in param_layout(LLAMA).block if t.name.endswith("proj.weight"))
-    forward = (_phase(nf4, Step.STEADY, Phase.FORWARD).temporaries - _phase(plain, Step.STEADY, Phase.FORWARD).temporaries)
-    assert forward == largest * 2  # dequantize_4bit to bf16
+def test_a_quantized_layer_holds_its_dequantized_weight_only_inside_its_own_op():
+    from zeroplan.estimate.activations import activation_bytes
+    from zeroplan.estimate.lora import lora_activations
+
+    def acts(base: str, micro_batch: int, seq_len: int):
+        training = TrainingSpec(engine="torch", lora=ALL, quant=QuantSpec(base_precision=base),
+                                micro_batch=micro_batch, seq_len=seq_len)
+        return lora_activations(activation_bytes(LLAMA, training, 2), LLAMA, training, 2)
+
+    h, inner = LLAMA.hidden_size, LLAMA.intermediate_size
+    weight = h * inner * 2  # the largest linear (gate/up/down), dequantize_4bit to bf16 (MatMul4Bit)
+    # forward: the largest layer's moment, its dequantized weight and its output, against the residual add's
+    tokens = 256
+    assert acts("nf4", 2, 128).block_forward_transient == max(acts("bf16", 2, 128).block_forward_transient,
+                                                              weight + tokens * 2 * inner)
+    # backward: down_proj's moment (weight, its input's gradient, the product still saved) against the
+    # product's backward (product freed, two more gradients): the weight wins only below inner tokens
+    assert acts("nf4", 2, 128).block_backward_transient == acts("bf16", 2, 128).block_backward_transient
+    assert (acts("nf4", 1, 16).block_backward_transient - acts("bf16", 1, 16).block_backward_transient
+            == weight - 16 * 2 * inner)
 
 
 def test_adapter_dropout_keeps_a_bool_mask_on_cuda_and_a_full_tensor_on_cpu():

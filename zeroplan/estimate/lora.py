@@ -450,6 +450,7 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     embedding, final_norm = outside_blocks(spec, lora, autocast, comp, adapter_element, cuda,
                                            training.checkpointing.value != "none", head_input_kept)
     extra = extra._replace(embedding=embedding, final_norm=final_norm)
+    acts = with_dequantized_weight(acts, spec, quant, training.micro_batch * training.seq_len, comp)
     casts = 0
     if autocast:
         # autocast caches (and the matmul saves) 16-bit casts of fp32 weights: a 16-bit or quantized
@@ -460,6 +461,24 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
         stored_16bit = quant is not None and quant.base_precision.value != "fp32"
         casts = (comp * base if stored_16bit else 0) - comp * adapters
     return with_adapter_activations(acts, training.micro_batch * training.seq_len, extra, casts)
+
+
+def with_dequantized_weight(acts, spec: TransformerSpec, quant: QuantSpec | None, tokens: int, comp: int):
+    """`acts` with the moments a quantized layer's dequantized weight is alive in (docs/engines/lora.md
+    "The base's storage"). It lives only inside that layer's op (autograd/_functions.py MatMul4Bit:
+    `dequantize_4bit(B, quant_state)` in forward and again in backward, freed on return), so it is a
+    moment of its own, not a term of the modelled ones: in forward the largest layer holds it with its
+    output (against `block_forward_transient`); in backward the MLP's last linear holds it with its
+    input's gradient while the product it read is still saved, against the product's backward, which
+    has freed the product and holds two more intermediate-width gradients (`_block_backward_transient_per_token`)."""
+    if quant is None or not quant.base_precision.is_quantized or acts is None:
+        return acts
+    weight = dequantized_weight_bytes(spec, quant)
+    largest = max((linear for linear in _linears(spec) if linear.role == "block" and linear.kind == "linear"),
+                  key=lambda linear: linear.in_features * linear.out_features)
+    forward = max(acts.block_forward_transient, weight + tokens * comp * largest.out_features)
+    backward = acts.block_backward_transient + max(0, weight - tokens * comp * spec.intermediate_size)
+    return replace(acts, block_forward_transient=forward, block_backward_transient=backward)
 
 
 def _engine_param_element(engine: str, precision: str, param: int) -> int:
