@@ -61,6 +61,15 @@ MEASURED = [
     ("gpt2 s3 fp32", dict(LONG, zero_stage=3, precision="fp32", deepspeed=GPT2_SMALL), 16_528_029, 12_567_185, "tiny-gpt2"),
     ("gpt2 s2 bf16 ckpt offload", dict(LONG, zero_stage=2, precision="bf16", checkpointing="full", offload_optimizer="cpu",
                                        deepspeed=GPT2_SMALL), 8_538_964, 6_558_544, "tiny-gpt2"),
+    # stage 2, the first reduction after a block's backward peak (its output projection's gradients
+    # still fit the bucket): the partition comes at a later hook (`_first_reduction_after_peak`)
+    ("gpt2 s2 fp32 eager", dict(LONG, zero_stage=2, precision="fp32", attention="eager", recipe="plain",
+                                model_init="device", deepspeed=GPT2_SMALL), 15_192_728, 13_212_304, "tiny-gpt2"),
+    ("gpt2 s2 fp32 eager dropout", dict(LONG, zero_stage=2, precision="fp32", attention="eager", recipe="plain",
+                                        model_init="device", dropout=0.1, deepspeed=GPT2_SMALL),
+     17_940_504, 15_960_080, "tiny-gpt2"),
+    ("s2 fp32 long bucket 1.5e5", dict(LONG, zero_stage=2, precision="fp32", recipe="plain", model_init="device",
+                                       deepspeed=dict(SMALL, reduce_bucket_size=150_000)), 12_260_760, 10_259_344),
     # llama-100m with DeepSpeed's defaults: the whole model fits one bucket, reduced at the end
     ("100m s2 bf16", dict(LONG, zero_stage=2, precision="bf16"), 2_000_929_044, 1_600_558_348, "llama-100m"),
     ("100m s3 fp32 ckpt", dict(LONG, zero_stage=3, precision="fp32", checkpointing="full"),
@@ -142,3 +151,36 @@ def _tensors(model: TransformerSpec):
 
     layout = param_layout(model)
     return list(layout.embedding) + list(layout.block) * layout.num_blocks + list(layout.final)
+
+
+def _first_reduction_after_peak_by_hooks(hooks: list[tuple[int, str]], bucket: int) -> bool:
+    """The definition, hook by hook (stage_1_and_2.py `reduce_independent_p_g_buckets_and_remove_grads`):
+    the bucket is reduced, and `copy_grads_in_partition` allocates the partition, at the hook of the
+    first gradient that does not fit; that is after a block's peak unless the gradient is one of the
+    block's first (its output projection's). `hooks`: (elements, where) in the order they fire."""
+    filled = 0
+    for numel, where in hooks:
+        if filled and filled + numel > bucket:
+            return where == "block"
+        filled += numel
+    return False
+
+
+def _tiny_gpt2_hooks() -> list[tuple[int, str]]:
+    # the order the hooks fired on 2 gloo ranks (ln_f; then per block c_proj's bias and weight
+    # before the block's peak, the rest after it; wpe, wte last: wte's gradient is whole only
+    # after the embedding's backward)
+    block = [(128, "first"), (65536, "first"), (512, "block"), (65536, "block"), (128, "block"), (128, "block"),
+             (128, "block"), (16384, "block"), (384, "block"), (49152, "block"), (128, "block"), (128, "block")]
+    return [(128, "head"), (128, "head"), *block, *block, (32768, "embedding"), (65536, "embedding")]
+
+
+@pytest.mark.parametrize("bucket", [50_000, 65_000, 65_919, 65_920, 66_432, 100_000, 131_968, 150_000, 300_000])
+def test_first_reduction_after_peak_follows_the_hook_order(bucket):
+    from zeroplan.estimate.engines import deepspeed
+    from zeroplan.estimate.facts import model_facts
+
+    model = resolve_model("tiny-gpt2")
+    layout = deepspeed._layout(model_facts(model, _training(zero_stage=2, precision="fp32")))
+    expected = _first_reduction_after_peak_by_hooks(_tiny_gpt2_hooks(), bucket)
+    assert deepspeed._first_reduction_after_peak(layout.groups_backward, bucket, layout.first_block) == expected

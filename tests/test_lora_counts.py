@@ -22,7 +22,9 @@ HF_CONFIGS = sorted((Path(__file__).parent / "data" / "hf_configs").glob("*.json
 
 # the attention projections each family's PEFT default targets (peft/utils/constants.py
 # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)
-ATTENTION_TARGETS = {"gpt2": ("c_attn",), "gpt_neox": ("query_key_value",), "phi3": ("qkv_proj",)}
+ATTENTION_TARGETS = {"gpt2": ("c_attn",), "gpt_neox": ("query_key_value",), "phi3": ("qkv_proj",),
+                     # no PEFT default; DeepseekV3Attention has no v_proj: its low-rank projections (MLA)
+                     "deepseek_v3": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")}
 
 
 def _attention(model_type: str) -> tuple[str, ...]:
@@ -114,3 +116,47 @@ def test_llama_3_8b_peft_default_targets_count():
     lora = LoraSpec(rank=8, targets=PEFT_DEFAULT_TARGETS["llama"])
     assert adapter_params(spec, lora) == 3_407_872
     assert param_layout(spec).total_params + 3_407_872 == 8_033_669_120
+
+
+def _mla_attention(rank: int) -> int:
+    # DeepSeek-V3 (h 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512, nope 128, rope 64, v 128):
+    # q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
+    pairs = [(7168, 1536), (1536, 128 * 192), (7168, 512 + 64), (512, 128 * (128 + 128)), (128 * 128, 7168)]
+    return rank * sum(i + o for i, o in pairs)
+
+
+def test_deepseek_all_linear_adapts_attention_router_and_experts_not_the_dense_or_shared_mlps():
+    # peft 0.21.2 _convert_peft_config_moe (deepseek_v3 converts as qwen2_moe): gate_proj/up_proj/down_proj
+    # become the experts' parameters, so the 3 dense layers' MLP and the shared expert stay frozen
+    spec = resolve_model("deepseek-v3")
+    r, h, experts, inner = 4, 7168, 256, 2048
+    sparse = r * (h + experts) + 2 * r * experts * (h + 2 * inner) + r * experts * (inner + h)
+    assert adapter_params(spec, LoraSpec(rank=r, targets=("all-linear",))) == 61 * _mla_attention(r) + 58 * sparse
+
+
+def test_gpt_oss_all_linear_adapts_attention_only():
+    # GptOssTopKRouter and GptOssExperts are not nn.Linear and gpt_oss is not converted by peft
+    spec = resolve_model("gpt-oss-20b")
+    per_block = 4 * ((2880 + 64 * 64) + 2 * (2880 + 8 * 64) + (64 * 64 + 2880))
+    assert adapter_params(spec, LoraSpec(rank=4, targets=("all-linear",))) == 24 * per_block
+
+
+def test_half_of_a_fused_expert_pair_is_refused_as_peft_does():
+    # peft: "Cannot convert PEFT target(s) gate_proj without also targeting up_proj because they are fused"
+    with pytest.raises(SpecError, match=r"lora.targets: gate_proj cannot be adapted without up_proj"):
+        lora_layout(resolve_model("qwen3-30b-a3b"), LoraSpec(rank=4, targets=("gate_proj",)))
+
+
+def test_dora_on_the_router_is_refused():
+    # peft tuners/lora/layer.py ParamWrapper: "lora.ParamWrapper does not work with use_dora=True"
+    with pytest.raises(SpecError, match=r"lora.dora: peft has no DoRA for parameter targets"):
+        lora_layout(resolve_model("deepseek-v3"), LoraSpec(rank=4, targets=("gate",), dora=True))
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-30b-a3b", "gpt-oss-20b", "llama-2-7b"])
+def test_the_quantized_base_covers_every_block_kind(name):
+    from zeroplan.estimate.lora import base_tensors
+
+    spec = resolve_model(name)
+    tensors = base_tensors(spec, QuantSpec(base_precision="nf4"))
+    assert sum(t.numel * t.count for t in tensors) == param_layout(spec).total_params

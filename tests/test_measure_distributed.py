@@ -24,7 +24,7 @@ from zeroplan.errors import MeasureError  # noqa: E402
 from zeroplan.measure import launcher  # noqa: E402
 from zeroplan.measure.worker import FAULT_ENV  # noqa: E402
 from zeroplan.spec.training import TrainingSpec  # noqa: E402
-from worker_processes import SPAWNED, RecordingPopen, alive  # noqa: E402
+from worker_processes import SPAWNED, alive, workers_recorded  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -34,11 +34,8 @@ MIB = 2**20
 
 @pytest.fixture(autouse=True, scope="module")
 def _record_workers():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launcher.subprocess, "Popen", RecordingPopen)
+    with workers_recorded(launcher):
         yield
-    assert SPAWNED, "no worker was started"
-    assert [p.pid for p in SPAWNED if alive(p.pid)] == []
 
 
 def _training(engine: str, stage: int, **fields) -> TrainingSpec:

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from zeroplan.importers.catalog import resolve_model  # noqa: E402
 from zeroplan.measure import launcher  # noqa: E402
 from zeroplan.spec.training import TrainingSpec  # noqa: E402
-from worker_processes import SPAWNED, RecordingPopen, alive  # noqa: E402
+from worker_processes import workers_recorded  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -23,11 +23,8 @@ FP32 = 4
 
 @pytest.fixture(autouse=True, scope="module")
 def _record_workers():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launcher.subprocess, "Popen", RecordingPopen)
+    with workers_recorded(launcher):
         yield
-    assert SPAWNED, "no worker was started"
-    assert [p.pid for p in SPAWNED if alive(p.pid)] == []
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
 
 SPAWNED: list[subprocess.Popen] = []  # every worker any test of this session started
 
@@ -22,3 +27,13 @@ def alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def workers_recorded(launcher: ModuleType) -> Iterator[None]:
+    """Record the workers `launcher` starts; afterwards, some must have started and none may be left."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launcher.subprocess, "Popen", RecordingPopen)
+        yield
+    assert SPAWNED, "no worker was started"
+    assert [p.pid for p in SPAWNED if alive(p.pid)] == []

@@ -99,9 +99,8 @@ def _lora_facts(spec: TransformerSpec, lora: LoraSpec, packed: PackedStorage | N
 
 
 def _lora_facts_of(spec: TransformerSpec, layout) -> ModelFacts:
-    groups = [_group("embedding", layout.embedding, 1, False), _group("block", layout.block, layout.adapted_blocks, False)]
-    if layout.adapted_blocks < spec.num_layers:
-        groups.append(_group("block", layout.plain_block, spec.num_layers - layout.adapted_blocks, False))
+    groups = [_group("embedding", layout.embedding, 1, False)]
+    groups += [_group("block", tensors, count, False) for tensors, count in layout.runs]  # per block kind
     groups.append(_group("final", layout.final, 1, False))
     return _facts(spec.name, tuple(groups))
 

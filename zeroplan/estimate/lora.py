@@ -43,6 +43,17 @@ _PEFT_NAMES = {
 # Mixtral (modeling_mixtral.py MixtralSparseMoeBlock): the router `mlp.gate` and `mlp.experts`'s 3-D
 # gate_up_proj / down_proj; peft 0.21.2 adapts them as parameters (tuners/lora/layer.py ParamWrapper)
 _MOE_NAMES = {"moe.gate": "mlp.gate", "moe.experts.gate_up_proj": "mlp.experts", "moe.experts.down_proj": "mlp.experts"}
+# Qwen3-MoE and DeepSeek-V3 (transformers conversion_mapping.py: both convert as "qwen2_moe"): peft
+# 0.21.2 utils/transformers_weight_conversion.py `_convert_peft_config_moe` maps their transformers-4
+# target names to the fused parameters (`_MOE_TARGET_MODULE_MAPPING`) and drops them from the module
+# targets, so a dense or shared-expert MLP's gate_proj/up_proj/down_proj (nn.Linear) is never adapted;
+# "all-linear" adds these four names (`_resolve_string_target_modules`). GPT-OSS is not converted: its
+# router (GptOssTopKRouter) and experts are not nn.Linear, so it adapts attention only.
+_CONVERTED_FAMILIES = ("qwen3_moe", "deepseek_v3")
+_V4_TO_PARAMETER = {"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+_FUSED = {"gate_up_proj": ("gate_proj", "up_proj")}  # `_MOE_FUSED_TARGETS["qwen2_moe"]`
+_PARAMETER_NAMES = {"moe.gate": "mlp.gate.weight", "moe.experts.gate_up_proj": "mlp.experts.gate_up_proj",
+                    "moe.experts.down_proj": "mlp.experts.down_proj"}
 
 
 class Linear(NamedTuple):
@@ -67,26 +78,32 @@ def peft_name(spec: TransformerSpec, module: str) -> str:
 
 
 def _linears(spec: TransformerSpec) -> tuple[Linear, ...]:
-    """The block's linear layers and the output head (untied or tied, it is an nn.Linear)."""
+    """The blocks' linear layers (of every block kind: DeepSeek's dense first layers too) and the
+    output head (untied or tied, it is an nn.Linear)."""
     layout = param_layout(spec)
-    names = {t.name for t in layout.block}
     conv1d = spec.hf_model_type == "gpt2"  # Conv1D keeps (in, out): dim 0 is the input
-    found = []
-    for t in layout.block:
-        module = t.name.rsplit(".", 1)[0]
-        if t.name.startswith("moe."):
-            found.extend(_moe_linear(spec, t))
-            continue
-        if not t.name.endswith(".weight") or "norm" in module:
-            continue
-        inner = t.numel // t.rows
-        in_features, out_features = (t.rows, inner) if conv1d else (inner, t.rows)
-        found.append(Linear(module, peft_name(spec, module), in_features, out_features, f"{module}.bias" in names, "block"))
-    found.append(Linear("lm_head", peft_name(spec, "lm_head"), spec.hidden_size, spec.vocab_size, False, "final"))
-    return tuple(found)
+    found: dict[str, Linear] = {}
+    for tensors, _ in layout.runs:
+        names = {t.name for t in tensors}
+        for t in tensors:
+            module = t.name.rsplit(".", 1)[0]
+            if t.name.startswith("moe."):
+                for linear in _moe_linear(spec, t):
+                    found.setdefault(linear.module, linear)
+                continue
+            if not t.name.endswith(".weight") or "norm" in module:
+                continue
+            inner = t.numel // t.rows
+            in_features, out_features = (t.rows, inner) if conv1d else (inner, t.rows)
+            found.setdefault(module, Linear(module, peft_name(spec, module), in_features, out_features,
+                                            f"{module}.bias" in names, "block"))
+    head = Linear("lm_head", peft_name(spec, "lm_head"), spec.hidden_size, spec.vocab_size, False, "final")
+    return (*found.values(), head)
 
 
 def _moe_linear(spec: TransformerSpec, t: ParamTensor) -> list[Linear]:
+    if spec.moe is not None:
+        return _moe_family_linear(spec, t)
     h, inner, experts = spec.hidden_size, spec.intermediate_size, spec.num_experts
     if t.name == "moe.gate.weight":
         return [Linear("moe.gate", _MOE_NAMES["moe.gate"], h, experts, False, "block", "router")]
@@ -95,6 +112,54 @@ def _moe_linear(spec: TransformerSpec, t: ParamTensor) -> list[Linear]:
     if t.name == "moe.experts.down_proj":
         return [Linear(t.name, _MOE_NAMES[t.name], inner, h, False, "block", "experts", experts, 1)]
     return []
+
+
+def _moe_family_linear(spec: TransformerSpec, t: ParamTensor) -> list[Linear]:
+    """Qwen3-MoE, DeepSeek-V3, GPT-OSS (estimate/moe_layout.py): the shared experts' nn.Linear layers;
+    the router and the fused experts as peft's ParamWrapper sees them (A (r x E, in), B (out, r x E),
+    tuners/lora/layer.py ParamWrapper.update_layer), in the converted families only."""
+    h, moe = spec.hidden_size, spec.moe
+    module = t.name.rsplit(".", 1)[0]
+    if module.startswith("moe.shared_experts.") and t.name.endswith(".weight"):  # DeepseekV3MLP: nn.Linear
+        return [Linear(module, "mlp." + module[len("moe."):], t.numel // t.rows, t.rows, False, "block")]
+    if not _converted(spec):
+        return []  # GptOssTopKRouter, GptOssExperts: peft "is not supported" as modules, not converted
+    inner, experts = moe.expert_intermediate_size, moe.num_experts
+    if t.name == "moe.gate.weight":
+        return [Linear("moe.gate", _PARAMETER_NAMES["moe.gate"], h, experts, False, "block", "router")]
+    if t.name == "moe.experts.gate_up_proj":  # rank_pattern r x 2: gate_proj and up_proj fused
+        return [Linear(t.name, _PARAMETER_NAMES[t.name], h, 2 * inner, False, "block", "experts", experts, 2)]
+    if t.name == "moe.experts.down_proj":
+        return [Linear(t.name, _PARAMETER_NAMES[t.name], inner, h, False, "block", "experts", experts, 1)]
+    return []
+
+
+def _converted(spec: TransformerSpec) -> bool:
+    return spec.moe is not None and spec.hf_model_type in _CONVERTED_FAMILIES
+
+
+def _converted_targets(spec: TransformerSpec, lora: LoraSpec, linears) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(module targets, parameter targets) as peft's `_convert_peft_config_moe` leaves them for a
+    converted family; a FieldError for half of a fused pair, as peft's ValueError."""
+    targets = set(lora.targets)
+    if lora.all_linear:  # `_resolve_string_target_modules`: leaf names of every nn.Linear but the head, plus the v4 names
+        targets = {linear.peft_name.rsplit(".", 1)[-1] for linear in linears
+                   if linear.role == "block" and linear.kind == "linear"} | set(_V4_TO_PARAMETER)
+    modules, parameters, fused = [], set(), set()
+    for target in sorted(targets):
+        old = next((old for old in _V4_TO_PARAMETER if _matches(target, old)), None)
+        if old is None:
+            modules.append(target)
+        else:
+            parameters.add(_V4_TO_PARAMETER[old])
+            fused.add(old)
+    for name, parts in _FUSED.items():
+        present = [p for p in parts if p in fused]
+        if 0 < len(present) < len(parts):
+            missing = ", ".join(p for p in parts if p not in fused)
+            raise FieldError("lora.targets", f"{', '.join(present)} cannot be adapted without {missing}: peft fuses "
+                             f"them into the experts' {name}")
+    return tuple(modules), tuple(sorted(parameters))
 
 
 def _embeddings(spec: TransformerSpec) -> tuple[tuple[str, str, int], ...]:
@@ -110,7 +175,11 @@ def _matches(name: str, target: str) -> bool:
 
 def module_names(spec: TransformerSpec) -> list[str]:
     """The names a user can target in `spec` (the last part of each; dotted suffixes work too)."""
-    names = [linear.peft_name.rsplit(".", 1)[-1] for linear in _linears(spec)]
+    if _converted(spec):  # the router and experts by their transformers-4 names, which peft converts
+        names = [linear.peft_name.rsplit(".", 1)[-1] for linear in _linears(spec) if linear.kind == "linear"]
+        names = [name for name in names if name not in _V4_TO_PARAMETER] + list(_V4_TO_PARAMETER)
+    else:
+        names = [linear.peft_name.rsplit(".", 1)[-1] for linear in _linears(spec)]
     names += [peft for _, peft, _ in _embeddings(spec)]
     return list(dict.fromkeys(names))
 
@@ -124,6 +193,9 @@ class LoraLayout(NamedTuple):
     adapted_blocks: int
     final: tuple[ParamTensor, ...]
     adapted: tuple[Linear, ...]  # the adapted linear layers of one block (and the head, when targeted)
+    # every block as runs of (tensors, count) in forward order: per block kind (param_layout's runs), the
+    # adapted blocks, then those layers_to_transform leaves plain; `block`/`plain_block` are the largest kind's
+    runs: tuple[tuple[tuple[ParamTensor, ...], int], ...] = ()
 
 
 def _frozen(tensors, trainable_bias: bool = False) -> list[ParamTensor]:
@@ -148,7 +220,16 @@ def lora_layout(spec: TransformerSpec, lora: LoraSpec) -> LoraLayout:
     embeddings = _embeddings(spec)
     known = module_names(spec)
     excluded = [linear for linear in linears if any(_matches(linear.peft_name, e) for e in lora.exclude_modules)]
-    if lora.all_linear:
+    if _converted(spec):
+        modules, parameters = _converted_targets(spec, lora, linears)
+        adapted = [linear for linear in linears if any(
+            _matches(linear.peft_name, t) for t in (modules if linear.kind == "linear" else parameters))]
+        adapted_embeddings = [e for e in embeddings if any(_matches(e[1], t) for t in modules)]
+        for target in modules if not lora.all_linear else ():
+            if not any(_matches(linear.peft_name, target) for linear in adapted) and not any(
+                    _matches(peft, target) for _, peft, _ in embeddings):
+                raise FieldError("lora.targets", f"{target!r} names no module of {spec.name}; its modules: {', '.join(known)}")
+    elif lora.all_linear:
         adapted = [linear for linear in linears if linear.role == "block"]
         adapted_embeddings: list[tuple[str, str, int]] = []
     else:
@@ -159,8 +240,9 @@ def lora_layout(spec: TransformerSpec, lora: LoraSpec) -> LoraLayout:
         adapted = [linear for linear in linears if any(_matches(linear.peft_name, t) for t in lora.targets)]
         adapted_embeddings = [e for e in embeddings if any(_matches(e[1], t) for t in lora.targets)]
     adapted = [linear for linear in adapted if linear not in excluded]
-    if lora.dora and any(linear.kind == "experts" for linear in adapted):
-        raise SpecError("lora.dora: peft has no DoRA for parameter targets (Mixtral's experts)")
+    if lora.dora and any(linear.kind in ("experts", "router") for linear in adapted):
+        # tuners/lora/layer.py ParamWrapper: "lora.ParamWrapper does not work with use_dora=True"
+        raise SpecError("lora.dora: peft has no DoRA for parameter targets (the MoE router and experts)")
     for linear in adapted:
         if lora.rank > min(linear.in_features, linear.out_features):
             raise FieldError("lora.rank", f"{lora.rank} exceeds the dimensions of {linear.peft_name} "
@@ -174,15 +256,16 @@ def lora_layout(spec: TransformerSpec, lora: LoraSpec) -> LoraLayout:
     every_bias = lora.bias == "all"
     adapted_modules = {linear.module for linear in adapted}
 
-    def block_tensors(adapt: bool) -> tuple[ParamTensor, ...]:
+    def block_tensors(block: tuple[ParamTensor, ...], adapt: bool) -> tuple[ParamTensor, ...]:
         tensors = []
-        for t in layout.block:
+        for t in block:
             module = t.name.rsplit(".", 1)[0]
             lora_only = lora.bias == "lora_only" and adapt and module in adapted_modules
             tensors += _frozen([t], every_bias or lora_only)
         if adapt:
+            present = {t.name.rsplit(".", 1)[0] for t in block} | {t.name for t in block}
             for linear in adapted:
-                if linear.role == "block":
+                if linear.role == "block" and linear.module in present:  # a dense block has no router or experts
                     tensors += _adapter(linear, lora)
         return tuple(tensors)
 
@@ -206,19 +289,28 @@ def lora_layout(spec: TransformerSpec, lora: LoraSpec) -> LoraLayout:
         if bad:
             raise SpecError(f"lora.layers_to_transform: block {bad[0]} does not exist ({spec.name} has blocks 0-{count - 1})")
         count = len(set(lora.layers_to_transform))
-    return LoraLayout(tuple(embedding), block_tensors(True), block_tensors(False), count, tuple(final), tuple(adapted))
+    runs, start = [], 0
+    for tensors, blocks in layout.runs:  # each block kind's own adapters (DeepSeek's dense first layers)
+        indices = range(start, start + blocks)
+        start += blocks
+        adapted_here = blocks if lora.layers_to_transform is None else len(set(lora.layers_to_transform) & set(indices))
+        if adapted_here or len(layout.runs) == 1:
+            runs.append((block_tensors(tensors, True), adapted_here))
+        if adapted_here < blocks:
+            runs.append((block_tensors(tensors, False), blocks - adapted_here))
+    return LoraLayout(tuple(embedding), block_tensors(layout.block, True), block_tensors(layout.block, False), count,
+                      tuple(final), tuple(adapted), tuple(runs))
 
 
 def adapter_params(spec: TransformerSpec, lora: LoraSpec) -> int:
     """Trainable elements with `lora` applied: what peft's `get_nb_trainable_parameters` returns first."""
     layout = lora_layout(spec, lora)
-    plain = spec.num_layers - layout.adapted_blocks
 
     def trainable(tensors) -> int:
         return sum(t.numel for t in tensors if not t.frozen)
 
-    return (trainable(layout.embedding) + layout.adapted_blocks * trainable(layout.block)
-            + plain * trainable(layout.plain_block) + trainable(layout.final))
+    return (trainable(layout.embedding) + sum(count * trainable(tensors) for tensors, count in layout.runs)
+            + trainable(layout.final))
 
 
 # --- the quantized base ------------------------------------------------------------------------
@@ -277,14 +369,15 @@ def base_tensors(spec: TransformerSpec, quant: QuantSpec) -> tuple[BaseTensor, .
     linears = {linear.module: linear for linear in _linears(spec) if linear.role == "block" and linear.kind == "linear"}
     element = unquantized_element_bytes(quant)
     tensors = [BaseTensor(t.numel, 1, t.numel * element) for t in layout.embedding + layout.final]
-    for t in layout.block:
-        module, kind = t.name.rsplit(".", 1)
-        if module in linears and kind == "weight":
-            stored = quantized_weight_bytes(t.numel, linears[module].out_features, quant)
-        else:
-            stored = t.numel * element
-        packed = quant.base_precision.is_4bit and module in linears and kind == "weight"
-        tensors.append(BaseTensor(t.numel, spec.num_layers, stored, packed))
+    for block, count in layout.runs:  # each block kind (DeepSeek's dense layers quantize their wider MLP)
+        for t in block:
+            module, kind = t.name.rsplit(".", 1)
+            if module in linears and kind == "weight":
+                stored = quantized_weight_bytes(t.numel, linears[module].out_features, quant)
+            else:
+                stored = t.numel * element  # the fused 3-D experts are parameters, which bitsandbytes leaves alone
+            packed = quant.base_precision.is_4bit and module in linears and kind == "weight"
+            tensors.append(BaseTensor(t.numel, count, stored, packed))
     return tuple(tensors)
 
 
@@ -534,7 +627,8 @@ def packed_layout(spec: TransformerSpec, layout: LoraLayout, packed: PackedStora
         return tuple([t._replace(numel=_packed_units(t.numel, packed), rows=_packed_units(t.numel, packed))
                       if t.frozen and t.name in quantized else t for t in tensors])
 
-    return layout._replace(block=storage(layout.block), plain_block=storage(layout.plain_block))
+    return layout._replace(block=storage(layout.block), plain_block=storage(layout.plain_block),
+                           runs=tuple((storage(tensors), count) for tensors, count in layout.runs))
 
 
 def base_params_delta(spec: TransformerSpec, training, param: int) -> int:
@@ -609,6 +703,10 @@ def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:
     if copy_element is not None:
         notes.append(f"modules_to_save copies train in the base's dtype ({copy_element} bytes per element: PEFT "
                      "deep-copies the module), with their gradients and optimizer states; no fp32 master")
+    if any(linear.kind == "experts" for linear in lora_layout(spec, lora).adapted):
+        # peft tuners/lora/layer.py ParamWrapper._activate_lora: register_parametrization under parametrize.cached()
+        notes.append("adapted experts: peft builds each expert stack's W + BA in every forward and the experts' "
+                     "matmuls keep it for backward; not counted (an underestimate, docs/engines/lora.md)")
     if training.checkpointing.value != "none":
         notes.append("checkpointing with a frozen base: PEFT/the Trainer call enable_input_require_grads so the "
                      "checkpointed blocks get gradients (no bytes kept)")

@@ -58,18 +58,13 @@ def lora_values(options: Mapping[str, Any], model: Any = None, config_values: Ma
         if model is not None and getattr(model, "kind", None) == "params":
             raise SpecError("--lora-rank: a model known by its parameter count has no layers to adapt; give MODEL")
         lora = dict(base)
-        if _given(options, "lora_rank"):
-            lora["rank"] = options["lora_rank"]
-        if _given(options, "lora_alpha"):
-            lora["alpha"] = options["lora_alpha"]
+        for option, field in (("lora_rank", "rank"), ("lora_alpha", "alpha"), ("lora_dropout", "dropout"), ("dora", "dora")):
+            if _given(options, option):  # the option over the adapter_config.json value
+                lora[field] = options[option]
         if _given(options, "lora_targets"):
             lora["targets"] = _names(options["lora_targets"], "--lora-targets")
         elif "targets" not in lora:
             lora["targets"] = _default_targets(model)
-        if _given(options, "lora_dropout"):
-            lora["dropout"] = options["lora_dropout"]
-        if _given(options, "dora"):
-            lora["dora"] = options["dora"]
         if _given(options, "modules_to_save"):
             lora["modules_to_save"] = _names(options["modules_to_save"], "--modules-to-save")
         values["lora"] = _validated(LoraSpec, lora)

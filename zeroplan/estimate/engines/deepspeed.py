@@ -378,16 +378,31 @@ def _first_reduction(groups_backward: tuple[tuple[int, ...], ...], bucket_elemen
     return len(groups_backward)
 
 
+def _first_reduction_after_peak(groups_backward: tuple[tuple[int, ...], ...], bucket_elements: int,
+                                first_block: int) -> bool:
+    """Does the first reduction, in a block, come at a hook after the block's backward peak? Its
+    first gradients (the output projection's, common.py `early_gradients`) come before the peak,
+    the others after it: the bucket overflows after the peak when those first gradients still fit
+    (`reduce_independent_p_g_buckets_and_remove_grads` reduces when the next one does not)."""
+    index = _first_reduction(groups_backward, bucket_elements)
+    if not 0 < index < len(groups_backward) - 1:
+        return False
+    filled = sum(sum(group) for group in groups_backward[:index])
+    return filled + first_block <= bucket_elements
+
+
 @memo(maxsize=4096)  # shared by stages and offloads: a cold 70B plan over 8-256 GPUs takes 12% longer without it
 def _owned_runs(layout: _Layout, partition: int, n: int) -> tuple[tuple[int, int], ...]:
     return _owned_elements(layout.numels, partition, n)
 
 
 @memo(maxsize=4096)  # shared by stages and offloads: cold plans take 16-21% longer without it
-def _bucket_walks(layout: _Layout, buckets: int) -> tuple[int, int, int]:
-    """(`_first_reduction`, `_last_fill` in backward order, `_last_fill` in parameter order)."""
+def _bucket_walks(layout: _Layout, buckets: int) -> tuple[int, int, int, bool]:
+    """(`_first_reduction`, `_last_fill` in backward order, `_last_fill` in parameter order,
+    `_first_reduction_after_peak`)."""
     backward = tuple(x for g in layout.groups_backward for x in g)
-    return _first_reduction(layout.groups_backward, buckets), _last_fill(backward, buckets), _last_fill(layout.numels, buckets)
+    return (_first_reduction(layout.groups_backward, buckets), _last_fill(backward, buckets),
+            _last_fill(layout.numels, buckets), _first_reduction_after_peak(layout.groups_backward, buckets, layout.first_block))
 
 
 @memo(maxsize=4096)  # shared by offloads: a cold 70B plan over 8-256 GPUs takes 12% longer without it
@@ -422,10 +437,12 @@ class _Fixed12:
     host_bytes: int  # per rank
     moving: bool  # gradients move into the bucket at their hooks (stage 2, or stage 1 with overlap_comm)
     first_index: int  # backward module index of the first reduction (`_first_reduction`)
+    first_after_peak: bool  # it comes after that block's backward peak (`_first_reduction_after_peak`)
     groups: int  # module groups
     bucket_now: int  # bytes of the reduce bucket allocated in this micro-batch
     owned_early: int  # bytes of the partition allocated at the first reduction (the last rank's)
     before: tuple[tuple[int, ...], ...]  # `_contenders` among the module groups before the first reduction
+    after: tuple[tuple[int, ...], ...]  # `_contenders` among the module groups after it
     grads_along: tuple[tuple[int, int], ...]  # stage 1: `_stage1_grads`
 
 
@@ -446,6 +463,12 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             most = max(_activation_along(run, acts, i) for i, _ in fixed.before)
             points.append({"activations": most, "buffers": bucket_now})
         acts_at_first = _activation_along(run, acts, first_index) if first_index < groups else 0
+        if fixed.first_after_peak and not run.offload_opt:
+            # The block peaks with the bucket only; the partition (`copy_grads_in_partition`)
+            # comes at the overflowing gradient's hook and stays through the later module groups.
+            points.append({"activations": acts_at_first, "buffers": bucket_now})
+            acts_at_first = max([_hook_along(run, acts, first_index)]
+                                + [_activation_along(run, acts, i) for i, _ in fixed.after])
         points.append({"activations": acts_at_first, "buffers": bucket_now,
                        "grads": 0 if run.offload_opt else fixed.owned_early})
         if run.offload_opt:
@@ -501,7 +524,7 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     # overlap_comm; at the first gradient hook of every backward, freed by
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
     bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
-    first_index, last_fill, last_fill_forward = _bucket_walks(layout, buckets)
+    first_index, last_fill, last_fill_forward, first_after_peak = _bucket_walks(layout, buckets)
     groups = len(run.layout.groups_backward)
 
     # Optimizer offload (stage_1_and_2.py `__init__`, `initialize_optimizer_states`): the fp32
@@ -591,11 +614,12 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     # with gradients carried between micro-batches, none are added along backward
     grads_b = 0 if accumulating and (stage == 1 or not run.offload_opt) else b
     return _Fixed12(
-        init, tuple(steps), host_bytes, moving, first_index, groups, bucket_now,
+        init, tuple(steps), host_bytes, moving, first_index, first_after_peak, groups, bucket_now,
         # The last rank owns the head, whose gradients come first in backward: it allocates its
         # partition at the first reduction during backward, the others later.
         owned_early=owned_runs[-1][1] * b,
         before=_contenders(tuple((i, 0) for i in range(first_index)), groups - 1),
+        after=_contenders(tuple((i, 0) for i in range(first_index + 1, groups)), groups - 1),
         grads_along=_stage1_grads(layout, grads_b),
     )
 
