@@ -567,6 +567,8 @@ def with_dequantized_weight(acts, spec: TransformerSpec, quant: QuantSpec | None
     if quant is None or not quant.base_precision.is_quantized or acts is None:
         return acts
     weight = dequantized_weight_bytes(spec, quant)
+    if not weight:
+        return acts
     largest = max((linear for linear in _linears(spec) if linear.role == "block" and linear.kind == "linear"),
                   key=lambda linear: linear.in_features * linear.out_features)
     forward = max(acts.block_forward_transient, weight + tokens * comp * largest.out_features)
