@@ -70,12 +70,13 @@ def test_a_rank_above_a_target_dimension_is_refused():
 
 
 def test_nf4_storage_follows_bitsandbytes():
-    # 4096 x 4096: 8 MiB packed, 262,144 blocks of 64 -> fp32 absmax; double quant: uint8 absmax,
-    # 1,024 fp32 second-level absmax and the fp32 offset (functional.py quantize_4bit)
+    # 4096 x 4096: 8 MiB packed, 262,144 blocks of 64 -> fp32 absmax, and the state's own 16-value fp32
+    # code; double quant: uint8 absmax, 1,024 fp32 second-level absmax, the fp32 offset and the nested
+    # state's own 256-value fp32 dynamic map (functional.py quantize_4bit, quantize_blockwise)
     n = 4096 * 4096
-    assert quantized_weight_bytes(n, 4096, QuantSpec(base_precision="nf4")) == n // 2 + 4 * (n // 64)
+    assert quantized_weight_bytes(n, 4096, QuantSpec(base_precision="nf4")) == n // 2 + 4 * (n // 64) + 4 * 16
     assert quantized_weight_bytes(n, 4096, QuantSpec(base_precision="nf4", double_quant=True)) == (
-        n // 2 + n // 64 + 4 * (n // 64 // 256) + 4)
+        n // 2 + n // 64 + 4 * (n // 64 // 256) + 4 + 4 * 16 + 4 * 256)
     # Int8Params: int8 weight, SCB fp32 per output row
     assert quantized_weight_bytes(n, 4096, QuantSpec(base_precision="int8")) == n + 4 * 4096
 

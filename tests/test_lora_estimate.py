@@ -45,12 +45,26 @@ def test_nf4_base_is_stored_as_bitsandbytes_packs_it():
     assert result.param_parts.adapter_bytes == adapters
 
 
-def test_quantized_layers_materialise_their_weight_in_forward():
-    plain = estimate(LLAMA, TrainingSpec(engine="torch", lora=ALL, quant=QuantSpec(base_precision="bf16")))
-    nf4 = estimate(LLAMA, TrainingSpec(engine="torch", lora=ALL, quant=QuantSpec(base_precision="nf4")))
-    largest = max(t.numel for t in param_layout(LLAMA).block if t.name.endswith("proj.weight"))
-    forward = (_phase(nf4, Step.STEADY, Phase.FORWARD).temporaries - _phase(plain, Step.STEADY, Phase.FORWARD).temporaries)
-    assert forward == largest * 2  # dequantize_4bit to bf16
+def test_a_quantized_layer_holds_its_dequantized_weight_only_inside_its_own_op():
+    from zeroplan.estimate.activations import activation_bytes
+    from zeroplan.estimate.lora import lora_activations
+
+    def acts(base: str, micro_batch: int, seq_len: int):
+        training = TrainingSpec(engine="torch", lora=ALL, quant=QuantSpec(base_precision=base),
+                                micro_batch=micro_batch, seq_len=seq_len)
+        return lora_activations(activation_bytes(LLAMA, training, 2), LLAMA, training, 2)
+
+    h, inner = LLAMA.hidden_size, LLAMA.intermediate_size
+    weight = h * inner * 2  # the largest linear (gate/up/down), dequantize_4bit to bf16 (MatMul4Bit)
+    # forward: the largest layer's moment, its dequantized weight and its output, against the residual add's
+    tokens = 256
+    assert acts("nf4", 2, 128).block_forward_transient == max(acts("bf16", 2, 128).block_forward_transient,
+                                                              weight + tokens * 2 * inner)
+    # backward: down_proj's moment (weight, its input's gradient, the product still saved) against the
+    # product's backward (product freed, two more gradients): the weight wins only below inner tokens
+    assert acts("nf4", 2, 128).block_backward_transient == acts("bf16", 2, 128).block_backward_transient
+    assert (acts("nf4", 1, 16).block_backward_transient - acts("bf16", 1, 16).block_backward_transient
+            == weight - 16 * 2 * inner)
 
 
 def test_adapter_dropout_keeps_a_bool_mask_on_cuda_and_a_full_tensor_on_cpu():
@@ -61,8 +75,11 @@ def test_adapter_dropout_keeps_a_bool_mask_on_cuda_and_a_full_tensor_on_cpu():
 
     tokens = 2048
     inputs = sum(t.numel // t.rows for t in param_layout(LLAMA).block if t.name.endswith("proj.weight"))
-    # aten Dropout.cpp: native_dropout's 1-byte mask on CUDA, the fp32 noise tensor on CPU
-    assert forward_activations("cpu") - forward_activations("cuda") == LLAMA.num_layers * tokens * inputs * (4 - 1)
+    # aten Dropout.cpp: native_dropout's 1-byte mask on CUDA, the fp32 noise tensor on CPU; none for the
+    # first block's q, k and v, whose input needs no gradient (frozen embeddings, no input-gradient hook)
+    first_block_qkv = 3 * LLAMA.hidden_size
+    assert (forward_activations("cpu") - forward_activations("cuda")
+            == tokens * (LLAMA.num_layers * inputs - first_block_qkv) * (4 - 1))
 
 
 def test_frozen_base_keeps_fewer_activations_than_full_training():
@@ -73,7 +90,13 @@ def test_frozen_base_keeps_fewer_activations_than_full_training():
     tokens, inner = 2048, LLAMA.intermediate_size
     saved = _phase(full, Step.STEADY, Phase.FORWARD).activations - _phase(lora, Step.STEADY, Phase.FORWARD).activations
     rank_outputs = 2 * 8 * 4  # A's output kept by B, for q and v
-    assert saved == LLAMA.num_layers * tokens * (4 * inner + 4 * LLAMA.hidden_size - rank_outputs)
+    h = LLAMA.hidden_size
+    # LlamaRMSNorm's `weight * normalized` keeps `normalized` for the frozen weight's gradient only: two per block
+    per_block = 4 * inner + 4 * h - rank_outputs + 2 * 4 * h
+    # outside the blocks: the token ids (frozen embedding), the first norm's fp32 input and rsqrt (nothing
+    # upstream of the first adapter needs a gradient), the final norm's normalized tensor and the frozen head's input
+    outside = 8 + 4 * h + 4 + 4 * h + 4 * h
+    assert saved == LLAMA.num_layers * tokens * per_block + tokens * outside
 
 
 def test_zero3_keeps_adapters_whole_under_the_persistence_threshold():
@@ -92,12 +115,19 @@ def _lora_tensors():
 
 
 def test_full_checkpointing_keeps_block_inputs_only_whatever_trains():
-    def forward(lora) -> int:
-        training = TrainingSpec(engine="torch", precision="fp32", checkpointing="full", lora=lora)
-        return _phase(estimate(LLAMA, training), Step.STEADY, Phase.FORWARD).activations
+    from zeroplan.estimate.activations import activation_bytes
+    from zeroplan.estimate.lora import lora_activations
 
+    training = TrainingSpec(engine="torch", precision="fp32", checkpointing="full", lora=ALL)
+    whole = activation_bytes(LLAMA, training, 4)
+    adapted = lora_activations(whole, LLAMA, training, 4)
+    tokens, h = 2048, LLAMA.hidden_size
     # torch.utils.checkpoint keeps each block's input: the adapters change what is recomputed, not what is kept
-    assert forward(ALL) == forward(None)
+    assert adapted.saved_per_block == whole.saved_per_block
+    # the frozen embedding keeps no token ids; PEFT's input-gradient hook keeps the first norm's tensors
+    assert whole.embedding - adapted.embedding == tokens * 8
+    # the final RMSNorm keeps no normalized tensor and the frozen head no input (fp32, h each)
+    assert whole.final_norm - adapted.final_norm == tokens * (4 * h + 4 * h)
 
 
 def test_prepare_model_for_kbit_training_upcasts_what_is_not_quantized():

@@ -60,14 +60,15 @@ def test_4bit_knobs_need_a_4bit_base():
         QuantSpec(base_precision=BasePrecision.NF4, blocksize=48)
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(engine="fsdp2", zero_stage=3, gpus=2), "quant_storage uint8: engine fsdp2"),
-    (dict(engine="deepspeed", zero_stage=3, gpus=2), "quant_storage uint8: engine deepspeed at zero_stage 3"),
-])
-def test_sharding_a_uint8_packed_4bit_base_is_refused(changes, message):
-    with pytest.raises(ValueError, match=message):
+def test_sharding_a_uint8_packed_4bit_base_is_refused_by_deepspeed_zero3_only():
+    changes = dict(engine="deepspeed", zero_stage=3, gpus=2)
+    with pytest.raises(ValueError, match="quant_storage uint8: engine deepspeed at zero_stage 3"):
         TrainingSpec(**changes, lora=LoraSpec(rank=8, targets=("q_proj",)), quant=QuantSpec(base_precision="nf4"))
     TrainingSpec(**changes, lora=LoraSpec(rank=8, targets=("q_proj",)), quant=QuantSpec(base_precision="nf4", quant_storage="bf16"))
+    # FSDP2 gathers a unit of mixed dtypes as bytes (torch 2.13 _fsdp_collectives.py); measured to run on CPU
+    for stage in (2, 3):
+        TrainingSpec(engine="fsdp2", zero_stage=stage, gpus=2, lora=LoraSpec(rank=8, targets=("q_proj",)),
+                     quant=QuantSpec(base_precision="nf4"))
 
 
 def test_quantized_base_needs_adapters():

@@ -55,7 +55,8 @@ def test_each_rank_holds_a_shard_of_the_packed_weights_and_their_whole_quant_sta
     layout = param_layout(LLAMA)
     quantized = _quantized(layout.block)
     packed = sum(t.numel // 2 for t in quantized) // n
-    absmax = sum(4 * t.numel // 64 for t in quantized)  # one fp32 absmax per 64 values, on every rank
+    # one fp32 absmax per 64 values and the state's own 16-value fp32 nf4 code (functional.py quantize_4bit), on every rank
+    absmax = sum(4 * t.numel // 64 + 4 * 16 for t in quantized)
     rest = (layout.total_params - LLAMA.num_layers * sum(t.numel for t in quantized)) * 2 // n  # bf16 shards
     assert estimate(LLAMA, training).param_parts.base_bytes == LLAMA.num_layers * (packed + absmax) + rest
 
@@ -78,9 +79,27 @@ def test_deepspeed_zero3_compares_the_packed_count_with_its_persistence_threshol
     training = TrainingSpec(engine="deepspeed", zero_stage=3, gpus=n, lora=ALL, quant=NF4_BF16,
                             deepspeed={"stage3_param_persistence_threshold": threshold})
     packed = sum(t.numel // 2 for t in quantized)
-    absmax = sum(4 * t.numel // 64 for t in quantized)
+    absmax = sum(4 * t.numel // 64 + 4 * 16 for t in quantized)  # absmax and the state's own nf4 code
     norms = sum(t.numel for t in layout.block if t not in quantized) * 2  # bf16, under the threshold too
     # the embeddings and head (65,536 elements) partitioned, the final norm whole as well
     outside = sum(t.numel * 2 // n + (t.numel * 2 if t.numel <= threshold else 0) for t in layout.embedding + layout.final)
     per_block = packed // n + packed + absmax + norms // n + norms
     assert estimate(LLAMA, training).param_parts.base_bytes == LLAMA.num_layers * per_block + outside
+
+
+def test_fsdp2_shards_uint8_packed_storage_as_bytes():
+    # torch 2.13 _fsdp_param.py init_dtype_attrs: a non-float parameter gets no param_dtype cast;
+    # _fsdp_collectives.py: a unit of mixed dtypes is all-gathered as a uint8 view, so the packed
+    # weight moves as its own n/2 bytes and each rank keeps ceil(n/2 / N) of them
+    n = 2
+    training = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=n, lora=ALL, quant=QuantSpec(base_precision="nf4"))
+    layout = param_layout(LLAMA)
+    quantized = _quantized(layout.block)
+    block = layout.block
+    packed = sum(t.numel // 2 for t in quantized)
+    rest = sum(t.numel for t in block if t not in quantized) * 2  # norms in bf16
+    adapters = adapter_params(LLAMA, ALL) // LLAMA.num_layers * 2
+    assert fsdp2._sizes(model_facts(LLAMA, training), setup_of(training)).block_gathered == packed + rest + adapters
+    state = sum(4 * t.numel // 64 + 4 * 16 for t in quantized)  # absmax and the nf4 code, whole on every rank
+    others = (layout.total_params - LLAMA.num_layers * sum(t.numel for t in quantized)) * 2 // n  # bf16 shards
+    assert estimate(LLAMA, training).param_parts.base_bytes == LLAMA.num_layers * (packed // n + state) + others

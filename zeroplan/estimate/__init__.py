@@ -97,7 +97,6 @@ def _with_lora(result: EngineEstimate, facts: ModelFacts, model: TransformerSpec
 
     delta = lora.base_params_delta(model, training, param)
     quant = training.quant
-    dequantized = lora.dequantized_weight_bytes(model, quant) if quant is not None else 0
     copy_element = lora.saved_copy_element(training)
     copies = None
     if copy_element is not None:
@@ -107,9 +106,7 @@ def _with_lora(result: EngineEstimate, facts: ModelFacts, model: TransformerSpec
     full_grads = max(p.categories.grads for p in result.phases)
     phases = []
     for p in result.phases:
-        extra = dequantized if p.phase in (Phase.FORWARD, Phase.BACKWARD) else 0
-        categories = p.categories._replace(params=max(0, p.categories.params + delta),
-                                           temporaries=p.categories.temporaries + extra)
+        categories = p.categories._replace(params=max(0, p.categories.params + delta))
         if copies is not None:
             categories = lora_saved.with_saved_copies(categories, p.phase, copies, full_grads)
         phases.append(PhaseBytes(p.step, p.phase, categories))

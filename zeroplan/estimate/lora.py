@@ -29,6 +29,8 @@ from zeroplan.spec.model import TransformerSpec
 FP32_BYTES = 4
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "uint8": 1}
 DOUBLE_QUANT_BLOCK = 256  # functional.py quantize_4bit: quantize_blockwise(_absmax - offset, blocksize=256)
+FOUR_BIT_CODE_VALUES = 16  # functional.py get_4bit_type: the nf4 / fp4 code
+DYNAMIC_MAP_VALUES = 256  # functional.py create_dynamic_map: the nested state's 8-bit code
 
 # transformers module names where they differ from the Llama family's (modeling_gpt2.py, modeling_gpt_neox.py)
 _PEFT_NAMES = {
@@ -318,8 +320,8 @@ def quantized_weight_bytes(numel: int, out_features: int, quant: QuantSpec) -> i
 
     4-bit (functional.py `quantize_4bit`): two values per byte, viewed as `quant_storage` (padded to
     whole elements of it), one fp32 absmax per `blocksize` block; with double quantization the absmax
-    is uint8, with one fp32 absmax per 256 of them and an fp32 offset (the 256-entry code tables are
-    shared). 8-bit (`Int8Params`): int8 weight and one fp32 scale (SCB) per output row."""
+    is uint8, with one fp32 absmax per 256 of them and an fp32 offset; each state has its own code
+    tables (`quant_state_bytes`). 8-bit (`Int8Params`): int8 weight and one fp32 scale (SCB) per output row."""
     if quant.base_precision.is_4bit:
         return packed_elements(numel, quant) * DTYPE_BYTES[quant.quant_storage] + quant_state_bytes(numel, quant)
     if quant.base_precision.value == "int8":
@@ -334,12 +336,15 @@ def packed_elements(numel: int, quant: QuantSpec) -> int:
 
 
 def quant_state_bytes(numel: int, quant: QuantSpec) -> int:
-    """The 4-bit weight's QuantState: one fp32 absmax per block; with double quantization uint8
-    absmax, one fp32 absmax per 256 of them and an fp32 offset (the code tables are shared)."""
+    """The 4-bit weight's QuantState: one fp32 absmax per block and its own 16-value fp32 code
+    (functional.py `quantize_4bit`: `get_4bit_type` builds a new tensor per call); with double
+    quantization uint8 absmax, one fp32 absmax per 256 of them, an fp32 offset and the nested state's
+    own 256-value fp32 dynamic map (`quantize_blockwise`: `code.to(A.device, copy=True)`)."""
     blocks = -(-numel // quant.blocksize)
+    code = FP32_BYTES * FOUR_BIT_CODE_VALUES
     if quant.double_quant:
-        return blocks + FP32_BYTES * -(-blocks // DOUBLE_QUANT_BLOCK) + FP32_BYTES
-    return FP32_BYTES * blocks
+        return blocks + FP32_BYTES * -(-blocks // DOUBLE_QUANT_BLOCK) + FP32_BYTES + code + FP32_BYTES * DYNAMIC_MAP_VALUES
+    return FP32_BYTES * blocks + code
 
 
 def unquantized_element_bytes(quant: QuantSpec) -> int:
@@ -396,6 +401,8 @@ class AdapterActivations(NamedTuple):
 
     saved_per_token: int
     forward_temporary: int  # DoRA's identity, LoRA weight and combined weight for the weight norm
+    embedding: int = 0  # bytes (negative: removed) kept for the whole step: token ids, the first block's first norm
+    final_norm: int = 0  # bytes the final norm and the head's input change by
 
 
 def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: int, adapter_element: int,
@@ -423,6 +430,10 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
         delta -= comp * inner  # the MLP's product, kept by down_proj for its weight gradient only
         if down and not own_copy:
             delta += comp * inner
+    if spec.norm == "rmsnorm":
+        # LlamaRMSNorm `self.weight * hidden_states.to(input_dtype)`: mul saves the normalized tensor
+        # for the weight's gradient only (autograd FunctionsManual mul_tensor_backward); frozen, it is not kept
+        delta -= 2 * _normalized_bytes(spec, autocast, comp)
     temporary = 0
     for linear in block:
         if own_copy:
@@ -436,9 +447,51 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
     return AdapterActivations(delta, temporary)
 
 
+def _normalized_bytes(spec: TransformerSpec, autocast: bool, comp: int) -> int:
+    """Per token, the RMSNorm's normalized tensor its weight multiply keeps (activations.py
+    `_norm_saved_per_token`: fp32 for the families that multiply before the cast)."""
+    resid = FP32_BYTES if autocast else comp
+    return (FP32_BYTES if spec.norm_weight_in_fp32 else resid) * spec.hidden_size
+
+
+def outside_blocks(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: int, adapter_element: int, cuda: bool,
+                   input_grads: bool, head_input_kept: bool) -> tuple[int, int]:
+    """Per token, what a frozen base stops autograd from keeping outside the adapted blocks' own
+    tensors (docs/engines/lora.md "Activations"): (whole-step bytes, final-norm bytes), negative.
+
+    - The embedding's token ids: a frozen `nn.Embedding` builds no backward node (no EmbeddingBackward
+      saving `indices`) unless its weight or an adapter of it trains.
+    - The first block's first norm and the dropout masks of the adapters reading it: nothing upstream of
+      the first adapter needs a gradient unless the embeddings train or PEFT's input-gradient hook
+      (`enable_input_require_grads`, set with checkpointing) marks the embeddings' output.
+    - The final RMSNorm's normalized tensor (weight frozen) and, with a frozen head, its input: the
+      matmul saves `self` for the weight's gradient only."""
+    layout = lora_layout(spec, lora)
+    embedding_trains = any(not t.frozen for t in layout.embedding)
+    head_trains = any(not t.frozen for t in layout.final)
+    h = spec.hidden_size
+    resid = FP32_BYTES if autocast else comp
+    embedding = 0 if embedding_trains else -8  # int64 ids
+    first_block = lora.layers_to_transform is None or 0 in lora.layers_to_transform
+    if not (embedding_trains or input_grads) and first_block and lora.bias != "all":
+        if spec.norm == "rmsnorm":  # the fp32 input (the input itself when fp32) and rsqrt's output
+            embedding -= FP32_BYTES * h + FP32_BYTES
+        else:  # native_layer_norm's input, mean and rstd
+            embedding -= resid * h + 2 * FP32_BYTES
+        if lora.dropout > 0:  # dropout of an input that needs no gradient keeps no mask (Dropout.cpp `dropout`)
+            readers = [linear for linear in layout.adapted if linear.role == "block" and linear.module.startswith("attn.")
+                       and linear.in_features == h and not linear.module.endswith(("o_proj", "c_proj"))]
+            embedding -= len(readers) * (1 if cuda else (comp if autocast else adapter_element)) * h
+    final_norm = -_normalized_bytes(spec, autocast, comp) if spec.norm == "rmsnorm" else 0
+    if not head_trains and head_input_kept:
+        final_norm -= comp * h
+    return embedding, final_norm
+
+
 def with_adapter_activations(acts, tokens: int, extra: AdapterActivations, weight_casts_removed: int):
     """`acts` (activations.py ActivationBytes) with LoRA's per-block delta: in the saved tensors, or
-    under full/op checkpointing in the recomputed block (the block keeps its input only)."""
+    under full/op checkpointing in the recomputed block (the block keeps its input only); and the
+    terms outside the blocks (`outside_blocks`)."""
     delta = tokens * extra.saved_per_token - weight_casts_removed
 
     def adjusted(a):
@@ -450,7 +503,12 @@ def with_adapter_activations(acts, tokens: int, extra: AdapterActivations, weigh
             changed = replace(a, saved_per_block=max(0, a.saved_per_block + delta))
         return replace(changed, checkpointed=adjusted(a.checkpointed)) if a.checkpointed is not None else changed
 
-    return adjusted(acts)
+    changed = adjusted(acts)
+    if changed is None:
+        return None
+    # not clipped: the embedding term also gives back the first block's own tensors, counted with the blocks
+    return replace(changed, embedding=changed.embedding + tokens * extra.embedding,
+                   final_norm=max(0, changed.final_norm + tokens * extra.final_norm))
 
 
 # --- the estimate's hooks (estimate/__init__.py) --------------------------------------------------
@@ -470,14 +528,22 @@ def adapter_element_bytes(engine: str, precision: str, comp: int, recipe: str = 
 def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     """`acts` with what the adapted blocks keep instead of what whole blocks keep (docs/engines/lora.md)."""
     from zeroplan.estimate.activations import _autocast, _input_projections
+    from zeroplan.spec.program import Loss, Recipe
 
     lora, quant = training.lora, training.quant
     autocast = _autocast(training)
     adapter_element = adapter_element_bytes(training.engine.value, training.precision.value, comp,
                                             training.recipe.value)
     attn_reads, mlp_reads = _input_projections(spec)
-    extra = adapter_activations(spec, lora, autocast, comp, adapter_element, training.device.value == "cuda",
-                                attn_reads, mlp_reads)
+    cuda = training.device.value == "cuda"
+    extra = adapter_activations(spec, lora, autocast, comp, adapter_element, cuda, attn_reads, mlp_reads)
+    program = training.program
+    # the chunked losses that detach the head's input already dropped it (activations.py `_loss_terms`)
+    head_input_kept = program.loss == Loss.STANDARD or (program.loss == Loss.CHUNKED and program.recipe != Recipe.TORCHTITAN)
+    embedding, final_norm = outside_blocks(spec, lora, autocast, comp, adapter_element, cuda,
+                                           training.checkpointing.value != "none", head_input_kept)
+    extra = extra._replace(embedding=embedding, final_norm=final_norm)
+    acts = with_dequantized_weight(acts, spec, quant, training.micro_batch * training.seq_len, comp)
     casts = 0
     if autocast:
         # autocast caches (and the matmul saves) 16-bit casts of fp32 weights: a 16-bit or quantized
@@ -488,6 +554,26 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
         stored_16bit = quant is not None and quant.base_precision.value != "fp32"
         casts = (comp * base if stored_16bit else 0) - comp * adapters
     return with_adapter_activations(acts, training.micro_batch * training.seq_len, extra, casts)
+
+
+def with_dequantized_weight(acts, spec: TransformerSpec, quant: QuantSpec | None, tokens: int, comp: int):
+    """`acts` with the moments a quantized layer's dequantized weight is alive in (docs/engines/lora.md
+    "The base's storage"). It lives only inside that layer's op (autograd/_functions.py MatMul4Bit:
+    `dequantize_4bit(B, quant_state)` in forward and again in backward, freed on return), so it is a
+    moment of its own, not a term of the modelled ones: in forward the largest layer holds it with its
+    output (against `block_forward_transient`); in backward the MLP's last linear holds it with its
+    input's gradient while the product it read is still saved, against the product's backward, which
+    has freed the product and holds two more intermediate-width gradients (`_block_backward_transient_per_token`)."""
+    if quant is None or not quant.base_precision.is_quantized or acts is None:
+        return acts
+    weight = dequantized_weight_bytes(spec, quant)
+    if not weight:
+        return acts
+    largest = max((linear for linear in _linears(spec) if linear.role == "block" and linear.kind == "linear"),
+                  key=lambda linear: linear.in_features * linear.out_features)
+    forward = max(acts.block_forward_transient, weight + tokens * comp * largest.out_features)
+    backward = acts.block_backward_transient + max(0, weight - tokens * comp * spec.intermediate_size)
+    return replace(acts, block_forward_transient=forward, block_backward_transient=backward)
 
 
 def _engine_param_element(engine: str, precision: str, param: int) -> int:

@@ -227,10 +227,11 @@ def check_training_lora(training: "TrainingSpec") -> None:
         return
     engine, stage = training.engine.value, training.zero_stage
     if quant.base_precision.is_4bit and quant.quant_storage == "uint8":
-        # FSDP2 flattens/shards each tensor but refuses to mix dtypes in one unit's all-gather; DeepSpeed
-        # ZeRO-3 partitions every parameter of the module (PEFT's FSDP/DeepSpeed QLoRA guides set
-        # bnb_4bit_quant_storage to the model dtype for this).
-        if engine == "fsdp2" or (engine == "deepspeed" and stage == 3):
+        # DeepSpeed ZeRO-3 partitions every parameter of the module in one float dtype (PEFT's DeepSpeed
+        # QLoRA guide sets bnb_4bit_quant_storage to the model dtype for this). FSDP2 runs it: a non-float
+        # parameter gets no param_dtype cast and a unit of mixed dtypes is all-gathered as bytes (torch
+        # _fully_shard/_fsdp_param.py init_dtype_attrs, _fsdp_collectives.py _get_all_gather_input_metadatas).
+        if engine == "deepspeed" and stage == 3:
             raise ValueError(f"quant.quant_storage uint8: engine {engine} at zero_stage {stage} shards the packed 4-bit "
                              "weights with the other parameters and needs them in one float dtype: set quant_storage bf16")
     if quant.base_precision == BasePrecision.INT8 and (engine == "fsdp2" or (engine == "deepspeed" and stage == 3)):

@@ -208,7 +208,11 @@ def quantization_state_tensors(model: nn.Module) -> list[torch.Tensor]:
         state = getattr(weight, "quant_state", None) or getattr(module, "quant_state", None)
         if state is not None:
             found.extend(_state_tensors(state))
+        # Int8Params' row scales; Linear8bitLt's first forward moves them to `module.state`
+        # (bitsandbytes nn/modules.py `init_8bit_state`: `self.weight.SCB = None`)
         scb = getattr(weight, "SCB", None)
+        if scb is None:
+            scb = getattr(getattr(module, "state", None), "SCB", None)
         if isinstance(scb, torch.Tensor):
             found.append(scb)
     return found
