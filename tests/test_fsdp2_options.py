@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -48,11 +49,13 @@ def test_an_option_wins_over_the_config_file_s_recipe(tmp_path):
     ("estimate", [*FSDP2, "--fsdp2-units", "both"], r"^Error: Invalid value for '--fsdp2-units'"),
 ])
 def test_a_knob_that_does_not_apply_is_one_line(command, options, message):
+    if command == "measure":
+        pytest.importorskip("torch")  # without it, measure says first that it needs torch
     result = CliRunner().invoke(cli, [command, "tiny-llama", *options])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1, result.output
-    assert pytest.importorskip("re").match(message, lines[0]), lines[0]
+    assert re.match(message, lines[0]), lines[0]
 
 
 def test_plan_searches_with_the_wrapping_given():

@@ -6,6 +6,8 @@ runtime/zero/stage_1_and_2.py (`copy_grads_in_partition`, `step`)."""
 
 from __future__ import annotations
 
+import pytest
+
 from zeroplan.estimate import estimate
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES
 from zeroplan.estimate.engines.deepspeed import _first_param_group
@@ -69,6 +71,7 @@ def test_stage2_steps_the_first_group_while_the_gradient_partition_is_alive():
 
 
 def test_the_trainer_rows_estimate_the_trainers_adamw_as_the_client_optimizer():
+    pytest.importorskip("torch")  # measure/programs/hf_trainer.py imports it
     from zeroplan.measure.programs.hf_trainer import trainer_deepspeed_config
 
     rows = [r for r in GRID if r.recipe == "hf-trainer" and r.engine == "deepspeed"]
