@@ -400,7 +400,7 @@ class AdapterActivations(NamedTuple):
     counts for a block trained whole, and the largest forward temporary of one adapted layer."""
 
     saved_per_token: int
-    forward_temporary: int  # DoRA's identity, LoRA weight and combined weight for the weight norm
+    forward_temporary: int  # DoRA's identity, LoRA weight, its scaled copy and the combined weight for the weight norm
     embedding: int = 0  # bytes (negative: removed) kept for the whole step: token ids, the first block's first norm
     final_norm: int = 0  # bytes the final norm and the head's input change by
 
@@ -443,7 +443,10 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
             delta += (1 if cuda else copy_element) * linear.in_features
         if lora.dora:
             delta += 2 * copy_element * linear.out_features
-            temporary = max(temporary, adapter_element * (linear.in_features ** 2 + 2 * linear.in_features * linear.out_features))
+            # dora.py: the identity (kept by lora_A's graph), A's output on it (kept by lora_B), the LoRA
+            # weight, and in `get_weight_norm` its scaled copy and the sum, alive at the add's return
+            temporary = max(temporary, adapter_element * (linear.in_features ** 2 + linear.in_features * lora.rank
+                                                          + 3 * linear.in_features * linear.out_features))
     return AdapterActivations(delta, temporary)
 
 
@@ -544,6 +547,7 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
                                            training.checkpointing.value != "none", head_input_kept)
     extra = extra._replace(embedding=embedding, final_norm=final_norm)
     acts = with_dequantized_weight(acts, spec, quant, training.micro_batch * training.seq_len, comp)
+    acts = with_dora_weight_norm(acts, extra.forward_temporary)
     casts = 0
     if autocast:
         # autocast caches (and the matmul saves) 16-bit casts of fp32 weights: a 16-bit or quantized
@@ -554,6 +558,25 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
         stored_16bit = quant is not None and quant.base_precision.value != "fp32"
         casts = (comp * base if stored_16bit else 0) - comp * adapters
     return with_adapter_activations(acts, training.micro_batch * training.seq_len, extra, casts)
+
+
+def with_dora_weight_norm(acts, temporary: int):
+    """`acts` with DoRA's weight-norm temporaries (peft tuners/lora/dora.py `get_lora_weight`: the in x in
+    identity, kept by lora_A's graph until the layer returns, and the LoRA weight; `get_weight_norm`: the
+    combined weight). They live inside one adapted layer's forward: in the last block's forward, against
+    `block_forward_transient`; under checkpointing the recomputation builds them again in backward with
+    the block's recomputed tensors, before its backward has freed any or allocated its gradients."""
+    if not temporary or acts is None:
+        return acts
+
+    def adjusted(a):
+        if a.recompute_block:
+            changed = replace(a, block_backward_transient=max(a.block_backward_transient, temporary + a.block_backward_freed))
+        else:
+            changed = replace(a, block_forward_transient=max(a.block_forward_transient, temporary))
+        return replace(changed, checkpointed=adjusted(a.checkpointed)) if a.checkpointed is not None else changed
+
+    return adjusted(acts)
 
 
 def with_dequantized_weight(acts, spec: TransformerSpec, quant: QuantSpec | None, tokens: int, comp: int):
