@@ -450,6 +450,20 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
     return AdapterActivations(delta, temporary)
 
 
+def _layer_norm_narrowing(spec: TransformerSpec, quant: QuantSpec | None, autocast: bool, comp: int) -> int:
+    """Per token, the bytes one LayerNorm saves less than activations.py counts under autocast (fp32
+    residual) when the model itself is 16-bit (measure/programs/peft_model.py `base_dtype`: a 16-bit base,
+    or a k-bit base's compute dtype): CPU autocast runs `native_layer_norm` in its input's dtype, so it
+    saves a 16-bit input, mean and rstd (checked: NativeLayerNormBackward0 `_saved_result1/2` are bf16).
+    RMSNorm upcasts to fp32 itself; `prepare_model_for_kbit_training` makes the norms fp32."""
+    if spec.norm == "rmsnorm" or not autocast or quant is None or quant.upcast_non_quantized:
+        return 0
+    model_dtype = quant.compute_dtype if quant.base_precision.is_quantized else quant.base_precision.value
+    if DTYPE_BYTES[model_dtype] == FP32_BYTES:
+        return 0
+    return (FP32_BYTES - comp) * (spec.hidden_size + 2)
+
+
 def _normalized_bytes(spec: TransformerSpec, autocast: bool, comp: int) -> int:
     """Per token, the RMSNorm's normalized tensor its weight multiply keeps (activations.py
     `_norm_saved_per_token`: fp32 for the families that multiply before the cast)."""
@@ -458,7 +472,7 @@ def _normalized_bytes(spec: TransformerSpec, autocast: bool, comp: int) -> int:
 
 
 def outside_blocks(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: int, adapter_element: int, cuda: bool,
-                   input_grads: bool, head_input_kept: bool) -> tuple[int, int]:
+                   input_grads: bool, head_input_kept: bool, narrowed: int = 0) -> tuple[int, int]:
     """Per token, what a frozen base stops autograd from keeping outside the adapted blocks' own
     tensors (docs/engines/lora.md "Activations"): (whole-step bytes, final-norm bytes), negative.
 
@@ -479,13 +493,13 @@ def outside_blocks(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: 
     if not (embedding_trains or input_grads) and first_block and lora.bias != "all":
         if spec.norm == "rmsnorm":  # the fp32 input (the input itself when fp32) and rsqrt's output
             embedding -= FP32_BYTES * h + FP32_BYTES
-        else:  # native_layer_norm's input, mean and rstd
-            embedding -= resid * h + 2 * FP32_BYTES
+        else:  # native_layer_norm's input, mean and rstd (`narrowed` less in a 16-bit model)
+            embedding -= resid * h + 2 * FP32_BYTES - narrowed
         if lora.dropout > 0:  # dropout of an input that needs no gradient keeps no mask (Dropout.cpp `dropout`)
             readers = [linear for linear in layout.adapted if linear.role == "block" and linear.module.startswith("attn.")
                        and linear.in_features == h and not linear.module.endswith(("o_proj", "c_proj"))]
             embedding -= len(readers) * (1 if cuda else (comp if autocast else adapter_element)) * h
-    final_norm = -_normalized_bytes(spec, autocast, comp) if spec.norm == "rmsnorm" else 0
+    final_norm = -_normalized_bytes(spec, autocast, comp) if spec.norm == "rmsnorm" else -narrowed
     if not head_trains and head_input_kept:
         final_norm -= comp * h
     return embedding, final_norm
@@ -543,9 +557,11 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     program = training.program
     # the chunked losses that detach the head's input already dropped it (activations.py `_loss_terms`)
     head_input_kept = program.loss == Loss.STANDARD or (program.loss == Loss.CHUNKED and program.recipe != Recipe.TORCHTITAN)
+    narrowed = _layer_norm_narrowing(spec, quant, autocast, comp)
     embedding, final_norm = outside_blocks(spec, lora, autocast, comp, adapter_element, cuda,
-                                           training.checkpointing.value != "none", head_input_kept)
-    extra = extra._replace(embedding=embedding, final_norm=final_norm)
+                                           training.checkpointing.value != "none", head_input_kept, narrowed)
+    # the narrower LayerNorms: two per block (GPT-2 ln_1, ln_2); the first block's first and the final one in outside_blocks
+    extra = extra._replace(saved_per_token=extra.saved_per_token - 2 * narrowed, embedding=embedding, final_norm=final_norm)
     acts = with_dequantized_weight(acts, spec, quant, training.micro_batch * training.seq_len, comp)
     acts = with_dora_weight_norm(acts, extra.forward_temporary)
     casts = 0
