@@ -400,7 +400,7 @@ class AdapterActivations(NamedTuple):
     counts for a block trained whole, and the largest forward temporary of one adapted layer."""
 
     saved_per_token: int
-    forward_temporary: int  # DoRA's identity, LoRA weight and combined weight for the weight norm
+    forward_temporary: int  # DoRA's identity, LoRA weight, its scaled copy and the combined weight for the weight norm
     embedding: int = 0  # bytes (negative: removed) kept for the whole step: token ids, the first block's first norm
     final_norm: int = 0  # bytes the final norm and the head's input change by
 
@@ -443,8 +443,25 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
             delta += (1 if cuda else copy_element) * linear.in_features
         if lora.dora:
             delta += 2 * copy_element * linear.out_features
-            temporary = max(temporary, adapter_element * (linear.in_features ** 2 + 2 * linear.in_features * linear.out_features))
+            # dora.py: the identity (kept by lora_A's graph), A's output on it (kept by lora_B), the LoRA
+            # weight, and in `get_weight_norm` its scaled copy and the sum, alive at the add's return
+            temporary = max(temporary, adapter_element * (linear.in_features ** 2 + linear.in_features * lora.rank
+                                                          + 3 * linear.in_features * linear.out_features))
     return AdapterActivations(delta, temporary)
+
+
+def _layer_norm_narrowing(spec: TransformerSpec, quant: QuantSpec | None, autocast: bool, comp: int) -> int:
+    """Per token, the bytes one LayerNorm saves less than activations.py counts under autocast (fp32
+    residual) when the model itself is 16-bit (measure/programs/peft_model.py `base_dtype`: a 16-bit base,
+    or a k-bit base's compute dtype): CPU autocast runs `native_layer_norm` in its input's dtype, so it
+    saves a 16-bit input, mean and rstd (checked: NativeLayerNormBackward0 `_saved_result1/2` are bf16).
+    RMSNorm upcasts to fp32 itself; `prepare_model_for_kbit_training` makes the norms fp32."""
+    if spec.norm == "rmsnorm" or not autocast or quant is None or quant.upcast_non_quantized:
+        return 0
+    model_dtype = quant.compute_dtype if quant.base_precision.is_quantized else quant.base_precision.value
+    if DTYPE_BYTES[model_dtype] == FP32_BYTES:
+        return 0
+    return (FP32_BYTES - comp) * (spec.hidden_size + 2)
 
 
 def _normalized_bytes(spec: TransformerSpec, autocast: bool, comp: int) -> int:
@@ -455,7 +472,7 @@ def _normalized_bytes(spec: TransformerSpec, autocast: bool, comp: int) -> int:
 
 
 def outside_blocks(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: int, adapter_element: int, cuda: bool,
-                   input_grads: bool, head_input_kept: bool) -> tuple[int, int]:
+                   input_grads: bool, head_input_kept: bool, narrowed: int = 0) -> tuple[int, int]:
     """Per token, what a frozen base stops autograd from keeping outside the adapted blocks' own
     tensors (docs/engines/lora.md "Activations"): (whole-step bytes, final-norm bytes), negative.
 
@@ -476,13 +493,13 @@ def outside_blocks(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: 
     if not (embedding_trains or input_grads) and first_block and lora.bias != "all":
         if spec.norm == "rmsnorm":  # the fp32 input (the input itself when fp32) and rsqrt's output
             embedding -= FP32_BYTES * h + FP32_BYTES
-        else:  # native_layer_norm's input, mean and rstd
-            embedding -= resid * h + 2 * FP32_BYTES
+        else:  # native_layer_norm's input, mean and rstd (`narrowed` less in a 16-bit model)
+            embedding -= resid * h + 2 * FP32_BYTES - narrowed
         if lora.dropout > 0:  # dropout of an input that needs no gradient keeps no mask (Dropout.cpp `dropout`)
             readers = [linear for linear in layout.adapted if linear.role == "block" and linear.module.startswith("attn.")
                        and linear.in_features == h and not linear.module.endswith(("o_proj", "c_proj"))]
             embedding -= len(readers) * (1 if cuda else (comp if autocast else adapter_element)) * h
-    final_norm = -_normalized_bytes(spec, autocast, comp) if spec.norm == "rmsnorm" else 0
+    final_norm = -_normalized_bytes(spec, autocast, comp) if spec.norm == "rmsnorm" else -narrowed
     if not head_trains and head_input_kept:
         final_norm -= comp * h
     return embedding, final_norm
@@ -540,10 +557,13 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     program = training.program
     # the chunked losses that detach the head's input already dropped it (activations.py `_loss_terms`)
     head_input_kept = program.loss == Loss.STANDARD or (program.loss == Loss.CHUNKED and program.recipe != Recipe.TORCHTITAN)
+    narrowed = _layer_norm_narrowing(spec, quant, autocast, comp)
     embedding, final_norm = outside_blocks(spec, lora, autocast, comp, adapter_element, cuda,
-                                           training.checkpointing.value != "none", head_input_kept)
-    extra = extra._replace(embedding=embedding, final_norm=final_norm)
+                                           training.checkpointing.value != "none", head_input_kept, narrowed)
+    # the narrower LayerNorms: two per block (GPT-2 ln_1, ln_2); the first block's first and the final one in outside_blocks
+    extra = extra._replace(saved_per_token=extra.saved_per_token - 2 * narrowed, embedding=embedding, final_norm=final_norm)
     acts = with_dequantized_weight(acts, spec, quant, training.micro_batch * training.seq_len, comp)
+    acts = with_dora_weight_norm(acts, extra.forward_temporary)
     casts = 0
     if autocast:
         # autocast caches (and the matmul saves) 16-bit casts of fp32 weights: a 16-bit or quantized
@@ -554,6 +574,25 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
         stored_16bit = quant is not None and quant.base_precision.value != "fp32"
         casts = (comp * base if stored_16bit else 0) - comp * adapters
     return with_adapter_activations(acts, training.micro_batch * training.seq_len, extra, casts)
+
+
+def with_dora_weight_norm(acts, temporary: int):
+    """`acts` with DoRA's weight-norm temporaries (peft tuners/lora/dora.py `get_lora_weight`: the in x in
+    identity, kept by lora_A's graph until the layer returns, and the LoRA weight; `get_weight_norm`: the
+    combined weight). They live inside one adapted layer's forward: in the last block's forward, against
+    `block_forward_transient`; under checkpointing the recomputation builds them again in backward with
+    the block's recomputed tensors, before its backward has freed any or allocated its gradients."""
+    if not temporary or acts is None:
+        return acts
+
+    def adjusted(a):
+        if a.recompute_block:
+            changed = replace(a, block_backward_transient=max(a.block_backward_transient, temporary + a.block_backward_freed))
+        else:
+            changed = replace(a, block_forward_transient=max(a.block_forward_transient, temporary))
+        return replace(changed, checkpointed=adjusted(a.checkpointed)) if a.checkpointed is not None else changed
+
+    return adjusted(acts)
 
 
 def with_dequantized_weight(acts, spec: TransformerSpec, quant: QuantSpec | None, tokens: int, comp: int):
