@@ -97,20 +97,11 @@ class Assumptions(BaseModel):
     source: str = Field("", description="Where the GPU figures come from.")
 
 
-@dataclass(frozen=True)
-class StepCost:
-    """Seconds per optimizer step on one GPU, by term; `tokens` is what the GPU processes in it."""
+class PerToken:
+    """The rates of a step cost that has `step_s` and `tokens` (StepCost, plan/mesh_cost.MeshStepCost)."""
 
-    compute_s: float
-    recompute_s: float
-    communication_s: float
-    offload_s: float
-    optimizer_s: float
-    tokens: int
-
-    @property
-    def step_s(self) -> float:
-        return self.compute_s + self.recompute_s + self.communication_s + self.offload_s + self.optimizer_s
+    step_s: float
+    tokens: float
 
     @property
     def tokens_per_s(self) -> float:
@@ -121,6 +112,22 @@ class StepCost:
     def gpu_seconds_per_token(self) -> float:
         """The ranking key: GPU time per trained token (lower is cheaper)."""
         return self.step_s / self.tokens
+
+
+@dataclass(frozen=True)
+class StepCost(PerToken):
+    """Seconds per optimizer step on one GPU, by term; `tokens` is what the GPU processes in it."""
+
+    compute_s: float
+    recompute_s: float
+    communication_s: float
+    offload_s: float
+    optimizer_s: float
+    tokens: int
+
+    @property
+    def step_s(self) -> float:  # spelled out, not summed over terms(): the planner asks for it per configuration
+        return self.compute_s + self.recompute_s + self.communication_s + self.offload_s + self.optimizer_s
 
     def terms(self) -> dict[str, float]:
         return {

@@ -23,14 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroplan.estimate.dtypes import state_bytes
-from zeroplan.plan.cost import Assumptions, ModelFlops, step_cost_model
+from zeroplan.plan.cost import Assumptions, ModelFlops, PerToken, step_cost_model
 from zeroplan.spec.mesh import PPSchedule
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import TrainingSpec
 
 
 @dataclass(frozen=True)
-class MeshStepCost:
+class MeshStepCost(PerToken):
     """Seconds per optimizer step on one GPU by term; `tokens` is the GPU's share of the tokens trained."""
 
     compute_s: float
@@ -54,14 +54,6 @@ class MeshStepCost:
     @property
     def step_s(self) -> float:
         return sum(self.terms().values())
-
-    @property
-    def gpu_seconds_per_token(self) -> float:
-        return self.step_s / self.tokens
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.step_s
 
 
 def _link(group_span: int, training: TrainingSpec, assumptions: Assumptions) -> float:
