@@ -80,7 +80,7 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
         result, overhead = _engine_profile(training.engine)(facts, setup, acts), overhead_bytes(training)
     parts = None
     if training.lora is not None and isinstance(model, TransformerSpec):
-        result, parts, lora_notes = _with_lora(result, facts, model, training, dtypes.param, overhead)
+        result, parts, lora_notes = _with_lora(result, facts, model, training, dtypes.param)
         notes += lora_notes
     if acts is not None and acts.offloaded:
         result, offload_notes = _with_offloaded_activations(result, acts.host_bytes, training)
@@ -88,15 +88,14 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     return _Profiled(facts, implementation, result, overhead, notes + result.notes if result.notes else notes, parts)
 
 
-def _with_lora(result: EngineEstimate, facts: ModelFacts, model: TransformerSpec, training: TrainingSpec, param: int,
-               overhead: int) -> tuple[EngineEstimate, ParamParts, tuple[str, ...]]:
+def _with_lora(result: EngineEstimate, facts: ModelFacts, model: TransformerSpec, training: TrainingSpec,
+               param: int) -> tuple[EngineEstimate, ParamParts, tuple[str, ...]]:
     """The engine's phases with the base stored as `training.quant` says and the dequantized (and DoRA)
     temporaries of the adapted layers (estimate/lora.py; docs/engines/lora.md)."""
     from zeroplan.estimate import lora
-    from zeroplan.estimate.result import Phase, Step
+    from zeroplan.estimate.result import Step
 
     delta = lora.base_params_delta(model, training, param)
-    quant = training.quant
     copy_element = lora.saved_copy_element(training)
     copies = None
     if copy_element is not None:
