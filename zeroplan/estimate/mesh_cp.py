@@ -37,12 +37,9 @@ def ring_bytes(model: TransformerSpec, cp: int, tp: int, tokens: int, act_bytes:
     kv = 2 * tokens * model.kv_heads * model.dim_per_head // tp * act_bytes  # k and v together
     q32, kv32 = q * FP32_BYTES // act_bytes, kv * FP32_BYTES // act_bytes  # fp32 accumulators (convert_to_f32)
     lse = tokens * model.num_heads // tp * FP32_BYTES
-    # forward, the last merge of a full step: the all-gathered k, v (cp x), the fp32 output, the block's output
-    # (and its fp32 upcast in 16-bit), sigmoid(lse diff) * (out - block_out) and the new output; three lse-sized
-    forward = cp * kv + 3 * q32 + (q32 if act_bytes != FP32_BYTES else 0) + 3 * lse - lse
-    # backward, step 1: grad_query and the dk/dv accumulators (zeros, sent, received: 3 x), the all-gathered k, v
-    # and the first send's cat, step 0's gradients and step 1's (a full q with half k, v, or half q with full k, v);
-    # from cp 3 on, step 1's cat of k, v while step 0's and the contiguous k, v copies are alive instead
+    # forward, the last merge of a full step (beyond the returned output and lse): docs/engines/mesh.md
+    forward = cp * kv + 3 * q32 + (q32 if act_bytes != FP32_BYTES else 0) + 2 * lse
+    # backward, step 1 (docs/engines/mesh.md): grad_query, dk/dv three times, cp + 1 k, v, two steps' gradients
     step0 = q + kv
     step1 = max(q + kv // 2, q // 2 + kv + lse // 2)
     second_send = 2 * kv if cp > 2 else 0

@@ -19,9 +19,10 @@ What a rank does, in torchtitan's order (torchtitan/models/llama3/infra/parallel
 - FSDP2 (`apply_fsdp`): `fully_shard` on every block, then on the stage's root, over
   ("dp_replicate", "dp_shard") (HSDP when dp_replicate > 1), reshard_after_forward as the ZeRO
   stage says (fsdp2_engine.py);
-- then the shards are materialised (`to_empty`, `init_materialized`) and AdamW created.
-What this does not run (context and expert parallelism, ...) is refused before the workers start
-(measure/mesh_rules.py).
+- then the shards are materialised (`to_empty`, `init_materialized`) and AdamW created;
+- context parallelism: torch's ring attention with the CPU kernel added (measure/cp_cpu.py), FSDP2 over
+  dp_shard x cp, each rank's head-tail shard of the batch (torchtitan `prepare_context_parallel_input`).
+What this does not run (expert parallelism, ...) is refused before the workers start (measure/mesh_rules.py).
 
 Pipeline runs: the worker calls `forward` grad_accum times per step; the micro-batches are the
 schedule's (n_microbatches = grad_accum), so `forward` keeps the first ones and runs the whole
