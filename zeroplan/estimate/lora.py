@@ -542,6 +542,17 @@ def adapter_element_bytes(engine: str, precision: str, comp: int, recipe: str = 
     return comp
 
 
+def model_element_bytes(quant: QuantSpec | None, autocast: bool, comp: int) -> int:
+    """The dtype the measured program builds the model in (measure/programs/peft_model.py `base_dtype`):
+    a 16/32-bit base's own, a k-bit base's compute dtype (fp32 after prepare_model_for_kbit_training's
+    upcast), else the engine's (fp32 parameters under the torch engine's autocast)."""
+    if quant is None:
+        return FP32_BYTES if autocast else comp
+    if quant.base_precision.is_quantized:
+        return FP32_BYTES if quant.upcast_non_quantized else DTYPE_BYTES[quant.compute_dtype]
+    return DTYPE_BYTES[quant.base_precision.value]
+
+
 def kbit_activation_bytes(training, comp: int) -> int:
     """The activations' element size: the engine's (`comp`), except for a k-bit base under the torch engine
     without autocast, whose model is built in the compute dtype (measure/programs/peft_model.py
@@ -558,8 +569,7 @@ def kbit_activation_bytes(training, comp: int) -> int:
 
 def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     """`acts` with what the adapted blocks keep instead of what whole blocks keep (docs/engines/lora.md)."""
-    from zeroplan.estimate.activations import _autocast, _input_projections
-    from zeroplan.estimate.activations import attention_kernel
+    from zeroplan.estimate.activations import _autocast, _input_projections, attention_kernel
     from zeroplan.estimate.lora_int8 import int8_inputs, with_int8_inputs
     from zeroplan.estimate.lora_recompute import recompute_dtypes, recompute_moment_bytes, with_recompute_moment
     from zeroplan.spec.program import Loss, Recipe
@@ -581,7 +591,7 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     extra = extra._replace(saved_per_token=extra.saved_per_token - 2 * narrowed, embedding=embedding, final_norm=final_norm)
     acts = with_dequantized_weight(acts, spec, quant, training.micro_batch * training.seq_len, comp)
     acts = with_dora_weight_norm(acts, extra.forward_temporary)
-    dtypes = recompute_dtypes(quant, autocast, comp, adapter_element, cuda)
+    dtypes = recompute_dtypes(quant, autocast, comp, adapter_element, cuda, model_element_bytes(quant, autocast, comp))
     tokens = training.micro_batch * training.seq_len
     int8 = int8_inputs(spec, _linears(spec), quant, dtypes.resid)  # estimate/lora_int8.py
     # a fused SDPA kernel saves its output itself (flash backward reads `out`): o_proj's input then is no extra

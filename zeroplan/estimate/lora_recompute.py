@@ -17,9 +17,6 @@ from typing import NamedTuple
 from zeroplan.spec.lora import LoraSpec, QuantSpec
 from zeroplan.spec.model import TransformerSpec
 
-FP32_BYTES = 4
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
 
 class RecomputeDtypes(NamedTuple):
     """Element sizes of the tensors alive in an adapted layer's forward."""
@@ -32,26 +29,15 @@ class RecomputeDtypes(NamedTuple):
     autocast: bool
 
 
-def model_element_bytes(quant: QuantSpec | None, autocast: bool, comp: int) -> int:
-    """The dtype the measured program builds the model in (measure/programs/peft_model.py `base_dtype`):
-    a 16/32-bit base's own, a k-bit base's compute dtype (fp32 after prepare_model_for_kbit_training's
-    upcast), else the engine's (fp32 parameters under the torch engine's autocast)."""
-    if quant is None:
-        return FP32_BYTES if autocast else comp
-    if quant.base_precision.is_quantized:
-        return FP32_BYTES if quant.upcast_non_quantized else _DTYPE_BYTES[quant.compute_dtype]
-    return _DTYPE_BYTES[quant.base_precision.value]
-
-
-def recompute_dtypes(quant: QuantSpec | None, autocast: bool, comp: int, adapter: int, cuda: bool) -> RecomputeDtypes:
-    """`RecomputeDtypes` of a run: autocast's ops return `comp`; without it, a layer returns its model's dtype."""
-    resid = model_element_bytes(quant, autocast, comp)
+def recompute_dtypes(quant: QuantSpec | None, autocast: bool, comp: int, adapter: int, cuda: bool,
+                     resid: int) -> RecomputeDtypes:
+    """`RecomputeDtypes` of a run whose model is built in `resid` bytes (estimate/lora.py `model_element_bytes`):
+    autocast's ops return `comp`; without it, a layer returns its model's dtype."""
     act = comp if autocast else resid
     kbit = quant is not None and quant.base_precision.is_quantized
     # peft lora/layer.py Linear.forward casts x to lora_A's dtype always; lora/bnb.py only when
     # `not torch.is_autocast_enabled()`, whose device-less form reads CUDA's autocast (False on CPU)
-    casts = (not (kbit and autocast and cuda))
-    # the input lora_A reads is the layer's input: `act` wide after autocast's ops, the model's dtype from a norm
+    casts = not (kbit and autocast and cuda)
     return RecomputeDtypes(resid, act, adapter, comp if autocast else adapter, casts, autocast)
 
 
@@ -77,18 +63,25 @@ def recompute_moment_bytes(spec: TransformerSpec, lora: LoraSpec, layout, d: Rec
       tensors exist.
     An int8 base's rebuilt graph also holds its layers' inputs (`rebuilt_int8` per token beyond the MLP's
     input and product: estimate/lora_int8.py) until the rebuild stops."""
-    if lora.dora or spec.is_moe or spec.moe is not None:
-        return 0  # DoRA's path is dora.py's (`with_dora_weight_norm`); experts follow moe.py
+    if spec.is_moe or spec.moe is not None:
+        return 0  # experts follow moe.py
     h, inner, r = spec.hidden_size, spec.intermediate_size, lora.rank
     down = _adapted(layout, ("mlp.down_proj", "mlp.c_proj", "mlp.fc_out"))
     up = _adapted(layout, ("mlp.up_proj",)) if spec.mlp == "gated" else None
+    mlp_in = _adapted(layout, ("mlp.gate_proj", "mlp.up_proj", "mlp.c_fc", "mlp.fc_in"))
     lora_copy = d.autocast or lora.dropout > 0 or d.adapter != d.act  # lora.py adapter_activations `own_copy`
     copy_element = d.act if d.autocast else d.adapter
     grads = d.resid * h + (d.act * h if d.act != d.resid else 0) + d.lora_out * h
-    held = grads + 2 * d.resid * h + rebuilt_int8  # the residual and the MLP's input (the norm's output)
+    # the residual; the MLP's input unless lora_A saves that very tensor; GPT2Block's `attn_output`, a
+    # local until the block returns (LlamaDecoderLayer rebinds its own)
+    mlp_input = 0 if mlp_in is not None and not lora_copy else d.resid * h
+    attention_output = d.act * h if spec.hf_model_type == "gpt2" else 0
+    held = grads + d.resid * h + mlp_input + attention_output + rebuilt_int8
+    if lora.dora:
+        return _dora_moment(down, lora, d, tokens, held, copy_element) if down is not None else 0
     moments = [0]
     if down is not None:
-        product = d.act * inner if lora_copy or rebuilt_int8 else 0
+        product = d.act * inner if lora_copy else 0  # else lora_A saves it: among the rebuilt saved tensors
         transient_copy = d.adapter * inner if d.cast_copy and d.autocast and d.adapter != d.act else 0
         moments.append(tokens * (held + product + d.act * h + transient_copy))
     if up is not None:
@@ -99,6 +92,18 @@ def recompute_moment_bytes(spec: TransformerSpec, lora: LoraSpec, layout, d: Rec
         up_copy = d.adapter * h if d.cast_copy and d.autocast and d.adapter != d.resid else 0
         moments.append(tokens * (held + d.act * inner + 2 * d.lora_out * inner + up_copy - later) - weight_casts)
     return max(moments)
+
+
+def _dora_moment(last, lora: LoraSpec, d: RecomputeDtypes, tokens: int, held: int, copy_element: int) -> int:
+    """DoRA (peft tuners/lora/dora.py `DoraLinearLayer.forward`) computes the weight norm before lora_A runs:
+    at the MLP's last linear the rebuild holds, besides `held`, its base output and the weight norm's
+    temporaries (estimate/lora.py `adapter_activations`: identity, A on it, the LoRA weight, its scaled copy
+    and the sum), while what the layer saves afterwards (autocast's or dropout's copy of the input, A's and
+    B's outputs, `base_result - bias`) does not exist yet."""
+    n, out, r = last.in_features, last.out_features, lora.rank
+    weight_norm = d.adapter * (n * n + n * r + 3 * n * out)
+    not_yet = (copy_element * n if d.autocast or lora.dropout > 0 else 0) + copy_element * r + 2 * copy_element * out
+    return tokens * (held + d.act * out - not_yet) + weight_norm
 
 
 def with_recompute_moment(acts, moment: int):
