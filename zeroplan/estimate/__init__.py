@@ -15,7 +15,7 @@ from zeroplan.estimate import caches
 from zeroplan.estimate.activations import activation_bytes, attention_kernel, memory_checkpointing
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, setup_of
-from zeroplan.estimate.lora import lora_activations
+from zeroplan.estimate.lora import kbit_activation_bytes, lora_activations
 from zeroplan.estimate.facts import ModelFacts, model_facts
 from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, ParamParts, PhaseBytes
@@ -62,9 +62,10 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     acts = None
     notes: tuple[str, ...] = ()
     if isinstance(model, TransformerSpec):
-        acts = activation_bytes(model, training, dtypes.activation)
+        activation = kbit_activation_bytes(training, dtypes.activation)  # estimate/lora.py
+        acts = activation_bytes(model, training, activation)
         if training.lora is not None:
-            acts = lora_activations(acts, model, training, dtypes.activation)  # estimate/lora.py
+            acts = lora_activations(acts, model, training, activation)  # estimate/lora.py
         implementation = _IMPLEMENTATIONS[training.attention]
         notes = _checkpointing_notes(model, training)
         if attention_kernel(model, training) == "math":
