@@ -324,6 +324,9 @@ def _grid() -> tuple[Row, ...]:
             rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, attention=attention,
                             small_buckets=engine == "deepspeed"))  # buffers the size of the model, not of 5e8 elements
     rows.extend(mesh_rows())
+    from zeroplan.measure.grid_ep import ep_rows  # expert parallelism (measure/mesh_moe.py); imports Row from here
+
+    rows.extend(ep_rows())
     rows += _dense_family_rows()
     rows.extend(_lora_rows())
     return tuple(rows)

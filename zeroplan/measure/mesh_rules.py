@@ -4,7 +4,8 @@ measure/mesh.py runs tensor parallelism (with sequence and loss parallelism), FS
 data-parallel dimensions (HSDP with dp_replicate) and torch.distributed.pipelining stages on
 zeroplan's reference Llama model, in zeroplan's own loop. What it does not run is refused here,
 one line naming the field: context parallelism (torch 2.13's ring attention handles the CUDA
-attention kernels only; docs/measure.md, "Meshes"), expert parallelism, the Hugging Face Trainer,
+attention kernels only; docs/measure.md, "Meshes"), expert parallelism beside other dimensions (ep
+alone runs in measure/mesh_moe.py), the Hugging Face Trainer,
 engines other than fsdp2, offload, losses other than standard, learned positions.
 """
 
@@ -33,8 +34,12 @@ def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate
     if mesh.cp > 1:
         raise MeasureError("mesh.cp: context parallelism does not run on CPU with torch 2.13 (its ring attention "
                            "handles the CUDA attention kernels only; docs/measure.md, Meshes); measure with cp 1")
-    if mesh.ep > 1:
-        raise MeasureError("mesh.ep: expert parallelism is not measured; measure with ep 1")
+    if mesh.ep > 1 and (mesh.tp, mesh.cp, mesh.pp, mesh.dp_replicate) != (1, 1, 1, 1):
+        raise MeasureError("mesh.ep: expert parallelism is measured alone with FSDP2 (measure/mesh_moe.py); "
+                           "set tp, cp, pp and dp_replicate to 1")
+    if mesh.ep > 1 and simulate:
+        raise MeasureError("mesh.ep: expert parallelism does not run under --simulate (its all-to-all splits are "
+                           "read with .tolist()); measure it on real ranks")
     if training.recipe.value not in MESH_RECIPES:
         raise MeasureError(f"recipe: a mesh is measured in zeroplan's loop ({' or '.join(MESH_RECIPES)}), "
                            f"not {training.recipe.value}")
