@@ -34,9 +34,9 @@ from torch import nn
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure.engines import RunContext, TorchOptimizerSteps, make_optimizer, transformer_blocks
+from zeroplan.measure.grid_ep import IMBALANCE_NOTE
 from zeroplan.spec.training import TrainingSpec
 
-IMBALANCE_NOTE = "moe imbalance measured: "  # the note's prefix; validate reads the factor back (estimate/mesh_ep.py)
 
 
 def ep_meshes(training: TrainingSpec, ctx: RunContext):
@@ -118,6 +118,27 @@ class ExpertParallelExperts:
         return weighted[inverse].view(tokens, k, width).sum(dim=1).to(hidden.dtype)
 
 
+def _shard_outer_units(model: nn.Module, mesh, training: TrainingSpec, policies: dict) -> None:
+    """The embeddings, [final norm, head] and the root as the fsdp2 engine wraps them (fsdp2_engine.py:
+    torchtitan's split units, or the root holding all three)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from zeroplan.measure.engines.fsdp2_engine import _outer_modules
+    from zeroplan.spec.program import FSDP2Units
+
+    wrapping = training.fsdp2_wrapping
+    if wrapping.units != FSDP2Units.SPLIT:
+        fully_shard(model, mesh=mesh, reshard_after_forward=wrapping.reshard_root, **policies)
+        return
+    embeddings, head = _outer_modules(model)
+    if any(p is q for p in head[-1].parameters() for q in embeddings[0].parameters()):  # tied: one unit
+        fully_shard(embeddings + head, mesh=mesh, reshard_after_forward=wrapping.reshard_head, **policies)
+    else:
+        fully_shard(embeddings, mesh=mesh, reshard_after_forward=training.zero_stage == 3, **policies)
+        fully_shard(head, mesh=mesh, reshard_after_forward=wrapping.reshard_head, **policies)
+    fully_shard(model, mesh=mesh, **policies)  # holds no parameters
+
+
 def _sparse_experts(block: nn.Module) -> nn.Module | None:
     experts = getattr(getattr(block, "mlp", None), "experts", None)
     return experts if experts is not None and hasattr(experts, "gate_up_proj") else None
@@ -140,22 +161,22 @@ class ExpertParallelRunner(TorchOptimizerSteps):
         dense, sparse = ep_meshes(training, ctx)
         self.counters: list[list[int]] = []
         policies = _policies(training, ctx)
-        reshard = training.zero_stage == 3
+        reshard, wrapping = training.zero_stage == 3, training.fsdp2_wrapping
         blocks = transformer_blocks(model)
         efsdp_mesh = sparse["efsdp"]
         for i, block in enumerate(blocks):
+            block_reshards = wrapping.reshard_last_block if i == len(blocks) - 1 else reshard
             experts = _sparse_experts(block)
             if experts is not None:
                 self.counters.append([0])
                 ExpertParallelExperts(experts, sparse["ep"], self.counters[-1])
-                # experts over efsdp; dim 1 once efsdp x ep exceeds the experts (torchtitan apply_fsdp)
+                # experts over efsdp, resharded as their block; dim 1 once efsdp x ep exceeds the experts
+                # (torchtitan apply_fsdp `_experts_shard_placement_fn`)
                 on_dim1 = efsdp_mesh.size() * sparse["ep"].size() > experts.num_experts
-                fully_shard(experts, mesh=efsdp_mesh, reshard_after_forward=reshard,
+                fully_shard(experts, mesh=efsdp_mesh, reshard_after_forward=block_reshards,
                             shard_placement_fn=(lambda _: Shard(1)) if on_dim1 else None, **policies)
-            last = i == len(blocks) - 1
-            fully_shard(block, mesh=dense, reshard_after_forward=training.fsdp2_wrapping.reshard_last_block if last
-                        else reshard, **policies)
-        fully_shard(model, mesh=dense, reshard_after_forward=training.fsdp2_wrapping.reshard_root, **policies)
+            fully_shard(block, mesh=dense, reshard_after_forward=block_reshards, **policies)
+        _shard_outer_units(model, dense, training, policies)
         if not self.counters:
             raise MeasureError("mesh.ep: the model has no sparse layers to split over ep")
         if any(p.is_meta for p in model.parameters()):  # torchtitan: built on meta, sharded, then materialised
