@@ -96,3 +96,19 @@ def test_permutation_is_torchtitans_rank_major_to_expert_major():
     order, per_expert = _permute_indices(torch.tensor([4, 2, 1, 1, 3, 2]), 2, 3, 13)
     assert order.tolist() == [0, 1, 2, 3, 7, 4, 5, 8, 9, 10, 6, 11, 12]
     assert per_expert.tolist() == [5, 5, 3]
+
+
+def test_backward_prefetches_the_previous_blocks_dense_part_only():
+    # FSDP2 prefetches the next unit in reverse post-forward order; the experts' post-forward comes before their
+    # block's, so the previous block is prefetched before its experts, and its experts reduce apart
+    from zeroplan.estimate.engines.common import setup_of
+    from zeroplan.estimate.engines.fsdp2 import _sizes
+
+    training = titan(4, ep=2)
+    facts = rank_facts(MODEL, training, WHOLE)
+    sizes = _sizes(facts, setup_of(training)._replace(gpus=4, expert_gpus=2))
+    block = block_of(training)
+    experts = sum(t.numel for t in block.tensors if ".experts." in t.name)
+    assert sizes.block_gathered == 4 * block.params  # fp32, every tensor whole
+    assert sizes.block_prefetched == 4 * (block.params - experts)
+    assert sizes.block_experts_reduce_in == 4 * experts

@@ -235,8 +235,8 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         # returns it as it is (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`)
         changes.update(logits_grad=acts.logits_grad // 2)
     if mesh.ep > 1 and kind.layers:  # the busiest EP rank's received pairs (estimate/mesh_ep.py)
-        changes.update(saved_per_block=changes.get("saved_per_block", acts.saved_per_block)
-                       + saved_per_block_delta(model, mesh, tokens, act_bytes),
+        kept = "recompute_block" if training.checkpointing in (Checkpointing.FULL, Checkpointing.OP) else "saved_per_block"
+        changes.update({kept: changes.get(kept, getattr(acts, kept)) + saved_per_block_delta(model, mesh, tokens, act_bytes)},
                        block_backward_transient=acts.block_backward_transient
                        + backward_transient_delta(model, mesh, tokens, act_bytes))
     if not kind.head:  # the loss and logits live on the last stage; a stage's backward starts from a received gradient

@@ -71,6 +71,7 @@ class _Units(NamedTuple):
     block_unsharded: int  # the largest block's elements once gathered: block x n, unless its experts shard apart
     block_trainable_unsharded: int
     block_experts_unsharded: int  # of those, the experts' when they are a unit of their own (EP), else 0
+    block_experts_trainable_unsharded: int
 
 
 def _units(facts: ModelFacts, n: int, split: bool, expert_n: int = 0) -> _Units:
@@ -110,6 +111,8 @@ def _units(facts: ModelFacts, n: int, split: bool, expert_n: int = 0) -> _Units:
         block_trainable_unsharded=max((gathered_elems(g.trainable_tensors) for g in blocks if not g.frozen), default=0),
         block_experts_unsharded=max((gathered_elems([t for t in g.tensors if expert_n and is_expert(t)]) for g in blocks),
                                     default=0),
+        block_experts_trainable_unsharded=max((gathered_elems([t for t in g.trainable_tensors if expert_n and is_expert(t)])
+                                               for g in blocks if not g.frozen), default=0),
     )
 
 
@@ -127,6 +130,8 @@ class _Sizes(NamedTuple):
     tail_gathered: int
     block_gathered: int
     block_prefetched: int  # what backward prefetches of the next block: its experts are a later unit (EP)
+    block_experts_grads: int  # EP: the experts' unsharded gradients, reduced in their own post-backward
+    block_experts_reduce_in: int  # EP: the experts' reduce-scatter input, held until the block's post-backward
     head_grads: int
     tied_grad: int
     first_grads: int
@@ -217,6 +222,8 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
         num_blocks, offloaded, sharded_params, sharded_grads, states, temporaries,
         lead_gathered=u.lead * n * gathered, tail_gathered=u.tail * n * gathered, block_gathered=u.block_unsharded * gathered,
         block_prefetched=(u.block_unsharded - u.block_experts_unsharded) * gathered,
+        block_experts_grads=u.block_experts_trainable_unsharded * gathered,
+        block_experts_reduce_in=u.block_experts_trainable_unsharded * reduce,
         head_grads=head_numel * gathered, tied_grad=tied_numel * gathered, first_grads=first_numel * gathered,
         lead_grads=u.lead_trainable * n * gathered, tail_shard_grads=tail_shard_grads,
         block_grads=u.block_trainable_unsharded * gathered, block_shard_grads=block_shard_grads,
@@ -404,8 +411,14 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         prefetch = z.block_prefetched if reshard and j < num_blocks - 1 else 0
         if z.split and reshard and j == num_blocks - 1:
             prefetch = lead  # block 0's pre-backward prefetches the embeddings
-        held_reduce_in = block_reduce_in if j else (z.tail_reduce_in if z.split else 0)
+        # EP: the experts reduce before the rest of their block (a unit of their own), so at the MLP's backward
+        # the previous block's dense part's reduce-scatter input is held, at the block's end its experts' is
+        experts_grads, experts_reduce_in = z.block_experts_grads, z.block_experts_reduce_in
+        dense_reduce_in = block_reduce_in - experts_reduce_in
+        held_reduce_in = dense_reduce_in if j else (z.tail_reduce_in if z.split else 0)
         buffers = lead_kept + blocks_held * block_gathered + prefetch + held_reduce_in + h2d_copy
+        experts_resharded = (block_gathered - z.block_prefetched) if reshard else 0
+        end_buffers = buffers - held_reduce_in + experts_reduce_in - experts_resharded if experts_grads else buffers
         points.append(dict(
             buffers=buffers,
             grads=accum_left + (num_blocks - j) * accum_block + head_left + z.first_grads + shards_done(j),
@@ -417,8 +430,8 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         end_acts = acts.blocks_left_saved(num_blocks - j - 1) if acts else 0
         in_flight = (acts.block_input_grad if acts else 0) + tied_grad
         points.append(dict(
-            buffers=buffers,
-            grads=accum_left + (num_blocks - j) * accum_block + head_left + block_grads + shards_done(j),
+            buffers=end_buffers,
+            grads=accum_left + (num_blocks - j) * accum_block + head_left + block_grads - experts_grads + shards_done(j),
             activations=end_acts,
             temporaries=in_flight,
         ))
@@ -427,11 +440,12 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         # (in the reduce dtype: twice the gradients' bytes under bf16 mixed precision) and copies
         # them in before freeing them.
         points.append(dict(
-            buffers=lead_kept + (blocks_held - 1) * block_gathered + prefetch + block_reduce_in + h2d_copy,
+            buffers=lead_kept + (blocks_held - 1) * block_gathered + prefetch + dense_reduce_in + h2d_copy
+            + (experts_resharded if experts_grads else 0),
             grads=accum_left + (num_blocks - j - 1) * accum_block + head_left + shards_done(j),
             activations=end_acts,
             # the list holds the accumulated gradients when accumulating (the fresh ones were added in)
-            temporaries=in_flight + (accum_block or block_grads),
+            temporaries=in_flight + (accum_block or block_grads - experts_grads),
         ))
     blocks_done = (z.kept_shards or num_blocks * block_shard_grads) + (head_left if z.split else 0)
     last_reduce_in = block_reduce_in if num_blocks else (z.tail_reduce_in if z.split else 0)
