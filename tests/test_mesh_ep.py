@@ -104,7 +104,7 @@ def test_backward_prefetches_the_previous_blocks_dense_part_only():
     from zeroplan.estimate.engines.common import setup_of
     from zeroplan.estimate.engines.fsdp2 import _sizes
 
-    training = titan(4, ep=2)
+    training = titan(4, ep=2).varied(precision="fp32")
     facts = rank_facts(MODEL, training, WHOLE)
     sizes = _sizes(facts, setup_of(training)._replace(gpus=4, expert_gpus=2))
     block = block_of(training)
