@@ -28,6 +28,7 @@ from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import Setup, ceil_div, setup_of
 from zeroplan.estimate.facts import ModelFacts, ModuleGroup, model_facts
 from zeroplan.estimate.layout import ParamTensor, param_layout
+from zeroplan.estimate.mesh_ep import backward_transient_delta, first_block_gradient, placed_experts, saved_per_block_delta
 from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import Estimate, ModelSummary, Phase, PhaseBytes
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
@@ -162,32 +163,22 @@ def _rank_facts(model: TransformerSpec, mesh: MeshSpec, gpus: int, freeze: tuple
     layout = param_layout(model)
 
     def group(role: str, tensors: tuple[ParamTensor, ...], count: int, frozen: bool) -> ModuleGroup:
-        local = tuple(_sharded(t, mesh, model.is_moe) for t in tensors)
+        local = placed_experts(tuple(_sharded(t, mesh, model.is_moe) for t in tensors), model, mesh, gpus)
         return ModuleGroup(role, local, count, frozen, sum(t.numel for t in local))
 
     groups = []
     if embedding:
         groups.append(group("embedding", layout.embedding, 1, "embeddings" in freeze))
     if layers:
-        groups.append(group("block", _experts_resharded(layout.block, mesh, gpus), layers, "blocks" in freeze))
+        groups.append(group("block", layout.block, layers, "blocks" in freeze))
     if head:
         groups.append(group("final", layout.final, 1, "final" in freeze))
     total = sum(g.params * g.count for g in groups)
     trainable = sum(g.params * g.count for g in groups if not g.frozen)
     largest_group = max(g.params for g in groups)
     largest_tensor = max(t.numel for g in groups for t in g.tensors)
-    return ModelFacts(model.name, total, trainable, tuple(groups), largest_group, largest_tensor)
-
-
-def _experts_resharded(block: tuple[ParamTensor, ...], mesh: MeshSpec, gpus: int) -> tuple[ParamTensor, ...]:
-    """Experts are sharded over efsdp ranks, not the dense fsdp ones (parallel_dims.py `build_mesh`):
-    their size is scaled by fsdp / efsdp so that the engine's sharding over fsdp leaves each rank
-    its efsdp shard (the gathered expert unit is then off by that factor: docs/engines/mesh.md)."""
-    if mesh.ep == 1:
-        return block
-    fsdp, efsdp = mesh.fsdp_degree(gpus), mesh.expert_fsdp_degree(gpus)
-    return tuple(ParamTensor(t.name, t.numel * fsdp // efsdp, t.rows * fsdp // efsdp)
-                 if ".experts." in t.name else t for t in block)
+    return ModelFacts(model.name, total, trainable, tuple(groups), largest_group, largest_tensor,
+                      first_block_gradient(model, mesh) if head and layers else None)
 
 
 def _local_view(model: TransformerSpec, mesh: MeshSpec, kind: RankKind) -> TransformerSpec:
@@ -243,6 +234,11 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         # loss_parallel fuses nll_loss's and log_softmax's backward into one gradient; the log_softmax handler
         # returns it as it is (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`)
         changes.update(logits_grad=acts.logits_grad // 2)
+    if mesh.ep > 1 and kind.layers:  # the busiest EP rank's received pairs (estimate/mesh_ep.py)
+        kept = "recompute_block" if training.checkpointing in (Checkpointing.FULL, Checkpointing.OP) else "saved_per_block"
+        changes.update({kept: changes.get(kept, getattr(acts, kept)) + saved_per_block_delta(model, mesh, tokens, act_bytes)},
+                       block_backward_transient=acts.block_backward_transient
+                       + backward_transient_delta(model, mesh, tokens, act_bytes))
     if not kind.head:  # the loss and logits live on the last stage; a stage's backward starts from a received gradient
         changes.update(logits=0, loss_saved=0, loss_transient=0, logits_grad=0, logits_grad_cast=0,
                        head_backward_temporary=0, final_norm=0)
@@ -368,11 +364,7 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
         receives = stage_count - (1 if kind.embedding else 0)
         grad_receives = stage_count - (1 if kind.head else 0)
         steady += micro_batches * boundary * (receives + grad_receives)
-    if mesh.ep > 1 and model.is_moe and kind.layers:
-        # all-to-all dispatch and combine (torchtitan models/moe): each token's top-k copies sent and received
-        routed = tokens * model.experts_per_token * model.hidden_size * act_bytes // (mesh.tp if mesh.sequence_parallel else 1)
-        forward += 2 * routed
-        backward += 2 * routed
+    # EP's dispatch and combine outputs are activations, none in flight at the peaks (estimate/mesh_ep.py)
     return MeshBuffers(forward, backward, steady)
 
 
@@ -394,7 +386,8 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
     dtypes = state_bytes(training.precision, training.optimizer)
     facts = rank_facts(model, training, kind)
     acts = rank_activations(model, training, kind, dtypes.activation)
-    setup = _setup(training)._replace(gpus=mesh.fsdp_degree(training.gpus))
+    setup = _setup(training)._replace(gpus=mesh.fsdp_degree(training.gpus),
+                                      expert_gpus=mesh.expert_fsdp_degree(training.gpus) if mesh.ep > 1 else 0)
     engine = training.engine
     if engine == Engine.FSDP2 and setup.gpus == 1:
         # torchtitan applies fully_shard only when dp_shard > 1 or cp > 1 (distributed/parallel_dims.py

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zeroplan.errors import SpecError
+from zeroplan.measure.grid_ep import ep_rows
 
 # DeepSpeed "small buckets": buckets far below the default 5e8 elements, so that the buckets are
 # exercised rather than one buffer larger than the model; persistence 0 makes stage 3 shard every
@@ -324,6 +325,7 @@ def _grid() -> tuple[Row, ...]:
             rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, attention=attention,
                             small_buckets=engine == "deepspeed"))  # buffers the size of the model, not of 5e8 elements
     rows.extend(mesh_rows())
+    rows.extend(ep_rows(Row))  # expert parallelism (measure/mesh_moe.py)
     rows += _dense_family_rows()
     rows.extend(_lora_rows())
     return tuple(rows)
