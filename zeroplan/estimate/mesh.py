@@ -293,7 +293,8 @@ def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind
     rank's actions of ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (estimate/pipeline_schedule.py):
     each stage chunk's own saved tensors until its backward (its W under zero bubble), the pending sends and
     the last stage's logits until the step ends, each stage's gradients once its first backward ran."""
-    from zeroplan.estimate.pipeline_schedule import ChunkBytes, looped_peak, looped_rank_actions
+    from zeroplan.estimate.pipeline_fsdp import resharded_stages
+    from zeroplan.estimate.pipeline_schedule import ChunkBytes, inputs_only_backwards, looped_peak, looped_rank_actions
 
     mesh = training.mesh
     counts = stage_layers(model.num_layers, mesh.stages)
@@ -320,8 +321,10 @@ def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind
             kept_output=acts.logits if stage == last else 0,
             grads=profiled.categories.grads * params // max(facts.total_params, 1))
     actions = looped_rank_actions(mesh.pp, mesh.pp_virtual_stages, micro_batches, kind.pp_rank, zero_bubble)
+    inputs_only = inputs_only_backwards(actions, resharded_stages(training, {s: counts[s] for s in kind.stages}, last)) \
+        if zero_bubble else frozenset()
     walked = looped_peak(actions, chunks, acts.block_forward_transient,
-                         acts.block_backward_transient - acts.block_backward_freed)
+                         acts.block_backward_transient - acts.block_backward_freed, inputs_only)
     # the walk's gradients and pending sends replace the profile's at its peak; the rest is activations
     activations = walked.total - walked.grads - walked.sends - profiled.categories.temporaries
     shift = activations - profiled.categories.activations
