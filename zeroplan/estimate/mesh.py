@@ -288,11 +288,12 @@ def _weight_op_output_width(model: TransformerSpec, mesh: MeshSpec) -> int:
 
 def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, facts: ModelFacts,
                             acts: ActivationBytes, phases: tuple[PhaseBytes, ...], act_bytes: int,
-                            micro_batches: int) -> tuple[PhaseBytes, ...]:
+                            micro_batches: int) -> tuple[tuple[PhaseBytes, ...], int]:
     """The profile's forward and backward phases raised (or lowered) to the peak found by walking the
     rank's actions of ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (estimate/pipeline_schedule.py):
     each stage chunk's own saved tensors until its backward (its W under zero bubble), the pending sends and
-    the last stage's logits until the step ends, each stage's gradients once its first backward ran."""
+    the last stage's logits until the step ends, each stage's gradients once its first backward ran; and the
+    stage chunks alive at that peak (the rank's micro-batches in flight)."""
     from zeroplan.estimate.pipeline_fsdp import resharded_stages
     from zeroplan.estimate.pipeline_schedule import ChunkBytes, inputs_only_backwards, looped_peak, looped_rank_actions
 
@@ -334,7 +335,7 @@ def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind
                                    activations=max(categories.activations + shift, 0))
 
     return tuple(PhaseBytes(p.step, p.phase, raised(p.categories)) if p.phase in (Phase.FORWARD, Phase.BACKWARD) else p
-                 for p in phases)
+                 for p in phases), walked.chunks
 
 
 class MeshBuffers(NamedTuple):
@@ -412,9 +413,16 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
         # `_step_microbatches`): no accumulated gradient sits beside the activations in flight; 1F1B's does
         setup = setup._replace(accumulating=False)
     result = _engine_profile(engine)(facts, setup, acts)
+    if kind.embedding and training.engine == Engine.FSDP2 and engine == Engine.TORCH:
+        # without FSDP2 the rowwise embedding's Replicate gradient stays whole until zero_grad (estimate/tp_embedding.py)
+        from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
+
+        extra = replicated_embedding_grad_bytes(model, mesh, dtypes.grad)
+        result = result._replace(phases=with_replicated_embedding_grad(result.phases, extra, facts.trainable_params * dtypes.grad))
     if mesh.pp > 1 and mesh.pp_schedule.looped:
-        result = result._replace(phases=_looped_schedule_phases(model, training, kind, facts, acts, result.phases,
-                                                                dtypes.activation, micro_batches))
+        looped, chunks = _looped_schedule_phases(model, training, kind, facts, acts, result.phases, dtypes.activation,
+                                                 micro_batches)
+        result, kind = result._replace(phases=looped), kind._replace(in_flight=chunks)  # the walk's count at its peak
     phases = _with_buffers(_with_overhead(result.phases, overhead_bytes(training)),
                            mesh_buffers(model, training, kind, dtypes.activation, micro_batches))
     implementation = f"{IMPLEMENTATION}/{training.attention.value}"

@@ -98,6 +98,7 @@ class LoopedPeak(NamedTuple):
     total: int  # everything the walk counts at the rank's peak
     grads: int  # of which the stages' gradients
     sends: int  # of which the pending sends (a collective used them: measured as buffers)
+    chunks: int = 0  # stage chunks (micro-batches of its stages) whose saved tensors are alive then
 
 
 def looped_peak(actions: list[Action], chunks: dict[int, ChunkBytes], forward_transient: int,
@@ -112,10 +113,11 @@ def looped_peak(actions: list[Action], chunks: dict[int, ChunkBytes], forward_tr
     sends = 0  # pending sends
     grads = 0  # gradients of the stages whose first backward ran
     stages_with_grads: set[int] = set()
+    alive = 0  # stage chunks from their F to the backward that frees them
     peak = LoopedPeak(0, 0, 0)
 
     def at(transient: int, more_grads: int = 0) -> LoopedPeak:
-        moment = LoopedPeak(held + sends + grads + more_grads + transient, grads + more_grads, sends)
+        moment = LoopedPeak(held + sends + grads + more_grads + transient, grads + more_grads, sends, alive)
         return max(peak, moment)
 
     for action in actions:
@@ -123,6 +125,7 @@ def looped_peak(actions: list[Action], chunks: dict[int, ChunkBytes], forward_tr
         if action.kind == FORWARD:
             held += chunk.saved + chunk.kept_output
             sends += chunk.sent
+            alive += 1
             peak = at(forward_transient)
         elif action.kind in (FULL_BACKWARD, BACKWARD_INPUT):
             own = chunk.grads if action.kind == FULL_BACKWARD and action.stage not in stages_with_grads else 0
@@ -132,8 +135,10 @@ def looped_peak(actions: list[Action], chunks: dict[int, ChunkBytes], forward_tr
                 held -= chunk.saved
                 grads += own
                 stages_with_grads.add(action.stage)
+                alive -= 1
             elif (action.stage, action.micro_batch) in inputs_only:
                 held -= chunk.saved  # the outputs detached, no param group holds the graph
+                alive -= 1
             else:
                 held += chunk.weight_grad_inputs
                 peak = at(0)
@@ -144,4 +149,5 @@ def looped_peak(actions: list[Action], chunks: dict[int, ChunkBytes], forward_tr
                 grads += chunk.grads
                 stages_with_grads.add(action.stage)
             held -= chunk.saved + chunk.weight_grad_inputs
+            alive -= 1
     return peak
