@@ -315,8 +315,9 @@ def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind
         chunks[stage] = ChunkBytes(
             saved=counts[stage] * acts.saved_per_block + (acts.embedding if stage == 0 else 0)
             + (acts.final_norm + acts.loss_saved if stage == last else 0),
-            weight_grad_inputs=zero_bubble * tokens * act_bytes * (counts[stage] * _weight_op_output_width(model, mesh)
-                                                                  + (head_width if stage == last else 0)),
+            # stage 0 skips its I and runs a full backward at W (stage.py `backward_one_chunk`): it keeps nothing from I to W
+            weight_grad_inputs=zero_bubble * (stage != 0) * tokens * act_bytes
+            * (counts[stage] * _weight_op_output_width(model, mesh) + (head_width if stage == last else 0)),
             sent=boundary if stage != last else 0,
             sent_grad=boundary if stage != 0 else 0,
             kept_output=acts.logits if stage == last else 0,
@@ -413,7 +414,7 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
         # `_step_microbatches`): no accumulated gradient sits beside the activations in flight; 1F1B's does
         setup = setup._replace(accumulating=False)
     result = _engine_profile(engine)(facts, setup, acts)
-    if kind.embedding and training.engine == Engine.FSDP2 and engine == Engine.TORCH:
+    if kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2 and engine == Engine.TORCH:
         # without FSDP2 the rowwise embedding's Replicate gradient stays whole until zero_grad (estimate/tp_embedding.py)
         from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
 
