@@ -15,7 +15,7 @@ from zeroplan.spec.training import TrainingSpec
 _TINY_LLAMA_16K = str(Path(__file__).parent / "data" / "tiny-llama-16k.toml")
 
 
-def _training(tp: int) -> TrainingSpec:
+def _training(tp: int = 2) -> TrainingSpec:
     return TrainingSpec(engine="fsdp2", zero_stage=3, gpus=2, precision="fp32", micro_batch=2, seq_len=128,
                         device="cpu", recipe="torchtitan", loss="standard", mesh={"tp": tp} if tp > 1 else {})
 
@@ -35,3 +35,10 @@ def test_the_optimizer_step_holds_the_measured_gradients():
     step = next(p for p in phases if p.step.value == "first" and p.phase.value == "optimizer_step")
     assert step.categories.grads == 13_322_752
     assert sum(step.categories[:6]) == 40_708_096  # measured 40,708,252 (+156 bytes of buffers and state scalars)
+
+
+def test_the_catalogue_tiny_llama_holds_the_measured_gradients_too():
+    # tiny-llama (vocabulary 512), tp 2: 1,133,056 bytes of gradients at the optimizer step on both ranks (131,072 of them
+    # the other rank's 256 embedding rows), as row mesh-tp2/tiny-llama/fsdp2-3/fp32/... measured
+    phases = estimate_mesh(resolve_model("tiny-llama"), _training()).worst.estimate.phases
+    assert {p.categories.grads for p in phases if p.phase.value == "optimizer_step"} == {1_133_056}
