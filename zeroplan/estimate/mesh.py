@@ -290,12 +290,14 @@ def _weight_op_output_width(model: TransformerSpec, mesh: MeshSpec) -> int:
 
 def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, facts: ModelFacts,
                             acts: ActivationBytes, phases: tuple[PhaseBytes, ...], act_bytes: int,
-                            micro_batches: int) -> tuple[PhaseBytes, ...]:
+                            micro_batches: int) -> tuple[tuple[PhaseBytes, ...], int]:
     """The profile's forward and backward phases raised (or lowered) to the peak found by walking the
     rank's actions of ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (estimate/pipeline_schedule.py):
     each stage chunk's own saved tensors until its backward (its W under zero bubble), the pending sends and
-    the last stage's logits until the step ends, each stage's gradients once its first backward ran."""
-    from zeroplan.estimate.pipeline_schedule import ChunkBytes, looped_peak, looped_rank_actions
+    the last stage's logits until the step ends, each stage's gradients once its first backward ran; and the
+    stage chunks alive at that peak (the rank's micro-batches in flight)."""
+    from zeroplan.estimate.pipeline_fsdp import resharded_stages
+    from zeroplan.estimate.pipeline_schedule import ChunkBytes, inputs_only_backwards, looped_peak, looped_rank_actions
 
     mesh = training.mesh
     counts = stage_layers(model.num_layers, mesh.stages)
@@ -315,15 +317,18 @@ def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind
         chunks[stage] = ChunkBytes(
             saved=counts[stage] * acts.saved_per_block + (acts.embedding if stage == 0 else 0)
             + (acts.final_norm + acts.loss_saved if stage == last else 0),
-            weight_grad_inputs=zero_bubble * tokens * act_bytes * (counts[stage] * _weight_op_output_width(model, mesh)
-                                                                  + (head_width if stage == last else 0)),
+            # stage 0 skips its I and runs a full backward at W (stage.py `backward_one_chunk`): it keeps nothing from I to W
+            weight_grad_inputs=zero_bubble * (stage != 0) * tokens * act_bytes
+            * (counts[stage] * _weight_op_output_width(model, mesh) + (head_width if stage == last else 0)),
             sent=boundary if stage != last else 0,
             sent_grad=boundary if stage != 0 else 0,
             kept_output=acts.logits if stage == last else 0,
             grads=profiled.categories.grads * params // max(facts.total_params, 1))
     actions = looped_rank_actions(mesh.pp, mesh.pp_virtual_stages, micro_batches, kind.pp_rank, zero_bubble)
+    inputs_only = inputs_only_backwards(actions, resharded_stages(training, {s: counts[s] for s in kind.stages}, last)) \
+        if zero_bubble else frozenset()
     walked = looped_peak(actions, chunks, acts.block_forward_transient,
-                         acts.block_backward_transient - acts.block_backward_freed)
+                         acts.block_backward_transient - acts.block_backward_freed, inputs_only)
     # the walk's gradients and pending sends replace the profile's at its peak; the rest is activations
     activations = walked.total - walked.grads - walked.sends - profiled.categories.temporaries
     shift = activations - profiled.categories.activations
@@ -333,7 +338,7 @@ def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind
                                    activations=max(categories.activations + shift, 0))
 
     return tuple(PhaseBytes(p.step, p.phase, raised(p.categories)) if p.phase in (Phase.FORWARD, Phase.BACKWARD) else p
-                 for p in phases)
+                 for p in phases), walked.chunks
 
 
 class MeshBuffers(NamedTuple):
@@ -403,9 +408,16 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
         # `_step_microbatches`): no accumulated gradient sits beside the activations in flight; 1F1B's does
         setup = setup._replace(accumulating=False)
     result = _engine_profile(engine)(facts, setup, acts)
+    if kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2 and engine == Engine.TORCH:
+        # without FSDP2 the rowwise embedding's Replicate gradient stays whole until zero_grad (estimate/tp_embedding.py)
+        from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
+
+        extra = replicated_embedding_grad_bytes(model, mesh, dtypes.grad)
+        result = result._replace(phases=with_replicated_embedding_grad(result.phases, extra, facts.trainable_params * dtypes.grad))
     if mesh.pp > 1 and mesh.pp_schedule.looped:
-        result = result._replace(phases=_looped_schedule_phases(model, training, kind, facts, acts, result.phases,
-                                                                dtypes.activation, micro_batches))
+        looped, chunks = _looped_schedule_phases(model, training, kind, facts, acts, result.phases, dtypes.activation,
+                                                 micro_batches)
+        result, kind = result._replace(phases=looped), kind._replace(in_flight=chunks)  # the walk's count at its peak
     phases = _with_buffers(_with_overhead(result.phases, overhead_bytes(training)),
                            mesh_buffers(model, training, kind, dtypes.activation, micro_batches))
     implementation = f"{IMPLEMENTATION}/{training.attention.value}"

@@ -343,6 +343,7 @@ def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str) -> str:
 
 
 _TINY_LLAMA_4L = "tests/data/tiny-llama-4l.toml"  # relative to the repository root, where validate runs
+_TINY_LLAMA_16K = "tests/data/tiny-llama-16k.toml"
 
 
 def mesh_rows() -> list[Row]:
@@ -368,6 +369,11 @@ def mesh_rows() -> list[Row]:
         Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "interleaved-1f1b"), ("pp_virtual_stages", 2)),
             grad_accum=4, world=4, **titan),
         *_context_parallel_rows(titan),
+        # zero bubble with FSDP2 sharding: I after a resharding forward keeps nothing for W (estimate/pipeline_fsdp.py)
+        Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "zero-bubble"), ("pp_virtual_stages", 2)),
+            grad_accum=4, world=4, **titan),
+        # a 16k vocabulary: the rowwise embedding's gradient arrives whole on each TP rank (estimate/tp_embedding.py)
+        Row(_TINY_LLAMA_16K, "fsdp2", 3, "fp32", mesh=(("tp", 2),), **titan),
     ]
 
 
