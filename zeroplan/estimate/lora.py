@@ -545,12 +545,15 @@ def adapter_element_bytes(engine: str, precision: str, comp: int, recipe: str = 
 def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     """`acts` with what the adapted blocks keep instead of what whole blocks keep (docs/engines/lora.md)."""
     from zeroplan.estimate.activations import _autocast, _input_projections
+    from zeroplan.estimate.lora_trainer import adapters_stay_fp32
     from zeroplan.spec.program import Loss, Recipe
 
     lora, quant = training.lora, training.quant
     autocast = _autocast(training)
     adapter_element = adapter_element_bytes(training.engine.value, training.precision.value, comp,
                                             training.recipe.value)
+    if adapters_stay_fp32(training):  # the Trainer's adapters under ZeRO-3 (estimate/lora_trainer.py)
+        adapter_element = FP32_BYTES
     attn_reads, mlp_reads = _input_projections(spec)
     cuda = training.device.value == "cuda"
     extra = adapter_activations(spec, lora, autocast, comp, adapter_element, cuda, attn_reads, mlp_reads)
