@@ -106,14 +106,25 @@ def _with_lora(result: EngineEstimate, facts: ModelFacts, model: TransformerSpec
     full_grads = max(p.categories.grads for p in result.phases)
     phases = []
     for p in result.phases:
-        categories = p.categories._replace(params=max(0, p.categories.params + delta))
+        categories = p.categories._replace(params=max(0, p.categories.params + delta + _fp32_adapters(facts, training, param, p.step)))
         if copies is not None:
             categories = lora_saved.with_saved_copies(categories, p.phase, copies, full_grads)
         phases.append(PhaseBytes(p.step, p.phase, categories))
     result = result._replace(phases=tuple(phases))
     peak = max(result.phases, key=lambda p: p.total_bytes)
-    adapter = min(peak.categories.params, lora.adapter_param_bytes(facts, training, param, peak.step == Step.STEADY))
+    adapter = min(peak.categories.params, lora.adapter_param_bytes(facts, training, param, peak.step == Step.STEADY)
+                  + _fp32_adapters(facts, training, param, peak.step))
     return result, ParamParts(peak.categories.params - adapter, adapter), lora.lora_notes(model, training, facts)
+
+
+def _fp32_adapters(facts: ModelFacts, training: TrainingSpec, param: int, step) -> int:
+    """The Trainer's adapters kept fp32 under DeepSpeed ZeRO-3 (estimate/lora_trainer.py)."""
+    from zeroplan.estimate import lora, lora_trainer
+    from zeroplan.estimate.result import Step
+
+    if not lora_trainer.adapters_stay_fp32(training):
+        return 0
+    return lora_trainer.adapter_params_delta(lora.adapter_param_bytes(facts, training, param, step == Step.STEADY), training)
 
 
 def _with_offloaded_activations(result: EngineEstimate, host_bytes: int, training: TrainingSpec) -> tuple[EngineEstimate, tuple[str, ...]]:

@@ -572,12 +572,15 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     from zeroplan.estimate.activations import _autocast, _input_projections, attention_kernel
     from zeroplan.estimate.lora_int8 import int8_inputs, with_int8_inputs
     from zeroplan.estimate.lora_recompute import recompute_dtypes, recompute_moment_bytes, with_recompute_moment
+    from zeroplan.estimate.lora_trainer import adapters_stay_fp32
     from zeroplan.spec.program import Loss, Recipe
 
     lora, quant = training.lora, training.quant
     autocast = _autocast(training)
     adapter_element = adapter_element_bytes(training.engine.value, training.precision.value, comp,
                                             training.recipe.value)
+    if adapters_stay_fp32(training):  # the Trainer's adapters under ZeRO-3 (estimate/lora_trainer.py)
+        adapter_element = FP32_BYTES
     attn_reads, mlp_reads = _input_projections(spec)
     cuda = training.device.value == "cuda"
     extra = adapter_activations(spec, lora, autocast, comp, adapter_element, cuda, attn_reads, mlp_reads)

@@ -118,7 +118,8 @@ class Row:
             + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ())
         row_id = "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
         row_id = mesh_row_id(self.mesh, row_id) if self.mesh else row_id
-        return f"{self.lora.id}/{row_id}" if self.lora is not None else row_id
+        trainer = "trainer-" if self.recipe == "hf-trainer" else ""  # the Trainer's adapter rows apart from the loop's
+        return f"{trainer}{self.lora.id}/{row_id}" if self.lora is not None else row_id
 
     @property
     def needs_cpu_adam(self) -> bool:
@@ -448,6 +449,8 @@ def _lora_rows() -> list[Row]:
         rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, lora=lora, **extra))
     for model, engine, stage, precision, ckpt, lora, extra in QLORA_ROWS:
         rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, lora=lora, **extra))
+    for engine, stage, precision, ckpt, lora in TRAINER_LORA_ROWS:
+        rows.append(Row("tiny-llama", engine, stage, precision, checkpointing=ckpt, lora=lora, recipe="hf-trainer"))
     return rows
 
 
@@ -466,6 +469,16 @@ QLORA_ROWS: tuple = (  # bitsandbytes bases: one rank as the QLoRA scripts run i
      {"model_init": "host"}),
     ("tiny-llama", "deepspeed", 2, "fp32", "none", LoraRow(8, base_precision="nf4", compute_dtype="fp32"), {}),
     ("tiny-llama", "deepspeed", 3, "bf16", "none", LoraRow(8, base_precision="nf4", quant_storage="bf16"), {}),
+)
+
+
+TRAINER_LORA_ROWS: tuple = (  # transformers.Trainer given get_peft_model's PeftModel (ids "trainer-lora-...")
+    ("torch", 0, "bf16", "full", LoraRow(8)),
+    ("deepspeed", 2, "bf16", "none", LoraRow(8)),
+    ("deepspeed", 3, "bf16", "full", LoraRow(8)),
+    ("deepspeed", 3, "bf16", "none", LoraRow(8)),
+    ("fsdp2", 3, "bf16", "none", LoraRow(8)),
+    ("torch", 0, "bf16", "none", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16")),
 )
 
 
