@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from zeroplan.estimate.caches import memo
+
 FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
 
 
@@ -24,7 +26,8 @@ def warmup_ops(rank: int, local_stages: int, per_round: int, pp: int, micro_batc
     return min((local_stages - 1) * per_round + factor * (pp - 1 - rank), micro_batches * local_stages)
 
 
-def looped_rank_actions(pp: int, local_stages: int, micro_batches: int, rank: int, zero_bubble: bool) -> list[Action]:
+@memo(maxsize=256)  # a plan asks for the same few orders for every tp, cp, micro-batch and checkpointing
+def looped_rank_actions(pp: int, local_stages: int, micro_batches: int, rank: int, zero_bubble: bool) -> tuple[Action, ...]:
     """The actions of one rank in order: `_calculate_single_rank_operations` of ScheduleInterleaved1F1B
     (warmup factor 2, full backwards) or ScheduleInterleavedZeroBubble (factor 1, backward split into
     I and W, the W held back by `rank` backwards: num_1f1b_microbatches = rank)."""
@@ -62,7 +65,7 @@ def looped_rank_actions(pp: int, local_stages: int, micro_batches: int, rank: in
     while zero_bubble and weights_done < len(backward_steps):
         actions.append(action(backward_stage(backward_steps[weights_done]), BACKWARD_WEIGHT))
         weights_done += 1
-    return actions
+    return tuple(actions)
 
 
 class ChunkBytes(NamedTuple):
@@ -82,7 +85,7 @@ class LoopedPeak(NamedTuple):
     sends: int  # of which the pending sends (a collective used them: measured as buffers)
 
 
-def looped_peak(actions: list[Action], chunks: dict[int, ChunkBytes], forward_transient: int,
+def looped_peak(actions: tuple[Action, ...], chunks: dict[int, ChunkBytes], forward_transient: int,
                 backward_transient: int) -> LoopedPeak:
     """The highest of what a rank holds (saved tensors, W's inputs, pending sends, kept outputs,
     gradients) at the end of each forward and I and at the start of each backward, walking its actions.
@@ -93,32 +96,32 @@ def looped_peak(actions: list[Action], chunks: dict[int, ChunkBytes], forward_tr
     sends = 0  # pending sends
     grads = 0  # gradients of the stages whose first backward ran
     stages_with_grads: set[int] = set()
-    peak = LoopedPeak(0, 0, 0)
-
-    def at(transient: int, more_grads: int = 0) -> LoopedPeak:
-        moment = LoopedPeak(held + sends + grads + more_grads + transient, grads + more_grads, sends)
-        return max(peak, moment)
-
-    for action in actions:
-        chunk = chunks[action.stage]
-        if action.kind == FORWARD:
+    peak = (0, 0, 0)  # (total, grads, sends) of the highest moment, compared as LoopedPeak's fields
+    for stage, kind, _ in actions:
+        chunk = chunks[stage]
+        if kind == FORWARD:
             held += chunk.saved + chunk.kept_output
             sends += chunk.sent
-            peak = at(forward_transient)
-        elif action.kind in (FULL_BACKWARD, BACKWARD_INPUT):
-            own = chunk.grads if action.kind == FULL_BACKWARD and action.stage not in stages_with_grads else 0
-            peak = at(backward_transient, own)
+            moment = (held + sends + grads + forward_transient, grads, sends)
+        else:
+            if kind == BACKWARD_WEIGHT:  # the chunk's saved tensors and output gradients go once its weight gradients exist
+                if stage not in stages_with_grads:
+                    grads += chunk.grads
+                    stages_with_grads.add(stage)
+                held -= chunk.saved + chunk.weight_grad_inputs
+                continue
+            own = chunk.grads if kind == FULL_BACKWARD and stage not in stages_with_grads else 0
+            moment = (held + sends + grads + own + backward_transient, grads + own, sends)
             sends += chunk.sent_grad
-            if action.kind == FULL_BACKWARD:
+            if kind == FULL_BACKWARD:
                 held -= chunk.saved
                 grads += own
-                stages_with_grads.add(action.stage)
-            else:
+                stages_with_grads.add(stage)
+            else:  # I: its output gradients wait for W
+                if moment > peak:
+                    peak = moment
                 held += chunk.weight_grad_inputs
-                peak = at(0)
-        else:  # W: the chunk's saved tensors and output gradients go once its weight gradients exist
-            if action.stage not in stages_with_grads:
-                grads += chunk.grads
-                stages_with_grads.add(action.stage)
-            held -= chunk.saved + chunk.weight_grad_inputs
-    return peak
+                moment = (held + sends + grads, grads, sends)
+        if moment > peak:
+            peak = moment
+    return LoopedPeak(*peak)

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from zeroplan.errors import SpecError
-from zeroplan.estimate.mesh import MeshEstimate, estimate_mesh_within
+from zeroplan.estimate.mesh import (MeshEstimate, RankEstimate, RankKind, estimate_mesh, estimate_mesh_within,
+                                    rank_estimate, rank_kinds)
 from zeroplan.plan.cost import Assumptions, model_flops
 from zeroplan.plan.mesh_cost import MeshStepCost, mesh_step_cost
-from zeroplan.spec.mesh import MeshSpec, PPSchedule
+from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Checkpointing, TrainingSpec
 
@@ -31,6 +32,15 @@ class MeshCandidate:
     estimate: MeshEstimate
     cost: MeshStepCost
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """A mesh at its cheapest micro-batch that fits, with its worst rank (the full estimate is made for the shown)."""
+
+    training: TrainingSpec
+    worst: RankEstimate
+    cost: MeshStepCost
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,7 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
     if not isinstance(model, TransformerSpec):
         raise SpecError("mesh: a model given by parameter count cannot be cut by tp/cp/pp; give its config")
     flops = model_flops(model, *_params(model, base))
-    evaluated, fitting = 0, []
+    evaluated, fitting = 0, []  # fitting: _Fit
     for mesh in _meshes(model, base):
         if not _world_runs(mesh, base):
             continue  # every micro-batch and checkpointing of it would fail the same validator: none to estimate
@@ -97,9 +107,9 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
             if candidate is not None:
                 fitting.append(candidate)
     fitting.sort(key=lambda c: (c.cost.gpu_seconds_per_token, c.training.mesh.model_ranks))
-    best = fitting[0] if fitting else None
-    ranked = tuple(MeshCandidate(c.training, c.estimate, c.cost, _reason(i, c, best))
-                   for i, c in enumerate(fitting[:top], start=1))
+    shown = [MeshCandidate(c.training, estimate_mesh(model, c.training), c.cost) for c in fitting[:top]]
+    best = shown[0] if shown else None
+    ranked = tuple(MeshCandidate(c.training, c.estimate, c.cost, _reason(i, c, best)) for i, c in enumerate(shown, start=1))
     return MeshPlan(model.name, base.gpus, budget_bytes, evaluated, len(fitting), ranked)
 
 
@@ -107,50 +117,93 @@ def _micro_batch_specs(base: TrainingSpec, mesh: MeshSpec, mode: Checkpointing, 
                        global_batch: int | None) -> Iterator[TrainingSpec]:
     """The mesh's specs by micro-batch, ascending, up to the first that does not validate; made as they are
     asked for (most meshes stop at the first, which does not fit)."""
+    first = None
     for micro in (m for m in _DEGREES if m <= max_micro_batch):
         accum = _accumulation(mesh, base.gpus, micro, global_batch)
         if accum is None:
             continue
+        if first is not None and accum == first.grad_accum:
+            # only micro_batch differs from a spec that validated, and it is checked by its own field alone (ge=1)
+            yield first.model_copy(update={"micro_batch": micro})
+            continue
         try:
-            yield base.varied(mesh=mesh, checkpointing=mode, micro_batch=micro, grad_accum=accum,
-                              zero_stage=2 if mesh.pp > 1 else base.zero_stage)
+            first = base.varied(mesh=mesh, checkpointing=mode, micro_batch=micro, grad_accum=accum,
+                                zero_stage=2 if mesh.pp > 1 else base.zero_stage)
         except SpecError:
             return
+        yield first
 
 
 def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], budget_bytes: int,
-                  assumptions: Assumptions) -> tuple[MeshCandidate | None, int]:
+                  assumptions: Assumptions) -> tuple[_Fit | None, int]:
     """The cheapest of `specs` (one mesh, micro-batches ascending) whose worst rank fits, and the estimates
     made. The worst rank's peak never shrinks as the micro-batch grows, so the ones that fit are a prefix,
     found by bisection; their costs use the worst rank kind of the largest that fits, and the cheapest gets a
-    full estimate of its own."""
+    fit check of its own."""
     trainings = list(itertools.islice(specs, 1))  # the rest are made only when the first fits
-    estimates: dict[int, MeshEstimate | None] = {}  # None: a rank is over the budget (or the spec is invalid)
+    worst: dict[int, RankEstimate | None] = {}  # None: a rank is over the budget (or the spec is invalid)
 
     def fits(index: int) -> bool:
-        if index not in estimates:
+        if index not in worst:
             try:
-                estimates[index] = estimate_mesh_within(model, trainings[index], budget_bytes)
+                worst[index] = _worst_within(model, trainings[index], budget_bytes)
             except SpecError:
                 return False
-        return estimates[index] is not None
+        return worst[index] is not None
 
     if not trainings or not fits(0):
-        return None, len(estimates)
+        return None, len(worst)
     trainings.extend(specs)
     low, high = 0, len(trainings)  # trainings[low] fits, trainings[high] does not (or is past the end)
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
-    worst = estimates[low].worst
-    costs = [mesh_step_cost(model, flops, worst.params, worst.kind.layers, training, assumptions)
+    largest = worst[low]
+    costs = [mesh_step_cost(model, flops, largest.params, largest.kind.layers, training, assumptions)
              for training in trainings[:low + 1]]
     best = min(range(low + 1), key=lambda index: costs[index].gpu_seconds_per_token)
-    if best not in estimates:
+    if best not in worst:
         fits(best)
-    chosen = estimates[best].worst
+    chosen = worst[best]
     cost = mesh_step_cost(model, flops, chosen.params, chosen.kind.layers, trainings[best], assumptions)
-    return MeshCandidate(trainings[best], estimates[best], cost), len(estimates)
+    return _Fit(trainings[best], chosen, cost), len(worst)
+
+
+def _worst_within(model: TransformerSpec, training: TrainingSpec, budget_bytes: int) -> RankEstimate | None:
+    """`estimate_mesh_within(...).worst`, or None when a rank is over the budget, from the rank kinds that can be
+    the worst only (`_may_be_worst`), the ends of the pipeline first."""
+    mesh = training.mesh
+    if mesh.is_trivial:
+        whole = estimate_mesh_within(model, training, budget_bytes)
+        return None if whole is None else whole.worst
+    check_mesh(model, training)
+    kinds = rank_kinds(model, mesh, training.grad_accum if mesh.pp > 1 else 1)
+    ranks: dict[int, RankEstimate] = {}
+    for index in _may_be_worst(kinds):
+        ranks[index] = rank_estimate(model, training, kinds[index])
+        if ranks[index].estimate.peak_bytes > budget_bytes:
+            return None
+    return max((ranks[index] for index in sorted(ranks)), key=lambda rank: rank.estimate.peak_bytes)
+
+
+def _may_be_worst(kinds: list[RankKind]) -> list[int]:
+    """The rank kinds whose peak may be the highest, the ends of the pipeline first. A rank with one stage, no
+    embedding and no head, and no more layers nor micro-batches in flight than pp rank 1 (also such a rank) is
+    left out: its estimate is rank 1's with every term no larger. Its parameters, gradients and optimizer states
+    are sums over fewer blocks of the same shapes, sharded alike; FSDP2 gathers the same block unit; its saved
+    activations are per block times blocks plus one stage's per extra micro-batch in flight; its pipeline receive
+    buffers are as many (one stage, neither end). So its peak is at most rank 1's, and rank 1, coming first, is
+    what `max` picks on a tie. Under GPipe and 1F1B this leaves pp ranks 0, 1 and the last (`stage_layers` gives
+    the remainder to the first stages, 1F1B keeps min(n, pp - rank) in flight); looped schedules keep them all."""
+    ends = [0, len(kinds) - 1] if len(kinds) > 1 else [0]
+    if len(kinds) < 4:
+        return ends + list(range(1, len(kinds) - 1))
+    first = kinds[1]
+    comparable = len(first.stages) == 1 and not (first.embedding or first.head)
+    return ends + [1] + [index for index in range(2, len(kinds) - 1)
+                         if not (comparable and len(kinds[index].stages) == 1 and not kinds[index].embedding
+                                 and not kinds[index].head and kinds[index].layers <= first.layers
+                                 and kinds[index].in_flight <= first.in_flight)]
 
 
 def _world_runs(mesh: MeshSpec, base: TrainingSpec) -> bool:
