@@ -270,10 +270,11 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     return acts
 
 
-# every rank kind of one mesh estimate asks for the same one
+# every rank kind of one mesh estimate asks for the same one; copied, not validated again: no validator reads
+# seq_len, and an all-ones mesh passes check_world
 @memo(maxsize=64)
 def _local_training(training: TrainingSpec, local_seq: int) -> TrainingSpec:
-    return training.varied(seq_len=local_seq, mesh=MeshSpec())
+    return training.model_copy(update={"seq_len": local_seq, "mesh": MeshSpec()})
 
 
 def _weight_op_output_width(model: TransformerSpec, mesh: MeshSpec) -> int:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zeroplan.estimate.caches import memo
+
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.plan.cost import Assumptions, ModelFlops, PerToken, step_cost_model
 from zeroplan.spec.mesh import PPSchedule
@@ -74,10 +76,9 @@ def mesh_step_cost(model: TransformerSpec, flops: ModelFlops, rank_params: int, 
 
     # compute over the tp x cp x pp GPUs of a data-parallel rank; efficiency of a local micro-batch
     forward_backward = flops.dense_flops_per_token + flops.attention_flops_per_token_per_seq * seq
-    dense = TrainingSpec(engine=training.engine, zero_stage=training.zero_stage, gpus=fsdp,
-                         gpus_per_node=min(training.node_gpus, fsdp), precision=training.precision,
-                         optimizer=training.optimizer, seq_len=seq // cp, checkpointing=training.checkpointing,
-                         offload_optimizer=training.offload_optimizer, offload_params=training.offload_params)
+    dense = _data_parallel_training(training.engine, training.zero_stage, fsdp, min(training.node_gpus, fsdp),
+                                    training.precision, training.optimizer, seq // cp, training.checkpointing,
+                                    training.offload_optimizer, training.offload_params)
     share = ModelFlops(rank_params, rank_params, forward_backward / (tp * pp), 0.0)
     base = step_cost_model(share, dense, assumptions).step_cost(micro, accum)
     # the cost model's data-parallel collectives over fsdp ranks run on the links of their span
@@ -115,3 +116,12 @@ def mesh_step_cost(model: TransformerSpec, flops: ModelFlops, rank_params: int, 
     return MeshStepCost(base.compute_s, base.recompute_s, data_parallel, base.offload_s, base.optimizer_s,
                         tensor_parallel, context_parallel, bubble, p2p, expert_parallel,
                         tokens=micro * seq * accum / (tp * cp * pp))
+
+
+@memo(maxsize=256)  # the planner asks again for every micro-batch of a mesh
+def _data_parallel_training(engine, zero_stage, gpus, gpus_per_node, precision, optimizer, seq_len, checkpointing,
+                            offload_optimizer, offload_params) -> TrainingSpec:
+    """The plain data-parallel spec `cost.step_cost_model` prices: the fsdp ranks, a rank's share of the sequence."""
+    return TrainingSpec(engine=engine, zero_stage=zero_stage, gpus=gpus, gpus_per_node=gpus_per_node,
+                        precision=precision, optimizer=optimizer, seq_len=seq_len, checkpointing=checkpointing,
+                        offload_optimizer=offload_optimizer, offload_params=offload_params)
