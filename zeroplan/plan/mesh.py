@@ -55,7 +55,8 @@ class MeshPlan:
 
 def _meshes(model: TransformerSpec, base: TrainingSpec) -> list[MeshSpec]:
     """tp within a node and dividing the heads; cp while each rank keeps 1024 tokens or more; pp up to 16 stages
-    with 1F1B and Interleaved 1F1B (2 stages per rank, torchtitan's default for looped schedules)."""
+    with 1F1B and Interleaved 1F1B (2 stages per rank, torchtitan's default for looped schedules); for each, plain
+    FSDP over every data-parallel rank and HSDP (`_replicas`), and for a MoE model every ep (`_expert_degrees`)."""
     gpus, seq = base.gpus, base.seq_len
     meshes = []
     for tp in _DEGREES:
@@ -70,34 +71,82 @@ def _meshes(model: TransformerSpec, base: TrainingSpec) -> list[MeshSpec]:
                 schedules = [(PPSchedule.ONE_F_ONE_B, 1)]
                 if pp > 1 and model.num_layers >= 2 * pp:
                     schedules.append((PPSchedule.INTERLEAVED_1F1B, 2))
+                data_parallel = gpus // (tp * cp * pp)
                 for schedule, virtual in schedules:
-                    meshes.append(MeshSpec(tp=tp, cp=cp, pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual))
+                    for replicas in _replicas(tp * cp, data_parallel, base.node_gpus):
+                        for ep in _expert_degrees(model, data_parallel // replicas * cp * tp):
+                            meshes.append(MeshSpec(tp=tp, cp=cp, pp=pp, pp_schedule=schedule,
+                                                   pp_virtual_stages=virtual, ep=ep, dp_replicate=replicas))
     return meshes
 
 
+def _replicas(tp_cp: int, data_parallel: int, node_gpus: int) -> list[int]:
+    """dp_replicate degrees searched: 1 (FSDP over every data-parallel rank), and HSDP with the shard group
+    filling one node beside tp x cp (PyTorch FSDP, Zhao et al. 2023, section 3.2.2 "hybrid sharding": shard
+    inside a host, replicate across hosts), so that its gathers and reduce-scatters stay on the node's links.
+    A shard group of one GPU is left out: torchtitan then runs DDP, which the estimate does not model."""
+    shard = node_gpus // tp_cp
+    if shard < 2 or data_parallel % shard or data_parallel == shard:
+        return [1]
+    return [1, data_parallel // shard]
+
+
+def _expert_degrees(model: TransformerSpec, borrowed: int) -> list[int]:
+    """ep degrees searched for a MoE model: those dividing its experts and the dp_shard x cp x tp ranks expert
+    parallelism borrows (torchtitan parallel_dims.py `build_mesh`: efsdp = dp_shard x cp x tp / ep)."""
+    if not model.is_moe:
+        return [1]
+    return [ep for ep in _DEGREES if model.num_experts % ep == 0 and borrowed % ep == 0]
+
+
+def _given(meshes: list[MeshSpec], given: dict[str, Any]) -> list[MeshSpec]:
+    """The searched meshes with the dimensions the user gave (tp, pp, ...) fixed: those that match, with the given
+    sequence and loss parallelism switches."""
+    switches = {name: given[name] for name in ("sequence_parallel", "loss_parallel") if name in given}
+    degrees = {name: value for name, value in given.items() if name not in switches}
+    matching = [mesh for mesh in meshes if all(getattr(mesh, name) == value for name, value in degrees.items())]
+    return [mesh.model_copy(update=switches) for mesh in matching] if switches else matching
+
+
 def _reason(rank: int, candidate: MeshCandidate, best: MeshCandidate | None) -> str:
-    """Why it ranks here: its largest costs beside compute, and how far it is from the best."""
-    terms = {name: value for name, value in candidate.cost.terms().items() if name not in ("compute",) and value > 0}
+    """Why it ranks here: what its HSDP and ep degrees buy, its largest costs beside compute, and, below #1, the
+    term it pays most more of per token."""
+    cost = candidate.cost
+    terms = {name: value for name, value in cost.terms().items() if name not in ("compute",) and value > 0}
     top_terms = sorted(terms.items(), key=lambda item: -item[1])[:2]
-    share = ", ".join(f"{name} {value / candidate.cost.step_s:.0%}" for name, value in top_terms) or "compute only"
+    share = ", ".join(f"{name} {value / cost.step_s:.0%}" for name, value in top_terms) or "compute only"
     worst = candidate.estimate.worst
     head = f"worst rank {worst.kind.label} at {worst.estimate.peak_bytes / 2**30:.1f} GiB; step beyond compute: {share}"
+    mesh, gpus = candidate.training.mesh, candidate.training.gpus
+    if mesh.dp_replicate > 1:
+        where = "inside a node" if mesh.tp * mesh.cp * mesh.dp_shard(gpus) <= candidate.training.node_gpus else "across nodes"
+        head += (f"; HSDP: sharded over {mesh.fsdp_degree(gpus)} GPUs {where}, all-reduced across {mesh.dp_replicate} "
+                 f"replicas ({cost.replicate_s / cost.step_s:.0%} of the step)")
+    if mesh.ep > 1:
+        head += (f"; ep {mesh.ep}: each rank gathers 1/{mesh.ep} of the experts, the all-to-all takes "
+                 f"{cost.expert_parallel_s / cost.step_s:.0%} of the step")
     if rank == 1 or best is None:
         return f"cheapest per token; {head}"
-    slower = candidate.cost.gpu_seconds_per_token / best.cost.gpu_seconds_per_token - 1
-    return f"{slower:.0%} more GPU time per token than #1; {head}"
+    slower = cost.gpu_seconds_per_token / best.cost.gpu_seconds_per_token - 1
+    mine, theirs = cost.terms(), best.cost.terms()
+    excess = {name: mine[name] / cost.tokens - theirs[name] / best.cost.tokens for name in mine}
+    most = max(excess, key=excess.get)
+    return f"{slower:.0%} more GPU time per token than #1, most of it in {most}; {head}"
 
 
 def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, assumptions: Assumptions,
               checkpointing: tuple[Checkpointing, ...] = (Checkpointing.NONE, Checkpointing.FULL),
-              max_micro_batch: int = 16, global_batch: int | None = None, top: int = 5) -> MeshPlan:
+              max_micro_batch: int = 16, global_batch: int | None = None, top: int = 5,
+              given: dict[str, Any] | None = None, fixed: bool = False) -> MeshPlan:
     """The cheapest meshes of `base.gpus` GPUs whose worst rank fits `budget_bytes`. Without `global_batch`,
-    a pipeline runs 2 x pp micro-batches per step (torchtitan needs at least pp for 1F1B)."""
+    a pipeline runs 2 x pp micro-batches per step (torchtitan needs at least pp for 1F1B). `given` fixes some
+    dimensions of the search (MeshSpec field: value); `fixed` plans `base.mesh` alone (micro-batch and checkpointing)."""
     if not isinstance(model, TransformerSpec):
         raise SpecError("mesh: a model given by parameter count cannot be cut by tp/cp/pp; give its config")
     flops = model_flops(model, *_params(model, base))
     evaluated, fitting = 0, []  # fitting: _Fit
-    for mesh in _meshes(model, base):
+    meshes = [base.mesh] if fixed else _given(_meshes(model, base), given or {})
+    for mesh in meshes:
         if not _world_runs(mesh, base):
             continue  # every micro-batch and checkpointing of it would fail the same validator: none to estimate
         for mode in checkpointing:
