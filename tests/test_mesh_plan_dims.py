@@ -29,7 +29,7 @@ BUDGET = int(H100.memory_bytes * 0.95)
 def test_every_searched_mesh_is_a_valid_mesh_and_hsdp_and_ep_are_among_them(name, gpus):
     model = resolve_model(name)
     base = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=gpus, seq_len=4096, recipe="torchtitan")
-    meshes = _meshes(model, base)
+    meshes = _meshes(model, base, {})
     for mesh in meshes:
         training = base.varied(mesh=mesh, zero_stage=2 if mesh.pp > 1 else 3, grad_accum=2 * mesh.pp)
         check_mesh(model, training)  # raises on a mesh the model cannot be cut by
@@ -130,10 +130,19 @@ def test_a_mesh_given_without_mesh_search_is_planned_as_it_is(tmp_path):
     assert all(row["mesh"]["tp"] == 4 for row in rows) and {row["mesh"]["pp"] for row in rows} != {1}
 
 
+def test_a_given_degree_outside_the_searched_ones_is_planned_with_the_rest_searched():
+    # HSDP of 4 replicas on 64 GPUs is not a shard group filling a node: given, it is searched all the same
+    base = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=64, seq_len=4096, recipe="torchtitan", loss="standard")
+    plan = plan_mesh(resolve_model("llama-3-8b"), base, BUDGET, assumptions_for(H100), max_micro_batch=2, top=3,
+                     given={"dp_replicate": 4, "pp": 1})
+    assert plan.top and all(c.training.mesh.dp_replicate == 4 for c in plan.top)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--gpus", "16-32", "--tp", "4"], "a mesh is planned on one GPU count: give --gpus N"),
     (["--gpus", "16", "--tp", "4", "--engine", "deepspeed"], "mesh: a mesh is planned with FSDP2"),
     (["--gpus", "16", "--tp", "3"], "mesh: tp 3 x cp 1 x pp 1 x dp_replicate 1 = 3 does not divide gpus 16"),
+    (["--gpus", "32", "--tp", "16", "--mesh"], "mesh.tp: 16 does not divide the model's num_kv_heads 8"),
 ])
 def test_a_mesh_plan_refuses_in_one_line(args, message):
     engine = [] if "--engine" in args else ["--engine", "fsdp2"]

@@ -53,30 +53,41 @@ class MeshPlan:
     top: tuple[MeshCandidate, ...]
 
 
-def _meshes(model: TransformerSpec, base: TrainingSpec) -> list[MeshSpec]:
+def _meshes(model: TransformerSpec, base: TrainingSpec, given: dict[str, Any]) -> list[MeshSpec]:
     """tp within a node and dividing the heads; cp while each rank keeps 1024 tokens or more; pp up to 16 stages
     with 1F1B and Interleaved 1F1B (2 stages per rank, torchtitan's default for looped schedules); for each, plain
-    FSDP over every data-parallel rank and HSDP (`_replicas`), and for a MoE model every ep (`_expert_degrees`)."""
+    FSDP over every data-parallel rank and HSDP (`_replicas`), and for a MoE model every ep (`_expert_degrees`).
+    A dimension in `given` (MeshSpec field: value) takes that value only; the model's rules then judge it."""
     gpus, seq = base.gpus, base.seq_len
+
+    def choices(name: str, searched: list) -> list:
+        return [given[name]] if name in given else searched
+
+    switches = {name: given[name] for name in ("sequence_parallel", "loss_parallel") if name in given}
     meshes = []
-    for tp in _DEGREES:
-        if tp > base.node_gpus or model.num_heads % tp or model.kv_heads % tp:
-            continue
-        for cp in _DEGREES:
-            if seq % (2 * cp) or (cp > 1 and seq // cp < 1024) or (seq // cp) % tp:
-                continue
-            for pp in (1, 2, 4, 8, 16):
-                if gpus % (tp * cp * pp) or model.num_layers < pp:
+    for tp in choices("tp", [tp for tp in _DEGREES if tp <= base.node_gpus and not model.num_heads % tp
+                             and not model.kv_heads % tp]):
+        for cp in choices("cp", [cp for cp in _DEGREES if not seq % (2 * cp) and (cp == 1 or seq // cp >= 1024)
+                                 and not (seq // cp) % tp]):
+            for pp in choices("pp", [pp for pp in (1, 2, 4, 8, 16) if model.num_layers >= pp]):
+                if gpus % (tp * cp * pp):
                     continue
                 schedules = [(PPSchedule.ONE_F_ONE_B, 1)]
                 if pp > 1 and model.num_layers >= 2 * pp:
                     schedules.append((PPSchedule.INTERLEAVED_1F1B, 2))
+                if "pp_schedule" in given:
+                    schedule = PPSchedule(given["pp_schedule"])
+                    schedules = [(schedule, given.get("pp_virtual_stages", 2 if schedule.looped and pp > 1 else 1))]
+                elif "pp_virtual_stages" in given:
+                    schedules = [(s, v) for s, v in schedules if v == given["pp_virtual_stages"]]
                 data_parallel = gpus // (tp * cp * pp)
                 for schedule, virtual in schedules:
-                    for replicas in _replicas(tp * cp, data_parallel, base.node_gpus):
-                        for ep in _expert_degrees(model, data_parallel // replicas * cp * tp):
-                            meshes.append(MeshSpec(tp=tp, cp=cp, pp=pp, pp_schedule=schedule,
-                                                   pp_virtual_stages=virtual, ep=ep, dp_replicate=replicas))
+                    for replicas in choices("dp_replicate", _replicas(tp * cp, data_parallel, base.node_gpus)):
+                        if data_parallel % replicas:
+                            continue
+                        for ep in choices("ep", _expert_degrees(model, data_parallel // replicas * cp * tp)):
+                            meshes.append(MeshSpec(tp=tp, cp=cp, pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual,
+                                                   ep=ep, dp_replicate=replicas, **switches))
     return meshes
 
 
@@ -97,15 +108,6 @@ def _expert_degrees(model: TransformerSpec, borrowed: int) -> list[int]:
     if not model.is_moe:
         return [1]
     return [ep for ep in _DEGREES if model.num_experts % ep == 0 and borrowed % ep == 0]
-
-
-def _given(meshes: list[MeshSpec], given: dict[str, Any]) -> list[MeshSpec]:
-    """The searched meshes with the dimensions the user gave (tp, pp, ...) fixed: those that match, with the given
-    sequence and loss parallelism switches."""
-    switches = {name: given[name] for name in ("sequence_parallel", "loss_parallel") if name in given}
-    degrees = {name: value for name, value in given.items() if name not in switches}
-    matching = [mesh for mesh in meshes if all(getattr(mesh, name) == value for name, value in degrees.items())]
-    return [mesh.model_copy(update=switches) for mesh in matching] if switches else matching
 
 
 def _reason(rank: int, candidate: MeshCandidate, best: MeshCandidate | None) -> str:
@@ -145,7 +147,7 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
         raise SpecError("mesh: a model given by parameter count cannot be cut by tp/cp/pp; give its config")
     flops = model_flops(model, *_params(model, base))
     evaluated, fitting = 0, []  # fitting: _Fit
-    meshes = [base.mesh] if fixed else _given(_meshes(model, base), given or {})
+    meshes = [base.mesh] if fixed else _meshes(model, base, given or {})
     for mesh in meshes:
         if not _world_runs(mesh, base):
             continue  # every micro-batch and checkpointing of it would fail the same validator: none to estimate
@@ -155,6 +157,10 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
             evaluated += count
             if candidate is not None:
                 fitting.append(candidate)
+    if not evaluated and meshes and (fixed or given):
+        # every spec of the meshes asked for was refused: say why, in the model's rule's own words
+        for training in _micro_batch_specs(base, meshes[0], checkpointing[0], max_micro_batch, global_batch):
+            check_mesh(model, training)
     fitting.sort(key=lambda c: (c.cost.gpu_seconds_per_token, c.training.mesh.model_ranks))
     shown = [MeshCandidate(c.training, estimate_mesh(model, c.training), c.cost) for c in fitting[:top]]
     best = shown[0] if shown else None
