@@ -272,10 +272,11 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     return acts
 
 
-# every rank kind of one mesh estimate asks for the same one
+# every rank kind of one mesh estimate asks for the same one; copied, not validated again: no validator reads
+# seq_len, and an all-ones mesh passes check_world
 @memo(maxsize=64)
 def _local_training(training: TrainingSpec, local_seq: int) -> TrainingSpec:
-    return training.varied(seq_len=local_seq, mesh=MeshSpec())
+    return training.model_copy(update={"seq_len": local_seq, "mesh": MeshSpec()})
 
 
 def _weight_op_output_width(model: TransformerSpec, mesh: MeshSpec) -> int:
@@ -389,6 +390,37 @@ def _setup(training: TrainingSpec) -> Setup:
 def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int) -> RankEstimate:
     mesh = training.mesh
     dtypes = state_bytes(training.precision, training.optimizer)
+    # the profile reads the kind's ends, layers, stage count and (one stage per rank) micro-batches in flight only:
+    # the middle ranks of a looped schedule share it and differ in their walk alone
+    shape = kind._replace(pp_rank=0, stages=tuple(range(len(kind.stages))),
+                          in_flight=0 if mesh.pp_schedule.looped and mesh.pp > 1 else kind.in_flight)
+    facts, acts, result = _rank_profile(model, training, shape)
+    if (kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2
+            and mesh.fsdp_degree(training.gpus) == 1):
+        # without FSDP2 (see _rank_profile) the rowwise embedding's Replicate gradient stays whole until
+        # zero_grad (estimate/tp_embedding.py)
+        from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
+
+        extra = replicated_embedding_grad_bytes(model, mesh, dtypes.grad)
+        result = result._replace(phases=with_replicated_embedding_grad(result.phases, extra, facts.trainable_params * dtypes.grad))
+    if mesh.pp > 1 and mesh.pp_schedule.looped:
+        looped, chunks = _looped_schedule_phases(model, training, kind, facts, acts, result.phases, dtypes.activation,
+                                                 micro_batches)
+        result, kind = result._replace(phases=looped), kind._replace(in_flight=chunks)  # the walk's count at its peak
+    phases = _with_buffers(_with_overhead(result.phases, overhead_bytes(training)),
+                           mesh_buffers(model, training, kind, dtypes.activation, micro_batches))
+    implementation = f"{IMPLEMENTATION}/{training.attention.value}"
+    whole = model_facts(model, training)
+    summary = ModelSummary(model.name, whole.total_params, whole.trainable_params, implementation)
+    rank = Estimate(summary, training.engine.value, phases, result.per_node, result.notes)
+    return RankEstimate(kind, training.gpus // mesh.pp, facts.total_params, rank)
+
+
+@memo(maxsize=64)
+def _rank_profile(model: TransformerSpec, training: TrainingSpec, kind: RankKind):
+    """What a rank of `kind` holds and the engine profile over it, before a looped schedule's walk."""
+    mesh = training.mesh
+    dtypes = state_bytes(training.precision, training.optimizer)
     facts = rank_facts(model, training, kind)
     acts = rank_activations(model, training, kind, dtypes.activation)
     setup = _setup(training)._replace(gpus=mesh.fsdp_degree(training.gpus),
@@ -407,24 +439,7 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
         # GPipe runs every micro-batch's forward before the first backward (schedules.py ScheduleGPipe
         # `_step_microbatches`): no accumulated gradient sits beside the activations in flight; 1F1B's does
         setup = setup._replace(accumulating=False)
-    result = _engine_profile(engine)(facts, setup, acts)
-    if kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2 and engine == Engine.TORCH:
-        # without FSDP2 the rowwise embedding's Replicate gradient stays whole until zero_grad (estimate/tp_embedding.py)
-        from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
-
-        extra = replicated_embedding_grad_bytes(model, mesh, dtypes.grad)
-        result = result._replace(phases=with_replicated_embedding_grad(result.phases, extra, facts.trainable_params * dtypes.grad))
-    if mesh.pp > 1 and mesh.pp_schedule.looped:
-        looped, chunks = _looped_schedule_phases(model, training, kind, facts, acts, result.phases, dtypes.activation,
-                                                 micro_batches)
-        result, kind = result._replace(phases=looped), kind._replace(in_flight=chunks)  # the walk's count at its peak
-    phases = _with_buffers(_with_overhead(result.phases, overhead_bytes(training)),
-                           mesh_buffers(model, training, kind, dtypes.activation, micro_batches))
-    implementation = f"{IMPLEMENTATION}/{training.attention.value}"
-    whole = model_facts(model, training)
-    summary = ModelSummary(model.name, whole.total_params, whole.trainable_params, implementation)
-    rank = Estimate(summary, training.engine.value, phases, result.per_node, result.notes)
-    return RankEstimate(kind, training.gpus // mesh.pp, facts.total_params, rank)
+    return facts, acts, _engine_profile(engine)(facts, setup, acts)
 
 
 def estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
@@ -459,6 +474,11 @@ def estimate_mesh_within(model: ModelSpec, training: TrainingSpec, budget_bytes:
             if ranks[index].estimate.peak_bytes > budget_bytes:
                 return None
     return MeshEstimate(mesh, tuple(ranks[index] for index in range(len(kinds))))
+
+
+def rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> RankEstimate:
+    """One rank kind of a mesh `check_mesh` passed (the planner estimates only the kinds that can be the worst)."""
+    return _rank_estimate(model, training, kind, training.grad_accum if training.mesh.pp > 1 else 1)
 
 
 def worst_rank_estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from zeroplan.estimate.caches import memo
+
 FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
 
 
@@ -24,7 +26,8 @@ def warmup_ops(rank: int, local_stages: int, per_round: int, pp: int, micro_batc
     return min((local_stages - 1) * per_round + factor * (pp - 1 - rank), micro_batches * local_stages)
 
 
-def looped_rank_actions(pp: int, local_stages: int, micro_batches: int, rank: int, zero_bubble: bool) -> list[Action]:
+@memo(maxsize=256)  # a plan asks for the same few orders for every tp, cp, micro-batch and checkpointing
+def looped_rank_actions(pp: int, local_stages: int, micro_batches: int, rank: int, zero_bubble: bool) -> tuple[Action, ...]:
     """The actions of one rank in order: `_calculate_single_rank_operations` of ScheduleInterleaved1F1B
     (warmup factor 2, full backwards) or ScheduleInterleavedZeroBubble (factor 1, backward split into
     I and W, the W held back by `rank` backwards: num_1f1b_microbatches = rank)."""
@@ -62,10 +65,10 @@ def looped_rank_actions(pp: int, local_stages: int, micro_batches: int, rank: in
     while zero_bubble and weights_done < len(backward_steps):
         actions.append(action(backward_stage(backward_steps[weights_done]), BACKWARD_WEIGHT))
         weights_done += 1
-    return actions
+    return tuple(actions)
 
 
-def inputs_only_backwards(actions: list[Action], resharded: frozenset[int]) -> frozenset[tuple[int, int]]:
+def inputs_only_backwards(actions: tuple[Action, ...], resharded: frozenset[int]) -> frozenset[tuple[int, int]]:
     """(stage, micro-batch) of the I actions that find their stage's parameters sharded: FSDP2 swaps the
     sharded DTensors back onto the modules after a forward that reshards (reshard_after_forward), and an I
     with reshard_after_backward off leaves the gathered ones there until the stage's next forward.
@@ -101,7 +104,7 @@ class LoopedPeak(NamedTuple):
     chunks: int = 0  # stage chunks (micro-batches of its stages) whose saved tensors are alive then
 
 
-def looped_peak(actions: list[Action], chunks: dict[int, ChunkBytes], forward_transient: int,
+def looped_peak(actions: tuple[Action, ...], chunks: dict[int, ChunkBytes], forward_transient: int,
                 backward_transient: int, inputs_only: frozenset[tuple[int, int]] = frozenset()) -> LoopedPeak:
     """The highest of what a rank holds (saved tensors, W's inputs, pending sends, kept outputs,
     gradients) at the end of each forward and I and at the start of each backward, walking its actions.
