@@ -45,8 +45,13 @@ def _training(engine: str, stage: int, **fields) -> TrainingSpec:
     return TrainingSpec(engine=engine, zero_stage=stage, **(defaults | fields))
 
 
-@functools.lru_cache(maxsize=None)
 def _run(model: str, engine: str, stage: int, nproc: int = 2, simulate: bool = False, implementation: str = "reference", **fields):
+    # every argument spelled out: lru_cache tells _run(m, e, s) from _run(m, e, s, implementation="reference")
+    return _measured(model, engine, stage, nproc, simulate, implementation, tuple(sorted(fields.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(model: str, engine: str, stage: int, nproc: int, simulate: bool, implementation: str, fields: tuple):
     training = _training(engine, stage, **(dict(fields) | {"gpus": nproc}))
     return launcher.run_measurement(
         resolve_model(model), training, nproc=nproc, simulate=simulate, steps=2, timeout_s=TIMEOUT_S,
