@@ -9,6 +9,7 @@ once per module and shared by the tests that read it.
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,8 +45,13 @@ def _training(engine: str, stage: int, **fields) -> TrainingSpec:
     return TrainingSpec(engine=engine, zero_stage=stage, **(defaults | fields))
 
 
-@functools.lru_cache(maxsize=None)
 def _run(model: str, engine: str, stage: int, nproc: int = 2, simulate: bool = False, implementation: str = "reference", **fields):
+    # every argument spelled out: lru_cache tells _run(m, e, s) from _run(m, e, s, implementation="reference")
+    return _measured(model, engine, stage, nproc, simulate, implementation, tuple(sorted(fields.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(model: str, engine: str, stage: int, nproc: int, simulate: bool, implementation: str, fields: tuple):
     training = _training(engine, stage, **(dict(fields) | {"gpus": nproc}))
     return launcher.run_measurement(
         resolve_model(model), training, nproc=nproc, simulate=simulate, steps=2, timeout_s=TIMEOUT_S,
@@ -219,9 +225,21 @@ def _fault_run(monkeypatch, fault: str, timeout_s: float = TIMEOUT_S):
         assert [p.pid for p in spawned if alive(p.pid)] == []
 
 
-def test_a_rank_that_raises_ends_the_run_naming_the_rank_and_its_exception(monkeypatch):
-    with pytest.raises(MeasureError, match=r"^rank 1 failed: RuntimeError: injected fault on rank 1$"):
-        _fault_run(monkeypatch, "raise@1")
+@pytest.fixture(scope="module")
+def raised_run(tmp_path_factory):
+    """One run whose rank 1 raises, its workers' temporary folder in a folder of its own: the
+    error it ended with and what was left in that folder (two tests read them)."""
+    folder = tmp_path_factory.mktemp("failed-run")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launcher.tempfile, "tempdir", str(folder))
+        with pytest.raises(MeasureError, match=r"^rank 1 failed: ") as raised:
+            _fault_run(patch, "raise@1")
+    return raised.value, os.listdir(folder)
+
+
+def test_a_rank_that_raises_ends_the_run_naming_the_rank_and_its_exception(raised_run):
+    error, _ = raised_run
+    assert re.fullmatch(r"rank 1 failed: RuntimeError: injected fault on rank 1", str(error))
 
 
 def test_a_timeout_kills_every_worker(monkeypatch):
@@ -254,11 +272,10 @@ def test_ctrl_c_leaves_no_worker_running(monkeypatch):
         _fault_run(monkeypatch, "")
 
 
-def test_a_failed_run_leaves_no_files_behind(monkeypatch, tmp_path):
-    monkeypatch.setattr(launcher.tempfile, "tempdir", str(tmp_path))
-    with pytest.raises(MeasureError, match="rank 0 failed"):
-        _fault_run(monkeypatch, "raise@0")
-    assert os.listdir(tmp_path) == []
+def test_a_failed_run_leaves_no_files_behind(raised_run):
+    error, left = raised_run
+    assert str(error).startswith("rank 1 failed")
+    assert left == []
 
 
 def test_bad_requests_are_refused_before_any_worker_starts():

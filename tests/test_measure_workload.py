@@ -1,6 +1,7 @@
 """The measured workload, in one process: the models built for real, their loss, and what
 checkpointing and the attention kernel do to the activation bytes the accounting sees."""
 
+import functools
 import math
 
 import pytest
@@ -53,8 +54,13 @@ def test_loss_at_random_init_is_close_to_uniform_and_backpropagates(implementati
 
 
 def _forward_activation_bytes(implementation: str, **fields) -> int:
+    return _measured_forward_activation_bytes(implementation, _training(seq_len=128, **fields))
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_forward_activation_bytes(implementation: str, training: TrainingSpec) -> int:
+    """Measured once per spec (several tests compare the same forward): the accounting counts bytes, no timings."""
     spec = resolve_model("tiny-llama")
-    training = _training(seq_len=128, **fields)
     with TensorAccounting() as acc:
         model = build_workload(spec, training, CPU, implementation=implementation).model
         params = list(model.parameters())
