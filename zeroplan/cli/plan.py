@@ -47,10 +47,10 @@ def _rate(name: str, field: str, unit: str, help_text: str):
 @click.option("--emit", nargs=2, type=(click.Choice(["deepspeed", "fsdp", "torchtitan"]), click.Path(dir_okay=False)),
               metavar="deepspeed|fsdp|torchtitan FILE",
               help="Write the best plan as a DeepSpeed JSON config, or as an FSDP2 Python snippet (with --engine fsdp2), "
-              "or (with --mesh) as a torchtitan job TOML.")
+              "or (with --mesh) as a torchtitan job TOML (a DeepSpeed JSON with AutoTP/Ulysses for --engine deepspeed).")
 @click.option("--mesh", "mesh_search", is_flag=True, default=False,
               help="Search tensor, context and pipeline parallel degrees and the pipeline schedule too (engine fsdp2, "
-              "one GPU count): the cheapest meshes whose worst rank fits.")
+              "or deepspeed: AutoTP and Ulysses; one GPU count): the cheapest meshes whose worst rank fits.")
 @output_options
 def command(**options: Any) -> None:
     """Find the configurations of MODEL that fit the GPUs (ZeRO stage x offload x checkpointing x
@@ -161,20 +161,30 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
     if len(gpu_counts) != 1:
         raise click.UsageError("--mesh searches the meshes of one GPU count: give --gpus N")
     emit = options["emit"]
-    if emit and emit[0] != "torchtitan":
-        raise click.UsageError(f"--mesh writes a torchtitan TOML: use --emit torchtitan FILE, not {emit[0]}")
-    if emit and options["config_file"] is None:
+    deepspeed = options["engine"] == "deepspeed"  # AutoTP and Ulysses, written as a DeepSpeed JSON (issue 14)
+    wanted = "deepspeed" if deepspeed else "torchtitan"
+    if emit and emit[0] != wanted:
+        raise click.UsageError(f"--mesh writes a {'DeepSpeed JSON' if deepspeed else 'torchtitan TOML'}: use "
+                               f"--emit {wanted} FILE, not {emit[0]}")
+    if emit and options["config_file"] is None and not deepspeed:
         # the plan models the program the TOML will state (torchtitan v0.2.2: whole-logits cross-entropy)
         options = {**options, "recipe": options["recipe"] or "torchtitan", "loss": options["loss"] or "standard"}
-    base = base_training(options, (3, 2), gpu_counts[0], model)
-    if base.engine != Engine.FSDP2:
-        raise SpecError("--mesh: meshes are searched with FSDP2 (torchtitan); give --engine fsdp2")
+    base = base_training(options, (space.zero_stages or (2, 1)) if deepspeed else (3, 2), gpu_counts[0], model)
+    if base.engine == Engine.DEEPSPEED and not deepspeed:  # a DeepSpeed --config: say it on the command line too
+        raise click.UsageError("--mesh with DeepSpeed: give --engine deepspeed")
+    if base.engine not in (Engine.FSDP2, Engine.DEEPSPEED):
+        raise SpecError("--mesh: meshes are searched with FSDP2 (torchtitan) or DeepSpeed (AutoTP, Ulysses); "
+                        "give --engine fsdp2 or deepspeed")
     result = plan_mesh(model, base, limits.budget_bytes, assumptions, space.checkpointing,
                        max_micro_batch=min(space.max_micro_batch, 64), global_batch=space.global_batch, top=options["top"])
     click.echo(render_mesh_plan(mesh_plan_to_dict(result), options["output_format"], options["units"]), nl=False)
     if emit:
         if not result.top:
-            raise SpecError("--emit torchtitan: nothing fits, so there is no plan to write")
+            raise SpecError(f"--emit {emit[0]}: nothing fits, so there is no plan to write")
+        if deepspeed:
+            from zeroplan.cli.plan_deepspeed_mesh import emit_deepspeed_mesh
+
+            return emit_deepspeed_mesh(emit[1], model, result.top[0])
         from zeroplan.importers.torchtitan_write import write_torchtitan_toml
         from zeroplan.spec.files import write_atomic
 

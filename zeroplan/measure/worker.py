@@ -64,7 +64,7 @@ def _inject_fault(rank: int) -> None:
 
 def _implementation(job: dict, training) -> str:
     """The job's model implementation; a mesh run's is the reference model (measure/mesh.py says why)."""
-    if not training.mesh.is_trivial:
+    if not training.mesh.is_trivial and training.engine.value != "deepspeed":  # DeepSpeed's mesh runs the HF model
         return "reference"
     return job.get("implementation", "auto")
 
