@@ -15,9 +15,20 @@ def _training(gpus: int, **mesh) -> TrainingSpec:
                         grad_accum=4, seq_len=64, mesh=mesh)
 
 
-def test_context_parallelism_is_refused_naming_the_field():
-    with pytest.raises(MeasureError, match="mesh.cp: context parallelism does not run on CPU"):
-        refuse_unmeasurable(resolve_model("tiny-llama"), _training(2, cp=2))
+def test_context_parallelism_is_measured_on_real_ranks_with_sdpa():
+    refuse_unmeasurable(resolve_model("tiny-llama"), _training(2, cp=2))
+    refuse_unmeasurable(resolve_model("tiny-llama"), _training(4, cp=2, tp=2))
+
+
+@pytest.mark.parametrize("mesh, simulate, attention, message", [
+    (dict(cp=2, pp=2), False, "fused", "mesh.cp: context parallelism is not measured with pipeline stages"),
+    (dict(cp=2), True, "fused", "mesh.cp: context parallelism is not measured under --simulate"),
+    (dict(cp=2), False, "eager", "attention: context parallelism rings the SDPA kernel"),
+])
+def test_what_context_parallelism_does_not_run_is_refused_naming_the_field(mesh, simulate, attention, message):
+    training = _training(4, **mesh).varied(attention=attention)
+    with pytest.raises(MeasureError, match=message):
+        refuse_unmeasurable(resolve_model("tiny-llama"), training, simulate=simulate)
 
 
 def test_a_simulated_pipeline_is_refused():

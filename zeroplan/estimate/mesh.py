@@ -251,6 +251,12 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         changes.update(saved_per_block=0, recompute_block=0, block_backward_transient=0, block_backward_freed=0,
                        block_forward_transient=0)
     acts = replace(acts, **changes) if changes else acts
+    if mesh.cp > 1 and kind.layers and training.engine != Engine.DEEPSPEED:
+        from zeroplan.estimate.mesh_cp import core_saved_bytes, with_ring_attention
+
+        norm_cut = _sequence_parallel_saving(model, training, tokens, act_bytes) // 2 if mesh.tp > 1 and mesh.sequence_parallel else 0
+        core_saved = core_saved_bytes(_local_view(model, mesh, kind), local, tokens, act_bytes, norm_cut)
+        acts = with_ring_attention(acts, model, training, tokens, act_bytes, core_saved)
     # The profile runs one micro-batch through all the rank's blocks: as many stage chunks as it has stages.
     # The other chunks in flight keep their stage's saved tensors for the whole of this one's step.
     chunks = len(kind.stages)
@@ -350,13 +356,8 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
     q_width = model.num_heads * model.dim_per_head // mesh.tp
     kv_width = model.kv_heads * model.dim_per_head // mesh.tp
     forward = backward = steady = 0
-    if mesh.cp > 1 and kind.layers and training.engine.value != "deepspeed":
-        # ring attention (torch/distributed/tensor/experimental/_context_parallel/_attention.py, convert_to_f32):
-        # forward: the next key/value chunk and fp32 output and log-sum-exp accumulators;
-        # backward: fp32 grad_query/key/value accumulators and each step's, the rotating k, v and dk, dv
-        forward += tokens * (2 * kv_width * act_bytes + FP32_BYTES * (q_width + model.num_heads // mesh.tp))
-        backward += tokens * (2 * FP32_BYTES * (q_width + 2 * kv_width) + 2 * kv_width * (act_bytes + FP32_BYTES))
-    elif mesh.cp > 1 and kind.layers:
+    # ring attention's tensors (FSDP2) are moments of a block's attention core: rank_activations, estimate/mesh_cp.py
+    if mesh.cp > 1 and kind.layers and training.engine.value == "deepspeed":
         # Ulysses (deepspeed/sequence/layer.py _SeqAllToAll): q, k, v and the output re-laid out by all-to-all
         forward += tokens * (2 * q_width + 2 * kv_width) * act_bytes
         backward += tokens * (2 * q_width + 2 * kv_width) * act_bytes

@@ -333,7 +333,7 @@ def _grid() -> tuple[Row, ...]:
 def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str, prefix: str = "mesh") -> str:
     """"mesh-" and the mesh's degrees before the row's id: mesh-tp2-sp/tiny-llama/fsdp2-3/..."""
     knobs = dict(mesh)
-    degrees = "-".join(f"{name}{knobs[name]}" for name in ("tp", "cp", "pp", "ep", "dp_replicate") if knobs.get(name, 1) > 1)
+    degrees = "-".join(f"{name}{knobs[name]}" for name in ("cp", "tp", "pp", "ep", "dp_replicate") if knobs.get(name, 1) > 1)
     extras = ([knobs["pp_schedule"]] if "pp_schedule" in knobs else []) \
         + ([f"v{knobs['pp_virtual_stages']}"] if knobs.get("pp_virtual_stages", 1) > 1 else []) \
         + (["nosp"] if knobs.get("sequence_parallel") is False else []) \
@@ -347,7 +347,8 @@ _TINY_LLAMA_4L = "tests/data/tiny-llama-4l.toml"  # relative to the repository r
 def mesh_rows() -> list[Row]:
     """Tensor, sequence and pipeline parallelism with FSDP2 (issue 14, measure/mesh.py): torchtitan's
     loop with its standard loss, tiny-llama (2 KV heads: tp 2 at most), real gloo ranks and one
-    simulated world. Context parallelism does not run on CPU (docs/measure.md, "Meshes")."""
+    simulated world. Context parallelism runs torch's ring attention with the CPU kernel added
+    (measure/cp_cpu.py; docs/measure.md, "Context parallelism on CPU")."""
     titan = {"recipe": "torchtitan", "loss": "standard"}
     return [
         Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("tp", 2), ("sequence_parallel", False), ("loss_parallel", False)), **titan),
@@ -365,6 +366,7 @@ def mesh_rows() -> list[Row]:
             grad_accum=4, **titan),
         Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "interleaved-1f1b"), ("pp_virtual_stages", 2)),
             grad_accum=4, world=4, **titan),
+        *_context_parallel_rows(titan),
     ]
 
 
@@ -378,6 +380,17 @@ def deepspeed_mesh_rows() -> list[Row]:
         Row("tiny-llama", "deepspeed", 1, "fp32", mesh=tp2, world=4, small_buckets=True),
         Row("tiny-llama", "deepspeed", 1, "fp32", mesh=ulysses2, small_buckets=True),
     ]
+
+
+def _context_parallel_rows(titan: dict) -> list[Row]:
+    """cp 2 alone (FSDP2 over the 2 cp ranks, torchtitan's "fsdp" = dp_shard x cp), cp 2 x dp 2 and cp 2 x tp 2 on
+    4 ranks, each without and with checkpointing (full: the ring runs again in backward)."""
+    rows = []
+    for precision, world, extra in (("fp32", 2, ()), ("bf16", 4, ()), ("fp32", 4, (("tp", 2),))):
+        for ckpt in ("none", "full"):
+            rows.append(Row("tiny-llama", "fsdp2", 3, precision, checkpointing=ckpt, world=world,
+                            mesh=(("cp", 2), *extra), **titan))
+    return rows
 
 
 def _dense_family_rows() -> list[Row]:

@@ -19,9 +19,10 @@ What a rank does, in torchtitan's order (torchtitan/models/llama3/infra/parallel
 - FSDP2 (`apply_fsdp`): `fully_shard` on every block, then on the stage's root, over
   ("dp_replicate", "dp_shard") (HSDP when dp_replicate > 1), reshard_after_forward as the ZeRO
   stage says (fsdp2_engine.py);
-- then the shards are materialised (`to_empty`, `init_materialized`) and AdamW created.
-What this does not run (context and expert parallelism, ...) is refused before the workers start
-(measure/mesh_rules.py).
+- then the shards are materialised (`to_empty`, `init_materialized`) and AdamW created;
+- context parallelism: torch's ring attention with the CPU kernel added (measure/cp_cpu.py), FSDP2 over
+  dp_shard x cp, each rank's head-tail shard of the batch (torchtitan `prepare_context_parallel_input`).
+What this does not run (expert parallelism, ...) is refused before the workers start (measure/mesh_rules.py).
 
 Pipeline runs: the worker calls `forward` grad_accum times per step; the micro-batches are the
 schedule's (n_microbatches = grad_accum), so `forward` keeps the first ones and runs the whole
@@ -140,7 +141,7 @@ class StageModule(nn.Module):
         self.dim_per_head = lm.dim_per_head
         self.seq_len = 0  # the whole sequence's length, set by PipelineRunner for the stages after the first
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.embed_tokens is not None:
             T = x.shape[1]  # token ids (B, T): the whole sequence, before sequence parallelism shards it
             ids = x
@@ -149,16 +150,17 @@ class StageModule(nn.Module):
                 x = x + self.embed_positions(torch.arange(T, device=ids.device))
         else:
             T = self.seq_len  # hidden states may be sharded over the sequence: the runner says how long it is
-        rope = self._rope(T, x.dtype) if self.rotary else None
+        rope = self._rope(T, x.dtype, positions) if self.rotary else None
         for block in self.layers:
             x = block(x, rope)
         if self.lm_head is not None:
             return self.lm_head(self.final_norm(x))
         return x
 
-    def _rope(self, seq: int, dtype: torch.dtype):
-        positions = torch.arange(seq, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq)
+    def _rope(self, seq: int, dtype: torch.dtype, positions: torch.Tensor | None = None):
+        # under context parallelism the rank's tokens are not 0..seq-1: the runner gives their positions (1, seq)
+        positions = torch.arange(seq, device=self.inv_freq.device) if positions is None else positions[0]
+        freqs = torch.outer(positions.to(torch.float32), self.inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)  # (T, d), as ReferenceCausalLM._rope
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -172,9 +174,10 @@ class StageModule(nn.Module):
             self.inv_freq.copy_(1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.inv_freq.device) / d)))
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """ReferenceCausalLM's loss: fp32 logits, labels shifted left and padded with the ignored index."""
-    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, shift: bool = True) -> torch.Tensor:
+    """ReferenceCausalLM's loss: fp32 logits, labels shifted left and padded with the ignored index
+    (`shift=False`: already shifted, as context parallelism shards them: measure/cp_cpu.py `cp_batch`)."""
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:] if shift else labels
     return F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten(0, 1), ignore_index=-100)
 
 
@@ -289,19 +292,29 @@ def apply_fsdp(module: StageModule, dp_mesh, training: TrainingSpec) -> None:
 
 
 def _uses_fsdp(shape: MeshShape, training: TrainingSpec) -> bool:
-    # torchtitan parallel_dims.py `fsdp_enabled`: dp_shard > 1 (or cp > 1, refused here)
-    return training.engine.value == "fsdp2" and shape.dp_shard > 1
+    # torchtitan parallel_dims.py `fsdp_enabled`: dp_shard > 1 or cp > 1
+    return training.engine.value == "fsdp2" and (shape.dp_shard > 1 or shape.cp > 1)
+
+
+def _dp_mesh(mesh, shape: MeshShape):
+    """FSDP2's mesh: torchtitan's "fsdp" dimension, dp_shard and cp flattened into one (CP ranks shard the
+    parameters too: parallel_dims.py `build_mesh`), with dp_replicate outside it for HSDP."""
+    shard = "dp_shard"
+    if shape.cp > 1:
+        shard = "dp_shard_cp"
+        mesh["dp_shard", "cp"]._flatten(shard)
+    return mesh["dp_replicate", shard] if shape.dp_replicate > 1 else mesh[shard]
 
 
 # --- the runners -------------------------------------------------------------------------------
 
 def _parallelize(modules: list[nn.Module], mesh, shape: MeshShape, training: TrainingSpec, ctx: RunContext) -> None:
+    dp_mesh = _dp_mesh(mesh, shape) if _uses_fsdp(shape, training) else None
     with _fake_mesh_concatenation(ctx):
         for module in modules:
             if shape.tp > 1:
                 apply_tp(module, mesh["tp"], shape)
-            if _uses_fsdp(shape, training):
-                dp_mesh = mesh["dp_replicate", "dp_shard"] if shape.dp_replicate > 1 else mesh["dp_shard"]
+            if dp_mesh is not None:
                 apply_fsdp(module, dp_mesh, training)
     for module in modules:
         if any(p.is_meta for p in module.parameters()):  # torchtitan: init on meta, shard, then materialise
@@ -349,6 +362,11 @@ class TensorParallelRunner(TorchOptimizerSteps):
         self.stage = StageModule(lm, 0, len(lm.layers), is_first=True, is_last=True)
         _parallelize([self.stage], mesh, shape, training, ctx)
         self.optimizer = make_optimizer(_param_groups([self.stage]), training)
+        self.cp_mesh = mesh["cp"] if shape.cp > 1 else None
+        if self.cp_mesh is not None:  # torch's ring attention, its CPU kernel added (measure/cp_cpu.py)
+            from zeroplan.measure.cp_cpu import enable_cpu_ring_attention
+
+            enable_cpu_ring_attention(self.cp_mesh)
 
     def _loss_context(self):
         if self.shape.tp > 1 and self.shape.loss_parallel:
@@ -360,6 +378,12 @@ class TensorParallelRunner(TorchOptimizerSteps):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if _uses_fsdp(self.shape, self.training):
             self.stage.set_requires_gradient_sync(self._syncs())
+        if self.cp_mesh is not None:  # this rank's head-tail shard of the sequence, as torchtitan's trainer
+            from zeroplan.measure.cp_cpu import cp_batch
+
+            input_ids, labels, positions = cp_batch(self.cp_mesh, input_ids, labels)
+            with self._loss_context():
+                return causal_lm_loss(self.stage(input_ids, positions), labels, shift=False)
         with self._loss_context():
             return causal_lm_loss(self.stage(input_ids), labels)
 

@@ -3,9 +3,10 @@
 measure/mesh.py runs tensor parallelism (with sequence and loss parallelism), FSDP2 over the
 data-parallel dimensions (HSDP with dp_replicate) and torch.distributed.pipelining stages on
 zeroplan's reference Llama model, in zeroplan's own loop. What it does not run is refused here,
-one line naming the field: context parallelism (torch 2.13's ring attention handles the CUDA
-attention kernels only; docs/measure.md, "Meshes"), expert parallelism, the Hugging Face Trainer,
-engines other than fsdp2, offload, losses other than standard, learned positions.
+one line naming the field: context parallelism with pipelining, under --simulate or with eager
+attention (it runs torch's ring attention over SDPA with the CPU kernel added: measure/cp_cpu.py),
+expert parallelism, the Hugging Face Trainer, engines other than fsdp2, offload, losses other than
+standard, learned positions.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate
         # pipelining/schedules.py `_warmup_p2p` reads its shape vote with .item(): DataDependentOutputException
         raise MeasureError("mesh.pp: a pipeline does not run under --simulate (fake tensors); measure it on real ranks")
     if mesh.cp > 1:
-        raise MeasureError("mesh.cp: context parallelism does not run on CPU with torch 2.13 (its ring attention "
-                           "handles the CUDA attention kernels only; docs/measure.md, Meshes); measure with cp 1")
+        _refuse_context_parallel(training, simulate)
     if mesh.ep > 1:
         raise MeasureError("mesh.ep: expert parallelism is not measured; measure with ep 1")
     if training.recipe.value not in MESH_RECIPES:
@@ -55,6 +55,18 @@ def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate
     if mesh.dp_replicate > 1 and mesh.dp_shard(training.gpus) == 1:
         raise MeasureError("mesh.dp_replicate: without data-parallel sharding torchtitan replicates with DDP "
                            "(parallelize.py apply_ddp), which is not measured on a mesh; leave dp_shard above 1")
+
+def _refuse_context_parallel(training: TrainingSpec, simulate: bool) -> None:
+    """What measure/cp_cpu.py does not run: its ring is torch's SDPA one on real ranks, without pipeline stages."""
+    if training.mesh.pp > 1:
+        raise MeasureError("mesh.cp: context parallelism is not measured with pipeline stages; measure with pp 1")
+    if simulate:
+        raise MeasureError("mesh.cp: context parallelism is not measured under --simulate (fake tensors); "
+                           "measure it on real ranks")
+    if training.attention.value != "fused":
+        raise MeasureError("attention: context parallelism rings the SDPA kernel (torch's ring attention); "
+                           "use --attention fused")
+
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The dimensions of the measured mesh, outermost first (torchtitan ParallelDims.build_mesh)."""
