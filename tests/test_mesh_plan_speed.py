@@ -1,5 +1,6 @@
 """The mesh search's shortcuts (issue 14's "answers in under a second") change no plan: a mesh the world rule
-refuses is skipped, a fit check stops at the first rank over the budget, and the specs of larger micro-batches
+refuses is skipped, a fit check stops at the first rank over the budget and leaves out the pipeline ranks no
+higher than rank 1 (`_may_be_worst`), and the specs of larger micro-batches
 are made only when the first fits. The search without them (every spec made, every rank estimated, fresh
 caches) gives the same plan, the same count of estimates, and the same reasons."""
 
@@ -25,13 +26,13 @@ def _without_shortcuts(monkeypatch) -> None:
 
     def full_estimate(model, training, budget_bytes):
         whole = estimate_mesh(model, training)
-        return whole if whole.worst.estimate.peak_bytes <= budget_bytes else None
+        return whole.worst if whole.worst.estimate.peak_bytes <= budget_bytes else None
 
     def every_spec(base, mesh, mode, max_micro_batch, global_batch):
         return iter(list(real_specs(base, mesh, mode, max_micro_batch, global_batch)))
 
     real_specs = mesh_search._micro_batch_specs
-    monkeypatch.setattr(mesh_search, "estimate_mesh_within", full_estimate)
+    monkeypatch.setattr(mesh_search, "_worst_within", full_estimate)
     monkeypatch.setattr(mesh_search, "_world_runs", lambda mesh, base: True)
     monkeypatch.setattr(mesh_search, "_micro_batch_specs", every_spec)
 
@@ -76,3 +77,19 @@ def test_a_fit_check_is_the_full_estimate_when_it_fits_and_none_when_a_rank_is_o
             assert within is not None and within.ranks == whole.ranks
         else:
             assert within is None
+
+
+@pytest.mark.parametrize("schedule", [PPSchedule.ONE_F_ONE_B, PPSchedule.GPIPE])
+@pytest.mark.parametrize("pp, layers", [(4, 32), (8, 80), (16, 80), (8, 126)])
+def test_no_middle_pipeline_rank_left_out_is_higher_than_rank_1(schedule, pp, layers):
+    # `_may_be_worst`'s argument: a one-stage middle rank with no more layers or micro-batches in flight than
+    # rank 1 has no higher peak; every rank is estimated here to check it
+    model = resolve_model("llama-3-70b").model_copy(update={"num_layers": layers})
+    training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=8 * pp, seq_len=4096, recipe="torchtitan",
+                            micro_batch=2, grad_accum=2 * pp, mesh=MeshSpec(tp=8, pp=pp, pp_schedule=schedule))
+    whole = estimate_mesh(model, training)
+    kept = mesh_search._may_be_worst([rank.kind for rank in whole.ranks])
+    assert len(kept) == 3
+    left_out = [rank.estimate.peak_bytes for index, rank in enumerate(whole.ranks) if index not in kept]
+    assert max(left_out) <= whole.ranks[1].estimate.peak_bytes
+    assert whole.worst in [whole.ranks[index] for index in kept]

@@ -54,4 +54,4 @@ def test_pending_sends_and_kept_logits_last_until_the_step_ends():
     chunks = {1: ChunkBytes(0, 0, sent=1, sent_grad=0, kept_output=0, grads=0),
               3: ChunkBytes(0, 0, sent=0, sent_grad=1, kept_output=1, grads=0)}
     actions = looped_rank_actions(2, 2, 4, 1, zero_bubble=False)
-    assert looped_peak(actions, chunks, 0, 0) == (4 + 4 + 4, 0, 4 + 4)
+    assert looped_peak(actions, chunks, 0, 0)[:3] == (4 + 4 + 4, 0, 4 + 4)  # total, grads, sends

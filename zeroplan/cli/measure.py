@@ -102,6 +102,11 @@ def command(**options: Any) -> None:
         steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],
         engine_config=engine_config,
     )
+    if training.mesh.ep > 1 and options.get("mesh_moe_imbalance") is None:  # estimated with the routing the run had
+        from zeroplan.measure.grid_ep import with_measured_imbalance
+
+        estimated = estimate_to_dict(estimate_mesh(model, with_measured_imbalance(training, result.notes)).worst.estimate,
+                                     training)
     measured = result.to_json_dict()
     comparison = compare(estimated["phases"], run_peaks(measured))
     data = report_data(estimated, measured, comparison)

@@ -8,6 +8,7 @@ import click
 
 from zeroplan.cli.common import FiniteFloatRange, output_options
 from zeroplan.cli.grid_options import estimate_options_except, gpu_memory_options
+from zeroplan.cli.mesh_options import mesh_options
 from zeroplan.plan.limits import MAX_MICRO_BATCH
 
 
@@ -49,8 +50,11 @@ def _rate(name: str, field: str, unit: str, help_text: str):
               help="Write the best plan as a DeepSpeed JSON config, or as an FSDP2 Python snippet (with --engine fsdp2), "
               "or (with --mesh) as a torchtitan job TOML (a DeepSpeed JSON with AutoTP/Ulysses for --engine deepspeed).")
 @click.option("--mesh", "mesh_search", is_flag=True, default=False,
-              help="Search tensor, context and pipeline parallel degrees and the pipeline schedule too (engine fsdp2, "
-              "or deepspeed: AutoTP and Ulysses; one GPU count): the cheapest meshes whose worst rank fits.")
+              help="Search tensor, context, pipeline and expert parallel degrees, HSDP and the pipeline schedule too "
+              "(engine fsdp2, or deepspeed: AutoTP and Ulysses; one GPU count): the cheapest meshes whose worst rank "
+              "fits. Mesh options given (--tp 8) stay fixed; without --mesh, the mesh they (or --config) give is "
+              "planned as it is.")
+@mesh_options
 @output_options
 def command(**options: Any) -> None:
     """Find the configurations of MODEL that fit the GPUs (ZeRO stage x offload x checkpointing x
@@ -111,12 +115,19 @@ def command(**options: Any) -> None:
     options["config_file"] = config = load_config(options["config_file"])  # read once, for every grid point
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
-    if options["mesh_search"] or (emit_kind := (options["emit"] or ("",))[0]) == "torchtitan":
-        if not options["mesh_search"]:
-            raise click.UsageError(f"--emit {emit_kind} writes a mesh plan: add --mesh")
-        _plan_mesh(options, model, space, limits, assumptions, gpu_counts)
+    emit_kind = (options["emit"] or ("",))[0]
+    if options["mesh_search"]:
+        _plan_mesh(options, model, space, limits, assumptions, gpu_counts, fixed=False)
+        return
+    if any(options[f"mesh_{name}"] is not None for name in ("tp", "cp", "pp", "ep", "dp_replicate")):
+        _plan_mesh(options, model, space, limits, assumptions, gpu_counts, fixed=True)  # the mesh given, as it is
         return
     base = base_training(options, space.zero_stages or (0, 1, 2, 3), max(gpu_counts), model)
+    if not base.mesh.is_trivial:  # a --config's mesh (torchtitan [parallelism])
+        _plan_mesh(options, model, space, limits, assumptions, gpu_counts, fixed=True)
+        return
+    if emit_kind == "torchtitan":
+        raise click.UsageError(f"--emit {emit_kind} writes a mesh plan: add --mesh")
     emit = options["emit"]
     if emit and emit[0] == "fsdp" and base.engine != Engine.FSDP2:
         raise SpecError("--emit fsdp: plan with --engine fsdp2, so that the plan models FSDP2's memory")
@@ -150,33 +161,50 @@ def _emit(kind: str, path: str, training) -> None:
     )
 
 
-def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tuple[int, ...]) -> None:
-    """`--mesh`: the mesh search of zeroplan.plan.mesh, its table, and --emit torchtitan (issue 14)."""
+def _config_engine(options: dict, space, gpus: int, model) -> str | None:
+    """The engine a --config names (a DeepSpeed JSON: deepspeed), or None where it does not validate yet."""
+    from zeroplan.cli.grid_options import base_training
+    from zeroplan.errors import SpecError
+
+    try:
+        return base_training(options, space.zero_stages or (2, 1, 3), gpus, model).engine.value
+    except SpecError:
+        return None
+
+
+def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tuple[int, ...], fixed: bool) -> None:
+    """`--mesh`: the mesh search of zeroplan.plan.mesh (the dimensions given fixed), its table, and --emit
+    torchtitan (issue 14); `fixed`: the mesh the options or --config give, planned as it is."""
     from zeroplan.cli.grid_options import base_training
     from zeroplan.errors import SpecError
     from zeroplan.plan.mesh import mesh_plan_to_dict, plan_mesh
     from zeroplan.report.mesh import render_mesh_plan
+    from zeroplan.spec.mesh import MeshSpec
     from zeroplan.spec.training import Engine
 
     if len(gpu_counts) != 1:
-        raise click.UsageError("--mesh searches the meshes of one GPU count: give --gpus N")
+        raise click.UsageError(f"{'a mesh is planned on' if fixed else '--mesh searches the meshes of'} one GPU count: "
+                               "give --gpus N")
     emit = options["emit"]
-    deepspeed = options["engine"] == "deepspeed"  # AutoTP and Ulysses, written as a DeepSpeed JSON (issue 14)
+    # AutoTP and Ulysses, written as a DeepSpeed JSON (issue 14): --engine deepspeed, or a DeepSpeed --config
+    deepspeed = options["engine"] == "deepspeed" or (options["engine"] is None and options["config_file"] is not None
+                                                     and _config_engine(options, space, gpu_counts[0], model) == "deepspeed")
     wanted = "deepspeed" if deepspeed else "torchtitan"
     if emit and emit[0] != wanted:
-        raise click.UsageError(f"--mesh writes a {'DeepSpeed JSON' if deepspeed else 'torchtitan TOML'}: use "
-                               f"--emit {wanted} FILE, not {emit[0]}")
+        raise click.UsageError(f"{'a mesh plan' if fixed else '--mesh'} writes a "
+                               f"{'DeepSpeed JSON' if deepspeed else 'torchtitan TOML'}: use --emit {wanted} FILE, "
+                               f"not {emit[0]}")
     if emit and options["config_file"] is None and not deepspeed:
         # the plan models the program the TOML will state (torchtitan v0.2.2: whole-logits cross-entropy)
         options = {**options, "recipe": options["recipe"] or "torchtitan", "loss": options["loss"] or "standard"}
     base = base_training(options, (space.zero_stages or (2, 1)) if deepspeed else (3, 2), gpu_counts[0], model)
-    if base.engine == Engine.DEEPSPEED and not deepspeed:  # a DeepSpeed --config: say it on the command line too
-        raise click.UsageError("--mesh with DeepSpeed: give --engine deepspeed")
     if base.engine not in (Engine.FSDP2, Engine.DEEPSPEED):
-        raise SpecError("--mesh: meshes are searched with FSDP2 (torchtitan) or DeepSpeed (AutoTP, Ulysses); "
-                        "give --engine fsdp2 or deepspeed")
+        raise SpecError(f"{'mesh: a mesh is planned' if fixed else '--mesh: meshes are searched'} with FSDP2 "
+                        "(torchtitan) or DeepSpeed (AutoTP, Ulysses); give --engine fsdp2 or deepspeed")
+    given = {name: options[f"mesh_{name}"] for name in MeshSpec.model_fields if options.get(f"mesh_{name}") is not None}
     result = plan_mesh(model, base, limits.budget_bytes, assumptions, space.checkpointing,
-                       max_micro_batch=min(space.max_micro_batch, 64), global_batch=space.global_batch, top=options["top"])
+                       max_micro_batch=min(space.max_micro_batch, 64), global_batch=space.global_batch, top=options["top"],
+                       given=given, fixed=fixed)
     click.echo(render_mesh_plan(mesh_plan_to_dict(result), options["output_format"], options["units"]), nl=False)
     if emit:
         if not result.top:

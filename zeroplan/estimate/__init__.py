@@ -15,7 +15,7 @@ from zeroplan.estimate import caches
 from zeroplan.estimate.activations import activation_bytes, attention_kernel, memory_checkpointing
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, setup_of
-from zeroplan.estimate.lora import lora_activations
+from zeroplan.estimate.lora import kbit_activation_bytes, lora_activations
 from zeroplan.estimate.facts import ModelFacts, model_facts
 from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, ParamParts, PhaseBytes
@@ -62,9 +62,10 @@ def _profile(model: ModelSpec, training: TrainingSpec) -> _Profiled:
     acts = None
     notes: tuple[str, ...] = ()
     if isinstance(model, TransformerSpec):
-        acts = activation_bytes(model, training, dtypes.activation)
+        activation = kbit_activation_bytes(training, dtypes.activation)  # estimate/lora.py
+        acts = activation_bytes(model, training, activation)
         if training.lora is not None:
-            acts = lora_activations(acts, model, training, dtypes.activation)  # estimate/lora.py
+            acts = lora_activations(acts, model, training, activation)  # estimate/lora.py
         implementation = _IMPLEMENTATIONS[training.attention]
         notes = _checkpointing_notes(model, training)
         if attention_kernel(model, training) == "math":
@@ -105,14 +106,25 @@ def _with_lora(result: EngineEstimate, facts: ModelFacts, model: TransformerSpec
     full_grads = max(p.categories.grads for p in result.phases)
     phases = []
     for p in result.phases:
-        categories = p.categories._replace(params=max(0, p.categories.params + delta))
+        categories = p.categories._replace(params=max(0, p.categories.params + delta + _fp32_adapters(facts, training, param, p.step)))
         if copies is not None:
             categories = lora_saved.with_saved_copies(categories, p.phase, copies, full_grads)
         phases.append(PhaseBytes(p.step, p.phase, categories))
     result = result._replace(phases=tuple(phases))
     peak = max(result.phases, key=lambda p: p.total_bytes)
-    adapter = min(peak.categories.params, lora.adapter_param_bytes(facts, training, param, peak.step == Step.STEADY))
+    adapter = min(peak.categories.params, lora.adapter_param_bytes(facts, training, param, peak.step == Step.STEADY)
+                  + _fp32_adapters(facts, training, param, peak.step))
     return result, ParamParts(peak.categories.params - adapter, adapter), lora.lora_notes(model, training, facts)
+
+
+def _fp32_adapters(facts: ModelFacts, training: TrainingSpec, param: int, step) -> int:
+    """The Trainer's adapters kept fp32 under DeepSpeed ZeRO-3 (estimate/lora_trainer.py)."""
+    from zeroplan.estimate import lora, lora_trainer
+    from zeroplan.estimate.result import Step
+
+    if not lora_trainer.adapters_stay_fp32(training):
+        return 0
+    return lora_trainer.adapter_params_delta(lora.adapter_param_bytes(facts, training, param, step == Step.STEADY), training)
 
 
 def _with_offloaded_activations(result: EngineEstimate, host_bytes: int, training: TrainingSpec) -> tuple[EngineEstimate, tuple[str, ...]]:

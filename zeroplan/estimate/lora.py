@@ -542,15 +542,45 @@ def adapter_element_bytes(engine: str, precision: str, comp: int, recipe: str = 
     return comp
 
 
+def model_element_bytes(quant: QuantSpec | None, autocast: bool, comp: int) -> int:
+    """The dtype the measured program builds the model in (measure/programs/peft_model.py `base_dtype`):
+    a 16/32-bit base's own, a k-bit base's compute dtype (fp32 after prepare_model_for_kbit_training's
+    upcast), else the engine's (fp32 parameters under the torch engine's autocast)."""
+    if quant is None:
+        return FP32_BYTES if autocast else comp
+    if quant.base_precision.is_quantized:
+        return FP32_BYTES if quant.upcast_non_quantized else DTYPE_BYTES[quant.compute_dtype]
+    return DTYPE_BYTES[quant.base_precision.value]
+
+
+def kbit_activation_bytes(training, comp: int) -> int:
+    """The activations' element size: the engine's (`comp`), except for a k-bit base under the torch engine
+    without autocast, whose model is built in the compute dtype (measure/programs/peft_model.py
+    `base_dtype`, as `from_pretrained(dtype=...)` loads it) and runs in it: bitsandbytes returns its
+    layers' outputs in their input's dtype (autograd/_functions.py `MatMul4Bit`, `MatMul8bitFp`)."""
+    from zeroplan.estimate.activations import _autocast
+
+    quant = training.quant
+    if (quant is None or not quant.base_precision.is_quantized or quant.upcast_non_quantized
+            or training.engine.value != "torch" or _autocast(training)):
+        return comp
+    return DTYPE_BYTES[quant.compute_dtype]
+
+
 def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     """`acts` with what the adapted blocks keep instead of what whole blocks keep (docs/engines/lora.md)."""
-    from zeroplan.estimate.activations import _autocast, _input_projections
+    from zeroplan.estimate.activations import _autocast, _input_projections, attention_kernel
+    from zeroplan.estimate.lora_int8 import int8_inputs, with_int8_inputs
+    from zeroplan.estimate.lora_recompute import recompute_dtypes, recompute_moment_bytes, with_recompute_moment
+    from zeroplan.estimate.lora_trainer import adapters_stay_fp32
     from zeroplan.spec.program import Loss, Recipe
 
     lora, quant = training.lora, training.quant
     autocast = _autocast(training)
     adapter_element = adapter_element_bytes(training.engine.value, training.precision.value, comp,
                                             training.recipe.value)
+    if adapters_stay_fp32(training):  # the Trainer's adapters under ZeRO-3 (estimate/lora_trainer.py)
+        adapter_element = FP32_BYTES
     attn_reads, mlp_reads = _input_projections(spec)
     cuda = training.device.value == "cuda"
     extra = adapter_activations(spec, lora, autocast, comp, adapter_element, cuda, attn_reads, mlp_reads)
@@ -564,6 +594,18 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     extra = extra._replace(saved_per_token=extra.saved_per_token - 2 * narrowed, embedding=embedding, final_norm=final_norm)
     acts = with_dequantized_weight(acts, spec, quant, training.micro_batch * training.seq_len, comp)
     acts = with_dora_weight_norm(acts, extra.forward_temporary)
+    dtypes = recompute_dtypes(quant, autocast, comp, adapter_element, cuda, model_element_bytes(quant, autocast, comp))
+    tokens = training.micro_batch * training.seq_len
+    int8 = int8_inputs(spec, _linears(spec), quant, dtypes.resid)  # estimate/lora_int8.py
+    # a fused SDPA kernel saves its output itself (flash backward reads `out`): o_proj's input then is no extra
+    core_saved = int8.core_out if attention_kernel(spec, training) == "fused" else 0
+    checkpointed = training.checkpointing.value == "full"
+    acts = with_int8_inputs(acts, tokens * (int8.kept - (0 if checkpointed else core_saved)))
+    if checkpointed:  # the recomputation's own moment (estimate/lora_recompute.py)
+        # the rebuilt graph's int8 inputs beyond what the rebuilt block saves and the moment holds (the MLP's input, product)
+        rebuilt = int8.attention_in + int8.core_out - core_saved
+        moment = recompute_moment_bytes(spec, lora, lora_layout(spec, lora), dtypes, tokens, rebuilt)
+        acts = with_recompute_moment(acts, moment)
     casts = 0
     if autocast:
         # autocast caches (and the matmul saves) 16-bit casts of fp32 weights: a 16-bit or quantized

@@ -29,6 +29,7 @@ from zeroplan.estimate.engines.common import Setup, ceil_div, setup_of
 from zeroplan.estimate.engines.deepspeed_mesh import autotp_facts, autotp_training
 from zeroplan.estimate.facts import ModelFacts, ModuleGroup, model_facts
 from zeroplan.estimate.layout import ParamTensor, param_layout
+from zeroplan.estimate.mesh_ep import backward_transient_delta, first_block_gradient, placed_experts, saved_per_block_delta
 from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import Estimate, ModelSummary, Phase, PhaseBytes
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
@@ -163,32 +164,22 @@ def _rank_facts(model: TransformerSpec, mesh: MeshSpec, gpus: int, freeze: tuple
     layout = param_layout(model)
 
     def group(role: str, tensors: tuple[ParamTensor, ...], count: int, frozen: bool) -> ModuleGroup:
-        local = tuple(_sharded(t, mesh, model.is_moe) for t in tensors)
+        local = placed_experts(tuple(_sharded(t, mesh, model.is_moe) for t in tensors), model, mesh, gpus)
         return ModuleGroup(role, local, count, frozen, sum(t.numel for t in local))
 
     groups = []
     if embedding:
         groups.append(group("embedding", layout.embedding, 1, "embeddings" in freeze))
     if layers:
-        groups.append(group("block", _experts_resharded(layout.block, mesh, gpus), layers, "blocks" in freeze))
+        groups.append(group("block", layout.block, layers, "blocks" in freeze))
     if head:
         groups.append(group("final", layout.final, 1, "final" in freeze))
     total = sum(g.params * g.count for g in groups)
     trainable = sum(g.params * g.count for g in groups if not g.frozen)
     largest_group = max(g.params for g in groups)
     largest_tensor = max(t.numel for g in groups for t in g.tensors)
-    return ModelFacts(model.name, total, trainable, tuple(groups), largest_group, largest_tensor)
-
-
-def _experts_resharded(block: tuple[ParamTensor, ...], mesh: MeshSpec, gpus: int) -> tuple[ParamTensor, ...]:
-    """Experts are sharded over efsdp ranks, not the dense fsdp ones (parallel_dims.py `build_mesh`):
-    their size is scaled by fsdp / efsdp so that the engine's sharding over fsdp leaves each rank
-    its efsdp shard (the gathered expert unit is then off by that factor: docs/engines/mesh.md)."""
-    if mesh.ep == 1:
-        return block
-    fsdp, efsdp = mesh.fsdp_degree(gpus), mesh.expert_fsdp_degree(gpus)
-    return tuple(ParamTensor(t.name, t.numel * fsdp // efsdp, t.rows * fsdp // efsdp)
-                 if ".experts." in t.name else t for t in block)
+    return ModelFacts(model.name, total, trainable, tuple(groups), largest_group, largest_tensor,
+                      first_block_gradient(model, mesh) if head and layers else None)
 
 
 def _local_view(model: TransformerSpec, mesh: MeshSpec, kind: RankKind) -> TransformerSpec:
@@ -244,6 +235,11 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         # loss_parallel fuses nll_loss's and log_softmax's backward into one gradient; the log_softmax handler
         # returns it as it is (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`)
         changes.update(logits_grad=acts.logits_grad // 2)
+    if mesh.ep > 1 and kind.layers:  # the busiest EP rank's received pairs (estimate/mesh_ep.py)
+        kept = "recompute_block" if training.checkpointing in (Checkpointing.FULL, Checkpointing.OP) else "saved_per_block"
+        changes.update({kept: changes.get(kept, getattr(acts, kept)) + saved_per_block_delta(model, mesh, tokens, act_bytes)},
+                       block_backward_transient=acts.block_backward_transient
+                       + backward_transient_delta(model, mesh, tokens, act_bytes))
     if not kind.head:  # the loss and logits live on the last stage; a stage's backward starts from a received gradient
         changes.update(logits=0, loss_saved=0, loss_transient=0, logits_grad=0, logits_grad_cast=0,
                        head_backward_temporary=0, final_norm=0)
@@ -277,10 +273,11 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     return acts
 
 
-# every rank kind of one mesh estimate asks for the same one
+# every rank kind of one mesh estimate asks for the same one; copied, not validated again: no validator reads
+# seq_len, and an all-ones mesh passes check_world
 @memo(maxsize=64)
 def _local_training(training: TrainingSpec, local_seq: int) -> TrainingSpec:
-    return training.varied(seq_len=local_seq, mesh=MeshSpec())
+    return training.model_copy(update={"seq_len": local_seq, "mesh": MeshSpec()})
 
 
 def _weight_op_output_width(model: TransformerSpec, mesh: MeshSpec) -> int:
@@ -295,12 +292,14 @@ def _weight_op_output_width(model: TransformerSpec, mesh: MeshSpec) -> int:
 
 def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, facts: ModelFacts,
                             acts: ActivationBytes, phases: tuple[PhaseBytes, ...], act_bytes: int,
-                            micro_batches: int) -> tuple[PhaseBytes, ...]:
+                            micro_batches: int) -> tuple[tuple[PhaseBytes, ...], int]:
     """The profile's forward and backward phases raised (or lowered) to the peak found by walking the
     rank's actions of ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (estimate/pipeline_schedule.py):
     each stage chunk's own saved tensors until its backward (its W under zero bubble), the pending sends and
-    the last stage's logits until the step ends, each stage's gradients once its first backward ran."""
-    from zeroplan.estimate.pipeline_schedule import ChunkBytes, looped_peak, looped_rank_actions
+    the last stage's logits until the step ends, each stage's gradients once its first backward ran; and the
+    stage chunks alive at that peak (the rank's micro-batches in flight)."""
+    from zeroplan.estimate.pipeline_fsdp import resharded_stages
+    from zeroplan.estimate.pipeline_schedule import ChunkBytes, inputs_only_backwards, looped_peak, looped_rank_actions
 
     mesh = training.mesh
     counts = stage_layers(model.num_layers, mesh.stages)
@@ -320,15 +319,18 @@ def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind
         chunks[stage] = ChunkBytes(
             saved=counts[stage] * acts.saved_per_block + (acts.embedding if stage == 0 else 0)
             + (acts.final_norm + acts.loss_saved if stage == last else 0),
-            weight_grad_inputs=zero_bubble * tokens * act_bytes * (counts[stage] * _weight_op_output_width(model, mesh)
-                                                                  + (head_width if stage == last else 0)),
+            # stage 0 skips its I and runs a full backward at W (stage.py `backward_one_chunk`): it keeps nothing from I to W
+            weight_grad_inputs=zero_bubble * (stage != 0) * tokens * act_bytes
+            * (counts[stage] * _weight_op_output_width(model, mesh) + (head_width if stage == last else 0)),
             sent=boundary if stage != last else 0,
             sent_grad=boundary if stage != 0 else 0,
             kept_output=acts.logits if stage == last else 0,
             grads=profiled.categories.grads * params // max(facts.total_params, 1))
     actions = looped_rank_actions(mesh.pp, mesh.pp_virtual_stages, micro_batches, kind.pp_rank, zero_bubble)
+    inputs_only = inputs_only_backwards(actions, resharded_stages(training, {s: counts[s] for s in kind.stages}, last)) \
+        if zero_bubble else frozenset()
     walked = looped_peak(actions, chunks, acts.block_forward_transient,
-                         acts.block_backward_transient - acts.block_backward_freed)
+                         acts.block_backward_transient - acts.block_backward_freed, inputs_only)
     # the walk's gradients and pending sends replace the profile's at its peak; the rest is activations
     activations = walked.total - walked.grads - walked.sends - profiled.categories.temporaries
     shift = activations - profiled.categories.activations
@@ -338,7 +340,7 @@ def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind
                                    activations=max(categories.activations + shift, 0))
 
     return tuple(PhaseBytes(p.step, p.phase, raised(p.categories)) if p.phase in (Phase.FORWARD, Phase.BACKWARD) else p
-                 for p in phases)
+                 for p in phases), walked.chunks
 
 
 class MeshBuffers(NamedTuple):
@@ -369,11 +371,7 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
         receives = stage_count - (1 if kind.embedding else 0)
         grad_receives = stage_count - (1 if kind.head else 0)
         steady += micro_batches * boundary * (receives + grad_receives)
-    if mesh.ep > 1 and model.is_moe and kind.layers:
-        # all-to-all dispatch and combine (torchtitan models/moe): each token's top-k copies sent and received
-        routed = tokens * model.experts_per_token * model.hidden_size * act_bytes // (mesh.tp if mesh.sequence_parallel else 1)
-        forward += 2 * routed
-        backward += 2 * routed
+    # EP's dispatch and combine outputs are activations, none in flight at the peaks (estimate/mesh_ep.py)
     return MeshBuffers(forward, backward, steady)
 
 
@@ -395,11 +393,43 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
         training = autotp_training(training)
     mesh = training.mesh
     dtypes = state_bytes(training.precision, training.optimizer)
+    # the profile reads the kind's ends, layers, stage count and (one stage per rank) micro-batches in flight only:
+    # the middle ranks of a looped schedule share it and differ in their walk alone
+    shape = kind._replace(pp_rank=0, stages=tuple(range(len(kind.stages))),
+                          in_flight=0 if mesh.pp_schedule.looped and mesh.pp > 1 else kind.in_flight)
+    facts, acts, result = _rank_profile(model, training, shape)
+    if (kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2
+            and mesh.fsdp_degree(training.gpus) == 1):
+        # without FSDP2 (see _rank_profile) the rowwise embedding's Replicate gradient stays whole until
+        # zero_grad (estimate/tp_embedding.py)
+        from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
+
+        extra = replicated_embedding_grad_bytes(model, mesh, dtypes.grad)
+        result = result._replace(phases=with_replicated_embedding_grad(result.phases, extra, facts.trainable_params * dtypes.grad))
+    if mesh.pp > 1 and mesh.pp_schedule.looped:
+        looped, chunks = _looped_schedule_phases(model, training, kind, facts, acts, result.phases, dtypes.activation,
+                                                 micro_batches)
+        result, kind = result._replace(phases=looped), kind._replace(in_flight=chunks)  # the walk's count at its peak
+    phases = _with_buffers(_with_overhead(result.phases, overhead_bytes(training)),
+                           mesh_buffers(model, training, kind, dtypes.activation, micro_batches))
+    implementation = f"{IMPLEMENTATION}/{training.attention.value}"
+    whole = model_facts(model, training)
+    summary = ModelSummary(model.name, whole.total_params, whole.trainable_params, implementation)
+    rank = Estimate(summary, training.engine.value, phases, result.per_node, result.notes)
+    return RankEstimate(kind, training.gpus // mesh.pp, facts.total_params, rank)
+
+
+@memo(maxsize=64)
+def _rank_profile(model: TransformerSpec, training: TrainingSpec, kind: RankKind):
+    """What a rank of `kind` holds and the engine profile over it, before a looped schedule's walk."""
+    mesh = training.mesh
+    dtypes = state_bytes(training.precision, training.optimizer)
     facts = rank_facts(model, training, kind)
     if training.engine == Engine.DEEPSPEED:
         facts = autotp_facts(model, facts)
     acts = rank_activations(model, training, kind, dtypes.activation)
-    setup = _setup(training)._replace(gpus=mesh.fsdp_degree(training.gpus))
+    setup = _setup(training)._replace(gpus=mesh.fsdp_degree(training.gpus),
+                                      expert_gpus=mesh.expert_fsdp_degree(training.gpus) if mesh.ep > 1 else 0)
     engine = training.engine
     if engine == Engine.FSDP2 and setup.gpus == 1:
         # torchtitan applies fully_shard only when dp_shard > 1 or cp > 1 (distributed/parallel_dims.py
@@ -414,17 +444,7 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
         # GPipe runs every micro-batch's forward before the first backward (schedules.py ScheduleGPipe
         # `_step_microbatches`): no accumulated gradient sits beside the activations in flight; 1F1B's does
         setup = setup._replace(accumulating=False)
-    result = _engine_profile(engine)(facts, setup, acts)
-    if mesh.pp > 1 and mesh.pp_schedule.looped:
-        result = result._replace(phases=_looped_schedule_phases(model, training, kind, facts, acts, result.phases,
-                                                                dtypes.activation, micro_batches))
-    phases = _with_buffers(_with_overhead(result.phases, overhead_bytes(training)),
-                           mesh_buffers(model, training, kind, dtypes.activation, micro_batches))
-    implementation = f"{IMPLEMENTATION}/{training.attention.value}"
-    whole = model_facts(model, training)
-    summary = ModelSummary(model.name, whole.total_params, whole.trainable_params, implementation)
-    rank = Estimate(summary, training.engine.value, phases, result.per_node, result.notes)
-    return RankEstimate(kind, training.gpus // mesh.pp, facts.total_params, rank)
+    return facts, acts, _engine_profile(engine)(facts, setup, acts)
 
 
 def estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
@@ -459,6 +479,11 @@ def estimate_mesh_within(model: ModelSpec, training: TrainingSpec, budget_bytes:
             if ranks[index].estimate.peak_bytes > budget_bytes:
                 return None
     return MeshEstimate(mesh, tuple(ranks[index] for index in range(len(kinds))))
+
+
+def rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> RankEstimate:
+    """One rank kind of a mesh `check_mesh` passed (the planner estimates only the kinds that can be the worst)."""
+    return _rank_estimate(model, training, kind, training.grad_accum if training.mesh.pp > 1 else 1)
 
 
 def worst_rank_estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from zeroplan.estimate.caches import memo
+
 FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
 
 
@@ -24,7 +26,8 @@ def warmup_ops(rank: int, local_stages: int, per_round: int, pp: int, micro_batc
     return min((local_stages - 1) * per_round + factor * (pp - 1 - rank), micro_batches * local_stages)
 
 
-def looped_rank_actions(pp: int, local_stages: int, micro_batches: int, rank: int, zero_bubble: bool) -> list[Action]:
+@memo(maxsize=256)  # a plan asks for the same few orders for every tp, cp, micro-batch and checkpointing
+def looped_rank_actions(pp: int, local_stages: int, micro_batches: int, rank: int, zero_bubble: bool) -> tuple[Action, ...]:
     """The actions of one rank in order: `_calculate_single_rank_operations` of ScheduleInterleaved1F1B
     (warmup factor 2, full backwards) or ScheduleInterleavedZeroBubble (factor 1, backward split into
     I and W, the W held back by `rank` backwards: num_1f1b_microbatches = rank)."""
@@ -62,7 +65,25 @@ def looped_rank_actions(pp: int, local_stages: int, micro_batches: int, rank: in
     while zero_bubble and weights_done < len(backward_steps):
         actions.append(action(backward_stage(backward_steps[weights_done]), BACKWARD_WEIGHT))
         weights_done += 1
-    return actions
+    return tuple(actions)
+
+
+def inputs_only_backwards(actions: tuple[Action, ...], resharded: frozenset[int]) -> frozenset[tuple[int, int]]:
+    """(stage, micro-batch) of the I actions that find their stage's parameters sharded: FSDP2 swaps the
+    sharded DTensors back onto the modules after a forward that reshards (reshard_after_forward), and an I
+    with reshard_after_backward off leaves the gathered ones there until the stage's next forward.
+    `stage_backward_input` (pipelining/_backward.py) takes its weights from `submod.parameters()`: sharded
+    ones are not in the graph, so `get_param_groups` finds no group, nothing holds the graph after the
+    outputs are detached, and the matching W computes no weight gradient (docs/engines/mesh.md)."""
+    last_kind: dict[int, str] = {}
+    inputs_only = set()
+    for action in actions:
+        # stage 0 skips its I and runs a full backward at W (stage.py `backward_one_chunk`: `if not self.is_first`)
+        if action.kind == BACKWARD_INPUT and action.stage in resharded - {0} and last_kind.get(action.stage) == FORWARD:
+            inputs_only.add((action.stage, action.micro_batch))
+        if action.kind != BACKWARD_WEIGHT:  # W runs autograd on the kept graph: no FSDP hook swaps parameters
+            last_kind[action.stage] = action.kind
+    return frozenset(inputs_only)
 
 
 class ChunkBytes(NamedTuple):
@@ -80,23 +101,26 @@ class LoopedPeak(NamedTuple):
     total: int  # everything the walk counts at the rank's peak
     grads: int  # of which the stages' gradients
     sends: int  # of which the pending sends (a collective used them: measured as buffers)
+    chunks: int = 0  # stage chunks (micro-batches of its stages) whose saved tensors are alive then
 
 
-def looped_peak(actions: list[Action], chunks: dict[int, ChunkBytes], forward_transient: int,
-                backward_transient: int) -> LoopedPeak:
+def looped_peak(actions: tuple[Action, ...], chunks: dict[int, ChunkBytes], forward_transient: int,
+                backward_transient: int, inputs_only: frozenset[tuple[int, int]] = frozenset()) -> LoopedPeak:
     """The highest of what a rank holds (saved tensors, W's inputs, pending sends, kept outputs,
     gradients) at the end of each forward and I and at the start of each backward, walking its actions.
     Sends are waited at the end of the step (schedules.py `_PipelineScheduleRuntime._step_microbatches`:
     `send_ops` popped after the last action); stage_backward_input keeps the graph (retain_graph) and
-    the output gradients of the parameter-holding ops until stage_backward_weight (pipelining/_backward.py)."""
+    the output gradients of the parameter-holding ops until stage_backward_weight (pipelining/_backward.py);
+    an I in `inputs_only` (`inputs_only_backwards`) frees its chunk at once and its W does nothing."""
     held = 0  # saved tensors of the chunks alive, W inputs waiting and kept outputs
     sends = 0  # pending sends
     grads = 0  # gradients of the stages whose first backward ran
     stages_with_grads: set[int] = set()
+    alive = 0  # stage chunks from their F to the backward that frees them
     peak = LoopedPeak(0, 0, 0)
 
     def at(transient: int, more_grads: int = 0) -> LoopedPeak:
-        moment = LoopedPeak(held + sends + grads + more_grads + transient, grads + more_grads, sends)
+        moment = LoopedPeak(held + sends + grads + more_grads + transient, grads + more_grads, sends, alive)
         return max(peak, moment)
 
     for action in actions:
@@ -104,6 +128,7 @@ def looped_peak(actions: list[Action], chunks: dict[int, ChunkBytes], forward_tr
         if action.kind == FORWARD:
             held += chunk.saved + chunk.kept_output
             sends += chunk.sent
+            alive += 1
             peak = at(forward_transient)
         elif action.kind in (FULL_BACKWARD, BACKWARD_INPUT):
             own = chunk.grads if action.kind == FULL_BACKWARD and action.stage not in stages_with_grads else 0
@@ -113,12 +138,19 @@ def looped_peak(actions: list[Action], chunks: dict[int, ChunkBytes], forward_tr
                 held -= chunk.saved
                 grads += own
                 stages_with_grads.add(action.stage)
+                alive -= 1
+            elif (action.stage, action.micro_batch) in inputs_only:
+                held -= chunk.saved  # the outputs detached, no param group holds the graph
+                alive -= 1
             else:
                 held += chunk.weight_grad_inputs
                 peak = at(0)
+        elif (action.stage, action.micro_batch) in inputs_only:
+            continue  # no param groups: no weight gradient, nothing to free
         else:  # W: the chunk's saved tensors and output gradients go once its weight gradients exist
             if action.stage not in stages_with_grads:
                 grads += chunk.grads
                 stages_with_grads.add(action.stage)
             held -= chunk.saved + chunk.weight_grad_inputs
+            alive -= 1
     return peak

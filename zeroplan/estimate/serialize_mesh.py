@@ -15,7 +15,9 @@ from zeroplan.spec.training import TrainingSpec
 def mesh_to_dict(training: TrainingSpec) -> dict[str, Any]:
     """The degrees, the schedule, and what data parallelism is left: dp_shard, and the FSDP/ZeRO sharding degrees."""
     mesh, gpus = training.mesh, training.gpus
-    return {**mesh.model_dump(mode="json"), "dp_shard": mesh.dp_shard(gpus), "fsdp_degree": mesh.fsdp_degree(gpus),
+    # moe_imbalance appears once it is set (the mesh JSON before it had none)
+    dumped = mesh.model_dump(mode="json", exclude={"moe_imbalance"} if mesh.moe_imbalance == 1.0 else None)
+    return {**dumped, "dp_shard": mesh.dp_shard(gpus), "fsdp_degree": mesh.fsdp_degree(gpus),
             "expert_fsdp_degree": mesh.expert_fsdp_degree(gpus)}
 
 

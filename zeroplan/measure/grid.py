@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zeroplan.errors import SpecError
+from zeroplan.measure.grid_ep import ep_rows
 
 # DeepSpeed "small buckets": buckets far below the default 5e8 elements, so that the buckets are
 # exercised rather than one buffer larger than the model; persistence 0 makes stage 3 shard every
@@ -117,7 +118,8 @@ class Row:
             + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ())
         row_id = "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
         row_id = mesh_row_id(self.mesh, row_id, "mesh-ds" if self.engine == "deepspeed" else "mesh") if self.mesh else row_id
-        return f"{self.lora.id}/{row_id}" if self.lora is not None else row_id
+        trainer = "trainer-" if self.recipe == "hf-trainer" else ""  # the Trainer's adapter rows apart from the loop's
+        return f"{trainer}{self.lora.id}/{row_id}" if self.lora is not None else row_id
 
     @property
     def needs_cpu_adam(self) -> bool:
@@ -325,6 +327,7 @@ def _grid() -> tuple[Row, ...]:
                             small_buckets=engine == "deepspeed"))  # buffers the size of the model, not of 5e8 elements
     rows.extend(mesh_rows())
     rows.extend(deepspeed_mesh_rows())
+    rows.extend(ep_rows(Row))  # expert parallelism (measure/mesh_moe.py)
     rows += _dense_family_rows()
     rows.extend(_lora_rows())
     return tuple(rows)
@@ -342,6 +345,7 @@ def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str, prefix: str = "m
 
 
 _TINY_LLAMA_4L = "tests/data/tiny-llama-4l.toml"  # relative to the repository root, where validate runs
+_TINY_LLAMA_16K = "tests/data/tiny-llama-16k.toml"
 
 
 def mesh_rows() -> list[Row]:
@@ -367,6 +371,11 @@ def mesh_rows() -> list[Row]:
         Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "interleaved-1f1b"), ("pp_virtual_stages", 2)),
             grad_accum=4, world=4, **titan),
         *_context_parallel_rows(titan),
+        # zero bubble with FSDP2 sharding: I after a resharding forward keeps nothing for W (estimate/pipeline_fsdp.py)
+        Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "zero-bubble"), ("pp_virtual_stages", 2)),
+            grad_accum=4, world=4, **titan),
+        # a 16k vocabulary: the rowwise embedding's gradient arrives whole on each TP rank (estimate/tp_embedding.py)
+        Row(_TINY_LLAMA_16K, "fsdp2", 3, "fp32", mesh=(("tp", 2),), **titan),
     ]
 
 
@@ -453,6 +462,8 @@ def _lora_rows() -> list[Row]:
         rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, lora=lora, **extra))
     for model, engine, stage, precision, ckpt, lora, extra in QLORA_ROWS:
         rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, lora=lora, **extra))
+    for engine, stage, precision, ckpt, lora in TRAINER_LORA_ROWS:
+        rows.append(Row("tiny-llama", engine, stage, precision, checkpointing=ckpt, lora=lora, recipe="hf-trainer"))
     return rows
 
 
@@ -471,6 +482,16 @@ QLORA_ROWS: tuple = (  # bitsandbytes bases: one rank as the QLoRA scripts run i
      {"model_init": "host"}),
     ("tiny-llama", "deepspeed", 2, "fp32", "none", LoraRow(8, base_precision="nf4", compute_dtype="fp32"), {}),
     ("tiny-llama", "deepspeed", 3, "bf16", "none", LoraRow(8, base_precision="nf4", quant_storage="bf16"), {}),
+)
+
+
+TRAINER_LORA_ROWS: tuple = (  # transformers.Trainer given get_peft_model's PeftModel (ids "trainer-lora-...")
+    ("torch", 0, "bf16", "full", LoraRow(8)),
+    ("deepspeed", 2, "bf16", "none", LoraRow(8)),
+    ("deepspeed", 3, "bf16", "full", LoraRow(8)),
+    ("deepspeed", 3, "bf16", "none", LoraRow(8)),
+    ("fsdp2", 3, "bf16", "none", LoraRow(8)),
+    ("torch", 0, "bf16", "none", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16")),
 )
 
 

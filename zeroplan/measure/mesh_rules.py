@@ -5,8 +5,8 @@ data-parallel dimensions (HSDP with dp_replicate) and torch.distributed.pipelini
 zeroplan's reference Llama model, in zeroplan's own loop. What it does not run is refused here,
 one line naming the field: context parallelism with pipelining, under --simulate or with eager
 attention (it runs torch's ring attention over SDPA with the CPU kernel added: measure/cp_cpu.py),
-expert parallelism, the Hugging Face Trainer, engines other than fsdp2, offload, losses other than
-standard, learned positions.
+expert parallelism beside other dimensions (ep alone runs in measure/mesh_moe.py), the Hugging Face
+Trainer, engines other than fsdp2, offload, losses other than standard, learned positions.
 """
 
 from __future__ import annotations
@@ -37,8 +37,12 @@ def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate
         raise MeasureError("mesh.pp: a pipeline does not run under --simulate (fake tensors); measure it on real ranks")
     if mesh.cp > 1:
         _refuse_context_parallel(training, simulate)
-    if mesh.ep > 1:
-        raise MeasureError("mesh.ep: expert parallelism is not measured; measure with ep 1")
+    if mesh.ep > 1 and (mesh.tp, mesh.cp, mesh.pp, mesh.dp_replicate) != (1, 1, 1, 1):
+        raise MeasureError("mesh.ep: expert parallelism is measured alone with FSDP2 (measure/mesh_moe.py); "
+                           "set tp, cp, pp and dp_replicate to 1")
+    if mesh.ep > 1 and simulate:
+        raise MeasureError("mesh.ep: expert parallelism does not run under --simulate (its all-to-all splits are "
+                           "read with .tolist()); measure it on real ranks")
     if training.recipe.value not in MESH_RECIPES:
         raise MeasureError(f"recipe: a mesh is measured in zeroplan's loop ({' or '.join(MESH_RECIPES)}), "
                            f"not {training.recipe.value}")

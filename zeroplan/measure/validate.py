@@ -289,6 +289,7 @@ def build_report(rows: Sequence[Row], records: dict[str, dict[str, Any]], reason
     """Estimate every row now and set it against its cached measurement."""
     from zeroplan.estimate.mesh import estimate_mesh
     from zeroplan.estimate.serialize import phase_to_dict
+    from zeroplan.measure.grid_ep import with_measured_imbalance
 
     out = []
     for row in rows:
@@ -296,6 +297,7 @@ def build_report(rows: Sequence[Row], records: dict[str, dict[str, Any]], reason
         comparison = None
         if record is not None and "measurement" in record:
             model, training = row_specs(row, backend)
+            training = with_measured_imbalance(training, record["measurement"].get("notes", ()))  # EP rows
             # the worst rank kind's estimate against the rank that peaks highest (a plain row has one kind)
             phases = [phase_to_dict(phase) for phase in estimate_mesh(model, training).worst.estimate.phases]
             comparison = compare(phases, summary_peaks(record["measurement"]))

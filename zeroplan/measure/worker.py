@@ -64,7 +64,8 @@ def _inject_fault(rank: int) -> None:
 
 def _implementation(job: dict, training) -> str:
     """The job's model implementation; a mesh run's is the reference model (measure/mesh.py says why)."""
-    if not training.mesh.is_trivial and training.engine.value != "deepspeed":  # DeepSpeed's mesh runs the HF model
+    # expert parallelism runs the transformers MoE model; DeepSpeed's mesh runs the HF model
+    if not training.mesh.is_trivial and training.mesh.ep == 1 and training.engine.value != "deepspeed":
         return "reference"
     return job.get("implementation", "auto")
 
@@ -164,6 +165,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     if offload is not None:  # measure/activation_offload.py: host copies are kept out of the device counts
         notes.append(f"activation offload: at most {offload.peak_host_bytes:,} bytes of host copies per rank, "
                      "not in the device counts")
+    notes.extend(getattr(held.get("runner"), "notes", lambda: [])())  # expert parallelism: its measured imbalance
     implementation = held.get("model_name", "unknown")
     if training.recipe.value in REPRODUCED:  # torchtitan, torchtune: their flow in this loop (programs/reproduction.py)
         implementation = reproduction_name(training, implementation)

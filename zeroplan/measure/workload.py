@@ -365,7 +365,11 @@ def build_hf_model(spec: TransformerSpec, training: TrainingSpec) -> tuple[nn.Mo
     lm.train()
     _freeze(lm, _find_blocks(lm, spec.num_layers), training.freeze)
     if getattr(training, "lora", None) is not None or getattr(training, "quant", None) is not None:
-        raise MeasureError("training.lora: the Hugging Face Trainer with PEFT adapters is not measured; use --recipe plain")
+        from zeroplan.measure.programs.peft_model import apply_peft, implementation_suffix
+
+        # the Trainer enables checkpointing and PEFT's input-gradient hook itself (programs/hf_trainer.py)
+        apply_peft(lm, training, program_checkpoints=True)
+        name += implementation_suffix(training)
     return lm, name
 
 

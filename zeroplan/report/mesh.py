@@ -52,7 +52,9 @@ def render_mesh_plan(data: dict[str, Any], output_format: str = "table", units: 
         return json.dumps(data, indent=2) + "\n"
     markdown = output_format == "markdown"
     rows = [[row["rank"], f"tp {row['mesh']['tp']} cp {row['mesh']['cp']} pp {row['mesh']['pp']}"
-             + (f" {row['mesh']['pp_schedule']}" if row["mesh"]["pp"] > 1 else "") + f" dp {row['mesh']['dp_shard']}",
+             + (f" {row['mesh']['pp_schedule']}" if row["mesh"]["pp"] > 1 else "") + f" dp {row['mesh']['dp_shard']}"
+             + (f" x {row['mesh']['dp_replicate']} replicas" if row["mesh"]["dp_replicate"] > 1 else "")
+             + (f" ep {row['mesh']['ep']}" if row["mesh"]["ep"] > 1 else ""),
              f"ZeRO-{row['zero_stage']}", row["checkpointing"], row["micro_batch"], row["grad_accum"],
              amount(row["per_gpu"]["peak"], units), f"{row['tokens_per_s_per_gpu']:,.0f}", row["reason"]]
             for row in data["top"]]

@@ -64,6 +64,8 @@ class MeshSpec(BaseModel):
                                     "sequence (torchtitan enable_sequence_parallel).")
     loss_parallel: bool = Field(True, description="Under TP, keep the logits sharded over the vocabulary into the "
                                 "loss (torchtitan's default; disable_loss_parallel turns it off).")
+    moe_imbalance: float = Field(1.0, ge=1.0, description="Under EP, the token-expert pairs the busiest expert-parallel "
+                                 "rank receives over the mean (1: balanced routing; at most ep).")
 
     @property
     def is_trivial(self) -> bool:
@@ -190,7 +192,17 @@ def check_mesh(model: ModelSpec, training: TrainingSpec) -> None:
         raise SpecError(f"mesh.pp: schedule 1f1b needs at least pp {mesh.pp} micro-batches; grad_accum is "
                         f"{training.grad_accum}")
     if mesh.ep > 1:
-        if not model.is_moe:
+        experts = routed_experts(model)
+        if experts == 1:
             raise SpecError("mesh.ep: the model has no experts (num_experts 1); expert parallelism needs a MoE model")
-        if model.num_experts % mesh.ep:
-            raise SpecError(f"mesh.ep: {mesh.ep} does not divide the model's num_experts {model.num_experts}")
+        if experts % mesh.ep:
+            raise SpecError(f"mesh.ep: {mesh.ep} does not divide the model's num_experts {experts}")
+    if mesh.moe_imbalance > max(mesh.ep, 1):
+        raise SpecError(f"mesh.moe_imbalance: {mesh.moe_imbalance:g} exceeds ep {mesh.ep}, the factor of every token "
+                        "routed to one expert-parallel rank")
+
+
+def routed_experts(model: ModelSpec) -> int:
+    """Routed experts per sparse layer: the MoE spec's (Qwen3-MoE, DeepSeek-V3, GPT-OSS) or Mixtral's num_experts."""
+    moe = getattr(model, "moe", None)
+    return moe.num_experts if moe is not None else getattr(model, "num_experts", 1)

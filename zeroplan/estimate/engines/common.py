@@ -44,6 +44,7 @@ class Setup(NamedTuple):
     deepspeed: DeepSpeedSizes
     fsdp2: FSDP2Wrapping  # FSDP2's units and which reshard after forward
     program: Program  # the training program around the engine, every knob resolved (spec/program.py)
+    expert_gpus: int = 0  # FSDP2 under EP: ranks sharding the expert tensors (efsdp; estimate/mesh_ep.py); 0: gpus
 
 
 def deepspeed_sizes(knobs: DeepSpeedKnobs) -> DeepSpeedSizes:

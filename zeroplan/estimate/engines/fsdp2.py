@@ -68,14 +68,24 @@ class _Units(NamedTuple):
     block_trainable: int
     lead_params: int  # unsharded parameter elements, for the set-up
     tail_params: int
+    block_unsharded: int  # the largest block's elements once gathered: block x n, unless its experts shard apart
+    block_trainable_unsharded: int
+    block_experts_unsharded: int  # of those, the experts' when they are a unit of their own (EP), else 0
+    block_experts_trainable_unsharded: int
 
 
-def _units(facts: ModelFacts, n: int, split: bool) -> _Units:
+def _units(facts: ModelFacts, n: int, split: bool, expert_n: int = 0) -> _Units:
+    from zeroplan.estimate.mesh_ep import is_expert, shard_degree  # expert tensors under EP shard over efsdp ranks
+
     def shard_elems(group) -> int:
-        return sum(_padded_shard(t.numel, t.rows, n) for t in group.tensors)
+        return sum(_padded_shard(t.numel, t.rows, shard_degree(t, n, expert_n)) for t in group.tensors)
 
     def trained_elems(group) -> int:
-        return sum(_padded_shard(t.numel, t.rows, n) for t in group.trainable_tensors)
+        return sum(_padded_shard(t.numel, t.rows, shard_degree(t, n, expert_n)) for t in group.trainable_tensors)
+
+    def gathered_elems(tensors) -> int:  # what the unit's all-gathers return: each tensor's padded shard x its ranks
+        return sum(_padded_shard(t.numel, t.rows, shard_degree(t, n, expert_n)) * shard_degree(t, n, expert_n)
+                   for t in tensors)
 
     # Units root: the root holds every non-block group. Units split puts the final norm and head in a
     # unit of their own, unless the head is tied to the embeddings (one [embeddings, norm, head] unit:
@@ -97,6 +107,12 @@ def _units(facts: ModelFacts, n: int, split: bool) -> _Units:
         block_trainable=max((trained_elems(g) for g in blocks if not g.frozen), default=0),
         lead_params=sum(g.params for g in lead),
         tail_params=sum(g.params for g in tail),
+        block_unsharded=max((gathered_elems(g.tensors) for g in blocks), default=0),
+        block_trainable_unsharded=max((gathered_elems(g.trainable_tensors) for g in blocks if not g.frozen), default=0),
+        block_experts_unsharded=max((gathered_elems([t for t in g.tensors if expert_n and is_expert(t)]) for g in blocks),
+                                    default=0),
+        block_experts_trainable_unsharded=max((gathered_elems([t for t in g.trainable_tensors if expert_n and is_expert(t)])
+                                               for g in blocks if not g.frozen), default=0),
     )
 
 
@@ -113,6 +129,9 @@ class _Sizes(NamedTuple):
     lead_gathered: int  # the lead unit's all-gather output, or its unsharded parameters
     tail_gathered: int
     block_gathered: int
+    block_prefetched: int  # what backward prefetches of the next block: its experts are a later unit (EP)
+    block_experts_grads: int  # EP: the experts' unsharded gradients, reduced in their own post-backward
+    block_experts_reduce_in: int  # EP: the experts' reduce-scatter input, held until the block's post-backward
     head_grads: int
     tied_grad: int
     first_grads: int
@@ -151,7 +170,7 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     offloaded = setup.offload_optimizer == Offload.CPU
     on_device = not offloaded or device == Device.CPU  # a CPU run has one memory
 
-    u = _units(facts, n, wrapping.units == FSDP2Units.SPLIT)
+    u = _units(facts, n, wrapping.units == FSDP2Units.SPLIT, setup.expert_gpus)
     split = u.tail > 0
     head_numel, tied_numel, first_numel = early_gradients(facts)
     num_blocks = sum(g.count for g in facts.groups if g.role == "block")
@@ -187,7 +206,7 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     holding = setup.accumulating and setup.program.grad_sync == GradSync.LAST
     accum_lead = u.lead_trainable * n * reduce if holding else 0
     accum_tail = u.tail_trainable * n * reduce if holding else 0
-    accum_block = u.block_trainable * n * reduce if holding else 0
+    accum_block = u.block_trainable_unsharded * reduce if holding else 0
     # Reducing every micro-batch (torchtitan, torchtune): foreach_reduce adds each new reduce-scatter
     # output into the existing sharded .grad (`_fsdp_collectives.py`, to_accumulate_grad), so the last
     # micro-batch starts with every sharded gradient and adds none.
@@ -201,18 +220,21 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     # foreach_reduce's reduce_scatter_input is in the reduce dtype.
     return _Sizes(
         num_blocks, offloaded, sharded_params, sharded_grads, states, temporaries,
-        lead_gathered=u.lead * n * gathered, tail_gathered=u.tail * n * gathered, block_gathered=u.block * n * gathered,
+        lead_gathered=u.lead * n * gathered, tail_gathered=u.tail * n * gathered, block_gathered=u.block_unsharded * gathered,
+        block_prefetched=(u.block_unsharded - u.block_experts_unsharded) * gathered,
+        block_experts_grads=u.block_experts_trainable_unsharded * gathered,
+        block_experts_reduce_in=u.block_experts_trainable_unsharded * reduce,
         head_grads=head_numel * gathered, tied_grad=tied_numel * gathered, first_grads=first_numel * gathered,
         lead_grads=u.lead_trainable * n * gathered, tail_shard_grads=tail_shard_grads,
-        block_grads=u.block_trainable * n * gathered, block_shard_grads=block_shard_grads,
-        block_reduce_in=u.block_trainable * n * reduce, lead_reduce_in=u.lead_trainable * n * reduce,
+        block_grads=u.block_trainable_unsharded * gathered, block_shard_grads=block_shard_grads,
+        block_reduce_in=u.block_trainable_unsharded * reduce, lead_reduce_in=u.lead_trainable * n * reduce,
         tail_reduce_in=u.tail_trainable * n * reduce, h2d_copy=h2d_copy, reshard=reshard, split=split,
         lead_kept=lead_kept, lead_regathered=lead_regathered, tail_reshards=split and wrapping.reshard_head,
         last_reshards=reshard and wrapping.reshard_last_block, held_after_blocks=held_after_blocks,
         held_blocks=held_blocks, held_grads=held_grads, accum_lead=accum_lead, accum_tail=accum_tail,
         accum_block=accum_block, kept_shards=kept_shards,
         init_params=_init_params(facts, setup, u, storage, on_device, sharded_params),
-        host_bytes=host_bytes, padding_note=_padding_note(facts, n, u.total))
+        host_bytes=host_bytes, padding_note=None if setup.expert_gpus else _padding_note(facts, n, u.total))
 
 
 def _reduce_element_bytes(recipe: Recipe, storage: int, gathered: int) -> int:
@@ -356,7 +378,7 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         points.append(dict(buffers=2 * lead + h2d_copy, grads=held_grads, activations=acts_start))
     # The last block's all-gather output once prefetched (by the root's pre-backward under units
     # root, by the head's under split), unless it kept its parameters.
-    last_prefetch = block_gathered if z.last_reshards else 0
+    last_prefetch = z.block_prefetched if z.last_reshards else 0
     if acts is not None:
         # Saved tensors are activations; what backward allocates (the logits' gradients, the
         # recomputed block, gradients in flight, a tied head's pending gradient) is temporaries.
@@ -384,11 +406,19 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
     accum_left = accum_lead + (0 if z.split else z.accum_tail)
     for j in visits:
         blocks_held = 1 if reshard else num_blocks - j
-        prefetch = block_gathered if reshard and j < num_blocks - 1 else 0
+        # FSDP2 prefetches the next unit in reverse post-forward order: the previous block, whose experts
+        # (EP: a unit of their own, post-forward before their block) come after it
+        prefetch = z.block_prefetched if reshard and j < num_blocks - 1 else 0
         if z.split and reshard and j == num_blocks - 1:
             prefetch = lead  # block 0's pre-backward prefetches the embeddings
-        held_reduce_in = block_reduce_in if j else (z.tail_reduce_in if z.split else 0)
+        # EP: the experts reduce before the rest of their block (a unit of their own), so at the MLP's backward
+        # the previous block's dense part's reduce-scatter input is held, at the block's end its experts' is
+        experts_grads, experts_reduce_in = z.block_experts_grads, z.block_experts_reduce_in
+        dense_reduce_in = block_reduce_in - experts_reduce_in
+        held_reduce_in = dense_reduce_in if j else (z.tail_reduce_in if z.split else 0)
         buffers = lead_kept + blocks_held * block_gathered + prefetch + held_reduce_in + h2d_copy
+        experts_resharded = (block_gathered - z.block_prefetched) if reshard else 0
+        end_buffers = buffers - held_reduce_in + experts_reduce_in - experts_resharded if experts_grads else buffers
         points.append(dict(
             buffers=buffers,
             grads=accum_left + (num_blocks - j) * accum_block + head_left + z.first_grads + shards_done(j),
@@ -400,8 +430,8 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         end_acts = acts.blocks_left_saved(num_blocks - j - 1) if acts else 0
         in_flight = (acts.block_input_grad if acts else 0) + tied_grad
         points.append(dict(
-            buffers=buffers,
-            grads=accum_left + (num_blocks - j) * accum_block + head_left + block_grads + shards_done(j),
+            buffers=end_buffers,
+            grads=accum_left + (num_blocks - j) * accum_block + head_left + block_grads - experts_grads + shards_done(j),
             activations=end_acts,
             temporaries=in_flight,
         ))
@@ -410,11 +440,12 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         # (in the reduce dtype: twice the gradients' bytes under bf16 mixed precision) and copies
         # them in before freeing them.
         points.append(dict(
-            buffers=lead_kept + (blocks_held - 1) * block_gathered + prefetch + block_reduce_in + h2d_copy,
+            buffers=lead_kept + (blocks_held - 1) * block_gathered + prefetch + dense_reduce_in + h2d_copy
+            + (experts_resharded if experts_grads else 0),
             grads=accum_left + (num_blocks - j - 1) * accum_block + head_left + shards_done(j),
             activations=end_acts,
             # the list holds the accumulated gradients when accumulating (the fresh ones were added in)
-            temporaries=in_flight + (accum_block or block_grads),
+            temporaries=in_flight + (accum_block or block_grads - experts_grads),
         ))
     blocks_done = (z.kept_shards or num_blocks * block_shard_grads) + (head_left if z.split else 0)
     last_reduce_in = block_reduce_in if num_blocks else (z.tail_reduce_in if z.split else 0)

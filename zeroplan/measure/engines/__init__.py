@@ -181,6 +181,8 @@ def engine_names() -> tuple[str, ...]:
 
 def build_runner(model: "torch.nn.Module", training: TrainingSpec, ctx: RunContext) -> EngineRunner:
     """Wrap `model` with the engine `training.engine` names and create its optimizer."""
+    if training.mesh.ep > 1:  # expert parallelism with FSDP2 (measure/mesh_moe.py)
+        return importlib.import_module("zeroplan.measure.mesh_moe").build_runner(model, training, ctx)
     shape = _mesh(training, ctx)
     if shape is not None:  # tensor, sequence and pipeline parallelism with FSDP2 (measure/mesh.py)
         return importlib.import_module("zeroplan.measure.mesh").build_mesh_runner(model, training, ctx, shape)

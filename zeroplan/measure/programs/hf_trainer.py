@@ -88,7 +88,7 @@ def run_trainer(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, 
                 if not zero_init:
                     args = _arguments(spec, training, ctx, steps, output_dir)
                 trainer = _PhasedTrainer(
-                    model=model, args=args, train_dataset=RandomTokens(spec, training, steps * ctx.world_size),
+                    model=_as_users_pass_it(model), args=args, train_dataset=RandomTokens(spec, training, steps * ctx.world_size),
                     callbacks=[_MarksCallback(marks)], optimizer_cls_and_kwargs=_optimizer_cls_and_kwargs(training, args),
                 )
                 trainer.marks = marks
@@ -383,8 +383,24 @@ def _check_filled(filled: dict, training: TrainingSpec) -> None:
             raise MeasureError(f"deepspeed.{key}: the Trainer filled {zero[key]}, the spec says {getattr(training.deepspeed, key)}")
 
 
+def _as_users_pass_it(model):
+    """The PeftModel that `get_peft_model` returned, for a model with adapters (what a LoRA script
+    gives the Trainer: programs/peft_model.py `apply_peft` keeps it); else the model itself."""
+    return getattr(model, "zeroplan_peft_model", [model])[0]
+
+
 def _tensors_by_category(held: dict, engine: Engine) -> dict[str, list[torch.Tensor]]:
-    """The classifier: the engine's own once it wraps the model, the bare model before."""
+    """The classifier: the engine's own once it wraps the model, the bare model before; with
+    adapters apart and quantization states as parameters (programs/peft_model.py)."""
+    categories = _engine_tensors_by_category(held, engine)
+    if categories and hasattr(held["model"], "zeroplan_peft_model"):
+        from zeroplan.measure.programs.peft_model import with_peft_categories
+
+        return with_peft_categories(categories, held["model"])
+    return categories
+
+
+def _engine_tensors_by_category(held: dict, engine: Engine) -> dict[str, list[torch.Tensor]]:
     model, trainer = held.get("model"), held.get("trainer")
     if model is None:
         return {}

@@ -136,10 +136,11 @@ def lora_config(lora: Any):
     )
 
 
-def apply_peft(lm: nn.Module, training: Any) -> nn.Module:
+def apply_peft(lm: nn.Module, training: Any, *, program_checkpoints: bool = False) -> nn.Module:
     """Quantize `lm` and add PEFT's adapters as `training.quant` and `training.lora` say (module
     docstring, steps 1-4); `lm` is edited in place and returned. Returns the PeftModel's
-    transformers model, with its adapter modules marked."""
+    transformers model, with its adapter modules marked. With `program_checkpoints` step 4 is left
+    to the program (the Trainer's `activation_checkpointing_enable` adds the same hook)."""
     quant, lora = getattr(training, "quant", None), getattr(training, "lora", None)
     if kbit_precision(quant) is not None and any(p.is_meta for p in lm.parameters()):
         # Params4bit.to("meta") does not quantize (bitsandbytes/nn/modules.py): nothing to shard after
@@ -170,7 +171,7 @@ def apply_peft(lm: nn.Module, training: Any) -> nn.Module:
         raise MeasureError(f"training.lora: {str(error).splitlines()[0]}") from None
     lm.zeroplan_peft_model = [peft_model]  # kept, not registered as a submodule (it wraps lm)
     mark_adapters(lm)
-    if _value(training.checkpointing) != "none":
+    if _value(training.checkpointing) != "none" and not program_checkpoints:
         lm.enable_input_require_grads()
     return lm
 
@@ -204,7 +205,7 @@ def quantization_state_tensors(model: nn.Module) -> list[torch.Tensor]:
     scales): part of a quantized base weight, held outside the parameter (bitsandbytes/functional.py QuantState)."""
     found = []
     for module in model.modules():
-        weight = getattr(module, "weight", None)
+        weight = _own_weight(module)
         state = getattr(weight, "quant_state", None) or getattr(module, "quant_state", None)
         if state is not None:
             found.extend(_state_tensors(state))
@@ -216,6 +217,14 @@ def quantization_state_tensors(model: nn.Module) -> list[torch.Tensor]:
         if isinstance(scb, torch.Tensor):
             found.append(scb)
     return found
+
+
+def _own_weight(module: nn.Module) -> torch.Tensor | None:
+    """`module.weight` read without its getter: under DeepSpeed ZeRO-3 reading a partitioned
+    parameter in forward gathers it (parameter_offload.py ZeROOrderedDict.__getitem__), on the
+    counting rank only, which leaves the ranks' collectives mismatched."""
+    weight = next((param for name, param in module._parameters.items() if name == "weight"), None)
+    return weight if weight is not None else module.__dict__.get("weight")
 
 
 def _state_tensors(state: Any) -> list[torch.Tensor]:
