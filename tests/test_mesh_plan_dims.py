@@ -18,14 +18,14 @@ from zeroplan.importers.torchtitan_write import write_torchtitan_toml
 from zeroplan.plan.cost import assumptions_for, model_flops
 from zeroplan.plan.mesh import _meshes, plan_mesh
 from zeroplan.plan.mesh_cost import mesh_step_cost
-from zeroplan.spec.mesh import MeshSpec, check_mesh
+from zeroplan.spec.mesh import MeshSpec, check_mesh, routed_experts
 from zeroplan.spec.training import TrainingSpec
 
 H100 = get_gpu("h100-80gb")
 BUDGET = int(H100.memory_bytes * 0.95)
 
 
-@pytest.mark.parametrize("name, gpus", [("mixtral-8x7b", 64), ("llama-3-8b", 32)])
+@pytest.mark.parametrize("name, gpus", [("mixtral-8x7b", 64), ("qwen3-30b-a3b", 64), ("llama-3-8b", 32)])
 def test_every_searched_mesh_is_a_valid_mesh_and_hsdp_and_ep_are_among_them(name, gpus):
     model = resolve_model(name)
     base = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=gpus, seq_len=4096, recipe="torchtitan")
@@ -37,9 +37,9 @@ def test_every_searched_mesh_is_a_valid_mesh_and_hsdp_and_ep_are_among_them(name
         if mesh.dp_replicate > 1:  # HSDP's shard group fills one node beside tp x cp
             assert mesh.tp * mesh.cp * mesh.dp_shard(gpus) == base.node_gpus and mesh.dp_shard(gpus) > 1
         if mesh.ep > 1:  # torchtitan: ep divides the experts and the dp_shard x cp x tp ranks it borrows
-            assert model.num_experts % mesh.ep == 0 and (mesh.dp_shard(gpus) * mesh.cp * mesh.tp) % mesh.ep == 0
+            assert routed_experts(model) % mesh.ep == 0 and (mesh.dp_shard(gpus) * mesh.cp * mesh.tp) % mesh.ep == 0
     assert any(mesh.dp_replicate > 1 for mesh in meshes)
-    assert any(mesh.ep > 1 for mesh in meshes) == model.is_moe
+    assert any(mesh.ep > 1 for mesh in meshes) == (routed_experts(model) > 1)
 
 
 def _cost(model, training):
@@ -72,6 +72,18 @@ def test_expert_parallelism_gathers_each_ranks_share_of_the_experts_and_pays_an_
     assert costs[8].expert_parallel_s / costs[2].expert_parallel_s == pytest.approx((7 / 8) / (1 / 2))
     # FSDP gathers and reduces 1/ep of each layer's experts instead of 1/tp: less data-parallel traffic as ep grows
     assert costs[8].data_parallel_s < costs[2].data_parallel_s == pytest.approx(costs[1].data_parallel_s)
+
+
+
+def test_an_moe_spec_model_pays_its_all_to_all_and_gathers_only_its_share_of_the_experts():
+    # Qwen3-MoE's experts live in its MoE spec (128 routed, top 8): the rank already holds E/ep experts
+    # (estimate/mesh_ep.py), so no cost term may go below zero and data-parallel traffic falls with ep
+    model = resolve_model("qwen3-30b-a3b")
+    base = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=64, seq_len=4096, recipe="torchtitan")
+    costs = {ep: _cost(model, base.varied(mesh=MeshSpec(ep=ep)))[0] for ep in (1, 8, 32)}
+    assert all(value >= 0 for cost in costs.values() for value in cost.terms().values())
+    assert costs[1].expert_parallel_s == 0 < costs[8].expert_parallel_s < costs[32].expert_parallel_s
+    assert costs[32].data_parallel_s < costs[8].data_parallel_s < costs[1].data_parallel_s
 
 
 @pytest.fixture(scope="module")

@@ -225,6 +225,11 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     if mesh.tp > 1 and mesh.sequence_parallel:
         saved = acts.saved_per_block - _sequence_parallel_saving(model, training, tokens, act_bytes)
         changes.update(saved_per_block=saved, block_input_grad_bytes=acts.block_input_grad_bytes // mesh.tp)
+    if mesh.tp > 1 and mesh.sequence_parallel and training.checkpointing in (Checkpointing.FULL, Checkpointing.OP):
+        from zeroplan.estimate.mesh_tp_checkpoint import checkpointed_under_sequence_parallel
+
+        norms_cut = _sequence_parallel_saving(model, training.varied(checkpointing=Checkpointing.NONE), tokens, act_bytes)
+        changes.update(checkpointed_under_sequence_parallel(model, training, acts, tokens, act_bytes, norms_cut))
     if mesh.tp > 1 and mesh.sequence_parallel and kind.head:
         # the final norm is SequenceParallel too (torchtitan apply_tp "norm"): its input, normalised output
         # and rstd are cut over tp; its output, all-gathered for the head, is not

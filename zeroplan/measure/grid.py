@@ -359,6 +359,7 @@ def mesh_rows() -> list[Row]:
         Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("tp", 2),), **titan),
         Row("tiny-llama", "fsdp2", 3, "bf16", mesh=(("tp", 2),), world=4, **titan),
         Row("tiny-llama", "fsdp2", 2, "fp32", mesh=(("tp", 2),), world=4, **titan),
+        Row("tiny-llama", "fsdp2", 3, "fp32", checkpointing="full", mesh=(("tp", 2),), world=4, **titan),  # tp under full checkpointing
         Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "gpipe")), grad_accum=4, **titan),
         Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "1f1b")), grad_accum=4, **titan),
         Row("tiny-llama", "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "1f1b")), grad_accum=4, world=4, **titan),

@@ -19,7 +19,7 @@ from zeroplan.estimate.mesh import (MeshEstimate, RankEstimate, RankKind, estima
                                     rank_estimate, rank_kinds)
 from zeroplan.plan.cost import Assumptions, model_flops
 from zeroplan.plan.mesh_cost import MeshStepCost, mesh_step_cost
-from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
+from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh, routed_experts
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Checkpointing, TrainingSpec
 
@@ -105,9 +105,10 @@ def _replicas(tp_cp: int, data_parallel: int, node_gpus: int) -> list[int]:
 def _expert_degrees(model: TransformerSpec, borrowed: int) -> list[int]:
     """ep degrees searched for a MoE model: those dividing its experts and the dp_shard x cp x tp ranks expert
     parallelism borrows (torchtitan parallel_dims.py `build_mesh`: efsdp = dp_shard x cp x tp / ep)."""
-    if not model.is_moe:
+    experts = routed_experts(model)
+    if experts < 2:
         return [1]
-    return [ep for ep in _DEGREES if model.num_experts % ep == 0 and borrowed % ep == 0]
+    return [ep for ep in _DEGREES if experts % ep == 0 and borrowed % ep == 0]
 
 
 def _reason(rank: int, candidate: MeshCandidate, best: MeshCandidate | None) -> str:

@@ -91,12 +91,10 @@ def mesh_step_cost(model: TransformerSpec, flops: ModelFlops, rank_params: int, 
                                     training.offload_optimizer, training.offload_params)
     share = ModelFlops(rank_params, rank_params, forward_backward / (tp * pp), 0.0)
     base = step_cost_model(share, dense, assumptions).step_cost(micro, accum)
-    # the cost model's data-parallel collectives over fsdp ranks run on the links of their span
+    # the cost model's data-parallel collectives over fsdp ranks run on the links of their span; under ep the
+    # rank's parameters already hold E/ep whole experts (estimate/mesh_ep.py), which its efsdp unit gathers
     span = tp * cp * mesh.dp_shard(gpus)
     data_parallel = base.communication_s * assumptions.intra_node_bytes_per_s / _link(span, training, assumptions)
-    if mesh.ep > 1 and model.is_moe and rank_params:
-        experts = layers * _expert_params_per_layer(model)
-        data_parallel *= (rank_params - experts // tp + experts // mesh.ep) / rank_params
     replicate = 0.0
     if mesh.dp_replicate > 1:
         shard_bytes = rank_params / fsdp * element
@@ -125,8 +123,8 @@ def mesh_step_cost(model: TransformerSpec, flops: ModelFlops, rank_params: int, 
         boundary = activation / (tp if mesh.sequence_parallel else 1)
         p2p = accum * 2 * mesh.pp_virtual_stages * boundary / _link(gpus, training, assumptions)
     expert_parallel = 0.0
-    if mesh.ep > 1 and model.is_moe:
-        routed = local_tokens * model.experts_per_token * h * element
+    if mesh.ep > 1:
+        routed = local_tokens * _experts_per_token(model) * h * element
         expert_parallel = accum * layers * 4 * (mesh.ep - 1) / mesh.ep * routed / _link(mesh.ep, training, assumptions)
     return MeshStepCost(base.compute_s, base.recompute_s, data_parallel, replicate, base.offload_s, base.optimizer_s,
                         tensor_parallel, context_parallel, bubble, p2p, expert_parallel,
@@ -142,9 +140,7 @@ def _data_parallel_training(engine, zero_stage, gpus, gpus_per_node, precision, 
                         offload_optimizer=offload_optimizer, offload_params=offload_params)
 
 
-def _expert_params_per_layer(model: TransformerSpec) -> int:
-    """The routed experts' parameters in one block: the tensors torchtitan's plans cut as experts."""
-    from zeroplan.estimate.layout import param_layout
+def _experts_per_token(model: TransformerSpec) -> int:
+    """Experts each token is routed to: the MoE spec's (Qwen3-MoE, DeepSeek-V3, GPT-OSS) or Mixtral's."""
+    return model.moe.experts_per_token if model.moe is not None else model.experts_per_token
 
-    return sum(tensor.numel for tensor in param_layout(model).block
-               if tensor.name.rsplit(".", 1)[0].rsplit(".", 1)[-1] == "experts")
