@@ -152,7 +152,7 @@ def test_a_given_degree_outside_the_searched_ones_is_planned_with_the_rest_searc
 
 @pytest.mark.parametrize("args, message", [
     (["--gpus", "16-32", "--tp", "4"], "a mesh is planned on one GPU count: give --gpus N"),
-    (["--gpus", "16", "--tp", "4", "--engine", "deepspeed"], "mesh: a mesh is planned with FSDP2"),
+    (["--gpus", "16", "--pp", "2", "--engine", "deepspeed"], "mesh.pp: engine deepspeed does not run it"),
     (["--gpus", "16", "--tp", "3"], "mesh: tp 3 x cp 1 x pp 1 x dp_replicate 1 = 3 does not divide gpus 16"),
     (["--gpus", "32", "--tp", "16", "--mesh"], "mesh.tp: 16 does not divide the model's num_kv_heads 8"),
 ])

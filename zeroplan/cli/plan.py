@@ -48,11 +48,12 @@ def _rate(name: str, field: str, unit: str, help_text: str):
 @click.option("--emit", nargs=2, type=(click.Choice(["deepspeed", "fsdp", "torchtitan"]), click.Path(dir_okay=False)),
               metavar="deepspeed|fsdp|torchtitan FILE",
               help="Write the best plan as a DeepSpeed JSON config, or as an FSDP2 Python snippet (with --engine fsdp2), "
-              "or (with --mesh) as a torchtitan job TOML.")
+              "or (with --mesh) as a torchtitan job TOML (a DeepSpeed JSON with AutoTP/Ulysses for --engine deepspeed).")
 @click.option("--mesh", "mesh_search", is_flag=True, default=False,
               help="Search tensor, context, pipeline and expert parallel degrees, HSDP and the pipeline schedule too "
-              "(engine fsdp2, one GPU count): the cheapest meshes whose worst rank fits. Mesh options given (--tp 8) "
-              "stay fixed; without --mesh, the mesh they (or --config) give is planned as it is.")
+              "(engine fsdp2, or deepspeed: AutoTP and Ulysses; one GPU count): the cheapest meshes whose worst rank "
+              "fits. Mesh options given (--tp 8) stay fixed; without --mesh, the mesh they (or --config) give is "
+              "planned as it is.")
 @mesh_options
 @output_options
 def command(**options: Any) -> None:
@@ -160,6 +161,17 @@ def _emit(kind: str, path: str, training) -> None:
     )
 
 
+def _config_engine(options: dict, space, gpus: int, model) -> str | None:
+    """The engine a --config names (a DeepSpeed JSON: deepspeed), or None where it does not validate yet."""
+    from zeroplan.cli.grid_options import base_training
+    from zeroplan.errors import SpecError
+
+    try:
+        return base_training(options, space.zero_stages or (2, 1, 3), gpus, model).engine.value
+    except SpecError:
+        return None
+
+
 def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tuple[int, ...], fixed: bool) -> None:
     """`--mesh`: the mesh search of zeroplan.plan.mesh (the dimensions given fixed), its table, and --emit
     torchtitan (issue 14); `fixed`: the mesh the options or --config give, planned as it is."""
@@ -174,16 +186,21 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
         raise click.UsageError(f"{'a mesh is planned on' if fixed else '--mesh searches the meshes of'} one GPU count: "
                                "give --gpus N")
     emit = options["emit"]
-    if emit and emit[0] != "torchtitan":
-        raise click.UsageError(f"{'a mesh plan' if fixed else '--mesh'} writes a torchtitan TOML: use --emit torchtitan "
-                               f"FILE, not {emit[0]}")
-    if emit and options["config_file"] is None:
+    # AutoTP and Ulysses, written as a DeepSpeed JSON (issue 14): --engine deepspeed, or a DeepSpeed --config
+    deepspeed = options["engine"] == "deepspeed" or (options["engine"] is None and options["config_file"] is not None
+                                                     and _config_engine(options, space, gpu_counts[0], model) == "deepspeed")
+    wanted = "deepspeed" if deepspeed else "torchtitan"
+    if emit and emit[0] != wanted:
+        raise click.UsageError(f"{'a mesh plan' if fixed else '--mesh'} writes a "
+                               f"{'DeepSpeed JSON' if deepspeed else 'torchtitan TOML'}: use --emit {wanted} FILE, "
+                               f"not {emit[0]}")
+    if emit and options["config_file"] is None and not deepspeed:
         # the plan models the program the TOML will state (torchtitan v0.2.2: whole-logits cross-entropy)
         options = {**options, "recipe": options["recipe"] or "torchtitan", "loss": options["loss"] or "standard"}
-    base = base_training(options, (3, 2), gpu_counts[0], model)
-    if base.engine != Engine.FSDP2:
-        raise SpecError(f"{'mesh: a mesh is planned' if fixed else '--mesh: meshes are searched'} with FSDP2 (torchtitan); "
-                        "give --engine fsdp2")
+    base = base_training(options, (space.zero_stages or (2, 1)) if deepspeed else (3, 2), gpu_counts[0], model)
+    if base.engine not in (Engine.FSDP2, Engine.DEEPSPEED):
+        raise SpecError(f"{'mesh: a mesh is planned' if fixed else '--mesh: meshes are searched'} with FSDP2 "
+                        "(torchtitan) or DeepSpeed (AutoTP, Ulysses); give --engine fsdp2 or deepspeed")
     given = {name: options[f"mesh_{name}"] for name in MeshSpec.model_fields if options.get(f"mesh_{name}") is not None}
     result = plan_mesh(model, base, limits.budget_bytes, assumptions, space.checkpointing,
                        max_micro_batch=min(space.max_micro_batch, 64), global_batch=space.global_batch, top=options["top"],
@@ -191,7 +208,11 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
     click.echo(render_mesh_plan(mesh_plan_to_dict(result), options["output_format"], options["units"]), nl=False)
     if emit:
         if not result.top:
-            raise SpecError("--emit torchtitan: nothing fits, so there is no plan to write")
+            raise SpecError(f"--emit {emit[0]}: nothing fits, so there is no plan to write")
+        if deepspeed:
+            from zeroplan.cli.plan_deepspeed_mesh import emit_deepspeed_mesh
+
+            return emit_deepspeed_mesh(emit[1], model, result.top[0])
         from zeroplan.importers.torchtitan_write import write_torchtitan_toml
         from zeroplan.spec.files import write_atomic
 

@@ -26,6 +26,7 @@ from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, activatio
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import Setup, ceil_div, setup_of
+from zeroplan.estimate.engines.deepspeed_mesh import autotp_facts, autotp_training
 from zeroplan.estimate.facts import ModelFacts, ModuleGroup, model_facts
 from zeroplan.estimate.layout import ParamTensor, param_layout
 from zeroplan.estimate.mesh_ep import backward_transient_delta, first_block_gradient, placed_experts, saved_per_block_delta
@@ -393,6 +394,8 @@ def _setup(training: TrainingSpec) -> Setup:
 
 
 def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int) -> RankEstimate:
+    if training.engine == Engine.DEEPSPEED:  # AutoTP's plan is not torchtitan's (estimate/engines/deepspeed_mesh.py)
+        training = autotp_training(training)
     mesh = training.mesh
     dtypes = state_bytes(training.precision, training.optimizer)
     # the profile reads the kind's ends, layers, stage count and (one stage per rank) micro-batches in flight only:
@@ -427,6 +430,8 @@ def _rank_profile(model: TransformerSpec, training: TrainingSpec, kind: RankKind
     mesh = training.mesh
     dtypes = state_bytes(training.precision, training.optimizer)
     facts = rank_facts(model, training, kind)
+    if training.engine == Engine.DEEPSPEED:
+        facts = autotp_facts(model, facts)
     acts = rank_activations(model, training, kind, dtypes.activation)
     setup = _setup(training)._replace(gpus=mesh.fsdp_degree(training.gpus),
                                       expert_gpus=mesh.expert_fsdp_degree(training.gpus) if mesh.ep > 1 else 0)

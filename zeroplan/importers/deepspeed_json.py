@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 
+from zeroplan.importers.deepspeed_mesh import batch_ranks, mesh_from_deepspeed, mesh_section
 from zeroplan.importers.files import check_nesting, invalid_json, read_text
 from zeroplan.importers.hf_config import is_hf_config
 from zeroplan.importers.values import (
@@ -173,7 +174,10 @@ def settings_from_deepspeed(config: Mapping[str, object], where: Where, gpus: in
         # deepspeed.initialize steps (the Trainer's own torch AdamW: integrations/deepspeed.py
         # `deepspeed_optim_sched` calls `trainer.create_optimizer()`).
         settings["deepspeed"] = {**settings.get("deepspeed", {}), "client_optimizer": True}
-    settings.update(_batch(config, where, gpus))
+    mesh = mesh_from_deepspeed(config, where)  # AutoTP and Ulysses (importers/deepspeed_mesh.py)
+    if mesh:
+        settings["mesh"] = mesh
+    settings.update(_batch(config, where, gpus, mesh.get("cp", 1)))
     return settings
 
 
@@ -342,9 +346,12 @@ def _optimizer(config: Mapping[str, object], where: Where) -> str | None:
     return _OPTIMIZERS[name.lower()].value
 
 
-def _batch(config: Mapping[str, object], where: Where, gpus: int | None) -> dict[str, int]:
+def _batch(config: Mapping[str, object], where: Where, gpus: int | None, sequence_parallel: int = 1) -> dict[str, int]:
     """Micro batch and accumulation as DeepSpeed derives them (config.py, _set_batch_related_parameters,
     _batch_assertion): train_batch_size = micro * accumulation * world size."""
+    if sequence_parallel > 1:  # Ulysses: the world DeepSpeed counts is gpus / sequence_parallel_size (deepspeed_mesh.py)
+        counted = _batch(config, where, None if gpus is None else gpus // sequence_parallel)
+        return counted | ({"gpus": counted["gpus"] * sequence_parallel} if "gpus" in counted else {})
 
     def get(key: str) -> int | None:
         value = config.get(key)
@@ -429,13 +436,14 @@ def write_deepspeed_config(training: TrainingSpec) -> dict[str, object]:
         # torch.optim.SGD keeps a momentum buffer only with momentum > 0, which zeroplan's "sgd" counts.
         optimizer["params"] = {"lr": 0.01, "momentum": 0.9}
     return {
-        "train_batch_size": training.micro_batch * training.grad_accum * training.gpus,
+        "train_batch_size": training.micro_batch * training.grad_accum * training.gpus // batch_ranks(training),
         "train_micro_batch_size_per_gpu": training.micro_batch,
         "gradient_accumulation_steps": training.grad_accum,
         "optimizer": optimizer,
         "fp16": {"enabled": training.precision == Precision.FP16},
         "bf16": bf16,
         "zero_optimization": zero,
+        **mesh_section(training),  # AutoTP and Ulysses (importers/deepspeed_mesh.py)
     }
 
 

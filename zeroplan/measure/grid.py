@@ -117,7 +117,7 @@ class Row:
             + (("keeplast",) if self.reshard_last_block is False else ()) \
             + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ())
         row_id = "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
-        row_id = mesh_row_id(self.mesh, row_id) if self.mesh else row_id
+        row_id = mesh_row_id(self.mesh, row_id, "mesh-ds" if self.engine == "deepspeed" else "mesh") if self.mesh else row_id
         trainer = "trainer-" if self.recipe == "hf-trainer" else ""  # the Trainer's adapter rows apart from the loop's
         return f"{trainer}{self.lora.id}/{row_id}" if self.lora is not None else row_id
 
@@ -326,13 +326,14 @@ def _grid() -> tuple[Row, ...]:
             rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, attention=attention,
                             small_buckets=engine == "deepspeed"))  # buffers the size of the model, not of 5e8 elements
     rows.extend(mesh_rows())
+    rows.extend(deepspeed_mesh_rows())
     rows.extend(ep_rows(Row))  # expert parallelism (measure/mesh_moe.py)
     rows += _dense_family_rows()
     rows.extend(_lora_rows())
     return tuple(rows)
 
 
-def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str) -> str:
+def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str, prefix: str = "mesh") -> str:
     """"mesh-" and the mesh's degrees before the row's id: mesh-tp2-sp/tiny-llama/fsdp2-3/..."""
     knobs = dict(mesh)
     degrees = "-".join(f"{name}{knobs[name]}" for name in ("cp", "tp", "pp", "ep", "dp_replicate") if knobs.get(name, 1) > 1)
@@ -340,7 +341,7 @@ def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str) -> str:
         + ([f"v{knobs['pp_virtual_stages']}"] if knobs.get("pp_virtual_stages", 1) > 1 else []) \
         + (["nosp"] if knobs.get("sequence_parallel") is False else []) \
         + (["nolossparallel"] if knobs.get("loss_parallel") is False else [])
-    return "-".join(["mesh", degrees, *extras]) + "/" + row_id
+    return "-".join([prefix, degrees, *extras]) + "/" + row_id
 
 
 _TINY_LLAMA_4L = "tests/data/tiny-llama-4l.toml"  # relative to the repository root, where validate runs
@@ -376,6 +377,18 @@ def mesh_rows() -> list[Row]:
             grad_accum=4, world=4, **titan),
         # a 16k vocabulary: the rowwise embedding's gradient arrives whole on each TP rank (estimate/tp_embedding.py)
         Row(_TINY_LLAMA_16K, "fsdp2", 3, "fp32", mesh=(("tp", 2),), **titan),
+    ]
+
+
+def deepspeed_mesh_rows() -> list[Row]:
+    """DeepSpeed AutoTP (ZeRO 1-2) and Ulysses (issue 14, measure/deepspeed_mesh.py) on the Hugging Face
+    tiny-llama in zeroplan's loop, with small buckets so that the buckets are not one 5e8-element buffer."""
+    tp2, ulysses2 = (("tp", 2),), (("cp", 2),)
+    return [
+        Row("tiny-llama", "deepspeed", 1, "fp32", mesh=tp2, small_buckets=True),
+        Row("tiny-llama", "deepspeed", 2, "fp32", mesh=tp2, small_buckets=True),
+        Row("tiny-llama", "deepspeed", 1, "fp32", mesh=tp2, world=4, small_buckets=True),
+        Row("tiny-llama", "deepspeed", 1, "fp32", mesh=ulysses2, small_buckets=True),
     ]
 
 

@@ -27,6 +27,10 @@ def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate
     """Raise MeasureError for a mesh run that measure/mesh.py cannot run."""
     if not is_mesh_run(training):
         return
+    if training.engine.value == "deepspeed":  # AutoTP and Ulysses (measure/deepspeed_mesh.py)
+        from zeroplan.measure.deepspeed_mesh import refuse_unmeasurable as refuse_deepspeed
+
+        return refuse_deepspeed(model, training)
     mesh = training.mesh
     if simulate and mesh.pp > 1:
         # pipelining/schedules.py `_warmup_p2p` reads its shape vote with .item(): DataDependentOutputException

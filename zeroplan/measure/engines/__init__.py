@@ -170,7 +170,7 @@ def materialize(model: "torch.nn.Module", device) -> None:
 
 def _mesh(training: TrainingSpec, ctx: RunContext):
     """The mesh of a run whose degrees are not all one (measure/mesh.py `MeshShape`), else None."""
-    if training.mesh.is_trivial:
+    if training.mesh.is_trivial or training.engine.value == "deepspeed":  # measure/deepspeed_mesh.py runs those
         return None
     return importlib.import_module("zeroplan.measure.mesh").mesh_shape(training, ctx.world_size)
 
@@ -187,6 +187,8 @@ def build_runner(model: "torch.nn.Module", training: TrainingSpec, ctx: RunConte
     if shape is not None:  # tensor, sequence and pipeline parallelism with FSDP2 (measure/mesh.py)
         return importlib.import_module("zeroplan.measure.mesh").build_mesh_runner(model, training, ctx, shape)
     name = training.engine.value
+    if name == "deepspeed" and not training.mesh.is_trivial:  # AutoTP or Ulysses
+        return importlib.import_module("zeroplan.measure.deepspeed_mesh").build_runner(model, training, ctx)
     if name not in _ENGINE_MODULES:
         raise MeasureError(f"engine: {name} cannot be measured; choose one of {', '.join(_ENGINE_MODULES)}")
     module = importlib.import_module(_ENGINE_MODULES[name])

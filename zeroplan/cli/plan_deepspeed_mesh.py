@@ -1,0 +1,34 @@
+"""`zeroplan plan --mesh --engine deepspeed --emit deepspeed FILE`: the best mesh as a DeepSpeed JSON (AutoTP's
+`tensor_parallel.autotp_size`, Ulysses' `sequence_parallel_size`: importers/deepspeed_mesh.py), read back as
+`zeroplan estimate --config` reads it."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+def readback_options(training) -> dict:
+    """What a DeepSpeed JSON cannot carry, given beside it on the command line."""
+    return {"gpus": training.gpus, "seq_len": training.seq_len, "checkpointing": training.checkpointing.value,
+            "recipe": training.recipe.value}
+
+
+def emit_deepspeed_mesh(path: str, model, best) -> None:
+    from zeroplan.estimate.mesh import estimate_mesh
+    from zeroplan.importers.options import training_spec_from_options
+    from zeroplan.importers.training_config import write_deepspeed_config
+    from zeroplan.spec.files import write_atomic
+
+    training = best.training
+    write_atomic(path, json.dumps(write_deepspeed_config(training), indent=2) + "\n", "--emit")
+    options = readback_options(training)
+    back = estimate_mesh(model, training_spec_from_options(options, path, model))
+    same = [r.estimate.peak_bytes for r in back.ranks] == [r.estimate.peak_bytes for r in best.estimate.ranks]
+    verdict = "it reads back to the same estimate" if same else (
+        f"it reads back to a worst rank of {back.worst.estimate.peak_bytes:,} bytes, not "
+        f"{best.estimate.worst.estimate.peak_bytes:,}")
+    flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in options.items())
+    click.echo(f"wrote {path} (deepspeed, plan #1); {verdict}; check it with: zeroplan estimate {model.name} "
+               f"--config {path} {flags}", err=True)
