@@ -104,8 +104,10 @@ def recompute_end_transient(model: TransformerSpec, mesh: MeshSpec, tokens: int,
     block stops under EP: at the combine's last saved tensor (the un-permute index, torch/utils/checkpoint.py
     `_StopRecomputationError` once every saved tensor is rebuilt), the forward's locals are still alive
     (measure/mesh_moe.py `ExpertParallelExperts.forward`: the down output and its un-permuted copy, R x h each,
-    the weighted pairs S x h, the sort's values and the arange, S int64 each), beside the block output's gradient
-    and the sum's expanded gradient made contiguous by view's backward (S x h) that asked for the recomputation.
+    the weighted pairs S x h, the sort's values and the arange, S int64 each) and its callers' (the decoder layer's
+    `residual`, tokens x h; Qwen3MoeSparseMoeBlock's discarded router logits, tokens x experts, and the 16-bit
+    routing weights, tokens x k), beside the block output's gradient and the sum's expanded gradient made
+    contiguous by view's backward (S x h) that asked for the recomputation.
     0 where EP is off (the moment then lies below the weighting's backward, docs/engines/mesh.md)."""
     if mesh.ep == 1 or model.moe is None:
         return 0
@@ -113,4 +115,5 @@ def recompute_end_transient(model: TransformerSpec, mesh: MeshSpec, tokens: int,
     sent = tokens * _routed_pairs(model)
     received = round(sent * mesh.moe_imbalance)
     locals_bytes = comp * h * (2 * received + sent) + 2 * INT64_BYTES * sent
-    return output_grad_bytes + comp * h * sent + locals_bytes
+    callers_bytes = comp * tokens * (h + routed_experts(model) + _routed_pairs(model))
+    return output_grad_bytes + comp * h * sent + locals_bytes + callers_bytes
