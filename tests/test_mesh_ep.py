@@ -112,3 +112,17 @@ def test_backward_prefetches_the_previous_blocks_dense_part_only():
     assert sizes.block_gathered == 4 * block.params  # fp32, every tensor whole
     assert sizes.block_prefetched == 4 * (block.params - experts)
     assert sizes.block_experts_reduce_in == 4 * experts
+
+
+def test_recomputed_sparse_block_peaks_where_its_recomputation_stops():
+    # measured (gloo, 4 ranks, ep 2 x efsdp 2, bf16, full checkpointing, rank 0 receiving R = 539 pairs): where
+    # the recomputation stops at the combine, beyond the block's saved tensors, the block output's gradient
+    # (65,536), the sum's contiguous gradient (131,072), the down output and its un-permuted copy (137,984
+    # each), the weighted pairs (131,072), the sort's values and the arange (4,096 each), the decoder layer's
+    # residual (65,536), the router's discarded logits (4,096) and 16-bit routing weights (1,024): 682,496 bytes
+    from zeroplan.estimate.mesh_ep import recompute_end_transient
+
+    mesh = MeshSpec(ep=2, moe_imbalance=539 / 512)
+    measured = 65_536 + 131_072 + 2 * 137_984 + 131_072 + 2 * 4_096 + 65_536 + 4_096 + 1_024
+    assert recompute_end_transient(MODEL, mesh, 256, 2, 65_536) == measured
+    assert recompute_end_transient(MODEL, MeshSpec(), 256, 2, 65_536) == 0

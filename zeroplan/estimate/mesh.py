@@ -29,7 +29,8 @@ from zeroplan.estimate.engines.common import Setup, ceil_div, setup_of
 from zeroplan.estimate.engines.deepspeed_mesh import autotp_facts, autotp_training
 from zeroplan.estimate.facts import ModelFacts, ModuleGroup, model_facts
 from zeroplan.estimate.layout import ParamTensor, param_layout
-from zeroplan.estimate.mesh_ep import backward_transient_delta, first_block_gradient, placed_experts, saved_per_block_delta
+from zeroplan.estimate.mesh_ep import (backward_transient_delta, first_block_gradient, placed_experts, recompute_end_transient,
+                                      saved_per_block_delta)
 from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import Estimate, ModelSummary, Phase, PhaseBytes
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
@@ -245,6 +246,9 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         changes.update({kept: changes.get(kept, getattr(acts, kept)) + saved_per_block_delta(model, mesh, tokens, act_bytes)},
                        block_backward_transient=acts.block_backward_transient
                        + backward_transient_delta(model, mesh, tokens, act_bytes))
+        if training.checkpointing == Checkpointing.FULL:  # the recomputation's own end can peak higher (estimate/mesh_ep.py)
+            changes.update(block_backward_transient=max(changes["block_backward_transient"], recompute_end_transient(
+                model, mesh, tokens, act_bytes, changes.get("block_input_grad_bytes", acts.block_input_grad_bytes))))
     if not kind.head:  # the loss and logits live on the last stage; a stage's backward starts from a received gradient
         changes.update(logits=0, loss_saved=0, loss_transient=0, logits_grad=0, logits_grad_cast=0,
                        head_backward_temporary=0, final_norm=0)

@@ -15,6 +15,8 @@ Derivations: docs/engines/mesh.md, "Expert parallelism".
   sent back, so neither is kept; the combined pairs (S x h) are what the weighting multiply keeps.
 - Buffers: the dispatch and combine outputs are transient; at the forward's and backward's peaks no
   all-to-all is in flight (docs/engines/mesh.md), so EP adds no buffer of its own there.
+- Full checkpointing: the recomputation stops at the combine with its locals alive, a moment above the MLP's
+  backward under EP (`recompute_end_transient`).
 """
 
 from __future__ import annotations
@@ -95,3 +97,23 @@ def backward_transient_delta(model: TransformerSpec, mesh: MeshSpec, tokens: int
     sent = tokens * _routed_pairs(model)
     per_pair = 6 if model.hf_model_type == "gpt_oss" else 4
     return (round(sent * mesh.moe_imbalance) - sent) * per_pair * comp * model.moe.expert_intermediate_size
+
+
+def recompute_end_transient(model: TransformerSpec, mesh: MeshSpec, tokens: int, comp: int, output_grad_bytes: int) -> int:
+    """Beyond the recomputed block's saved tensors, live where full checkpointing's recomputation of a sparse
+    block stops under EP: at the combine's last saved tensor (the un-permute index, torch/utils/checkpoint.py
+    `_StopRecomputationError` once every saved tensor is rebuilt), the forward's locals are still alive
+    (measure/mesh_moe.py `ExpertParallelExperts.forward`: the down output and its un-permuted copy, R x h each,
+    the weighted pairs S x h, the sort's values and the arange, S int64 each) and its callers' (the decoder layer's
+    `residual`, tokens x h; Qwen3MoeSparseMoeBlock's discarded router logits, tokens x experts, and the 16-bit
+    routing weights, tokens x k), beside the block output's gradient and the sum's expanded gradient made
+    contiguous by view's backward (S x h) that asked for the recomputation.
+    0 where EP is off (the moment then lies below the weighting's backward, docs/engines/mesh.md)."""
+    if mesh.ep == 1 or model.moe is None:
+        return 0
+    h = model.hidden_size
+    sent = tokens * _routed_pairs(model)
+    received = round(sent * mesh.moe_imbalance)
+    locals_bytes = comp * h * (2 * received + sent) + 2 * INT64_BYTES * sent
+    callers_bytes = comp * tokens * (h + routed_experts(model) + _routed_pairs(model))
+    return output_grad_bytes + comp * h * sent + locals_bytes + callers_bytes
