@@ -570,6 +570,7 @@ def kbit_activation_bytes(training, comp: int) -> int:
 def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     """`acts` with what the adapted blocks keep instead of what whole blocks keep (docs/engines/lora.md)."""
     from zeroplan.estimate.activations import _autocast, _input_projections, attention_kernel
+    from zeroplan.estimate.lora_experts import merged_weight_bytes
     from zeroplan.estimate.lora_int8 import int8_inputs, with_int8_inputs
     from zeroplan.estimate.lora_recompute import recompute_dtypes, recompute_moment_bytes, with_recompute_moment
     from zeroplan.estimate.lora_trainer import adapters_stay_fp32
@@ -615,6 +616,9 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
         adapters = sum(t.numel for t in layout.block if not t.frozen and "lora_" in t.name and "magnitude" not in t.name)
         stored_16bit = quant is not None and quant.base_precision.value != "fp32"
         casts = (comp * base if stored_16bit else 0) - comp * adapters
+    # adapted experts and routers save their merged weight W + s*BA per block (estimate/lora_experts.py)
+    merged_element = comp if autocast else model_element_bytes(quant, autocast, comp)
+    casts -= merged_weight_bytes(lora_layout(spec, lora).adapted, merged_element)
     return with_adapter_activations(acts, training.micro_batch * training.seq_len, extra, casts)
 
 
@@ -789,7 +793,7 @@ def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:
     if any(linear.kind == "experts" for linear in lora_layout(spec, lora).adapted):
         # peft tuners/lora/layer.py ParamWrapper._activate_lora: register_parametrization under parametrize.cached()
         notes.append("adapted experts: peft builds each expert stack's W + BA in every forward and the experts' "
-                     "matmuls keep it for backward; not counted (an underestimate, docs/engines/lora.md)")
+                     "matmuls keep it for backward: counted with each adapted block's activations")
     if training.checkpointing.value != "none":
         notes.append("checkpointing with a frozen base: PEFT/the Trainer call enable_input_require_grads so the "
                      "checkpointed blocks get gradients (no bytes kept)")

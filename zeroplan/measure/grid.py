@@ -465,6 +465,8 @@ def _lora_rows() -> list[Row]:
         rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, lora=lora, **extra))
     for engine, stage, precision, ckpt, lora in TRAINER_LORA_ROWS:
         rows.append(Row("tiny-llama", engine, stage, precision, checkpointing=ckpt, lora=lora, recipe="hf-trainer"))
+    # adapted experts: peft's ParamWrapper merges each expert stack in every forward (estimate/lora_experts.py)
+    rows.append(Row("qwen3moe-tiny", "torch", 0, "fp32", checkpointing="none", lora=LoraRow(4), world=1, ddp=False))
     return rows
 
 

@@ -148,6 +148,14 @@ class ModelFlops:
     dense_flops_per_token: float  # forward + backward: 6 per trained active parameter, 4 per frozen one
     attention_flops_per_token_per_seq: float  # 12 * L * q_width; times seq_len gives FLOPs per token
     dense_forward_flops_per_token: float = 0.0  # 2 * active params: what full checkpointing runs again
+    gathered_params: int | None = None  # elements an all-gather of every parameter moves, when not `params`
+
+
+def gathered_params(facts) -> int:
+    """Elements one all-gather of the whole model moves, as the estimate's facts hold them: a 4-bit
+    base under FSDP2 or ZeRO-3 as its packed storage in the gathered dtype (estimate/lora.py
+    `packed_layout`); its QuantState stays whole on every rank and is not gathered."""
+    return sum(g.params * g.count for g in facts.groups)
 
 
 def model_flops(model, params: int, trainable_params: int) -> ModelFlops:
@@ -232,7 +240,8 @@ def step_cost_model(flops: ModelFlops, training, assumptions: Assumptions) -> St
 
     # ZeRO paper section 7; per rank, ring collectives.
     reduce_bytes = ring * psi_trainable * element  # gradients: the trained parameters'
-    gather_bytes = ring * psi * element  # every parameter gathered for compute (stage 3, FSDP2)
+    gathered = psi if flops.gathered_params is None else flops.gathered_params
+    gather_bytes = ring * gathered * element  # every parameter gathered for compute (stage 3, FSDP2)
     updated_bytes = ring * psi_trainable * element  # the parameters the step updated, shared after it (stages 1-2)
     stage = training.zero_stage
     if stage == 0:

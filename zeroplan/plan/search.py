@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
 from zeroplan.errors import FieldError, SpecError
@@ -26,7 +26,8 @@ from zeroplan.estimate import Fit
 from zeroplan.estimate.activations import memory_checkpointing
 from zeroplan.estimate.facts import model_facts
 from zeroplan.estimate.result import Estimate
-from zeroplan.plan.cost import Assumptions, ModelFlops, StepCost, StepCostModel, model_flops, step_cost_model
+from zeroplan.plan.cost import (Assumptions, ModelFlops, StepCost, StepCostModel, gathered_params, model_flops,
+                                step_cost_model)
 from zeroplan.plan.limits import MAX_GPUS
 from zeroplan.spec.training import ENGINE_STAGES, Checkpointing, Engine, Offload, TrainingSpec, config_label
 
@@ -197,7 +198,10 @@ class Planner:
         if choice not in self._costs:
             # (the cost model reads neither the micro-batch nor the accumulation)
             spec = self.training(choice, self.base.micro_batch, self.base.grad_accum)
-            self._costs[choice] = step_cost_model(self.model_flops(), spec, self.assumptions)
+            flops = self.model_flops()
+            if spec.quant is not None:  # a 4-bit base is gathered as the packed storage the estimate shards
+                flops = replace(flops, gathered_params=gathered_params(model_facts(self.model, spec)))
+            self._costs[choice] = step_cost_model(flops, spec, self.assumptions)
         return self._costs[choice]
 
     def memory_twin(self, choice: Choice) -> Choice:
