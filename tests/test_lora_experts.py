@@ -71,3 +71,19 @@ def test_the_term_is_what_one_peft_moe_block_saves_beyond_its_tokens():
     fixed = 2 * extra[64] - extra[128]
     spec = spec_from_hf_config(CONFIG, "mixtral-tiny")
     assert fixed == 4 * merged_weight_elements(lora_layout(spec, ALL).adapted)  # fp32 model, no autocast
+
+
+def test_a_sparse_block_with_adapted_experts_keeps_its_experts_product():
+    # Qwen3-MoE (MoE spec): W' = W + s*BA trains, so the experts' grouped matmuls keep their inputs as full
+    # training does; the dense rule that a frozen down_proj drops the MLP's product must not apply, and
+    # ParamWrapper runs no per-token A and B. Measured: `zeroplan validate --rows
+    # 'lora-r4-all-linear/qwen3moe-tiny/*'` on 1 gloo rank, steady peak 10,772,684 B (backward, activations
+    # 6,582,484 B); before this rule the estimate was 5.25% under.
+    from zeroplan.estimate import estimate
+    from zeroplan.importers.catalog import resolve_model
+    from zeroplan.spec.training import TrainingSpec
+
+    training = TrainingSpec(engine="torch", zero_stage=0, gpus=1, precision="fp32", micro_batch=2, seq_len=128,
+                            recipe="plain", device="cpu", ddp=False, lora=LoraSpec(rank=4, targets=("all-linear",)))
+    peak = estimate(resolve_model("qwen3moe-tiny"), training).peak_bytes
+    assert 0 <= peak / 10_772_684 - 1 < 0.03

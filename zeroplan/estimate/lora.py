@@ -426,7 +426,7 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
         if inputs and not own_copy:
             delta += comp * h  # A saves the norm's output itself, once for all that read it
     down = [linear for linear in block if linear.module.endswith(("mlp.down_proj", "mlp.c_proj", "mlp.fc_out"))]
-    if not spec.is_moe:
+    if not spec.is_moe and spec.moe is None:  # a dense MLP (a sparse one's experts keep their product: lora_experts.py)
         delta -= comp * inner  # the MLP's product, kept by down_proj for its weight gradient only
         if down and not own_copy:
             delta += comp * inner
@@ -435,7 +435,9 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
         # for the weight's gradient only (autograd FunctionsManual mul_tensor_backward); frozen, it is not kept
         delta -= 2 * _normalized_bytes(spec, autocast, comp)
     temporary = 0
-    for linear in block:
+    # ParamWrapper (routers, expert stacks) merges W + s*BA instead of running A and B on the tokens: no
+    # per-token adapter tensors there (peft tuners/lora/layer.py `ParamWrapper.forward`; lora_experts.py)
+    for linear in (linear for linear in block if linear.kind == "linear"):
         if own_copy:
             delta += copy_element * linear.in_features
         delta += copy_element * lora.rank  # A's output, kept by B
