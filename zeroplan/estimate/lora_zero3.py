@@ -77,3 +77,41 @@ def kept_inputs(spec: TransformerSpec, lora, quant, training, comp: int, adapter
     # an autograd Function none of whose inputs needs a gradient saves nothing (torch/autograd/function.py)
     first = 0 if first_input_needs_grad else -attention_input
     return KeptInputs(block, first, comp * h if head_input_removed else 0)
+
+
+def recompute_trainable_element(training) -> int:
+    """Under ZeRO-3 with checkpointing and a frozen base, the element size of a rebuilt block's trainable
+    tensors (0 otherwise). `fetch_sub_module` (runtime/zero/partitioned_param_coordinator.py) attributes
+    each frozen parameter a checkpoint recomputation gathers to the active backward module
+    (`update_recompute_parameters`), which frees them only at its backward's end
+    (`release_sub_module(forward=False)`); the trainable ones wait for their own backward hook
+    ("trainable ones release via their backward hook"). So the whole rebuilt block stays gathered."""
+    from zeroplan.estimate.lora_trainer import FP32_BYTES, HALF_BYTES, adapters_stay_fp32
+
+    if training.lora is None or not linear_keeps_input(training) or training.checkpointing.value != "full":
+        return 0
+    if adapters_stay_fp32(training) or training.precision.value == "fp32":
+        return FP32_BYTES
+    return HALF_BYTES
+
+
+def recomputed_block_gathered(cold, gathered_backward, trainable_backward, n: int, b: int, threshold: int,
+                              trainable_element: int):
+    """The first step's (no trace) gathered bytes per backward module group, `cold` (estimate/engines/
+    deepspeed.py `_stage3_walk`: the largest tensor alone), with each block's tensors above the
+    persistence threshold all gathered at once (`recompute_trainable_element`), frozen in `b` bytes."""
+    def padded(x: int) -> int:
+        return -(-x // n) * n
+
+    last = len(gathered_backward) - 1
+    entries = []
+    for index, gathered in cold:
+        if 0 < index < last:
+            frozen = list(gathered_backward[index])
+            for x in trainable_backward[index]:
+                frozen.remove(x)
+            held = b * sum(padded(x) for x in frozen if x > threshold)
+            held += trainable_element * sum(padded(x) for x in trainable_backward[index] if x > threshold)
+            gathered = max(gathered, held)
+        entries.append((index, gathered))
+    return entries
