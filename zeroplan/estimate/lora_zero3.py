@@ -98,8 +98,9 @@ def recompute_trainable_element(training) -> int:
 def recomputed_block_gathered(cold, gathered_backward, trainable_backward, n: int, b: int, threshold: int,
                               trainable_element: int):
     """The first step's (no trace) gathered bytes per backward module group, `cold` (estimate/engines/
-    deepspeed.py `_stage3_walk`: the largest tensor alone), with each block's tensors above the
-    persistence threshold all gathered at once (`recompute_trainable_element`), frozen in `b` bytes."""
+    deepspeed.py `_stage3_walk`: the largest tensor alone), with each block's tensors all gathered at once
+    (`recompute_trainable_element`): the frozen ones above the persistence threshold, in `b` bytes, and
+    every trainable one."""
     def padded(x: int) -> int:
         return -(-x // n) * n
 
@@ -111,7 +112,9 @@ def recomputed_block_gathered(cold, gathered_backward, trainable_backward, n: in
             for x in trainable_backward[index]:
                 frozen.remove(x)
             held = b * sum(padded(x) for x in frozen if x > threshold)
-            held += trainable_element * sum(padded(x) for x in trainable_backward[index] if x > threshold)
+            # the trainable ones under the threshold too: the first step releases them after each use
+            # (`release_sub_module`), but a rebuild's wait for their backward hook
+            held += trainable_element * sum(padded(x) for x in trainable_backward[index])
             gathered = max(gathered, held)
         entries.append((index, gathered))
     return entries
