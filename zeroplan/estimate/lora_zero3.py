@@ -9,7 +9,7 @@ ZeRO-3 runs it for a model built outside zero.Init too: the engine converts the 
 `__init__` enables it when `module` is given.
 Its `LinearFunctionForZeroStage3.setup_context` calls `ctx.save_for_backward(input, weight, bias)`
 whatever needs a gradient (runtime/zero/linear.py), where autograd's own linear keeps the input only
-for the weight's gradient. So every `nn.Linear` of a model built under zero.Init keeps its input once
+for the weight's gradient. So under ZeRO-3 every `nn.Linear` keeps its input once
 any of its inputs needs a gradient, frozen or not: the tensors `adapter_activations` (estimate/lora.py)
 takes out for a frozen base are kept again. Conv1D (GPT-2's blocks: `torch.addmm`) and bitsandbytes'
 layers (`matmul_4bit`) do not call `F.linear` and keep nothing more; the head is an `nn.Linear`.
@@ -113,7 +113,7 @@ def recomputed_block_gathered(cold, gathered_backward, trainable_backward, n: in
                 frozen.remove(x)
             held = b * sum(padded(x) for x in frozen if x > threshold)
             # the trainable ones under the threshold too: the first step releases them after each use
-            # (`release_sub_module`), but a rebuild's wait for their backward hook
+            # (`release_sub_module`), but in a rebuild they wait for their backward hook
             held += trainable_element * sum(padded(x) for x in trainable_backward[index])
             gathered = max(gathered, held)
         entries.append((index, gathered))
