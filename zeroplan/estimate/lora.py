@@ -507,6 +507,26 @@ def outside_blocks(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: 
     return embedding, final_norm
 
 
+def with_zero3_kept_inputs(extra: AdapterActivations, spec: TransformerSpec, training, comp: int, adapter_element: int,
+                           autocast: bool, head_input_kept: bool) -> AdapterActivations:
+    """`extra` with the inputs the frozen linears keep under ZeRO-3 (estimate/lora_zero3.py), under
+    `outside_blocks`' conditions for the first block's input and the head's."""
+    from zeroplan.estimate.lora_zero3 import kept_inputs
+
+    lora = training.lora
+    layout = lora_layout(spec, lora)
+    embedding_trains = any(not t.frozen for t in layout.embedding)
+    first_block = lora.layers_to_transform is None or 0 in lora.layers_to_transform
+    first_input_needs_grad = (embedding_trains or training.checkpointing.value != "none" or not first_block
+                              or lora.bias == "all")
+    head_input_removed = head_input_kept and not any(not t.frozen for t in layout.final)
+    kept = kept_inputs(spec, lora, training.quant, training, comp, adapter_element, autocast, first_input_needs_grad,
+                       head_input_removed, [linear for linear in _linears(spec) if linear.role == "block"],
+                       [linear for linear in layout.adapted if linear.role == "block"])
+    return extra._replace(saved_per_token=extra.saved_per_token + kept.block, embedding=extra.embedding + kept.first_block,
+                          final_norm=extra.final_norm + kept.head)
+
+
 def with_adapter_activations(acts, tokens: int, extra: AdapterActivations, weight_casts_removed: int):
     """`acts` (activations.py ActivationBytes) with LoRA's per-block delta: in the saved tensors, or
     under full/op checkpointing in the recomputed block (the block keeps its input only); and the
@@ -576,6 +596,7 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     from zeroplan.estimate.lora_int8 import int8_inputs, with_int8_inputs
     from zeroplan.estimate.lora_recompute import recompute_dtypes, recompute_moment_bytes, with_recompute_moment
     from zeroplan.estimate.lora_trainer import adapters_stay_fp32
+    from zeroplan.estimate.lora_zero3 import block_linears_keep_inputs
     from zeroplan.spec.program import Loss, Recipe
 
     lora, quant = training.lora, training.quant
@@ -595,6 +616,7 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
                                            training.checkpointing.value != "none", head_input_kept, narrowed)
     # the narrower LayerNorms: two per block (GPT-2 ln_1, ln_2); the first block's first and the final one in outside_blocks
     extra = extra._replace(saved_per_token=extra.saved_per_token - 2 * narrowed, embedding=embedding, final_norm=final_norm)
+    extra = with_zero3_kept_inputs(extra, spec, training, comp, adapter_element, autocast, head_input_kept)
     acts = with_dequantized_weight(acts, spec, quant, training.micro_batch * training.seq_len, comp)
     acts = with_dora_weight_norm(acts, extra.forward_temporary)
     dtypes = recompute_dtypes(quant, autocast, comp, adapter_element, cuda, model_element_bytes(quant, autocast, comp))
@@ -607,7 +629,8 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     if checkpointed:  # the recomputation's own moment (estimate/lora_recompute.py)
         # the rebuilt graph's int8 inputs beyond what the rebuilt block saves and the moment holds (the MLP's input, product)
         rebuilt = int8.attention_in + int8.core_out - core_saved
-        moment = recompute_moment_bytes(spec, lora, lora_layout(spec, lora), dtypes, tokens, rebuilt)
+        moment = recompute_moment_bytes(spec, lora, lora_layout(spec, lora), dtypes, tokens, rebuilt,
+                                        block_linears_keep_inputs(spec, quant, training, autocast))
         acts = with_recompute_moment(acts, moment)
     casts = 0
     if autocast:

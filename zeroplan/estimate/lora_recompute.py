@@ -46,7 +46,7 @@ def _adapted(layout, suffixes: tuple[str, ...]):
 
 
 def recompute_moment_bytes(spec: TransformerSpec, lora: LoraSpec, layout, d: RecomputeDtypes, tokens: int,
-                           rebuilt_int8: int = 0) -> int:
+                           rebuilt_int8: int = 0, linears_save_inputs: bool = False) -> int:
     """Bytes beyond the recomputed block's saved tensors (`ActivationBytes.recompute_block`) at the most
     of the recomputation of an adapted MLP, in the block that the backward is in (docs/engines/lora.md).
 
@@ -62,7 +62,9 @@ def recompute_moment_bytes(spec: TransformerSpec, lora: LoraSpec, layout, d: Rec
       output, B's output and its scaled copy, before up's output, the product and down_proj's saved
       tensors exist.
     An int8 base's rebuilt graph also holds its layers' inputs (`rebuilt_int8` per token beyond the MLP's
-    input and product: estimate/lora_int8.py) until the rebuild stops."""
+    input and product: estimate/lora_int8.py) until the rebuild stops. Under ZeRO-3 the frozen linears
+    save the MLP's input and product themselves (`linears_save_inputs`, estimate/lora_zero3.py): they are
+    among the rebuilt saved tensors, and the product exists only after up's mul."""
     if spec.is_moe or spec.moe is not None:
         return 0  # experts follow moe.py
     h, inner, r = spec.hidden_size, spec.intermediate_size, lora.rank
@@ -74,20 +76,21 @@ def recompute_moment_bytes(spec: TransformerSpec, lora: LoraSpec, layout, d: Rec
     grads = d.resid * h + (d.act * h if d.act != d.resid else 0) + d.lora_out * h
     # the residual; the MLP's input unless lora_A saves that very tensor; GPT2Block's `attn_output`, a
     # local until the block returns (LlamaDecoderLayer rebinds its own)
-    mlp_input = 0 if mlp_in is not None and not lora_copy else d.resid * h
+    mlp_input = 0 if (mlp_in is not None and not lora_copy) or linears_save_inputs else d.resid * h
     attention_output = d.act * h if spec.hf_model_type == "gpt2" else 0
     held = grads + d.resid * h + mlp_input + attention_output + rebuilt_int8
     if lora.dora:
         return _dora_moment(down, lora, d, tokens, held, copy_element) if down is not None else 0
     moments = [0]
     if down is not None:
-        product = d.act * inner if lora_copy else 0  # else lora_A saves it: among the rebuilt saved tensors
+        # else lora_A (or, under ZeRO-3, down_proj's base) saves it: among the rebuilt saved tensors
+        product = d.act * inner if lora_copy and not linears_save_inputs else 0
         transient_copy = d.adapter * inner if d.cast_copy and d.autocast and d.adapter != d.act else 0
         moments.append(tokens * (held + product + d.act * h + transient_copy))
     if up is not None:
         # what exists only after up's mul: up's output, and down's saved input and A's output
         later = d.act * inner + (copy_element * inner + copy_element * r if down is not None and lora_copy else 0)
-        later += d.act * inner if down is not None and not lora_copy else 0
+        later += d.act * inner if down is not None and (not lora_copy or linears_save_inputs) else 0
         weight_casts = d.act * r * (inner + h) if down is not None and d.autocast else 0
         up_copy = d.adapter * h if d.cast_copy and d.autocast and d.adapter != d.resid else 0
         moments.append(tokens * (held + d.act * inner + 2 * d.lora_out * inner + up_copy - later) - weight_casts)

@@ -45,6 +45,7 @@ class Setup(NamedTuple):
     fsdp2: FSDP2Wrapping  # FSDP2's units and which reshard after forward
     program: Program  # the training program around the engine, every knob resolved (spec/program.py)
     expert_gpus: int = 0  # FSDP2 under EP: ranks sharding the expert tensors (efsdp; estimate/mesh_ep.py); 0: gpus
+    recompute_held_element: int = 0  # ZeRO-3 keeps a rebuilt LoRA block gathered: its adapters' bytes (estimate/lora_zero3.py)
 
 
 def deepspeed_sizes(knobs: DeepSpeedKnobs) -> DeepSpeedSizes:
@@ -59,7 +60,14 @@ def setup_of(training: TrainingSpec) -> Setup:
     """The one place a training spec becomes what the engine profiles read."""
     return Setup(training.zero_stage, training.gpus, training.node_gpus, training.precision, training.optimizer,
                  training.offload_optimizer, training.offload_params, training.device, training.grad_accum > 1,
-                 deepspeed_sizes(training.deepspeed), training.fsdp2_wrapping, training.program)
+                 deepspeed_sizes(training.deepspeed), training.fsdp2_wrapping, training.program,
+                 recompute_held_element=_recompute_held_element(training))
+
+
+def _recompute_held_element(training: TrainingSpec) -> int:
+    from zeroplan.estimate.lora_zero3 import recompute_trainable_element
+
+    return recompute_trainable_element(training)
 
 
 class EngineEstimate(NamedTuple):

@@ -676,7 +676,7 @@ class _Walk3:
 
 
 @memo(maxsize=4096)  # shared by offloads: cold plans take 20-78% longer without it
-def _stage3_walk(facts: ModelFacts, n: int, b: int, knobs: DeepSpeedSizes) -> _Walk3:
+def _stage3_walk(facts: ModelFacts, n: int, b: int, knobs: DeepSpeedSizes, recompute_held_element: int = 0) -> _Walk3:
     layout = _layout(facts)
     threshold = knobs.stage3_param_persistence_threshold
     p3_all, p3, persistent, gatherable = _stage3_sizes(facts, n, threshold)
@@ -691,6 +691,11 @@ def _stage3_walk(facts: ModelFacts, n: int, b: int, knobs: DeepSpeedSizes) -> _W
     module_all = [x * b for x in _leaf_gathered(layout.gathered_backward, n)]
     last = len(layout.groups_backward) - 1
     cold = [(i, g) for i, g in enumerate(module_all)]
+    if recompute_held_element:  # a rebuilt LoRA block stays gathered (estimate/lora_zero3.py)
+        from zeroplan.estimate.lora_zero3 import recomputed_block_gathered
+
+        cold = recomputed_block_gathered(cold, layout.gathered_backward, layout.groups_backward, n, b, threshold,
+                                         recompute_held_element)
     warm = [(i, g * b) for i, g in enumerate(gathered_in_backward)]
     cold_reductions = [(i, module_all[i] + (flat + trigger) * b, module_all[i] + flat * b, trigger * b)
                        for i, flat, trigger in reductions]
@@ -760,7 +765,7 @@ def _stage3(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], 
 def _stage3_fixed(run: _Run) -> _Fixed3:
     knobs = run.setup.deepspeed
     b = run.b
-    walk = _stage3_walk(run.facts, run.n, b, knobs)
+    walk = _stage3_walk(run.facts, run.n, b, knobs, run.setup.recompute_held_element)
     p3_all, p3, persistent = walk.p3_all, walk.p3, walk.persistent
     partitions = p3_all * b  # `lp_param_buffer` (or the offload_param host buffer)
     master = p3 * FP32_BYTES  # `fp32_partitioned_groups_flat`, a separate copy even in fp32
