@@ -120,8 +120,10 @@ def looped_peak(actions: tuple[Action, ...], chunks: dict[int, ChunkBytes], forw
     peak = LoopedPeak(0, 0, 0)
 
     def at(transient: int, more_grads: int = 0) -> LoopedPeak:
-        moment = LoopedPeak(held + sends + grads + more_grads + transient, grads + more_grads, sends, alive)
-        return max(peak, moment)
+        total = held + sends + grads + more_grads + transient
+        if total < peak.total:  # `max` of the tuples would keep the peak: skip making the moment (a plan walks often)
+            return peak
+        return max(peak, LoopedPeak(total, grads + more_grads, sends, alive))
 
     for action in actions:
         chunk = chunks[action.stage]
