@@ -8,6 +8,7 @@ Without /proc (not Linux) only the children's process groups are killed and no l
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -19,20 +20,24 @@ PROC = Path("/proc")
 SWEEP_S = 5.0  # how long kill_sessions keeps sweeping processes that are still being forked
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGKILL this child if the launcher dies without cleaning up (itself SIGKILLed)."""
+def _die_with_parent(launcher_pid: int) -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: SIGKILL this child if the launcher dies without cleaning up (itself SIGKILLed).
+    A launcher that died between the fork and the prctl sent no signal (prctl(2): the death signal
+    applies to a parent dying after the call), so the child checks it still has that parent."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_PDEATHSIG = 1  # linux/prctl.h
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def spawn(argv: list[str], *, env: dict[str, str], stdout, stderr=subprocess.STDOUT, **kwargs) -> subprocess.Popen:
     """Start `argv` in a new session (its session id is its pid), to be ended by `kill_sessions`."""
     return subprocess.Popen(
         argv, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-        start_new_session=True, preexec_fn=_die_with_parent, **kwargs,
+        start_new_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()), **kwargs,
     )
 
 
