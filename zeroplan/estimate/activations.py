@@ -118,6 +118,12 @@ class ActivationBytes:
         derived(self, "_mlp_intercept", mlp_intercept)
         derived(self, "_peak_intercept", attention_intercept if peaks else mlp_intercept)
 
+    def with_each_kind(self, change) -> "ActivationBytes":
+        """`change` (ActivationBytes -> ActivationBytes) applied to these terms and, under
+        checkpoint_every, to the checkpointed blocks' terms too."""
+        changed = change(self)
+        return changed if self.checkpointed is None else replace(changed, checkpointed=self.checkpointed.with_each_kind(change))
+
     def _kind(self, block: int) -> "ActivationBytes":
         """The terms of block `block` (1-based, forward order): `checkpointed` for N, 2N, ..."""
         if self.checkpoint_every and block and block % self.checkpoint_every == 0:

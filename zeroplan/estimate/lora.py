@@ -486,13 +486,10 @@ def outside_blocks(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: 
     - The final RMSNorm's normalized tensor (weight frozen) and, with a frozen head, its input: the
       matmul saves `self` for the weight's gradient only."""
     layout = lora_layout(spec, lora)
-    embedding_trains = any(not t.frozen for t in layout.embedding)
-    head_trains = any(not t.frozen for t in layout.final)
     h = spec.hidden_size
     resid = FP32_BYTES if autocast else comp
-    embedding = 0 if embedding_trains else -8  # int64 ids
-    first_block = lora.layers_to_transform is None or 0 in lora.layers_to_transform
-    if not (embedding_trains or input_grads) and first_block and lora.bias != "all":
+    embedding = 0 if _trains(layout.embedding) else -8  # int64 ids
+    if not _first_input_needs_grad(layout, lora, input_grads):
         if spec.norm == "rmsnorm":  # the fp32 input (the input itself when fp32) and rsqrt's output
             embedding -= FP32_BYTES * h + FP32_BYTES
         else:  # native_layer_norm's input, mean and rstd (`narrowed` less in a 16-bit model)
@@ -502,9 +499,23 @@ def outside_blocks(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: 
                        and linear.in_features == h and not linear.module.endswith(("o_proj", "c_proj"))]
             embedding -= len(readers) * (1 if cuda else (comp if autocast else adapter_element)) * h
     final_norm = -_normalized_bytes(spec, autocast, comp) if spec.norm == "rmsnorm" else -narrowed
-    if not head_trains and head_input_kept:
+    if not _trains(layout.final) and head_input_kept:
         final_norm -= comp * h
     return embedding, final_norm
+
+
+def _trains(tensors) -> bool:
+    """Whether any of `tensors` (a LoraLayout group) trains."""
+    return any(not t.frozen for t in tensors)
+
+
+def _first_input_needs_grad(layout: LoraLayout, lora: LoraSpec, input_grads: bool) -> bool:
+    """Whether the first block's input tensors are kept as a trained model keeps them, i.e. not spared by
+    the frozen base (`outside_blocks`, `with_zero3_kept_inputs`): the embeddings train, PEFT's
+    input-gradient hook marks the embeddings' output (`input_grads`), the first block is not among the
+    adapted ones, or every bias trains."""
+    first_block = lora.layers_to_transform is None or 0 in lora.layers_to_transform
+    return _trains(layout.embedding) or input_grads or not first_block or lora.bias == "all"
 
 
 def with_zero3_kept_inputs(extra: AdapterActivations, spec: TransformerSpec, training, comp: int, adapter_element: int,
@@ -515,11 +526,8 @@ def with_zero3_kept_inputs(extra: AdapterActivations, spec: TransformerSpec, tra
 
     lora = training.lora
     layout = lora_layout(spec, lora)
-    embedding_trains = any(not t.frozen for t in layout.embedding)
-    first_block = lora.layers_to_transform is None or 0 in lora.layers_to_transform
-    first_input_needs_grad = (embedding_trains or training.checkpointing.value != "none" or not first_block
-                              or lora.bias == "all")
-    head_input_removed = head_input_kept and not any(not t.frozen for t in layout.final)
+    first_input_needs_grad = _first_input_needs_grad(layout, lora, training.checkpointing.value != "none")
+    head_input_removed = head_input_kept and not _trains(layout.final)
     kept = kept_inputs(spec, lora, training.quant, training, comp, adapter_element, autocast, first_input_needs_grad,
                        head_input_removed, [linear for linear in _linears(spec) if linear.role == "block"],
                        [linear for linear in layout.adapted if linear.role == "block"])
@@ -534,17 +542,13 @@ def with_adapter_activations(acts, tokens: int, extra: AdapterActivations, weigh
     delta = tokens * extra.saved_per_token - weight_casts_removed
 
     def adjusted(a):
-        if a is None:
-            return None
         if a.recompute_block:
-            changed = replace(a, recompute_block=max(0, a.recompute_block + delta))
-        else:
-            changed = replace(a, saved_per_block=max(0, a.saved_per_block + delta))
-        return replace(changed, checkpointed=adjusted(a.checkpointed)) if a.checkpointed is not None else changed
+            return replace(a, recompute_block=max(0, a.recompute_block + delta))
+        return replace(a, saved_per_block=max(0, a.saved_per_block + delta))
 
-    changed = adjusted(acts)
-    if changed is None:
+    if acts is None:
         return None
+    changed = acts.with_each_kind(adjusted)
     # not clipped: the embedding term also gives back the first block's own tensors, counted with the blocks
     return replace(changed, embedding=changed.embedding + tokens * extra.embedding,
                    final_norm=max(0, changed.final_norm + tokens * extra.final_norm))
@@ -658,12 +662,10 @@ def with_dora_weight_norm(acts, temporary: int):
 
     def adjusted(a):
         if a.recompute_block:
-            changed = replace(a, block_backward_transient=max(a.block_backward_transient, temporary + a.block_backward_freed))
-        else:
-            changed = replace(a, block_forward_transient=max(a.block_forward_transient, temporary))
-        return replace(changed, checkpointed=adjusted(a.checkpointed)) if a.checkpointed is not None else changed
+            return replace(a, block_backward_transient=max(a.block_backward_transient, temporary + a.block_backward_freed))
+        return replace(a, block_forward_transient=max(a.block_forward_transient, temporary))
 
-    return adjusted(acts)
+    return acts.with_each_kind(adjusted)
 
 
 def with_dequantized_weight(acts, spec: TransformerSpec, quant: QuantSpec | None, tokens: int, comp: int):

@@ -54,8 +54,4 @@ def with_int8_inputs(acts, kept: int):
     if not kept or acts is None:
         return acts
 
-    def adjusted(a):
-        a = replace(a, saved_per_block=a.saved_per_block + kept)
-        return replace(a, checkpointed=adjusted(a.checkpointed)) if a.checkpointed is not None else a
-
-    return adjusted(acts)
+    return acts.with_each_kind(lambda a: replace(a, saved_per_block=a.saved_per_block + kept))

@@ -117,8 +117,8 @@ def with_recompute_moment(acts, moment: int):
         return acts
 
     def adjusted(a):
-        if a.recompute_block:
-            a = replace(a, block_backward_transient=max(a.block_backward_transient, moment + a.block_backward_freed))
-        return replace(a, checkpointed=adjusted(a.checkpointed)) if a.checkpointed is not None else a
+        if not a.recompute_block:
+            return a
+        return replace(a, block_backward_transient=max(a.block_backward_transient, moment + a.block_backward_freed))
 
-    return adjusted(acts)
+    return acts.with_each_kind(adjusted)
