@@ -406,10 +406,9 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
     # the middle ranks of a looped schedule share it and differ in their walk alone
     shape = kind._replace(pp_rank=0, stages=tuple(range(len(kind.stages))),
                           in_flight=0 if mesh.pp_schedule.looped and mesh.pp > 1 else kind.in_flight)
-    facts, acts, result = _rank_profile(model, training, shape)
-    if (kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2
-            and mesh.fsdp_degree(training.gpus) == 1):
-        # without FSDP2 (see _rank_profile) the rowwise embedding's Replicate gradient stays whole until
+    facts, acts, engine, result = _rank_profile(model, training, shape)
+    if kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2 and engine == Engine.TORCH:
+        # without FSDP2 (_rank_profile) the rowwise embedding's Replicate gradient stays whole until
         # zero_grad (estimate/tp_embedding.py)
         from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
 
@@ -430,7 +429,8 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
 
 @memo(maxsize=64)
 def _rank_profile(model: TransformerSpec, training: TrainingSpec, kind: RankKind):
-    """What a rank of `kind` holds and the engine profile over it, before a looped schedule's walk."""
+    """What a rank of `kind` holds, the engine that runs it and the engine profile over it, before a looped
+    schedule's walk."""
     mesh = training.mesh
     dtypes = state_bytes(training.precision, training.optimizer)
     facts = rank_facts(model, training, kind)
@@ -453,7 +453,7 @@ def _rank_profile(model: TransformerSpec, training: TrainingSpec, kind: RankKind
         # GPipe runs every micro-batch's forward before the first backward (schedules.py ScheduleGPipe
         # `_step_microbatches`): no accumulated gradient sits beside the activations in flight; 1F1B's does
         setup = setup._replace(accumulating=False)
-    return facts, acts, _engine_profile(engine)(facts, setup, acts)
+    return facts, acts, engine, _engine_profile(engine)(facts, setup, acts)
 
 
 def estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
