@@ -15,8 +15,7 @@ from zeroplan.spec.training import TrainingSpec
 def mesh_to_dict(training: TrainingSpec) -> dict[str, Any]:
     """The degrees, the schedule, and what data parallelism is left: dp_shard, and the FSDP/ZeRO sharding degrees."""
     mesh, gpus = training.mesh, training.gpus
-    # moe_imbalance appears once it is set (the mesh JSON before it had none)
-    dumped = mesh.model_dump(mode="json", exclude={"moe_imbalance"} if mesh.moe_imbalance == 1.0 else None)
+    dumped = mesh.model_dump(mode="json")  # every knob, moe_imbalance's assumed 1.0 (balanced routing) included
     return {**dumped, "dp_shard": mesh.dp_shard(gpus), "fsdp_degree": mesh.fsdp_degree(gpus),
             "expert_fsdp_degree": mesh.expert_fsdp_degree(gpus)}
 
