@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from zeroplan.errors import MeasureError
-from zeroplan.measure import deepspeed_build
+from zeroplan.measure import deepspeed_build, stacks
 from zeroplan.measure.processes import child_env, exit_status, kill_sessions, last_line, spawn
 from zeroplan.measure.mesh_rules import refuse_unmeasurable
 from zeroplan.measure.result import MeasureResult, RankResult
@@ -216,11 +216,23 @@ def _wait(procs: list[subprocess.Popen], workdir: Path, timeout_s: float, steps:
                 raise MeasureError(f"rank {missing[0]} exited without writing its result")
             return outcomes
         if time.monotonic() > deadline:
-            running = [rank for rank, code in enumerate(codes) if code is None]
-            raise MeasureError(
-                f"timed out after {timeout_s:g} s ({steps} steps); stopped ranks {', '.join(map(str, running))}"
-            )
+            _raise_timeout(procs, codes, workdir, timeout_s, steps)
         time.sleep(POLL_S)
+
+
+def _raise_timeout(procs: list[subprocess.Popen], codes: list[int | None], workdir: Path, timeout_s: float,
+                   steps: int) -> None:
+    """Raise the timeout, naming the call each running rank is stuck in (its stack, measure/stacks.py)."""
+    running = [rank for rank, code in enumerate(codes) if code is None]
+    dumps = stacks.request([procs[rank].pid for rank in running], [workdir / f"rank{rank}.log" for rank in running])
+    where = [f"rank {running[index]} in {frame}" for index, dump in sorted(dumps.items())
+             if (frame := stacks.innermost_frame(dump))]
+    error = MeasureError(
+        f"timed out after {timeout_s:g} s ({steps} steps); stopped ranks {', '.join(map(str, running))}"
+        + (f" ({'; '.join(where)})" if where else "")
+    )
+    error.worker_traceback = "\n".join(f"rank {running[index]}:\n{dump}" for index, dump in sorted(dumps.items()))
+    raise error
 
 
 def _out_of_memory(outcome: dict | None) -> bool:
@@ -240,7 +252,7 @@ def _raise_first_failure(codes: list[int | None], workdir: Path) -> None:
     if written:
         _, rank, outcome = min(written)
         error = MeasureError(f"rank {rank} failed: {outcome['error']}")
-        error.worker_traceback = outcome.get("traceback", "")  # for --verbose output
+        error.worker_traceback = outcome.get("traceback", "")  # kept by validate (failure_detail)
         raise error
     rank = min(rank for rank, code in enumerate(codes) if code not in (None, 0))
     detail = last_line(workdir / f"rank{rank}.log") or "no output"

@@ -194,6 +194,8 @@ def measure_row(row: Row, options: RunOptions) -> dict[str, Any]:
         record["measurement"] = summarize_measurement(result)
     except ZeroplanError as error:
         record["failure"] = str(error)
+        if getattr(error, "worker_traceback", ""):  # a failed rank's traceback, or the stacks of a timeout
+            record["failure_detail"] = error.worker_traceback
     record["seconds"] = round(time.monotonic() - started, 1)
     return record
 

@@ -31,6 +31,7 @@ import sys
 import time
 import traceback
 
+from zeroplan.measure import stacks
 from zeroplan.measure.phases import PhaseRecorder
 
 FAULT_ENV = "ZEROPLAN_MEASURE_FAULT"
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--job", required=True, help="job JSON written by zeroplan.measure.launcher.write_job")
     parser.add_argument("--output", required=True, help="where this rank writes its JSON; {rank} is replaced")
     args = parser.parse_args(argv)
+    stacks.dump_on_signal()  # a launcher that times out asks where this rank is stuck
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     output = args.output.replace("{rank}", str(rank))
