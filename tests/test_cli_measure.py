@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from zeroplan.estimate.layout import param_layout
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.cli import cli
-from worker_processes import SPAWNED, RecordingPopen, alive
+from worker_processes import SPAWNED, alive, recording
 
 TIMEOUT = "120"  # seconds per run; a healthy run takes a few seconds
 RUN = ["--precision", "fp32", "--micro-batch", "1", "--seq-len", "32", "--steps", "2", "--timeout", TIMEOUT,
@@ -33,7 +33,7 @@ def _no_worker_survives(monkeypatch):
     """Every worker a test starts is gone (not even a zombie) when the command returns."""
     from zeroplan.measure import launcher
 
-    monkeypatch.setattr(launcher.subprocess, "Popen", RecordingPopen)
+    monkeypatch.setattr(launcher, "start_worker", recording(launcher.start_worker))
     before = len(SPAWNED)
     yield
     assert [p.pid for p in SPAWNED[before:] if alive(p.pid)] == []

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 from zeroplan.estimate.layout import param_layout  # noqa: E402
 from zeroplan.importers.catalog import resolve_model  # noqa: E402
 from zeroplan.errors import MeasureError  # noqa: E402
-from zeroplan.measure import launcher  # noqa: E402
+from zeroplan.measure import launcher, worker_server  # noqa: E402
 from zeroplan.measure.worker import FAULT_ENV  # noqa: E402
 from zeroplan.spec.training import TrainingSpec  # noqa: E402
 from worker_processes import SPAWNED, alive, workers_recorded  # noqa: E402
@@ -279,6 +279,28 @@ def test_a_failed_run_leaves_no_files_behind(raised_run):
     assert left == []
 
 
+def test_a_worker_sees_only_the_environment_the_launcher_gives_it(monkeypatch):
+    # the server imports torch once with the environment of its start; a worker forked from it must
+    # run with the launcher's environment of now, as a fresh process would (measure/worker_server.py)
+    worker_server.shutdown()
+    monkeypatch.setenv(FAULT_ENV, "raise@0")
+    worker_server.running_server()  # started with rank 0's fault in its environment
+    monkeypatch.delenv(FAULT_ENV)
+    try:
+        result = _fault_run(monkeypatch, "")
+    finally:
+        worker_server.shutdown()  # the next run starts a server with this test's environment undone
+    assert [rank.rank for rank in result.ranks] == [0, 1] and result.fits
+
+
+def test_a_killed_server_ends_its_workers_and_the_next_run_starts_another(monkeypatch):
+    server = worker_server.running_server()
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    result = _fault_run(monkeypatch, "")  # a new server, a normal run
+    assert result.fits and worker_server.running_server() is not server
+
+
 def test_bad_requests_are_refused_before_any_worker_starts():
     spec, training = resolve_model("tiny-llama"), _training("torch", 0)
     with pytest.raises(MeasureError, match="steps: must be at least 1, got 0"):
@@ -301,6 +323,13 @@ launcher.run_measurement(resolve_model("tiny-llama"), training, nproc=2, steps=1
 """
 
 
+def _leads_its_session(pid: int) -> bool:
+    try:
+        return os.getsid(pid) == pid
+    except ProcessLookupError:
+        return False
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_killing_the_launcher_leaves_no_worker_running(signum):
     psutil = pytest.importorskip("psutil")
@@ -308,20 +337,23 @@ def test_killing_the_launcher_leaves_no_worker_running(signum):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(root))
     parent = subprocess.Popen([sys.executable, "-c", _LAUNCH_AND_HANG.format(fault_env=FAULT_ENV)], env=env)
     try:
-        workers = []
-        for _ in range(600):  # the launcher starts its two workers within seconds
-            workers = psutil.Process(parent.pid).children()
+        workers, descendants = [], []
+        for _ in range(1200):  # the launcher starts its worker server, which forks two workers, within seconds
+            descendants = psutil.Process(parent.pid).children(recursive=True)
+            # a worker leads a session of its own, and so does the server: the workers are its children
+            workers = [p for p in descendants if _leads_its_session(p.pid) and p.ppid() != parent.pid]
             if len(workers) == 2:
                 break
             time.sleep(0.05)
         assert len(workers) == 2
         os.kill(parent.pid, signum)
         parent.wait(timeout=30)
-        for _ in range(300):  # SIGKILL reaches the workers through PR_SET_PDEATHSIG
-            if not any(alive(w.pid) for w in workers):
+        for _ in range(300):  # SIGKILL reaches the workers through PR_SET_PDEATHSIG (from their server)
+            if not any(alive(p.pid) for p in descendants):
                 break
             time.sleep(0.05)
-        assert [w.pid for w in workers if alive(w.pid)] == []
+        # neither a worker nor the server outlives the launcher
+        assert [p.pid for p in descendants if alive(p.pid)] == []
     finally:
         parent.kill()
         parent.wait()

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import subprocess
 from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 
-SPAWNED: list[subprocess.Popen] = []  # every worker any test of this session started
+SPAWNED: list = []  # every worker any test of this session started (worker_server.Worker)
 
 
-class RecordingPopen(subprocess.Popen):
-    """subprocess.Popen that remembers each process it starts (patched into the launcher)."""
+def recording(start):
+    """The launcher's `start_worker`, remembering each worker it starts (patched into the launcher)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        SPAWNED.append(self)
+    def start_and_record(*args, **kwargs):
+        worker = start(*args, **kwargs)
+        SPAWNED.append(worker)
+        return worker
+
+    return start_and_record
 
 
 def alive(pid: int) -> bool:
@@ -33,7 +35,7 @@ def alive(pid: int) -> bool:
 def workers_recorded(launcher: ModuleType) -> Iterator[None]:
     """Record the workers `launcher` starts; afterwards, some must have started and none may be left."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launcher.subprocess, "Popen", RecordingPopen)
+        patch.setattr(launcher, "start_worker", recording(launcher.start_worker))
         yield
     assert SPAWNED, "no worker was started"
     assert [p.pid for p in SPAWNED if alive(p.pid)] == []

@@ -5,12 +5,14 @@
 - nccl: one process per visible GPU, joined through env:// on 127.0.0.1 and a free port;
 - fake (`simulate=True`): one process simulating `nproc` ranks (FakeTensorMode + fake process
   group), for worlds and models larger than the machine.
-Each worker runs in its own session, and stopping it kills that whole session, so whatever it
-started (compilers, DeepSpeed's helpers) ends with it (`processes.kill_sessions`). A DeepSpeed run
-first builds the C++ ops it needs that are not built yet, in one process, saying so, before the
-workers and their timeout start (`deepspeed_build`). Any rank that fails ends the run at once with
-an error naming the rank; a timeout or Ctrl-C kills every worker (and a build); a rank that runs
-out of device memory makes the result "does not fit" with the peak it reached.
+Each worker is forked from a server that has imported torch once (`worker_server`: a fresh
+Python's start is mostly that import) and runs in its own session; stopping it kills that whole
+session, so whatever it started (compilers, DeepSpeed's helpers) ends with it
+(`processes.kill_sessions`). A DeepSpeed run first builds the C++ ops it needs that are not
+built yet, in one process, saying so, before the workers and their timeout start
+(`deepspeed_build`). Any rank that fails ends the run at once with an error naming the rank; a
+timeout or Ctrl-C kills every worker (and a build); a rank that runs out of device memory makes
+the result "does not fit" with the peak it reached.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,7 +31,9 @@ from typing import Callable
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build, stacks
-from zeroplan.measure.processes import child_env, exit_status, kill_sessions, last_line, spawn
+from zeroplan.measure.processes import child_env, exit_status, kill_sessions, last_line
+from zeroplan.measure.worker_server import Worker
+from zeroplan.measure.worker_server import start as start_worker
 from zeroplan.measure.mesh_rules import refuse_unmeasurable
 from zeroplan.measure.result import MeasureResult, RankResult
 from zeroplan.spec.model import ModelSpec, TransformerSpec
@@ -162,7 +165,7 @@ def run_measurement(
 
     processes = 1 if backend == "fake" else nproc
     workdir = Path(tempfile.mkdtemp(prefix="zeroplan-measure-"))
-    procs: list[subprocess.Popen] = []
+    procs: list[Worker] = []
     ops: tuple[str, ...] = ()  # DeepSpeed's JIT ops this run may build
     # SIGTERM ends the launcher like Ctrl-C: through the `finally` that kills the workers.
     main_thread = threading.current_thread() is threading.main_thread()
@@ -182,15 +185,10 @@ def run_measurement(
             env = _worker_env(rank, nproc, processes, backend)
             if port:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            log = open(workdir / f"rank{rank}.log", "wb")
-            with log:
-                procs.append(
-                    spawn(
-                        [sys.executable, "-m", "zeroplan.measure.worker", "--job", str(job_path),
-                         "--output", str(workdir / f"rank{rank}.json")],
-                        env=env, stdout=log,
-                    )
-                )
+            procs.append(
+                start_worker(["--job", str(job_path), "--output", str(workdir / f"rank{rank}.json")],
+                             env=env, log=workdir / f"rank{rank}.log")
+            )
         outcomes = _wait(procs, workdir, timeout_s, steps)
     finally:
         kill_sessions(procs)
@@ -201,7 +199,7 @@ def run_measurement(
     return assemble_result(outcomes, model, training, backend, nproc, steps)
 
 
-def _wait(procs: list[subprocess.Popen], workdir: Path, timeout_s: float, steps: int) -> list[dict]:
+def _wait(procs: list[Worker], workdir: Path, timeout_s: float, steps: int) -> list[dict]:
     """Wait for every worker; the first failure or out-of-memory ends the run."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -220,7 +218,7 @@ def _wait(procs: list[subprocess.Popen], workdir: Path, timeout_s: float, steps:
         time.sleep(POLL_S)
 
 
-def _raise_timeout(procs: list[subprocess.Popen], codes: list[int | None], workdir: Path, timeout_s: float,
+def _raise_timeout(procs: list[Worker], codes: list[int | None], workdir: Path, timeout_s: float,
                    steps: int) -> None:
     """Raise the timeout, naming the call each running rank is stuck in (its stack, measure/stacks.py)."""
     running = [rank for rank, code in enumerate(codes) if code is None]

@@ -1,6 +1,6 @@
 """Child processes of a measurement (workers, a build) and what they leave behind, read from /proc.
 
-Every child runs in its own session (`spawn`), and `kill_sessions` ends the whole session: the
+Every child runs in its own session (`spawn`, or forked by `worker_server.start`), and `kill_sessions` ends the whole session: the
 child and everything it started, compilers included. `remove_stale_lock` removes a lock file that
 torch's `FileBaton` left when its owner died; a live build's lock is never touched.
 Without /proc (not Linux) only the children's process groups are killed and no lock is removed.
@@ -33,10 +33,11 @@ def _die_with_parent(launcher_pid: int) -> None:  # pragma: no cover - runs in t
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def spawn(argv: list[str], *, env: dict[str, str], stdout, stderr=subprocess.STDOUT, **kwargs) -> subprocess.Popen:
+def spawn(argv: list[str], *, env: dict[str, str], stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+          **kwargs) -> subprocess.Popen:
     """Start `argv` in a new session (its session id is its pid), to be ended by `kill_sessions`."""
     return subprocess.Popen(
-        argv, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        argv, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
         start_new_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()), **kwargs,
     )
 
@@ -67,10 +68,16 @@ def session_members(session_ids: set[int]) -> list[int]:
     return found
 
 
-def exit_status(proc: subprocess.Popen) -> int | None:
+def exit_status(proc) -> int | None:
     """`proc`'s exit status (negative: killed by that signal), or None while it runs; unlike
     `proc.poll()` it does not reap `proc`, so its pid, the id of its session, cannot be reused
-    by another program's session before `kill_sessions` has swept it."""
+    by another program's session before `kill_sessions` has swept it.
+
+    A forked worker (`worker_server.Worker`) is not this process's child: its server reaps it and
+    reports the status, so its pid is free once it has exited (its session's other processes are
+    still swept by their session id; a new session of that id within the sweep is not guarded)."""
+    if not isinstance(proc, subprocess.Popen):
+        return proc.returncode
     if not hasattr(os, "waitid"):
         return proc.poll()
     if proc.returncode is not None:
@@ -81,8 +88,9 @@ def exit_status(proc: subprocess.Popen) -> int | None:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
-def kill_sessions(procs: list[subprocess.Popen]) -> None:
-    """SIGKILL every process in the sessions of `procs` (each started by `spawn`), then reap `procs`."""
+def kill_sessions(procs: list) -> None:
+    """SIGKILL every process in the sessions of `procs` (each started by `spawn`, or a worker forked
+    in a session of its own by `worker_server.start`), then reap `procs`."""
     # Only sessions whose leader is not reaped yet (alive or a zombie): their id cannot be reused.
     sessions = {proc.pid for proc in procs if proc.returncode is None}
     for pid in sessions:
