@@ -293,6 +293,20 @@ def test_a_worker_sees_only_the_environment_the_launcher_gives_it(monkeypatch):
     assert [rank.rank for rank in result.ranks] == [0, 1] and result.fits
 
 
+def test_a_forked_worker_measures_what_a_fresh_process_measures():
+    # the worker server changes how a worker starts, not what it runs (measure/worker_server.py);
+    # GPU runs start fresh processes (launcher._start_worker), so the two must agree byte for byte
+    # on the training steps. DDP's steps repeat byte for byte from run to run (12 runs, 6 of each);
+    # its construction (step 0) does not, however the workers start: 1 forked and 2 fresh runs of
+    # the 12 held more there (what gloo frees on its own thread, freed later)
+    forked = _run("tiny-llama", "torch", 0)
+    fresh = launcher.run_measurement(resolve_model("tiny-llama"), _training("torch", 0), nproc=2, steps=2,
+                                     timeout_s=TIMEOUT_S, implementation="reference", fork_workers=False)
+    for one, other in zip(forked.ranks, fresh.ranks, strict=True):
+        assert [(p.step, p.phase, p.peak_bytes, p.categories) for p in one.phases if p.step] == \
+            [(p.step, p.phase, p.peak_bytes, p.categories) for p in other.phases if p.step]
+
+
 def test_a_killed_server_ends_its_workers_and_the_next_run_starts_another(monkeypatch):
     server = worker_server.running_server()
     os.kill(server.proc.pid, signal.SIGKILL)
@@ -319,36 +333,40 @@ from zeroplan.measure import launcher
 from zeroplan.spec.training import TrainingSpec
 training = TrainingSpec(engine="torch", zero_stage=0, gpus=2, precision="fp32", micro_batch=2, seq_len=64, device="cpu",
                         recipe="plain")
-launcher.run_measurement(resolve_model("tiny-llama"), training, nproc=2, steps=1, timeout_s=120, implementation="reference")
+launcher.run_measurement(resolve_model("tiny-llama"), training, nproc=2, steps=1, timeout_s=120, implementation="reference",
+                         fork_workers={fork})
 """
 
 
-def _leads_its_session(pid: int) -> bool:
+def _is_worker(process, launcher_pid: int) -> bool:
+    """A worker leads a session of its own; so does the worker server, the launcher's child that forks them."""
     try:
-        return os.getsid(pid) == pid
-    except ProcessLookupError:
+        server = process.ppid() == launcher_pid and "zeroplan.measure.worker_server" in " ".join(process.cmdline())
+        return os.getsid(process.pid) == process.pid and not server
+    except (ProcessLookupError, OSError):
         return False
 
 
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh"])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_killing_the_launcher_leaves_no_worker_running(signum):
+def test_killing_the_launcher_leaves_no_worker_running(signum, fork):
     psutil = pytest.importorskip("psutil")
     root = os.path.dirname(os.path.dirname(os.path.abspath(launcher.__file__)))
     env = dict(os.environ, PYTHONPATH=os.path.dirname(root))
-    parent = subprocess.Popen([sys.executable, "-c", _LAUNCH_AND_HANG.format(fault_env=FAULT_ENV)], env=env)
+    script = _LAUNCH_AND_HANG.format(fault_env=FAULT_ENV, fork=fork)
+    parent = subprocess.Popen([sys.executable, "-c", script], env=env)
     try:
         workers, descendants = [], []
-        for _ in range(1200):  # the launcher starts its worker server, which forks two workers, within seconds
+        for _ in range(1200):  # the launcher starts two workers (forked by its worker server) within seconds
             descendants = psutil.Process(parent.pid).children(recursive=True)
-            # a worker leads a session of its own, and so does the server: the workers are its children
-            workers = [p for p in descendants if _leads_its_session(p.pid) and p.ppid() != parent.pid]
+            workers = [p for p in descendants if _is_worker(p, parent.pid)]
             if len(workers) == 2:
                 break
             time.sleep(0.05)
         assert len(workers) == 2
         os.kill(parent.pid, signum)
         parent.wait(timeout=30)
-        for _ in range(300):  # SIGKILL reaches the workers through PR_SET_PDEATHSIG (from their server)
+        for _ in range(300):  # SIGKILL reaches the workers through PR_SET_PDEATHSIG (from the launcher or their server)
             if not any(alive(p.pid) for p in descendants):
                 break
             time.sleep(0.05)

@@ -8,11 +8,11 @@ from types import ModuleType
 
 import pytest
 
-SPAWNED: list = []  # every worker any test of this session started (worker_server.Worker)
+SPAWNED: list = []  # every worker any test of this session started (worker_server.Worker, or a Popen)
 
 
 def recording(start):
-    """The launcher's `start_worker`, remembering each worker it starts (patched into the launcher)."""
+    """The launcher's `start_worker` (or `spawn`), remembering each worker it starts (patched into the launcher)."""
 
     def start_and_record(*args, **kwargs):
         worker = start(*args, **kwargs)
@@ -36,6 +36,7 @@ def workers_recorded(launcher: ModuleType) -> Iterator[None]:
     """Record the workers `launcher` starts; afterwards, some must have started and none may be left."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(launcher, "start_worker", recording(launcher.start_worker))
+        patch.setattr(launcher, "spawn", recording(launcher.spawn))  # fresh workers (fork_workers=False)
         yield
     assert SPAWNED, "no worker was started"
     assert [p.pid for p in SPAWNED if alive(p.pid)] == []

@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -31,7 +32,7 @@ from typing import Callable
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build, stacks
-from zeroplan.measure.processes import child_env, exit_status, kill_sessions, last_line
+from zeroplan.measure.processes import child_env, exit_status, kill_sessions, last_line, spawn
 from zeroplan.measure.worker_server import Worker
 from zeroplan.measure.worker_server import start as start_worker
 from zeroplan.measure.mesh_rules import refuse_unmeasurable
@@ -114,12 +115,14 @@ def run_measurement(
     implementation: str = "auto",
     engine_config: dict | None = None,
     announce: Callable[[str], None] = _announce,
+    fork_workers: bool | None = None,
 ) -> MeasureResult:
     """Run `steps` training steps of `model` under `training` on `nproc` local ranks and return
     what every rank measured. `backend` None picks nccl where GPUs are visible, else gloo;
     `simulate` runs one fake-backend process standing for `nproc` ranks. `announce` is told of a
     DeepSpeed op build before it starts (default: a line on stderr); the build is not part of
-    `timeout_s`.
+    `timeout_s`. `fork_workers`: fork the workers from the worker server (None: on gloo and fake;
+    nccl workers start as fresh processes, see `_start_worker`).
 
     Raises MeasureError when a rank fails (naming it and its exception) or the run times out."""
     if not isinstance(model, TransformerSpec):
@@ -165,7 +168,7 @@ def run_measurement(
 
     processes = 1 if backend == "fake" else nproc
     workdir = Path(tempfile.mkdtemp(prefix="zeroplan-measure-"))
-    procs: list[Worker] = []
+    procs: list[Worker | subprocess.Popen] = []
     ops: tuple[str, ...] = ()  # DeepSpeed's JIT ops this run may build
     # SIGTERM ends the launcher like Ctrl-C: through the `finally` that kills the workers.
     main_thread = threading.current_thread() is threading.main_thread()
@@ -181,14 +184,13 @@ def run_measurement(
             ops = deepspeed_build.ops_for(training, engine_config, cuda=backend == "nccl")
             deepspeed_build.build_ahead(ops, env=child_env(backend), announce=announce)
         port = str(_free_port()) if backend == "nccl" else None
+        fork = backend != "nccl" if fork_workers is None else fork_workers
         for rank in range(processes):
             env = _worker_env(rank, nproc, processes, backend)
             if port:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            procs.append(
-                start_worker(["--job", str(job_path), "--output", str(workdir / f"rank{rank}.json")],
-                             env=env, log=workdir / f"rank{rank}.log")
-            )
+            argv = ["--job", str(job_path), "--output", str(workdir / f"rank{rank}.json")]
+            procs.append(_start_worker(argv, env, workdir / f"rank{rank}.log", fork))
         outcomes = _wait(procs, workdir, timeout_s, steps)
     finally:
         kill_sessions(procs)
@@ -199,7 +201,22 @@ def run_measurement(
     return assemble_result(outcomes, model, training, backend, nproc, steps)
 
 
-def _wait(procs: list[Worker], workdir: Path, timeout_s: float, steps: int) -> list[dict]:
+def _start_worker(argv: list[str], env: dict[str, str], log: Path, fork: bool) -> Worker | subprocess.Popen:
+    """One worker: forked from the worker server, or a fresh `python -m zeroplan.measure.worker`.
+
+    A GPU run starts fresh processes: CUDA cannot be used in a child forked from a process that
+    has initialised the driver, and whether importing torch on a CUDA build (torch.cuda's
+    availability check through the CUDA runtime, unless PYTORCH_NVML_BASED_CUDA_CHECK=1) does so
+    was never tried here (no GPU); the import is a small price beside a GPU run. Both start the
+    same worker program, and a CPU run measures the same bytes either way
+    (tests/test_measure_distributed.py)."""
+    if fork:
+        return start_worker(argv, env=env, log=log)
+    with open(log, "wb") as out:
+        return spawn([sys.executable, "-m", "zeroplan.measure.worker", *argv], env=env, stdout=out)
+
+
+def _wait(procs: list[Worker | subprocess.Popen], workdir: Path, timeout_s: float, steps: int) -> list[dict]:
     """Wait for every worker; the first failure or out-of-memory ends the run."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -218,7 +235,7 @@ def _wait(procs: list[Worker], workdir: Path, timeout_s: float, steps: int) -> l
         time.sleep(POLL_S)
 
 
-def _raise_timeout(procs: list[Worker], codes: list[int | None], workdir: Path, timeout_s: float,
+def _raise_timeout(procs: list[Worker | subprocess.Popen], codes: list[int | None], workdir: Path, timeout_s: float,
                    steps: int) -> None:
     """Raise the timeout, naming the call each running rank is stuck in (its stack, measure/stacks.py)."""
     running = [rank for rank, code in enumerate(codes) if code is None]
