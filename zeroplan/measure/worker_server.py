@@ -12,7 +12,9 @@ the first worker. It reads requests from its stdin and answers on its stdout, on
   {"start": {"argv": [...], "env": {...}, "log": PATH}}  ->  {"started": PID}
                                                            {"exited": PID, "status": S}, when it ends
   {"release": PID}                                          (reap PID: its session may be swept first)
-It ends when the launcher does (end of its stdin, or PR_SET_PDEATHSIG when the launcher is killed).
+It ends when the launcher does (end of its stdin, or PR_SET_PDEATHSIG when the launcher is killed),
+and is replaced when the launcher's environment changes, since its imports read the environment it
+started with (`running_server`).
 
 A forked worker runs as a fresh process would: in its own session, so the launcher's
 `kill_sessions` ends it and whatever it started; killed when its server dies (PR_SET_PDEATHSIG);
@@ -41,10 +43,11 @@ POLL_S = 0.02  # how often the server looks for workers that exited
 class _Server:
     """The launcher's side: the server process and what it has reported."""
 
-    def __init__(self):
-        from zeroplan.measure.processes import child_env, spawn
+    def __init__(self, env: dict[str, str]):
+        from zeroplan.measure.processes import spawn
 
-        self.proc = spawn([sys.executable, "-m", __name__], env=child_env(None), stdin=subprocess.PIPE,
+        self.env = env  # what its imports read (server_preload)
+        self.proc = spawn([sys.executable, "-m", __name__], env=env, stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=None)
         self._pending = b""
         self.statuses: dict[int, int] = {}  # exit status of each worker reported and not yet released
@@ -96,13 +99,29 @@ _server_lock = threading.Lock()
 
 def running_server() -> _Server:
     """This process's server, started now if it is not running (a launcher thread that started it
-    may have exited: PR_SET_PDEATHSIG follows the thread, so the server is then started again).
-    It imports torch with this process's environment as it is now."""
+    may have exited: PR_SET_PDEATHSIG follows the thread, so the server is then started again), or
+    started again if this process's environment has changed since: its imports read the
+    environment it started with, a fresh worker's would read the launcher's of now."""
+    from zeroplan.measure.processes import child_env
+
     global _server
+    env = child_env(None)
     with _server_lock:
+        if _server is not None and _server.alive() and _import_settings(_server.env) != _import_settings(env):
+            _stop(_server)
+            _server = None
         if _server is None or not _server.alive():
-            _server = _Server()
+            _server = _Server(env)
         return _server
+
+
+def _import_settings(env: dict[str, str]) -> dict[str, str]:
+    """The environment without the variables that change from run to run in one process and that no
+    import reads: a worker's fault injection (read at run time) and pytest's name of the running
+    test (set anew for every test: without this, each test would start a server)."""
+    from zeroplan.measure.worker import FAULT_ENV
+
+    return {name: value for name, value in env.items() if name not in (FAULT_ENV, "PYTEST_CURRENT_TEST")}
 
 
 def shutdown(timeout_s: float = 30.0) -> None:
@@ -111,13 +130,17 @@ def shutdown(timeout_s: float = 30.0) -> None:
     with _server_lock:
         server, _server = _server, None
     if server is not None:
-        server.proc.stdin.close()  # end of its requests: it returns
-        try:
-            server.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:  # pragma: no cover - it returns at its next poll
-            server.proc.kill()
-            server.proc.wait()
-        server.proc.stdout.close()
+        _stop(server, timeout_s)
+
+
+def _stop(server: _Server, timeout_s: float = 30.0) -> None:
+    server.proc.stdin.close()  # end of its requests: it returns
+    try:
+        server.proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:  # pragma: no cover - it returns at its next poll
+        server.proc.kill()
+        server.proc.wait()
+    server.proc.stdout.close()
 
 
 class Worker:
