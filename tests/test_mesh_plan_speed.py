@@ -93,3 +93,37 @@ def test_no_middle_pipeline_rank_left_out_is_higher_than_rank_1(schedule, pp, la
     left_out = [rank.estimate.peak_bytes for index, rank in enumerate(whole.ranks) if index not in kept]
     assert max(left_out) <= whole.ranks[1].estimate.peak_bytes
     assert whole.worst in [whole.ranks[index] for index in kept]
+
+
+@pytest.mark.parametrize("pp, layers, checkpointing, cp", [
+    (4, 30, "none", 1), (8, 80, "full", 1), (16, 80, "full", 2), (8, 126, "none", 2), (16, 126, "selective", 1),
+])
+def test_one_walk_bounds_every_middle_rank_of_an_interleaved_schedule(pp, layers, checkpointing, cp):
+    # `middle_ranks_peak_bound` (docs/engines/mesh.md, "One walk for the middle ranks"): no middle rank it
+    # bounds is above it; every rank is estimated here to check it
+    from zeroplan.estimate.mesh import middle_ranks_peak_bound
+
+    model = resolve_model("llama-3-70b").model_copy(update={"num_layers": layers})
+    training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=8 * pp * cp, seq_len=8192, recipe="torchtitan",
+                            micro_batch=1, grad_accum=2 * pp, checkpointing=checkpointing,
+                            mesh=MeshSpec(tp=4, cp=cp, pp=pp, pp_schedule=PPSchedule.INTERLEAVED_1F1B, pp_virtual_stages=2))
+    whole = estimate_mesh(model, training)
+    groups = mesh_search._estimate_groups([rank.kind for rank in whole.ranks], list(range(len(whole.ranks))))
+    bounded = [group for group in groups if len(group) > 1]
+    assert bounded  # the middle ranks share profiles
+    for group in bounded:
+        bound = middle_ranks_peak_bound(model, training, tuple(whole.ranks[index].kind for index in group))
+        assert bound is not None
+        assert max(whole.ranks[index].estimate.peak_bytes for index in group) <= bound
+
+
+def test_no_bound_where_the_argument_does_not_hold():
+    from zeroplan.estimate.mesh import middle_ranks_peak_bound
+
+    model = resolve_model("llama-3-8b")
+    for mesh in (MeshSpec(pp=4, pp_schedule=PPSchedule.ZERO_BUBBLE, pp_virtual_stages=2), MeshSpec(pp=4)):
+        training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=16, seq_len=4096, recipe="torchtitan", micro_batch=1,
+                                grad_accum=8, mesh=mesh)
+        kinds = [rank.kind for rank in estimate_mesh(model, training).ranks]
+        assert middle_ranks_peak_bound(model, training, tuple(kinds[1:-1])) is None
+        assert middle_ranks_peak_bound(model, training, tuple(kinds[:2])) is None  # rank 0 holds the embedding

@@ -16,7 +16,7 @@ from typing import Any
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate.mesh import (MeshEstimate, RankEstimate, RankKind, estimate_mesh, estimate_mesh_within,
-                                    rank_estimate, rank_kinds)
+                                    middle_ranks_peak_bound, rank_estimate, rank_kinds)
 from zeroplan.plan.cost import Assumptions, model_flops
 from zeroplan.plan.mesh_cost import MeshStepCost, mesh_step_cost
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh, routed_experts
@@ -227,7 +227,10 @@ def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], 
 
 def _worst_within(model: TransformerSpec, training: TrainingSpec, budget_bytes: int) -> RankEstimate | None:
     """`estimate_mesh_within(...).worst`, or None when a rank is over the budget, from the rank kinds that can be
-    the worst only (`_may_be_worst`), the ends of the pipeline first."""
+    the worst only (`_may_be_worst`), the ends of the pipeline first. Middle ranks of an interleaved schedule
+    that share a profile are first bounded together (`middle_ranks_peak_bound`): if the bound fits and is below
+    the worst so far (or no higher than rank 0, which comes first on a tie), none of them is the worst, and
+    none is estimated."""
     mesh = training.mesh
     if mesh.is_trivial:
         whole = estimate_mesh_within(model, training, budget_bytes)
@@ -235,11 +238,29 @@ def _worst_within(model: TransformerSpec, training: TrainingSpec, budget_bytes: 
     check_mesh(model, training)
     kinds = rank_kinds(model, mesh, training.grad_accum if mesh.pp > 1 else 1)
     ranks: dict[int, RankEstimate] = {}
-    for index in _may_be_worst(kinds):
-        ranks[index] = rank_estimate(model, training, kinds[index])
-        if ranks[index].estimate.peak_bytes > budget_bytes:
-            return None
+    for group in _estimate_groups(kinds, _may_be_worst(kinds)):
+        if len(group) > 1 and ranks:
+            bound = middle_ranks_peak_bound(model, training, tuple(kinds[index] for index in group))
+            worst = max(rank.estimate.peak_bytes for rank in ranks.values())
+            first = ranks[0].estimate.peak_bytes if 0 in ranks else -1
+            if bound is not None and bound <= budget_bytes and (bound < worst or bound <= first):
+                continue
+        for index in group:
+            ranks[index] = rank_estimate(model, training, kinds[index])
+            if ranks[index].estimate.peak_bytes > budget_bytes:
+                return None
     return max((ranks[index] for index in sorted(ranks)), key=lambda rank: rank.estimate.peak_bytes)
+
+
+def _estimate_groups(kinds: list[RankKind], order: list[int]) -> list[list[int]]:
+    """`order` in groups: the middle ranks (neither embedding nor head) with the same layers and stage count
+    together, where the first of them stood; every other rank alone."""
+    groups: dict[tuple, list[int]] = {}
+    for index in order:
+        kind = kinds[index]
+        key = (kind.layers, len(kind.stages)) if not (kind.embedding or kind.head) else index
+        groups.setdefault(key, []).append(index)
+    return list(groups.values())
 
 
 def _may_be_worst(kinds: list[RankKind]) -> list[int]:
