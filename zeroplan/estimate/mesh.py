@@ -17,11 +17,11 @@ An all-ones mesh is today's estimate, unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-from zeroplan.estimate import IMPLEMENTATION, _engine_profile, _with_overhead, estimate
+from zeroplan.estimate import IMPLEMENTATION, _engine_profile, estimate
 from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, activation_bytes
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import state_bytes
@@ -229,7 +229,7 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     if mesh.tp > 1 and mesh.sequence_parallel and training.checkpointing in (Checkpointing.FULL, Checkpointing.OP):
         from zeroplan.estimate.mesh_tp_checkpoint import checkpointed_under_sequence_parallel
 
-        norms_cut = _sequence_parallel_saving(model, training.varied(checkpointing=Checkpointing.NONE), tokens, act_bytes)
+        norms_cut = _sequence_parallel_saving(model, _without_checkpointing(training), tokens, act_bytes)
         changes.update(checkpointed_under_sequence_parallel(model, training, acts, tokens, act_bytes, norms_cut))
     if mesh.tp > 1 and mesh.sequence_parallel and kind.head:
         # the final norm is SequenceParallel too (torchtitan apply_tp "norm"): its input, normalised output
@@ -255,7 +255,7 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     if not kind.layers:
         changes.update(saved_per_block=0, recompute_block=0, block_backward_transient=0, block_backward_freed=0,
                        block_forward_transient=0)
-    acts = replace(acts, **changes) if changes else acts
+    acts = acts.replaced(**changes) if changes else acts
     if mesh.cp > 1 and kind.layers and training.engine != Engine.DEEPSPEED:
         from zeroplan.estimate.mesh_cp import core_saved_bytes, with_ring_attention
 
@@ -272,14 +272,20 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         one = acts.embedding + kind.layers * acts.saved_per_block // chunks
         if kind.head and chunks == 1:  # the last stage computes each micro-batch's loss right after its forward (`_maybe_compute_loss`)
             one += acts.final_norm + acts.logits + acts.loss_saved
-        acts = replace(acts, embedding=acts.embedding + extra * one)
+        acts = acts.replaced(embedding=acts.embedding + extra * one)
     if kind.head and mesh.pp > 1:
         # the last stage keeps every micro-batch's output, the logits, until the step ends (stage.py
         # `output_chunks`, merged by `_merge_outputs`): those not in flight stay, and the current one's
         # stays through its own backward beside its logits gradients (seen at the 1F1B last stage's peak)
         micro_batches = training.grad_accum
-        acts = replace(acts, embedding=acts.embedding + (micro_batches - max(kind.in_flight // chunks, 1) + 1) * acts.logits)
+        acts = acts.replaced(embedding=acts.embedding + (micro_batches - max(kind.in_flight // chunks, 1) + 1) * acts.logits)
     return acts
+
+
+# every rank kind of one fit check asks for the same one (validated, as `varied` always does)
+@memo(maxsize=64)
+def _without_checkpointing(training: TrainingSpec) -> TrainingSpec:
+    return training.varied(checkpointing=Checkpointing.NONE)
 
 
 # every rank kind of one mesh estimate asks for the same one; copied, not validated again: no validator reads
@@ -427,11 +433,13 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
     return MeshBuffers(forward, backward, steady)
 
 
-def _with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers) -> tuple[PhaseBytes, ...]:
+def _with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers, overhead: int) -> tuple[PhaseBytes, ...]:
+    """`phases` with the mesh's buffers, and `overhead` in every phase (`estimate._with_overhead`, in the same pass)."""
     extra = {Phase.FORWARD: buffers.forward + buffers.steady, Phase.BACKWARD: buffers.backward + buffers.steady,
              Phase.OPTIMIZER_STEP: buffers.steady}
-    return tuple(PhaseBytes(p.step, p.phase, p.categories._replace(buffers=p.categories.buffers + extra[p.phase]))
-                 if extra.get(p.phase, 0) else p for p in phases)
+    return tuple(PhaseBytes(p.step, p.phase, p.categories._replace(buffers=p.categories.buffers + extra.get(p.phase, 0),
+                                                                   overhead=p.categories.overhead + overhead))
+                 if overhead or extra.get(p.phase, 0) else p for p in phases)
 
 
 # every rank kind of one mesh estimate asks for the same one
@@ -475,8 +483,8 @@ def _rank_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
         if looped is None:
             return None
         result, kind = result._replace(phases=looped[0]), kind._replace(in_flight=looped[1])  # the walk's count at its peak
-    phases = _with_buffers(_with_overhead(result.phases, overhead_bytes(training)),
-                           mesh_buffers(model, training, kind, dtypes.activation, micro_batches))
+    phases = _with_buffers(result.phases, mesh_buffers(model, training, kind, dtypes.activation, micro_batches),
+                           overhead_bytes(training))
     return training, kind, facts, result, phases
 
 
