@@ -282,10 +282,14 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     return acts
 
 
-# every rank kind of one fit check asks for the same one (validated, as `varied` always does)
+# every rank kind of one fit check asks for the same one
 @memo(maxsize=64)
 def _without_checkpointing(training: TrainingSpec) -> TrainingSpec:
-    return training.varied(checkpointing=Checkpointing.NONE)
+    """`training.varied(checkpointing=NONE)`. Of TrainingSpec's rules only checkpoint_every's reads checkpointing:
+    without checkpoint_every the valid spec stays valid and is copied; with it, `varied` raises as it always has."""
+    if training.checkpoint_every is not None:
+        return training.varied(checkpointing=Checkpointing.NONE)
+    return training.model_copy(update={"checkpointing": Checkpointing.NONE})
 
 
 # every rank kind of one mesh estimate asks for the same one; copied, not validated again: no validator reads
