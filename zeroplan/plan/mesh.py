@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zeroplan.errors import SpecError
+from zeroplan.estimate.activations import memory_checkpointing
 from zeroplan.estimate.mesh import (MeshEstimate, RankEstimate, RankKind, estimate_mesh, estimate_mesh_within,
                                     middle_ranks_peak_bound, rank_estimate, rank_kinds)
 from zeroplan.plan.cost import Assumptions, model_flops
@@ -148,13 +149,14 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
         raise SpecError("mesh: a model given by parameter count cannot be cut by tp/cp/pp; give its config")
     flops = model_flops(model, *_params(model, base))
     evaluated, fitting = 0, []  # fitting: _Fit
+    checked: dict[TrainingSpec, RankEstimate | None] = {}  # fit checks by memory twin (`_memory_twin`)
     meshes = [base.mesh] if fixed else _meshes(model, base, given or {})
     for mesh in meshes:
         if not _world_runs(mesh, base):
             continue  # every micro-batch and checkpointing of it would fail the same validator: none to estimate
         for mode in checkpointing:
             trainings = _micro_batch_specs(base, mesh, mode, max_micro_batch, global_batch)
-            candidate, count = _cheapest_fit(model, flops, trainings, budget_bytes, assumptions)
+            candidate, count = _cheapest_fit(model, flops, trainings, budget_bytes, assumptions, checked)
             evaluated += count
             if candidate is not None:
                 fitting.append(candidate)
@@ -191,18 +193,21 @@ def _micro_batch_specs(base: TrainingSpec, mesh: MeshSpec, mode: Checkpointing, 
 
 
 def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], budget_bytes: int,
-                  assumptions: Assumptions) -> tuple[_Fit | None, int]:
+                  assumptions: Assumptions, checked: dict) -> tuple[_Fit | None, int]:
     """The cheapest of `specs` (one mesh, micro-batches ascending) whose worst rank fits, and the estimates
     made. The worst rank's peak never shrinks as the micro-batch grows, so the ones that fit are a prefix,
     found by bisection; their costs use the worst rank kind of the largest that fits, and the cheapest gets a
-    fit check of its own."""
+    fit check of its own. `checked` keeps the plan's fit checks by memory twin (`_memory_twin`)."""
     trainings = list(itertools.islice(specs, 1))  # the rest are made only when the first fits
     worst: dict[int, RankEstimate | None] = {}  # None: a rank is over the budget (or the spec is invalid)
 
     def fits(index: int) -> bool:
         if index not in worst:
             try:
-                worst[index] = _worst_within(model, trainings[index], budget_bytes)
+                twin = _memory_twin(model, trainings[index])
+                if twin not in checked:
+                    checked[twin] = _worst_within(model, trainings[index], budget_bytes)
+                worst[index] = checked[twin]
             except SpecError:
                 return False
         return worst[index] is not None
@@ -223,6 +228,18 @@ def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], 
     chosen = worst[best]
     cost = mesh_step_cost(model, flops, chosen.params, chosen.kind.layers, trainings[best], assumptions)
     return _Fit(trainings[best], chosen, cost), len(worst)
+
+
+def _memory_twin(model: TransformerSpec, training: TrainingSpec) -> TrainingSpec:
+    """The spec whose fit check `training`'s is: under selective checkpointing that `memory_checkpointing` finds
+    keeping what none keeps, the spec without checkpointing, where no FSDP2 ring runs (cp 1). The engine profiles see
+    checkpointing through the activations alone, the mesh's own terms (sequence and expert parallelism, the
+    pipeline) only as full or op or neither; the ring's tell selective apart (estimate/mesh_cp.py). The fit check
+    reads the worst rank's peak, parameters and layers only, which the twins share (tests/test_mesh_plan_speed.py)."""
+    if (training.checkpointing != Checkpointing.SELECTIVE or training.mesh.cp > 1
+            or memory_checkpointing(training, model) != Checkpointing.NONE):
+        return training
+    return training.model_copy(update={"checkpointing": Checkpointing.NONE})
 
 
 def _worst_within(model: TransformerSpec, training: TrainingSpec, budget_bytes: int) -> RankEstimate | None:
