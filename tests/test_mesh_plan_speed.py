@@ -1,5 +1,5 @@
 """The mesh search's shortcuts (issue 14's "answers in under a second") change no plan: a mesh the world rule
-refuses is skipped, a fit check stops at the first rank over the budget and leaves out the pipeline ranks no
+refuses is skipped, a selective fit check is its twin's without checkpointing where the two keep the same, a fit check stops at the first rank over the budget and leaves out the pipeline ranks no
 higher than rank 1 (`_may_be_worst`), and the specs of larger micro-batches
 are made only when the first fits. The search without them (every spec made, every rank estimated, fresh
 caches) gives the same plan, the same count of estimates, and the same reasons."""
@@ -35,12 +35,14 @@ def _without_shortcuts(monkeypatch) -> None:
     monkeypatch.setattr(mesh_search, "_worst_within", full_estimate)
     monkeypatch.setattr(mesh_search, "_world_runs", lambda mesh, base: True)
     monkeypatch.setattr(mesh_search, "_micro_batch_specs", every_spec)
+    monkeypatch.setattr(mesh_search, "_memory_twin", lambda model, training: training)
 
 
 @pytest.mark.parametrize("recipe, gpus, seq_len, budget_gib", [
     ("torchtitan", 16, 4096, 76),  # pipelines allowed: most ranks estimated lazily
     ("torchtitan", 16, 4096, 30),  # a tight budget: fit checks stop early, many meshes do not fit
     ("hf-trainer", 32, 8192, 76),  # the Trainer runs no pipeline: those meshes are skipped by the world rule
+    ("torchtitan", 64, 8192, 50),  # selective checkpointing's fit checks shared with none's (cp 1)
 ])
 def test_the_search_with_its_shortcuts_gives_the_plan_of_the_full_search(monkeypatch, recipe, gpus, seq_len,
                                                                          budget_gib):
@@ -93,3 +95,83 @@ def test_no_middle_pipeline_rank_left_out_is_higher_than_rank_1(schedule, pp, la
     left_out = [rank.estimate.peak_bytes for index, rank in enumerate(whole.ranks) if index not in kept]
     assert max(left_out) <= whole.ranks[1].estimate.peak_bytes
     assert whole.worst in [whole.ranks[index] for index in kept]
+
+
+@pytest.mark.parametrize("pp, layers, checkpointing, cp", [
+    (4, 30, "none", 1), (8, 80, "full", 1), (16, 80, "full", 2), (8, 126, "none", 2), (16, 126, "selective", 1),
+])
+def test_one_walk_bounds_every_middle_rank_of_an_interleaved_schedule(pp, layers, checkpointing, cp):
+    # `middle_ranks_peak_bound` (docs/engines/mesh.md, "One walk for the middle ranks"): no middle rank it
+    # bounds is above it; every rank is estimated here to check it
+    from zeroplan.estimate.mesh import middle_ranks_peak_bound
+
+    model = resolve_model("llama-3-70b").model_copy(update={"num_layers": layers})
+    training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=8 * pp * cp, seq_len=8192, recipe="torchtitan",
+                            micro_batch=1, grad_accum=2 * pp, checkpointing=checkpointing,
+                            mesh=MeshSpec(tp=4, cp=cp, pp=pp, pp_schedule=PPSchedule.INTERLEAVED_1F1B, pp_virtual_stages=2))
+    whole = estimate_mesh(model, training)
+    groups = mesh_search._estimate_groups([rank.kind for rank in whole.ranks], list(range(len(whole.ranks))))
+    bounded = [group for group in groups if len(group) > 1]
+    assert bounded  # the middle ranks share profiles
+    for group in bounded:
+        bound = middle_ranks_peak_bound(model, training, tuple(whole.ranks[index].kind for index in group))
+        assert bound is not None
+        assert max(whole.ranks[index].estimate.peak_bytes for index in group) <= bound
+
+
+def test_no_bound_where_the_argument_does_not_hold():
+    from zeroplan.estimate.mesh import middle_ranks_peak_bound
+
+    model = resolve_model("llama-3-8b")
+    for mesh in (MeshSpec(pp=4, pp_schedule=PPSchedule.ZERO_BUBBLE, pp_virtual_stages=2), MeshSpec(pp=4)):
+        training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=16, seq_len=4096, recipe="torchtitan", micro_batch=1,
+                                grad_accum=8, mesh=mesh)
+        kinds = [rank.kind for rank in estimate_mesh(model, training).ranks]
+        assert middle_ranks_peak_bound(model, training, tuple(kinds[1:-1])) is None
+        assert middle_ranks_peak_bound(model, training, tuple(kinds[:2])) is None  # rank 0 holds the embedding
+
+
+@pytest.mark.parametrize("changes", [
+    {"checkpointing": "full"}, {"checkpointing": "op"}, {"checkpointing": "selective", "dropout": 0.1},
+    {"checkpointing": "full", "mesh": MeshSpec(tp=2, cp=2)},
+])
+def test_the_spec_without_checkpointing_is_the_one_varied_validates(changes):
+    # `_without_checkpointing` copies instead of validating again: the same spec as `varied`
+    from zeroplan.estimate.mesh import _without_checkpointing
+
+    training = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=16, seq_len=4096, recipe="torchtitan").varied(**changes)
+    assert _without_checkpointing(training) == training.varied(checkpointing="none")
+
+
+def test_the_spec_without_checkpointing_keeps_checkpoint_every_refused():
+    from zeroplan.errors import SpecError
+    from zeroplan.estimate.mesh import _without_checkpointing
+
+    training = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=16, seq_len=4096, checkpointing="full", checkpoint_every=2)
+    with pytest.raises(SpecError, match="checkpoint_every chooses which blocks full checkpointing recomputes"):
+        _without_checkpointing(training)
+
+
+@pytest.mark.parametrize("mesh", [
+    MeshSpec(tp=2), MeshSpec(tp=2, sequence_parallel=False), MeshSpec(pp=4), MeshSpec(tp=2, pp=2, dp_replicate=2),
+    MeshSpec(pp=4, pp_schedule=PPSchedule.INTERLEAVED_1F1B, pp_virtual_stages=2),
+])
+def test_selective_checkpointing_keeps_what_none_keeps_on_every_rank_without_a_ring(mesh):
+    # `_memory_twin`: under fused attention selective checkpointing's mesh estimate is none's, rank by rank
+    model = resolve_model("llama-3-8b")
+    training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=16, seq_len=4096, recipe="torchtitan", micro_batch=2,
+                            grad_accum=8, mesh=mesh, checkpointing="selective")
+    twin = mesh_search._memory_twin(model, training)
+    assert twin.checkpointing.value == "none"
+    selective, none = estimate_mesh(model, training), estimate_mesh(model, twin)
+    assert [(r.kind, r.params, r.estimate.phases) for r in selective.ranks] == \
+        [(r.kind, r.params, r.estimate.phases) for r in none.ranks]
+
+
+def test_the_ring_tells_selective_checkpointing_apart():
+    model = resolve_model("llama-3-8b")
+    training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=16, seq_len=4096, recipe="torchtitan",
+                            mesh=MeshSpec(tp=2, cp=2), checkpointing="selective")
+    assert mesh_search._memory_twin(model, training) is training
+    none = training.varied(checkpointing="none")
+    assert estimate_mesh(model, training).worst.estimate.peak_bytes != estimate_mesh(model, none).worst.estimate.peak_bytes

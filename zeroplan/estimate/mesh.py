@@ -17,11 +17,11 @@ An all-ones mesh is today's estimate, unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-from zeroplan.estimate import IMPLEMENTATION, _engine_profile, _with_overhead, estimate
+from zeroplan.estimate import IMPLEMENTATION, _engine_profile, estimate
 from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, activation_bytes
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import state_bytes
@@ -229,7 +229,7 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     if mesh.tp > 1 and mesh.sequence_parallel and training.checkpointing in (Checkpointing.FULL, Checkpointing.OP):
         from zeroplan.estimate.mesh_tp_checkpoint import checkpointed_under_sequence_parallel
 
-        norms_cut = _sequence_parallel_saving(model, training.varied(checkpointing=Checkpointing.NONE), tokens, act_bytes)
+        norms_cut = _sequence_parallel_saving(model, _without_checkpointing(training), tokens, act_bytes)
         changes.update(checkpointed_under_sequence_parallel(model, training, acts, tokens, act_bytes, norms_cut))
     if mesh.tp > 1 and mesh.sequence_parallel and kind.head:
         # the final norm is SequenceParallel too (torchtitan apply_tp "norm"): its input, normalised output
@@ -255,7 +255,7 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     if not kind.layers:
         changes.update(saved_per_block=0, recompute_block=0, block_backward_transient=0, block_backward_freed=0,
                        block_forward_transient=0)
-    acts = replace(acts, **changes) if changes else acts
+    acts = acts.replaced(**changes) if changes else acts
     if mesh.cp > 1 and kind.layers and training.engine != Engine.DEEPSPEED:
         from zeroplan.estimate.mesh_cp import core_saved_bytes, with_ring_attention
 
@@ -272,14 +272,24 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         one = acts.embedding + kind.layers * acts.saved_per_block // chunks
         if kind.head and chunks == 1:  # the last stage computes each micro-batch's loss right after its forward (`_maybe_compute_loss`)
             one += acts.final_norm + acts.logits + acts.loss_saved
-        acts = replace(acts, embedding=acts.embedding + extra * one)
+        acts = acts.replaced(embedding=acts.embedding + extra * one)
     if kind.head and mesh.pp > 1:
         # the last stage keeps every micro-batch's output, the logits, until the step ends (stage.py
         # `output_chunks`, merged by `_merge_outputs`): those not in flight stay, and the current one's
         # stays through its own backward beside its logits gradients (seen at the 1F1B last stage's peak)
         micro_batches = training.grad_accum
-        acts = replace(acts, embedding=acts.embedding + (micro_batches - max(kind.in_flight // chunks, 1) + 1) * acts.logits)
+        acts = acts.replaced(embedding=acts.embedding + (micro_batches - max(kind.in_flight // chunks, 1) + 1) * acts.logits)
     return acts
+
+
+# every rank kind of one fit check asks for the same one
+@memo(maxsize=64)
+def _without_checkpointing(training: TrainingSpec) -> TrainingSpec:
+    """`training.varied(checkpointing=NONE)`. Of TrainingSpec's rules only checkpoint_every's reads checkpointing:
+    without checkpoint_every the valid spec stays valid and is copied; with it, `varied` raises as it always has."""
+    if training.checkpoint_every is not None:
+        return training.varied(checkpointing=Checkpointing.NONE)
+    return training.model_copy(update={"checkpointing": Checkpointing.NONE})
 
 
 # every rank kind of one mesh estimate asks for the same one; copied, not validated again: no validator reads
@@ -301,45 +311,31 @@ def _weight_op_output_width(model: TransformerSpec, mesh: MeshSpec) -> int:
 
 def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, facts: ModelFacts,
                             acts: ActivationBytes, phases: tuple[PhaseBytes, ...], act_bytes: int,
-                            micro_batches: int) -> tuple[tuple[PhaseBytes, ...], int]:
+                            micro_batches: int, bounded: tuple[RankKind, ...] = ()) -> tuple[tuple[PhaseBytes, ...], int] | None:
     """The profile's forward and backward phases raised (or lowered) to the peak found by walking the
     rank's actions of ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (estimate/pipeline_schedule.py):
     each stage chunk's own saved tensors until its backward (its W under zero bubble), the pending sends and
     the last stage's logits until the step ends, each stage's gradients once its first backward ran; and the
-    stage chunks alive at that peak (the rank's micro-batches in flight)."""
+    stage chunks alive at that peak (the rank's micro-batches in flight). With `bounded` (ranks of `kind`'s
+    profile), the walk is `_envelope_walk`'s and every phase is no lower than any of theirs (None if it does not apply)."""
     from zeroplan.estimate.pipeline_fsdp import resharded_stages
-    from zeroplan.estimate.pipeline_schedule import ChunkBytes, inputs_only_backwards, looped_peak, looped_rank_actions
+    from zeroplan.estimate.pipeline_schedule import inputs_only_backwards, looped_peak, looped_rank_actions
 
     mesh = training.mesh
-    counts = stage_layers(model.num_layers, mesh.stages)
-    tokens = training.micro_batch * training.seq_len // mesh.cp
-    boundary = tokens * model.hidden_size * act_bytes // (mesh.tp if mesh.sequence_parallel else 1)
     steady = [p for p in phases if p.step.value == "steady" and p.phase in (Phase.FORWARD, Phase.BACKWARD)]
     profiled = max(steady, key=lambda p: p.categories.grads + p.categories.activations + p.categories.temporaries)
-    groups = {g.role: g.params * g.count for g in facts.groups}
-    block_params = groups.get("block", 0) // max(kind.layers, 1)
-    zero_bubble = mesh.pp_schedule == PPSchedule.ZERO_BUBBLE
-    last = mesh.stages - 1
-    chunks = {}
-    for stage in kind.stages:
-        params = counts[stage] * block_params + (groups.get("embedding", 0) if stage == 0 else 0) \
-            + (groups.get("final", 0) if stage == last else 0)
-        head_width = model.hidden_size + (ceil_div(model.vocab_size, mesh.tp) if mesh.loss_parallel else model.vocab_size)
-        chunks[stage] = ChunkBytes(
-            saved=counts[stage] * acts.saved_per_block + (acts.embedding if stage == 0 else 0)
-            + (acts.final_norm + acts.loss_saved if stage == last else 0),
-            # stage 0 skips its I and runs a full backward at W (stage.py `backward_one_chunk`): it keeps nothing from I to W
-            weight_grad_inputs=zero_bubble * (stage != 0) * tokens * act_bytes
-            * (counts[stage] * _weight_op_output_width(model, mesh) + (head_width if stage == last else 0)),
-            sent=boundary if stage != last else 0,
-            sent_grad=boundary if stage != 0 else 0,
-            kept_output=acts.logits if stage == last else 0,
-            grads=profiled.categories.grads * params // max(facts.total_params, 1))
-    actions = looped_rank_actions(mesh.pp, mesh.pp_virtual_stages, micro_batches, kind.pp_rank, zero_bubble)
-    inputs_only = inputs_only_backwards(actions, resharded_stages(training, {s: counts[s] for s in kind.stages}, last)) \
-        if zero_bubble else frozenset()
-    walked = looped_peak(actions, chunks, acts.block_forward_transient,
-                         acts.block_backward_transient - acts.block_backward_freed, inputs_only)
+    chunk = _ChunkMaker(model, training, kind, facts, acts, profiled.categories.grads, act_bytes)
+    if bounded:
+        walked = _envelope_walk(mesh, bounded, chunk, acts, micro_batches)
+        if walked is None:
+            return None
+    else:
+        zero_bubble = mesh.pp_schedule == PPSchedule.ZERO_BUBBLE
+        actions = looped_rank_actions(mesh.pp, mesh.pp_virtual_stages, micro_batches, kind.pp_rank, zero_bubble)
+        inputs_only = inputs_only_backwards(actions, resharded_stages(training, {s: chunk.counts[s] for s in kind.stages},
+                                                                      mesh.stages - 1)) if zero_bubble else frozenset()
+        walked = looped_peak(actions, {stage: chunk(stage) for stage in kind.stages}, acts.block_forward_transient,
+                             acts.block_backward_transient - acts.block_backward_freed, inputs_only)
     # the walk's gradients and pending sends replace the profile's at its peak; the rest is activations
     activations = walked.total - walked.grads - walked.sends - profiled.categories.temporaries
     shift = activations - profiled.categories.activations
@@ -350,6 +346,63 @@ def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind
 
     return tuple(PhaseBytes(p.step, p.phase, raised(p.categories)) if p.phase in (Phase.FORWARD, Phase.BACKWARD) else p
                  for p in phases), walked.chunks
+
+
+class _ChunkMaker:
+    """What one micro-batch of one pipeline stage keeps (`ChunkBytes`), for the stages of one rank profile."""
+
+    def __init__(self, model: TransformerSpec, training: TrainingSpec, kind: RankKind, facts: ModelFacts,
+                 acts: ActivationBytes, profiled_grads: int, act_bytes: int):
+        mesh = training.mesh
+        self.model, self.mesh, self.acts, self.act_bytes = model, mesh, acts, act_bytes
+        self.counts = stage_layers(model.num_layers, mesh.stages)
+        self.tokens = training.micro_batch * training.seq_len // mesh.cp
+        self.boundary = self.tokens * model.hidden_size * act_bytes // (mesh.tp if mesh.sequence_parallel else 1)
+        self.groups = {g.role: g.params * g.count for g in facts.groups}
+        self.block_params = self.groups.get("block", 0) // max(kind.layers, 1)
+        self.profiled_grads, self.total_params = profiled_grads, max(facts.total_params, 1)
+
+    def __call__(self, stage: int) -> ChunkBytes:
+        from zeroplan.estimate.pipeline_schedule import ChunkBytes
+
+        model, mesh, acts, counts, last = self.model, self.mesh, self.acts, self.counts, self.mesh.stages - 1
+        zero_bubble = mesh.pp_schedule == PPSchedule.ZERO_BUBBLE
+        params = counts[stage] * self.block_params + (self.groups.get("embedding", 0) if stage == 0 else 0) \
+            + (self.groups.get("final", 0) if stage == last else 0)
+        head_width = model.hidden_size + (ceil_div(model.vocab_size, mesh.tp) if mesh.loss_parallel else model.vocab_size)
+        return ChunkBytes(
+            saved=counts[stage] * acts.saved_per_block + (acts.embedding if stage == 0 else 0)
+            + (acts.final_norm + acts.loss_saved if stage == last else 0),
+            # stage 0 skips its I and runs a full backward at W (stage.py `backward_one_chunk`): it keeps nothing from I to W
+            weight_grad_inputs=zero_bubble * (stage != 0) * self.tokens * self.act_bytes
+            * (counts[stage] * _weight_op_output_width(model, mesh) + (head_width if stage == last else 0)),
+            sent=self.boundary if stage != last else 0,
+            sent_grad=self.boundary if stage != 0 else 0,
+            kept_output=acts.logits if stage == last else 0,
+            grads=self.profiled_grads * params // self.total_params)
+
+
+def _envelope_walk(mesh: MeshSpec, kinds: tuple[RankKind, ...], chunk: _ChunkMaker, acts: ActivationBytes,
+                   micro_batches: int) -> LoopedPeak | None:
+    """A walk result no lower than any of `kinds`' own (middle ranks of one ScheduleInterleaved1F1B sharing a
+    profile), from one walk: the actions of the rank with the most warm-up forwards, each local stage's chunk the
+    largest of theirs, the backward moments' transient no lower than the forward's; its gradients are every
+    stage's and its sends every one of the step. The argument is in docs/engines/mesh.md ("One walk for the
+    middle ranks"); `middle_ranks_peak_bound` says where it applies. None if a chunk's bytes are negative."""
+    from zeroplan.estimate.pipeline_schedule import ChunkBytes, LoopedPeak, looped_peak, looped_rank_actions
+
+    first = min(kinds, key=lambda kind: kind.pp_rank)
+    local = [ChunkBytes(*map(max, zip(*(chunk(kind.stages[index]) for kind in kinds))))
+             for index in range(len(first.stages))]
+    if min(min(c) for c in local) < 0:
+        return None
+    forward = acts.block_forward_transient
+    backward = max(acts.block_backward_transient - acts.block_backward_freed, forward)
+    actions = looped_rank_actions(mesh.pp, mesh.pp_virtual_stages, micro_batches, first.pp_rank, False)
+    walked = looped_peak(actions, dict(zip(first.stages, local)), forward, backward)
+    # by the step's end every forward has sent its output, every backward its input's gradient
+    every = sum(c.grads for c in local) + micro_batches * sum(c.sent + c.sent_grad for c in local)
+    return LoopedPeak(walked.total, every, 0, walked.chunks)
 
 
 class MeshBuffers(NamedTuple):
@@ -384,11 +437,13 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
     return MeshBuffers(forward, backward, steady)
 
 
-def _with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers) -> tuple[PhaseBytes, ...]:
+def _with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers, overhead: int) -> tuple[PhaseBytes, ...]:
+    """`phases` with the mesh's buffers, and `overhead` in every phase (`estimate._with_overhead`, in the same pass)."""
     extra = {Phase.FORWARD: buffers.forward + buffers.steady, Phase.BACKWARD: buffers.backward + buffers.steady,
              Phase.OPTIMIZER_STEP: buffers.steady}
-    return tuple(PhaseBytes(p.step, p.phase, p.categories._replace(buffers=p.categories.buffers + extra[p.phase]))
-                 if extra.get(p.phase, 0) else p for p in phases)
+    return tuple(PhaseBytes(p.step, p.phase, p.categories._replace(buffers=p.categories.buffers + extra.get(p.phase, 0),
+                                                                   overhead=p.categories.overhead + overhead))
+                 if overhead or extra.get(p.phase, 0) else p for p in phases)
 
 
 # every rank kind of one mesh estimate asks for the same one
@@ -398,6 +453,18 @@ def _setup(training: TrainingSpec) -> Setup:
 
 
 def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int) -> RankEstimate:
+    training, kind, facts, result, phases = _rank_phases(model, training, kind, micro_batches)
+    implementation = f"{IMPLEMENTATION}/{training.attention.value}"
+    whole = model_facts(model, training)
+    summary = ModelSummary(model.name, whole.total_params, whole.trainable_params, implementation)
+    rank = Estimate(summary, training.engine.value, phases, result.per_node, result.notes)
+    return RankEstimate(kind, training.gpus // training.mesh.pp, facts.total_params, rank)
+
+
+def _rank_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int,
+                 bounded: tuple[RankKind, ...] = ()):
+    """The training the rank runs, its kind (micro-batches in flight from its walk), facts, engine profile and
+    phases; with `bounded`, phases no lower than any of theirs (`middle_ranks_peak_bound`), or None."""
     if training.engine == Engine.DEEPSPEED:  # AutoTP's plan is not torchtitan's (estimate/engines/deepspeed_mesh.py)
         training = autotp_training(training)
     mesh = training.mesh
@@ -415,16 +482,28 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
         extra = replicated_embedding_grad_bytes(model, mesh, dtypes.grad)
         result = result._replace(phases=with_replicated_embedding_grad(result.phases, extra, facts.trainable_params * dtypes.grad))
     if mesh.pp > 1 and mesh.pp_schedule.looped:
-        looped, chunks = _looped_schedule_phases(model, training, kind, facts, acts, result.phases, dtypes.activation,
-                                                 micro_batches)
-        result, kind = result._replace(phases=looped), kind._replace(in_flight=chunks)  # the walk's count at its peak
-    phases = _with_buffers(_with_overhead(result.phases, overhead_bytes(training)),
-                           mesh_buffers(model, training, kind, dtypes.activation, micro_batches))
-    implementation = f"{IMPLEMENTATION}/{training.attention.value}"
-    whole = model_facts(model, training)
-    summary = ModelSummary(model.name, whole.total_params, whole.trainable_params, implementation)
-    rank = Estimate(summary, training.engine.value, phases, result.per_node, result.notes)
-    return RankEstimate(kind, training.gpus // mesh.pp, facts.total_params, rank)
+        looped = _looped_schedule_phases(model, training, kind, facts, acts, result.phases, dtypes.activation,
+                                         micro_batches, bounded)
+        if looped is None:
+            return None
+        result, kind = result._replace(phases=looped[0]), kind._replace(in_flight=looped[1])  # the walk's count at its peak
+    phases = _with_buffers(result.phases, mesh_buffers(model, training, kind, dtypes.activation, micro_batches),
+                           overhead_bytes(training))
+    return training, kind, facts, result, phases
+
+
+def middle_ranks_peak_bound(model: TransformerSpec, training: TrainingSpec, kinds: tuple[RankKind, ...]) -> int | None:
+    """A peak no rank of `kinds` is above, from one walk of the schedule for them all (`_envelope_walk`): `kinds`
+    are middle ranks (neither embedding nor head) of one ScheduleInterleaved1F1B mesh with the same layers and
+    stages, so that they share one engine profile and differ in their walks alone (`_rank_phases`). None where
+    that does not hold, or a chunk's bytes are negative (the envelope's argument needs them not to be)."""
+    mesh = training.mesh
+    if (mesh.pp < 2 or mesh.pp_schedule != PPSchedule.INTERLEAVED_1F1B or not kinds
+            or any(kind.embedding or kind.head or (kind.layers, len(kind.stages)) != (kinds[0].layers, len(kinds[0].stages))
+                   for kind in kinds)):
+        return None
+    found = _rank_phases(model, training, kinds[0], training.grad_accum, bounded=kinds)
+    return None if found is None else max(phase.total_bytes for phase in found[-1])
 
 
 @memo(maxsize=64)

@@ -15,7 +15,6 @@ Derivations, each checked against the ring on gloo at cp 2 and 4, fp32 and bf16:
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
 from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes
@@ -86,4 +85,4 @@ def with_ring_attention(acts: ActivationBytes, model: TransformerSpec, training:
     changes["attention_backward_saved"] = acts.attention_backward_saved + core_saved
     changes["attention_backward_temporary"] = (acts.attention_backward_temporary + acts.block_input_grad_bytes
                                                + q_grad + ring.backward)
-    return replace(acts, **changes)
+    return acts.replaced(**changes)

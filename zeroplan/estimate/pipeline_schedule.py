@@ -119,40 +119,42 @@ def looped_peak(actions: tuple[Action, ...], chunks: dict[int, ChunkBytes], forw
     alive = 0  # stage chunks from their F to the backward that frees them
     peak = LoopedPeak(0, 0, 0)
 
-    def at(transient: int, more_grads: int = 0) -> LoopedPeak:
-        total = held + sends + grads + more_grads + transient
-        if total < peak.total:  # `max` of the tuples would keep the peak: skip making the moment (a plan walks often)
-            return peak
-        return max(peak, LoopedPeak(total, grads + more_grads, sends, alive))
-
-    for action in actions:
-        chunk = chunks[action.stage]
-        if action.kind == FORWARD:
+    # each moment: `peak` becomes the larger (total first) of it and the moment; a moment below the peak's
+    # total cannot be larger, so it is not made (a plan walks thousands of times)
+    for stage, kind, micro_batch in actions:
+        chunk = chunks[stage]
+        if kind == FORWARD:
             held += chunk.saved + chunk.kept_output
             sends += chunk.sent
             alive += 1
-            peak = at(forward_transient)
-        elif action.kind in (FULL_BACKWARD, BACKWARD_INPUT):
-            own = chunk.grads if action.kind == FULL_BACKWARD and action.stage not in stages_with_grads else 0
-            peak = at(backward_transient, own)
+            total = held + sends + grads + forward_transient
+            if total >= peak.total:
+                peak = max(peak, LoopedPeak(total, grads, sends, alive))
+        elif kind in (FULL_BACKWARD, BACKWARD_INPUT):
+            own = chunk.grads if kind == FULL_BACKWARD and stage not in stages_with_grads else 0
+            total = held + sends + grads + own + backward_transient
+            if total >= peak.total:
+                peak = max(peak, LoopedPeak(total, grads + own, sends, alive))
             sends += chunk.sent_grad
-            if action.kind == FULL_BACKWARD:
+            if kind == FULL_BACKWARD:
                 held -= chunk.saved
                 grads += own
-                stages_with_grads.add(action.stage)
+                stages_with_grads.add(stage)
                 alive -= 1
-            elif (action.stage, action.micro_batch) in inputs_only:
+            elif (stage, micro_batch) in inputs_only:
                 held -= chunk.saved  # the outputs detached, no param group holds the graph
                 alive -= 1
             else:
                 held += chunk.weight_grad_inputs
-                peak = at(0)
-        elif (action.stage, action.micro_batch) in inputs_only:
+                total = held + sends + grads
+                if total >= peak.total:
+                    peak = max(peak, LoopedPeak(total, grads, sends, alive))
+        elif (stage, micro_batch) in inputs_only:
             continue  # no param groups: no weight gradient, nothing to free
         else:  # W: the chunk's saved tensors and output gradients go once its weight gradients exist
-            if action.stage not in stages_with_grads:
+            if stage not in stages_with_grads:
                 grads += chunk.grads
-                stages_with_grads.add(action.stage)
+                stages_with_grads.add(stage)
             held -= chunk.saved + chunk.weight_grad_inputs
             alive -= 1
     return peak

@@ -26,13 +26,24 @@ from pathlib import Path
 from typing import NamedTuple
 
 from zeroplan.errors import SpecError, ZeroplanWarning
-from zeroplan.importers.colossalai_py import load_python_config, settings_from_colossalai
-from zeroplan.importers.deepspeed_json import load_json, settings_from_deepspeed, write_deepspeed_config
 from zeroplan.importers.files import check_nesting, read_text
-from zeroplan.importers.fsdp2_snippet import write_fsdp2_snippet
 
+# Each format's reader is imported when a file of that format is read (a torchtitan TOML read back after
+# `plan --emit` needs none of the others); the writers when first asked for (`__getattr__`).
 __all__ = ["TrainingConfig", "load_training_config", "read_training_config", "write_deepspeed_config",
            "write_fsdp2_snippet"]
+
+
+def __getattr__(name: str):
+    if name == "write_deepspeed_config":
+        from zeroplan.importers.deepspeed_json import write_deepspeed_config
+
+        return write_deepspeed_config
+    if name == "write_fsdp2_snippet":
+        from zeroplan.importers.fsdp2_snippet import write_fsdp2_snippet
+
+        return write_fsdp2_snippet
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # (gpus, hidden_size) -> partial TrainingSpec mapping.
 Settings = Callable[[int | None, int | None], dict[str, object]]
@@ -88,6 +99,8 @@ def _load(path: Path) -> TrainingConfig:
         return _colossalai(path)
     text = None if suffix == ".json" else read_text(path, "config file")
     if text is None or text.lstrip().startswith(("{", "//", "/*")):
+        from zeroplan.importers.deepspeed_json import load_json, settings_from_deepspeed
+
         config = load_json(path)
         return TrainingConfig(path, "DeepSpeed JSON", None, (),
                               lambda gpus, hidden: settings_from_deepspeed(config, at, gpus, hidden), [])
@@ -117,6 +130,8 @@ def read_training_config(path: str | Path, *, gpus: int | None = None,
 
 
 def _colossalai(path: Path) -> TrainingConfig:
+    from zeroplan.importers.colossalai_py import load_python_config, settings_from_colossalai
+
     names, source = load_python_config(path)
     settings = settings_from_colossalai(names, source)
     return TrainingConfig(path, "ColossalAI Python", None, (), lambda _gpus, _hidden: dict(settings), [])
@@ -155,18 +170,21 @@ def _is_python(text: str) -> bool:
 
 def _recognise(document: Mapping[str, object], is_toml: bool, text: str, path: Path,
                at: Callable[[str], str]) -> TrainingConfig:
-    from zeroplan.importers import accelerate_yaml, torchtitan_toml, torchtune_yaml
-
     for key in document:
         if not isinstance(key, str):
             raise SpecError(f"{path}: has a key that is not a name: {key!r}")
     if is_toml:
+        from zeroplan.importers import torchtitan_toml
+
         if not torchtitan_toml.is_torchtitan(document):
             raise SpecError(f"{path}: unknown config format: a TOML file without torchtitan's [model] or [training] table")
         notes = torchtitan_toml.check_torchtitan(document, at)
         model = torchtitan_toml.model_from_torchtitan(document, at)
         return TrainingConfig(path, "torchtitan TOML", model, notes,
                               lambda gpus, _hidden: torchtitan_toml.settings_from_torchtitan(document, at, gpus), [])
+    from zeroplan.importers import accelerate_yaml, torchtune_yaml
+    from zeroplan.importers.deepspeed_json import settings_from_deepspeed
+
     if torchtune_yaml.is_torchtune(document):
         notes = torchtune_yaml.check_torchtune(document, text, at)
         model = torchtune_yaml.model_from_torchtune(document, at)

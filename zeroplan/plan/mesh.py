@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from zeroplan.errors import SpecError
+from zeroplan.estimate.activations import memory_checkpointing
 from zeroplan.estimate.mesh import (MeshEstimate, RankEstimate, RankKind, estimate_mesh, estimate_mesh_within,
-                                    rank_estimate, rank_kinds)
+                                    middle_ranks_peak_bound, rank_estimate, rank_kinds)
 from zeroplan.plan.cost import Assumptions, model_flops
 from zeroplan.plan.mesh_cost import MeshStepCost, mesh_step_cost
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh, routed_experts
@@ -148,13 +149,14 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
         raise SpecError("mesh: a model given by parameter count cannot be cut by tp/cp/pp; give its config")
     flops = model_flops(model, *_params(model, base))
     evaluated, fitting = 0, []  # fitting: _Fit
+    checked: dict[TrainingSpec, RankEstimate | None] = {}  # fit checks by memory twin (`_memory_twin`)
     meshes = [base.mesh] if fixed else _meshes(model, base, given or {})
     for mesh in meshes:
         if not _world_runs(mesh, base):
             continue  # every micro-batch and checkpointing of it would fail the same validator: none to estimate
         for mode in checkpointing:
             trainings = _micro_batch_specs(base, mesh, mode, max_micro_batch, global_batch)
-            candidate, count = _cheapest_fit(model, flops, trainings, budget_bytes, assumptions)
+            candidate, count = _cheapest_fit(model, flops, trainings, budget_bytes, assumptions, checked)
             evaluated += count
             if candidate is not None:
                 fitting.append(candidate)
@@ -191,18 +193,21 @@ def _micro_batch_specs(base: TrainingSpec, mesh: MeshSpec, mode: Checkpointing, 
 
 
 def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], budget_bytes: int,
-                  assumptions: Assumptions) -> tuple[_Fit | None, int]:
+                  assumptions: Assumptions, checked: dict) -> tuple[_Fit | None, int]:
     """The cheapest of `specs` (one mesh, micro-batches ascending) whose worst rank fits, and the estimates
     made. The worst rank's peak never shrinks as the micro-batch grows, so the ones that fit are a prefix,
     found by bisection; their costs use the worst rank kind of the largest that fits, and the cheapest gets a
-    fit check of its own."""
+    fit check of its own. `checked` keeps the plan's fit checks by memory twin (`_memory_twin`)."""
     trainings = list(itertools.islice(specs, 1))  # the rest are made only when the first fits
     worst: dict[int, RankEstimate | None] = {}  # None: a rank is over the budget (or the spec is invalid)
 
     def fits(index: int) -> bool:
         if index not in worst:
             try:
-                worst[index] = _worst_within(model, trainings[index], budget_bytes)
+                twin = _memory_twin(model, trainings[index])
+                if twin not in checked:
+                    checked[twin] = _worst_within(model, trainings[index], budget_bytes)
+                worst[index] = checked[twin]
             except SpecError:
                 return False
         return worst[index] is not None
@@ -225,9 +230,24 @@ def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], 
     return _Fit(trainings[best], chosen, cost), len(worst)
 
 
+def _memory_twin(model: TransformerSpec, training: TrainingSpec) -> TrainingSpec:
+    """The spec whose fit check `training`'s is: under selective checkpointing that `memory_checkpointing` finds
+    keeping what none keeps, the spec without checkpointing, where no FSDP2 ring runs (cp 1). The engine profiles see
+    checkpointing through the activations alone, the mesh's own terms (sequence and expert parallelism, the
+    pipeline) only as full or op or neither; the ring's tell selective apart (estimate/mesh_cp.py). The fit check
+    reads the worst rank's peak, parameters and layers only, which the twins share (tests/test_mesh_plan_speed.py)."""
+    if (training.checkpointing != Checkpointing.SELECTIVE or training.mesh.cp > 1
+            or memory_checkpointing(training, model) != Checkpointing.NONE):
+        return training
+    return training.model_copy(update={"checkpointing": Checkpointing.NONE})
+
+
 def _worst_within(model: TransformerSpec, training: TrainingSpec, budget_bytes: int) -> RankEstimate | None:
     """`estimate_mesh_within(...).worst`, or None when a rank is over the budget, from the rank kinds that can be
-    the worst only (`_may_be_worst`), the ends of the pipeline first."""
+    the worst only (`_may_be_worst`), the ends of the pipeline first. Middle ranks of an interleaved schedule
+    that share a profile are first bounded together (`middle_ranks_peak_bound`): if the bound fits and is below
+    the worst so far (or no higher than rank 0, which comes first on a tie), none of them is the worst, and
+    none is estimated."""
     mesh = training.mesh
     if mesh.is_trivial:
         whole = estimate_mesh_within(model, training, budget_bytes)
@@ -235,11 +255,29 @@ def _worst_within(model: TransformerSpec, training: TrainingSpec, budget_bytes: 
     check_mesh(model, training)
     kinds = rank_kinds(model, mesh, training.grad_accum if mesh.pp > 1 else 1)
     ranks: dict[int, RankEstimate] = {}
-    for index in _may_be_worst(kinds):
-        ranks[index] = rank_estimate(model, training, kinds[index])
-        if ranks[index].estimate.peak_bytes > budget_bytes:
-            return None
+    for group in _estimate_groups(kinds, _may_be_worst(kinds)):
+        if len(group) > 1 and ranks:
+            bound = middle_ranks_peak_bound(model, training, tuple(kinds[index] for index in group))
+            worst = max(rank.estimate.peak_bytes for rank in ranks.values())
+            first = ranks[0].estimate.peak_bytes if 0 in ranks else -1
+            if bound is not None and bound <= budget_bytes and (bound < worst or bound <= first):
+                continue
+        for index in group:
+            ranks[index] = rank_estimate(model, training, kinds[index])
+            if ranks[index].estimate.peak_bytes > budget_bytes:
+                return None
     return max((ranks[index] for index in sorted(ranks)), key=lambda rank: rank.estimate.peak_bytes)
+
+
+def _estimate_groups(kinds: list[RankKind], order: list[int]) -> list[list[int]]:
+    """`order` in groups: the middle ranks (neither embedding nor head) with the same layers and stage count
+    together, where the first of them stood; every other rank alone."""
+    groups: dict[tuple, list[int]] = {}
+    for index in order:
+        kind = kinds[index]
+        key = (kind.layers, len(kind.stages)) if not (kind.embedding or kind.head) else index
+        groups.setdefault(key, []).append(index)
+    return list(groups.values())
 
 
 def _may_be_worst(kinds: list[RankKind]) -> list[int]:
