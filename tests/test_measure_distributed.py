@@ -307,6 +307,21 @@ def test_a_forked_worker_measures_what_a_fresh_process_measures():
             [(p.step, p.phase, p.peak_bytes, p.categories) for p in other.phases if p.step]
 
 
+def test_one_server_serves_every_run_until_an_import_could_read_another_environment(monkeypatch):
+    server = worker_server.running_server()
+    assert worker_server.running_server() is server
+    # variables that change from run to run and no import reads keep it
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
+    monkeypatch.setenv(FAULT_ENV, "raise@1")
+    assert worker_server.running_server() is server
+    # any other variable could be read by an import the server made (transformers reads HF_HUB_OFFLINE)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1")
+    replaced = worker_server.running_server()
+    assert replaced is not server and server.proc.poll() is not None  # the old one has ended
+    monkeypatch.undo()
+    worker_server.shutdown()  # the next run starts one with the environment undone
+
+
 def test_a_killed_server_ends_its_workers_and_the_next_run_starts_another(monkeypatch):
     server = worker_server.running_server()
     os.kill(server.proc.pid, signal.SIGKILL)
