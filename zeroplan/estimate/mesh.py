@@ -506,15 +506,26 @@ def middle_ranks_peak_bound(model: TransformerSpec, training: TrainingSpec, kind
     return None if found is None else max(phase.total_bytes for phase in found[-1])
 
 
+def rank_params(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> int:
+    """`RankEstimate.params` of a rank of `kind`, without its profile (the planner's cost bound)."""
+    if training.engine == Engine.DEEPSPEED:
+        training = autotp_training(training)
+    return _held(model, training, kind).total_params
+
+
+def _held(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> ModelFacts:
+    """What a rank of `kind` holds (`training` as `_rank_phases` runs it)."""
+    facts = rank_facts(model, training, kind)
+    return autotp_facts(model, facts) if training.engine == Engine.DEEPSPEED else facts
+
+
 @memo(maxsize=64)
 def _rank_profile(model: TransformerSpec, training: TrainingSpec, kind: RankKind):
     """What a rank of `kind` holds, the engine that runs it and the engine profile over it, before a looped
     schedule's walk."""
     mesh = training.mesh
     dtypes = state_bytes(training.precision, training.optimizer)
-    facts = rank_facts(model, training, kind)
-    if training.engine == Engine.DEEPSPEED:
-        facts = autotp_facts(model, facts)
+    facts = _held(model, training, kind)
     acts = rank_activations(model, training, kind, dtypes.activation)
     setup = _setup(training)._replace(gpus=mesh.fsdp_degree(training.gpus),
                                       expert_gpus=mesh.expert_fsdp_degree(training.gpus) if mesh.ep > 1 else 0)

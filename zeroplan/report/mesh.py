@@ -60,6 +60,9 @@ def render_mesh_plan(data: dict[str, Any], output_format: str = "table", units: 
             for row in data["top"]]
     head = (f"{data['model']} on {data['gpus']} GPUs: {data['fitting']} of {data['evaluated']} meshes evaluated fit in "
             f"{amount(data['budget'], units)} {units} per GPU")
+    if data.get("cost_bounded"):
+        head += (f" ({data['cost_bounded']} of them checked at their smallest micro-batch only: a bound on their cost "
+                 f"at every micro-batch is above {len(data['top'])} cheaper ones)")
     if not rows:
         return head + "; none fits\n"
     return head + "\n\n" + table(rows, ["#", "mesh", "stage", "ckpt", "micro", "accum", f"worst peak {units}",
