@@ -7,8 +7,8 @@ Each scenario runs as a fresh `python -m zeroplan plan ...` process in this chec
 on a shared machine the wall clock also counts waiting for a core, so the two checkouts are compared by the
 ratio of their medians, taken in pairs under the same load. Every pair's outputs (exit status, standard output
 and error, and the emitted TOML) are compared byte for byte: a speed-up must not change a plan. The one part
-allowed to differ is the count of fit checks in the summary line, and the clause that says how many fitting
-meshes the cost bound spared a bisection (zeroplan/plan/mesh.py `_cost_above`): "same plans" then.
+allowed to differ is the summary line's counts (fit checks made, meshes found to fit), and its clause saying how
+many meshes the cost bound left unchecked (zeroplan/plan/mesh.py `_cost_above`): "same plans" then.
 
     python bench/plan_mesh_speed.py --against /path/to/main-worktree            # writes bench/plan_mesh_speed.md
     python bench/plan_mesh_speed.py --against /path/to/main-worktree --runs 1 --no-write
@@ -64,14 +64,14 @@ def run_once(checkout: Path, args: list[str], emit_path: str) -> tuple[float, fl
     return cpu, wall, (done.returncode, done.stdout, done.stderr, emitted)
 
 
-_FIT_CHECKS = re.compile(rb"of [\d,]+ meshes evaluated fit in (.*?) per GPU(?: \(\d+ of them checked at their "
-                         rb"smallest micro-batch only: [^)]*\))?")
+_COUNTS = re.compile(rb"GPUs: [\d,]+ of [\d,]+ meshes evaluated fit in (.*?) per GPU(?:; [\d,]+ more could not rank in "
+                     rb"the top \d+ at any micro-batch \(a bound on their cost\), not checked)?")
 
 
-def without_fit_check_count(output: tuple) -> tuple:
-    """`output` with the summary line's count of fit checks (and the cost bound's clause) taken out."""
+def without_counts(output: tuple) -> tuple:
+    """`output` with the summary line's counts (and the cost bound's clause) taken out."""
     status, stdout, stderr, emitted = output
-    return status, _FIT_CHECKS.sub(rb"of N meshes evaluated fit in \1 per GPU", stdout), stderr, emitted
+    return status, _COUNTS.sub(rb"GPUs: N of M meshes evaluated fit in \1 per GPU", stdout), stderr, emitted
 
 
 def measure(base: Path, runs: int, only: str | None = None) -> list[dict]:
@@ -89,7 +89,7 @@ def measure(base: Path, runs: int, only: str | None = None) -> list[dict]:
                 times["before"].append((cpu_b, wall_b))
                 times["after"].append((cpu_a, wall_a))
                 identical = identical and out_a == out_b
-                same_plans = same_plans and without_fit_check_count(out_a) == without_fit_check_count(out_b)
+                same_plans = same_plans and without_counts(out_a) == without_counts(out_b)
             row = {"label": label, "identical": identical, "same_plans": same_plans, "status": out_a[0],
                    "output": "identical" if identical else "same plans" if same_plans else "DIFFERS"}
             for side, pairs in times.items():
@@ -118,7 +118,7 @@ def markdown(rows: list[dict], base: Path, runs: int) -> str:
         f"{runs} runs each, run in pairs (before, after) under the same load. CPU s is user + system time of the "
         "process (`getrusage(RUSAGE_CHILDREN)`); the wall clock also counts waiting for a core. Every pair's "
         "exit status, output and emitted TOML were compared byte for byte; \"same plans\": identical but for the "
-        "summary line's count of fit checks and its cost-bound clause.",
+        "summary line's counts and its cost-bound clause.",
         "",
         "| scenario | exit | before CPU s | after CPU s | before/after | before wall s | after wall s | output |",
         "|---|---|---|---|---|---|---|---|",

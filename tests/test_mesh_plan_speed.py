@@ -3,7 +3,7 @@ refuses is skipped, a selective fit check is its twin's without checkpointing wh
 higher than rank 1 (`_may_be_worst`), and the specs of larger micro-batches
 are made only when the first fits. The search without them (every spec made, every rank estimated, fresh
 caches) gives the same plan, the same count of estimates, and the same reasons. The cost bound (`_cost_above`)
-spares fitting meshes that cannot be shown their bisection: the same plan, fewer fit checks, and it says so."""
+leaves out the meshes that could not be shown: the same plan, fewer meshes checked, and it says so."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.gpus import get_gpu
 from zeroplan.plan.cost import assumptions_for
 from zeroplan.plan.mesh import mesh_plan_to_dict, plan_mesh
+from zeroplan.report.mesh import render_mesh_plan
 from zeroplan.spec.mesh import MeshSpec, PPSchedule
 from zeroplan.spec.training import TrainingSpec
 
@@ -196,9 +197,13 @@ def test_the_cost_bound_shows_the_plans_of_the_search_without_it(recipe, gpus, s
 
     bounded, full = search(True), search(False)
     assert bounded["cost_bounded"] > 0 and full["cost_bounded"] == 0
-    assert bounded["evaluated"] < full["evaluated"]
+    assert bounded["evaluated"] < full["evaluated"] and bounded["fitting"] <= full["fitting"]
+    head = render_mesh_plan(bounded).splitlines()[0]
+    assert head.endswith(f"; {bounded['cost_bounded']} more could not rank in the top {top} at any micro-batch (a bound "
+                         "on their cost), not checked")
+    assert "more could not rank" not in render_mesh_plan(full).splitlines()[0]
     for plan in (bounded, full):
-        del plan["evaluated"], plan["cost_bounded"]
+        del plan["evaluated"], plan["fitting"], plan["cost_bounded"]
     assert bounded == full and bounded["top"]
 
 

@@ -53,7 +53,7 @@ class MeshPlan:
     evaluated: int
     fitting: int
     top: tuple[MeshCandidate, ...]
-    bounded: int = 0  # of `fitting`: checked at their smallest micro-batch only, as no micro-batch could rank in `top`
+    bounded: int = 0  # meshes (by checkpointing) not checked: at no micro-batch could they rank in `top` (`_cost_above`)
 
 
 def _meshes(model: TransformerSpec, base: TrainingSpec, given: dict[str, Any]) -> list[MeshSpec]:
@@ -147,9 +147,9 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
     """The cheapest meshes of `base.gpus` GPUs whose worst rank fits `budget_bytes`. Without `global_batch`,
     a pipeline runs 2 x pp micro-batches per step (torchtitan needs at least pp for 1F1B). `given` fixes some
     dimensions of the search (MeshSpec field: value); `fixed` plans `base.mesh` alone (micro-batch and checkpointing).
-    With `cost_bound`, a mesh that fits at its smallest micro-batch but whose cost at every micro-batch is bounded
-    above that of `top` fitting meshes (`_cost_above`) is counted as fitting without its bisection
-    (`MeshPlan.bounded`): the plans shown are the same, fewer fit checks are made."""
+    With `cost_bound`, a mesh whose cost at every micro-batch is bounded above that of `top` fitting meshes
+    (`_cost_above`) is not checked, only counted (`MeshPlan.bounded`): the plans shown are the same, and fewer
+    meshes are checked and found to fit."""
     if not isinstance(model, TransformerSpec):
         raise SpecError("mesh: a model given by parameter count cannot be cut by tp/cp/pp; give its config")
     flops = model_flops(model, *_params(model, base))
@@ -179,7 +179,7 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
     shown = [MeshCandidate(c.training, estimate_mesh(model, c.training), c.cost) for c in fitting[:top]]
     best = shown[0] if shown else None
     ranked = tuple(MeshCandidate(c.training, c.estimate, c.cost, _reason(i, c, best)) for i, c in enumerate(shown, start=1))
-    return MeshPlan(model.name, base.gpus, budget_bytes, evaluated, len(fitting) + bounded, ranked, bounded)
+    return MeshPlan(model.name, base.gpus, budget_bytes, evaluated, len(fitting), ranked, bounded)
 
 
 def _micro_batch_specs(base: TrainingSpec, mesh: MeshSpec, mode: Checkpointing, max_micro_batch: int,
@@ -203,7 +203,7 @@ def _micro_batch_specs(base: TrainingSpec, mesh: MeshSpec, mode: Checkpointing, 
         yield first
 
 
-_BOUNDED = object()  # `_cheapest_fit`: it fits, and cannot be shown (`_cost_above`)
+_BOUNDED = object()  # `_cheapest_fit`: not checked, as it could not be shown (`_cost_above`)
 
 
 def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], budget_bytes: int,
@@ -211,9 +211,13 @@ def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], 
     """The cheapest of `specs` (one mesh, micro-batches ascending) whose worst rank fits, and the estimates
     made. The worst rank's peak never shrinks as the micro-batch grows, so the ones that fit are a prefix,
     found by bisection; their costs use the worst rank kind of the largest that fits, and the cheapest gets a
-    fit check of its own. `checked` keeps the plan's fit checks by memory twin (`_memory_twin`). `_BOUNDED`
-    when the first fits and `_cost_above` finds every cost it could return above `shown_below`."""
-    trainings = list(itertools.islice(specs, 1))  # the rest are made only when the first fits
+    fit check of its own. `checked` keeps the plan's fit checks by memory twin (`_memory_twin`). `_BOUNDED`, and
+    none made, when `_cost_above` finds every cost it could return above `shown_below`."""
+    trainings = list(itertools.islice(specs, 1))  # the rest are made only when the first fits, or for the bound
+    if trainings and shown_below is not None:
+        trainings.extend(specs)
+        if _cost_above(model, flops, trainings, assumptions, shown_below):
+            return _BOUNDED, 0
     worst: dict[int, RankEstimate | None] = {}  # None: a rank is over the budget (or the spec is invalid)
 
     def fits(index: int) -> bool:
@@ -230,8 +234,6 @@ def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], 
     if not trainings or not fits(0):
         return None, len(worst)
     trainings.extend(specs)
-    if shown_below is not None and _cost_above(model, flops, trainings, assumptions, shown_below):
-        return _BOUNDED, len(worst)
     low, high = 0, len(trainings)  # trainings[low] fits, trainings[high] does not (or is past the end)
     while high - low > 1:
         middle = (low + high) // 2
