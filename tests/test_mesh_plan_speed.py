@@ -2,7 +2,8 @@
 refuses is skipped, a selective fit check is its twin's without checkpointing where the two keep the same, a fit check stops at the first rank over the budget and leaves out the pipeline ranks no
 higher than rank 1 (`_may_be_worst`), and the specs of larger micro-batches
 are made only when the first fits. The search without them (every spec made, every rank estimated, fresh
-caches) gives the same plan, the same count of estimates, and the same reasons."""
+caches) gives the same plan, the same count of estimates, and the same reasons. The cost bound (`_cost_above`)
+leaves out the meshes that could not be shown: the same plan, fewer meshes checked, and it says so."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.gpus import get_gpu
 from zeroplan.plan.cost import assumptions_for
 from zeroplan.plan.mesh import mesh_plan_to_dict, plan_mesh
+from zeroplan.report.mesh import render_mesh_plan
 from zeroplan.spec.mesh import MeshSpec, PPSchedule
 from zeroplan.spec.training import TrainingSpec
 
@@ -52,7 +54,8 @@ def test_the_search_with_its_shortcuts_gives_the_plan_of_the_full_search(monkeyp
 
     def search():
         clear_caches()
-        return mesh_plan_to_dict(plan_mesh(model, base, budget, assumptions_for(H100), max_micro_batch=8, top=8))
+        return mesh_plan_to_dict(plan_mesh(model, base, budget, assumptions_for(H100), max_micro_batch=8, top=8,
+                                           cost_bound=False))
 
     fast = search()
     with monkeypatch.context() as patch:
@@ -175,3 +178,68 @@ def test_the_ring_tells_selective_checkpointing_apart():
     assert mesh_search._memory_twin(model, training) is training
     none = training.varied(checkpointing="none")
     assert estimate_mesh(model, training).worst.estimate.peak_bytes != estimate_mesh(model, none).worst.estimate.peak_bytes
+
+
+@pytest.mark.parametrize("recipe, gpus, seq_len, budget_gib, top", [
+    ("torchtitan", 16, 4096, 76, 3),
+    ("torchtitan", 64, 8192, 50, 2),
+    ("torchtitan", 32, 8192, 76, 1),
+    ("hf-trainer", 32, 8192, 76, 2),
+])
+def test_the_cost_bound_shows_the_plans_of_the_search_without_it(recipe, gpus, seq_len, budget_gib, top):
+    model = resolve_model("llama-3-8b")
+    base = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=gpus, seq_len=seq_len, recipe=recipe)
+
+    def search(cost_bound):
+        clear_caches()
+        return mesh_plan_to_dict(plan_mesh(model, base, budget_gib * 2**30, assumptions_for(H100), max_micro_batch=8,
+                                           top=top, cost_bound=cost_bound))
+
+    bounded, full = search(True), search(False)
+    assert bounded["cost_bounded"] > 0 and full["cost_bounded"] == 0
+    assert bounded["evaluated"] < full["evaluated"] and bounded["fitting"] <= full["fitting"]
+    head = render_mesh_plan(bounded).splitlines()[0]
+    assert head.endswith(f"; {bounded['cost_bounded']} more could not rank in the top {top} at any micro-batch (a bound "
+                         "on their cost), not checked")
+    assert "more could not rank" not in render_mesh_plan(full).splitlines()[0]
+    for plan in (bounded, full):
+        del plan["evaluated"], plan["fitting"], plan["cost_bounded"]
+    assert bounded == full and bounded["top"]
+
+
+@pytest.mark.parametrize("mesh, checkpointing", [
+    (MeshSpec(pp=4), "none"),
+    (MeshSpec(tp=2, pp=4, pp_schedule=PPSchedule.INTERLEAVED_1F1B, pp_virtual_stages=2), "full"),
+    (MeshSpec(tp=4, cp=2, pp=2, dp_replicate=2), "full"),
+    (MeshSpec(tp=2, cp=2), "none"),
+])
+def test_the_cost_bound_is_never_above_the_cost_of_a_rank_kind_at_a_micro_batch(mesh, checkpointing):
+    # `_cost_above` against its definition: every rank kind's own parameters and layers priced at every micro-batch
+    from zeroplan.plan.cost import model_flops
+    from zeroplan.plan.mesh_cost import mesh_step_cost
+
+    model = resolve_model("llama-3-8b")
+    base = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=32, seq_len=4096, recipe="torchtitan")
+    trainings = list(mesh_search._micro_batch_specs(base, mesh, checkpointing, 8, None))
+    flops = model_flops(model, *mesh_search._params(model, base))
+    cheapest = min(mesh_step_cost(model, flops, rank.params, rank.kind.layers, training, assumptions_for(H100)).gpu_seconds_per_token
+                   for training in trainings for rank in estimate_mesh(model, training).ranks)
+    assert len(trainings) > 1
+    assert not mesh_search._cost_above(model, flops, trainings, assumptions_for(H100), cheapest)
+    assert mesh_search._cost_above(model, flops, trainings, assumptions_for(H100), 0.0)
+
+
+@pytest.mark.parametrize("engine, mesh", [
+    ("fsdp2", MeshSpec(tp=2, pp=4)),
+    ("fsdp2", MeshSpec(tp=4, pp=2, pp_schedule=PPSchedule.INTERLEAVED_1F1B, pp_virtual_stages=2)),
+    ("deepspeed", MeshSpec(tp=2)),
+])
+def test_a_rank_kinds_parameters_are_those_of_its_estimate(engine, mesh):
+    from zeroplan.estimate.mesh import rank_params
+
+    model = resolve_model("llama-3-8b")
+    recipe = {"recipe": "torchtitan"} if engine == "fsdp2" else {}
+    training = TrainingSpec(engine=engine, zero_stage=2, gpus=16, seq_len=4096, grad_accum=2 * mesh.pp, mesh=mesh, **recipe)
+    ranks = estimate_mesh(model, training).ranks
+    assert len({rank.params for rank in ranks}) > 1 or mesh.pp == 1
+    assert [rank_params(model, training, rank.kind) for rank in ranks] == [rank.params for rank in ranks]

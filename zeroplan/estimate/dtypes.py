@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from zeroplan.estimate.caches import memo
 from zeroplan.spec.training import Optimizer, Precision
 
 FP32_BYTES = 4
@@ -51,6 +52,7 @@ def optimizer_state_bytes(numel: int, optimizer: Optimizer, element_bytes: int) 
     return optimizer_state_count(optimizer) * numel * element_bytes
 
 
+@memo(maxsize=64)  # a mesh plan asks for it a few times per rank estimate; an immutable tuple of its two arguments
 def state_bytes(precision: Precision, optimizer: Optimizer) -> StateBytes:
     """Bytes per parameter for `precision` trained with `optimizer`."""
     if precision == Precision.FP32:

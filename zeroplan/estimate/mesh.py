@@ -32,7 +32,7 @@ from zeroplan.estimate.layout import ParamTensor, param_layout
 from zeroplan.estimate.mesh_ep import (backward_transient_delta, first_block_gradient, placed_experts, recompute_end_transient,
                                       saved_per_block_delta)
 from zeroplan.estimate.overhead import overhead_bytes
-from zeroplan.estimate.result import Estimate, ModelSummary, Phase, PhaseBytes
+from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, Phase, PhaseBytes
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.program import GradSync
@@ -441,15 +441,40 @@ def _with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers, overhead
     """`phases` with the mesh's buffers, and `overhead` in every phase (`estimate._with_overhead`, in the same pass)."""
     extra = {Phase.FORWARD: buffers.forward + buffers.steady, Phase.BACKWARD: buffers.backward + buffers.steady,
              Phase.OPTIMIZER_STEP: buffers.steady}
-    return tuple(PhaseBytes(p.step, p.phase, p.categories._replace(buffers=p.categories.buffers + extra.get(p.phase, 0),
-                                                                   overhead=p.categories.overhead + overhead))
-                 if overhead or extra.get(p.phase, 0) else p for p in phases)
+    raised = []
+    for p in phases:
+        added = extra.get(p.phase, 0)
+        if overhead or added:
+            # CategoryBytes._replace(buffers=..., overhead=...), built directly (thousands per plan)
+            params, grads, states, activations, held, temporaries, overheads = p.categories
+            p = PhaseBytes(p.step, p.phase, CategoryBytes(params, grads, states, activations, held + added, temporaries,
+                                                          overheads + overhead))
+        raised.append(p)
+    return tuple(raised)
 
 
 # every rank kind of one mesh estimate asks for the same one
 @memo(maxsize=64)
-def _setup(training: TrainingSpec) -> Setup:
-    return setup_of(training)
+def _rank_setup(training: TrainingSpec) -> tuple[Engine, Setup]:
+    """The engine a rank of `training`'s mesh runs and its set-up (every rank kind's: read from `training` alone)."""
+    mesh = training.mesh
+    setup = setup_of(training)._replace(gpus=mesh.fsdp_degree(training.gpus),
+                                        expert_gpus=mesh.expert_fsdp_degree(training.gpus) if mesh.ep > 1 else 0)
+    engine = training.engine
+    if engine == Engine.FSDP2 and setup.gpus == 1:
+        # torchtitan applies fully_shard only when dp_shard > 1 or cp > 1 (distributed/parallel_dims.py
+        # `fsdp_enabled`): a rank with nothing to shard steps its TP/PP-local parameters as one plain module
+        engine, setup = Engine.TORCH, setup._replace(zero_stage=0, program=setup.program._replace(ddp=False))
+    if mesh.pp > 1 and engine == Engine.FSDP2:
+        # a pipeline stage's FSDP2 backward skips the reduce-scatter until the step's last micro-batch
+        # (pipelining/stage.py `backward_maybe_with_nosync`: set_requires_gradient_sync(False), then
+        # `perform_reduce_grad`): the unsharded gradients accumulate, as grad_sync last
+        setup = setup._replace(accumulating=True, program=setup.program._replace(grad_sync=GradSync.LAST))
+    if mesh.pp > 1 and mesh.pp_schedule == PPSchedule.GPIPE:
+        # GPipe runs every micro-batch's forward before the first backward (schedules.py ScheduleGPipe
+        # `_step_microbatches`): no accumulated gradient sits beside the activations in flight; 1F1B's does
+        setup = setup._replace(accumulating=False)
+    return engine, setup
 
 
 def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int) -> RankEstimate:
@@ -506,32 +531,27 @@ def middle_ranks_peak_bound(model: TransformerSpec, training: TrainingSpec, kind
     return None if found is None else max(phase.total_bytes for phase in found[-1])
 
 
+def rank_params(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> int:
+    """`RankEstimate.params` of a rank of `kind`, without its profile (the planner's cost bound)."""
+    if training.engine == Engine.DEEPSPEED:
+        training = autotp_training(training)
+    return _held(model, training, kind).total_params
+
+
+def _held(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> ModelFacts:
+    """What a rank of `kind` holds (`training` as `_rank_phases` runs it)."""
+    facts = rank_facts(model, training, kind)
+    return autotp_facts(model, facts) if training.engine == Engine.DEEPSPEED else facts
+
+
 @memo(maxsize=64)
 def _rank_profile(model: TransformerSpec, training: TrainingSpec, kind: RankKind):
     """What a rank of `kind` holds, the engine that runs it and the engine profile over it, before a looped
     schedule's walk."""
-    mesh = training.mesh
     dtypes = state_bytes(training.precision, training.optimizer)
-    facts = rank_facts(model, training, kind)
-    if training.engine == Engine.DEEPSPEED:
-        facts = autotp_facts(model, facts)
+    facts = _held(model, training, kind)
     acts = rank_activations(model, training, kind, dtypes.activation)
-    setup = _setup(training)._replace(gpus=mesh.fsdp_degree(training.gpus),
-                                      expert_gpus=mesh.expert_fsdp_degree(training.gpus) if mesh.ep > 1 else 0)
-    engine = training.engine
-    if engine == Engine.FSDP2 and setup.gpus == 1:
-        # torchtitan applies fully_shard only when dp_shard > 1 or cp > 1 (distributed/parallel_dims.py
-        # `fsdp_enabled`): a rank with nothing to shard steps its TP/PP-local parameters as one plain module
-        engine, setup = Engine.TORCH, setup._replace(zero_stage=0, program=setup.program._replace(ddp=False))
-    if mesh.pp > 1 and engine == Engine.FSDP2:
-        # a pipeline stage's FSDP2 backward skips the reduce-scatter until the step's last micro-batch
-        # (pipelining/stage.py `backward_maybe_with_nosync`: set_requires_gradient_sync(False), then
-        # `perform_reduce_grad`): the unsharded gradients accumulate, as grad_sync last
-        setup = setup._replace(accumulating=True, program=setup.program._replace(grad_sync=GradSync.LAST))
-    if mesh.pp > 1 and mesh.pp_schedule == PPSchedule.GPIPE:
-        # GPipe runs every micro-batch's forward before the first backward (schedules.py ScheduleGPipe
-        # `_step_microbatches`): no accumulated gradient sits beside the activations in flight; 1F1B's does
-        setup = setup._replace(accumulating=False)
+    engine, setup = _rank_setup(training)
     return facts, acts, engine, _engine_profile(engine)(facts, setup, acts)
 
 

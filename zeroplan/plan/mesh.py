@@ -9,6 +9,7 @@ training spec's world rule refuses is not tried (tests/test_mesh_plan_speed.py: 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any
 from zeroplan.errors import SpecError
 from zeroplan.estimate.activations import memory_checkpointing
 from zeroplan.estimate.mesh import (MeshEstimate, RankEstimate, RankKind, estimate_mesh, estimate_mesh_within,
-                                    middle_ranks_peak_bound, rank_estimate, rank_kinds)
+                                    middle_ranks_peak_bound, rank_estimate, rank_kinds, rank_params)
 from zeroplan.plan.cost import Assumptions, model_flops
 from zeroplan.plan.mesh_cost import MeshStepCost, mesh_step_cost
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh, routed_experts
@@ -52,6 +53,7 @@ class MeshPlan:
     evaluated: int
     fitting: int
     top: tuple[MeshCandidate, ...]
+    bounded: int = 0  # meshes (by checkpointing) not checked: at no micro-batch could they rank in `top` (`_cost_above`)
 
 
 def _meshes(model: TransformerSpec, base: TrainingSpec, given: dict[str, Any]) -> list[MeshSpec]:
@@ -141,14 +143,18 @@ def _reason(rank: int, candidate: MeshCandidate, best: MeshCandidate | None) -> 
 def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, assumptions: Assumptions,
               checkpointing: tuple[Checkpointing, ...] = (Checkpointing.NONE, Checkpointing.FULL),
               max_micro_batch: int = 16, global_batch: int | None = None, top: int = 5,
-              given: dict[str, Any] | None = None, fixed: bool = False) -> MeshPlan:
+              given: dict[str, Any] | None = None, fixed: bool = False, cost_bound: bool = True) -> MeshPlan:
     """The cheapest meshes of `base.gpus` GPUs whose worst rank fits `budget_bytes`. Without `global_batch`,
     a pipeline runs 2 x pp micro-batches per step (torchtitan needs at least pp for 1F1B). `given` fixes some
-    dimensions of the search (MeshSpec field: value); `fixed` plans `base.mesh` alone (micro-batch and checkpointing)."""
+    dimensions of the search (MeshSpec field: value); `fixed` plans `base.mesh` alone (micro-batch and checkpointing).
+    With `cost_bound`, a mesh whose cost at every micro-batch is bounded above that of `top` fitting meshes
+    (`_cost_above`) is not checked, only counted (`MeshPlan.bounded`): the plans shown are the same, and fewer
+    meshes are checked and found to fit."""
     if not isinstance(model, TransformerSpec):
         raise SpecError("mesh: a model given by parameter count cannot be cut by tp/cp/pp; give its config")
     flops = model_flops(model, *_params(model, base))
-    evaluated, fitting = 0, []  # fitting: _Fit
+    evaluated, fitting, bounded = 0, [], 0  # fitting: _Fit
+    costs: list[float] = []  # the fitting ones' GPU seconds per token, ascending
     checked: dict[TrainingSpec, RankEstimate | None] = {}  # fit checks by memory twin (`_memory_twin`)
     meshes = [base.mesh] if fixed else _meshes(model, base, given or {})
     for mesh in meshes:
@@ -156,10 +162,15 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
             continue  # every micro-batch and checkpointing of it would fail the same validator: none to estimate
         for mode in checkpointing:
             trainings = _micro_batch_specs(base, mesh, mode, max_micro_batch, global_batch)
-            candidate, count = _cheapest_fit(model, flops, trainings, budget_bytes, assumptions, checked)
+            # `top` fitting meshes cheaper than this: a mesh whose cost bound is above it cannot be shown
+            shown_below = costs[top - 1] if cost_bound and top > 0 and len(costs) >= top else None
+            candidate, count = _cheapest_fit(model, flops, trainings, budget_bytes, assumptions, checked, shown_below)
             evaluated += count
-            if candidate is not None:
+            if candidate is _BOUNDED:
+                bounded += 1
+            elif candidate is not None:
                 fitting.append(candidate)
+                bisect.insort(costs, candidate.cost.gpu_seconds_per_token)
     if not evaluated and meshes and (fixed or given):
         # every spec of the meshes asked for was refused: say why, in the model's rule's own words
         for training in _micro_batch_specs(base, meshes[0], checkpointing[0], max_micro_batch, global_batch):
@@ -168,7 +179,7 @@ def plan_mesh(model: TransformerSpec, base: TrainingSpec, budget_bytes: int, ass
     shown = [MeshCandidate(c.training, estimate_mesh(model, c.training), c.cost) for c in fitting[:top]]
     best = shown[0] if shown else None
     ranked = tuple(MeshCandidate(c.training, c.estimate, c.cost, _reason(i, c, best)) for i, c in enumerate(shown, start=1))
-    return MeshPlan(model.name, base.gpus, budget_bytes, evaluated, len(fitting), ranked)
+    return MeshPlan(model.name, base.gpus, budget_bytes, evaluated, len(fitting), ranked, bounded)
 
 
 def _micro_batch_specs(base: TrainingSpec, mesh: MeshSpec, mode: Checkpointing, max_micro_batch: int,
@@ -192,13 +203,21 @@ def _micro_batch_specs(base: TrainingSpec, mesh: MeshSpec, mode: Checkpointing, 
         yield first
 
 
+_BOUNDED = object()  # `_cheapest_fit`: not checked, as it could not be shown (`_cost_above`)
+
+
 def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], budget_bytes: int,
-                  assumptions: Assumptions, checked: dict) -> tuple[_Fit | None, int]:
+                  assumptions: Assumptions, checked: dict, shown_below: float | None = None) -> tuple[Any, int]:
     """The cheapest of `specs` (one mesh, micro-batches ascending) whose worst rank fits, and the estimates
     made. The worst rank's peak never shrinks as the micro-batch grows, so the ones that fit are a prefix,
     found by bisection; their costs use the worst rank kind of the largest that fits, and the cheapest gets a
-    fit check of its own. `checked` keeps the plan's fit checks by memory twin (`_memory_twin`)."""
-    trainings = list(itertools.islice(specs, 1))  # the rest are made only when the first fits
+    fit check of its own. `checked` keeps the plan's fit checks by memory twin (`_memory_twin`). `_BOUNDED`, and
+    none made, when `_cost_above` finds every cost it could return above `shown_below`."""
+    trainings = list(itertools.islice(specs, 1))  # the rest are made only when the first fits, or for the bound
+    if trainings and shown_below is not None:
+        trainings.extend(specs)
+        if _cost_above(model, flops, trainings, assumptions, shown_below):
+            return _BOUNDED, 0
     worst: dict[int, RankEstimate | None] = {}  # None: a rank is over the budget (or the spec is invalid)
 
     def fits(index: int) -> bool:
@@ -228,6 +247,27 @@ def _cheapest_fit(model: TransformerSpec, flops, specs: Iterator[TrainingSpec], 
     chosen = worst[best]
     cost = mesh_step_cost(model, flops, chosen.params, chosen.kind.layers, trainings[best], assumptions)
     return _Fit(trainings[best], chosen, cost), len(worst)
+
+
+def _cost_above(model: TransformerSpec, flops, trainings: list[TrainingSpec], assumptions: Assumptions,
+                shown_below: float) -> bool:
+    """Whether every cost `_cheapest_fit` could return for `trainings` (one mesh, every micro-batch whose spec
+    validates) is above `shown_below`. Its cost is `mesh_step_cost` of one of them for the worst rank's parameters and
+    layers, those of one of the mesh's rank kinds (the same kinds at every micro-batch: mesh, gpus and freeze are the
+    same). `mesh_step_cost` never falls as `rank_params` or `layers` grow: each enters its terms as a factor of a
+    product of non-negative numbers and positive divisors, the terms are added, and rounding is monotone. Every kind
+    holds at least the fewest layers of any kind, as many blocks of the same shapes as a middle rank with those
+    layers holds (`rank_facts`; `rank_params` is their sum), so that rank's parameters and layers give each
+    micro-batch's cost a floor."""
+    mesh = trainings[0].mesh
+    if mesh.is_trivial:  # one rank kind, the whole model's (`estimate_mesh`): not bounded here
+        return False
+    kinds = rank_kinds(model, mesh, trainings[0].grad_accum if mesh.pp > 1 else 1)
+    layers = min(kind.layers for kind in kinds)
+    params = rank_params(model, trainings[0], RankKind(0, (0,), layers, False, False, 0)) if layers else 0
+    # the largest micro-batch first: the cheapest per token most often, ending the test at once when it is not above
+    return all(mesh_step_cost(model, flops, params, layers, training, assumptions).gpu_seconds_per_token > shown_below
+               for training in reversed(trainings))
 
 
 def _memory_twin(model: TransformerSpec, training: TrainingSpec) -> TrainingSpec:
@@ -334,7 +374,7 @@ def mesh_plan_to_dict(plan: MeshPlan) -> dict[str, Any]:
 
     return {
         "model": plan.model_name, "gpus": plan.gpus, "budget": plan.budget_bytes, "evaluated": plan.evaluated,
-        "fitting": plan.fitting,
+        "fitting": plan.fitting, "cost_bounded": plan.bounded,
         "top": [{"rank": rank, "mesh": mesh_to_dict(c.training), "checkpointing": c.training.checkpointing.value,
                  "zero_stage": c.training.zero_stage, "micro_batch": c.training.micro_batch,
                  "grad_accum": c.training.grad_accum, "worst_rank": c.estimate.worst.kind.label,

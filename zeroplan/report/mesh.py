@@ -60,6 +60,9 @@ def render_mesh_plan(data: dict[str, Any], output_format: str = "table", units: 
             for row in data["top"]]
     head = (f"{data['model']} on {data['gpus']} GPUs: {data['fitting']} of {data['evaluated']} meshes evaluated fit in "
             f"{amount(data['budget'], units)} {units} per GPU")
+    if data.get("cost_bounded"):
+        head += (f"; {data['cost_bounded']:,} more could not rank in the top {len(data['top'])} at any micro-batch "
+                 "(a bound on their cost), not checked")
     if not rows:
         return head + "; none fits\n"
     return head + "\n\n" + table(rows, ["#", "mesh", "stage", "ckpt", "micro", "accum", f"worst peak {units}",
