@@ -64,8 +64,10 @@ def run_once(checkout: Path, args: list[str], emit_path: str) -> tuple[float, fl
     return cpu, wall, (done.returncode, done.stdout, done.stderr, emitted)
 
 
-_COUNTS = re.compile(rb"GPUs: [\d,]+ of [\d,]+ meshes evaluated fit in (.*?) per GPU(?:; [\d,]+ more could not rank in "
-                     rb"the top \d+ at any micro-batch \(a bound on their cost\), not checked)?")
+# the summary line as a418856 wrote it ("N of M meshes evaluated fit in X per GPU") and as it is now
+_COUNTS = re.compile(rb"GPUs: (?:[\d,]+ of [\d,]+ meshes evaluated|[\d,]+ mesh and checkpointing choices) fit in (.*?) "
+                     rb"per GPU(?: \([\d,]+ fit checks\))?(?:; [\d,]+ more could not rank in the top \d+ at any "
+                     rb"micro-batch \(a bound on their cost\)(?:,| and were) not checked)?")
 
 
 def without_counts(output: tuple) -> tuple:

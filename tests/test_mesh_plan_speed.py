@@ -199,8 +199,11 @@ def test_the_cost_bound_shows_the_plans_of_the_search_without_it(recipe, gpus, s
     assert bounded["cost_bounded"] > 0 and full["cost_bounded"] == 0
     assert bounded["evaluated"] < full["evaluated"] and bounded["fitting"] <= full["fitting"]
     head = render_mesh_plan(bounded).splitlines()[0]
+    # choices that fit and fit checks apart: the first counts mesh and checkpointing choices, the second trials
+    assert f": {bounded['fitting']} mesh and checkpointing choices fit in " in head
+    assert f" per GPU ({bounded['evaluated']} fit checks)" in head
     assert head.endswith(f"; {bounded['cost_bounded']} more could not rank in the top {top} at any micro-batch (a bound "
-                         "on their cost), not checked")
+                         "on their cost) and were not checked")
     assert "more could not rank" not in render_mesh_plan(full).splitlines()[0]
     for plan in (bounded, full):
         del plan["evaluated"], plan["fitting"], plan["cost_bounded"]

@@ -58,11 +58,13 @@ def render_mesh_plan(data: dict[str, Any], output_format: str = "table", units: 
              f"ZeRO-{row['zero_stage']}", row["checkpointing"], row["micro_batch"], row["grad_accum"],
              amount(row["per_gpu"]["peak"], units), f"{row['tokens_per_s_per_gpu']:,.0f}", row["reason"]]
             for row in data["top"]]
-    head = (f"{data['model']} on {data['gpus']} GPUs: {data['fitting']} of {data['evaluated']} meshes evaluated fit in "
-            f"{amount(data['budget'], units)} {units} per GPU")
+    # fitting and cost_bounded count mesh and checkpointing choices; evaluated counts fit checks (one per
+    # micro-batch the search tried of a choice)
+    head = (f"{data['model']} on {data['gpus']} GPUs: {data['fitting']:,} mesh and checkpointing choices fit in "
+            f"{amount(data['budget'], units)} {units} per GPU ({data['evaluated']:,} fit checks)")
     if data.get("cost_bounded"):
         head += (f"; {data['cost_bounded']:,} more could not rank in the top {len(data['top'])} at any micro-batch "
-                 "(a bound on their cost), not checked")
+                 "(a bound on their cost) and were not checked")
     if not rows:
         return head + "; none fits\n"
     return head + "\n\n" + table(rows, ["#", "mesh", "stage", "ckpt", "micro", "accum", f"worst peak {units}",
