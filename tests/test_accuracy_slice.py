@@ -8,6 +8,7 @@ A row with a reason in docs/accuracy_reasons.toml is a known miss: it is expecte
 its reason. Only a missed target counts as the expected failure: a measurement that breaks fails.
 """
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from zeroplan.report.accuracy import miss_texts, row_line  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 REASONS = v.load_reasons(Path(__file__).resolve().parent.parent / "docs" / "accuracy_reasons.toml")
-TIMEOUT_S = 300  # per row; a healthy one takes 15-30 s on 2 cores
+TIMEOUT_S = 120  # per row; a healthy one takes 3-10 s on 2 cores with forked workers (measure/worker_server.py)
 
 
 def _param(row: Row):
@@ -37,6 +38,12 @@ def _param(row: Row):
 @pytest.mark.parametrize("row", [_param(row) for row in select_rows(GRID, quick=True)])
 def test_row_within_targets(row: Row):
     record = v.measure_row(row, v.RunOptions(steps=v.DEFAULT_STEPS, timeout_s=TIMEOUT_S))
+    if record.get("failure", "").startswith("timed out"):
+        # One run of tiny-llama/deepspeed-2+smallbkt hung in CI (300 s, both ranks running) and 99 runs here
+        # did not: a hang is measured once more, and said with the ranks' stacks (measure/stacks.py) so that
+        # it is seen; a second hang fails the test.
+        warnings.warn(f"{row.id}: {record['failure']}; measured again\n{record.get('failure_detail', '')}")
+        record = v.measure_row(row, v.RunOptions(steps=v.DEFAULT_STEPS, timeout_s=TIMEOUT_S))
     if "failure" in record:
         # not an AssertionError: never taken for the known miss; with the ranks' stacks of a timeout
         raise MeasureError("\n".join(filter(None, (record["failure"], record.get("failure_detail")))))

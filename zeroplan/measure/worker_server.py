@@ -25,6 +25,7 @@ variable at its import in the server) and Ctrl-C's default handler back.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -268,6 +269,8 @@ def _enter_worker(argv: list[str], env: dict[str, str], log: str, server_pid: in
         finally:
             os._exit(status)  # never back into the server's loop
 
+
+atexit.register(shutdown)  # the launcher ends its server as it exits, rather than leave it to read the end of its pipe
 
 if __name__ == "__main__":
     serve()
