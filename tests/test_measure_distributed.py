@@ -322,6 +322,14 @@ def test_one_server_serves_every_run_until_an_import_could_read_another_environm
     worker_server.shutdown()  # the next run starts one with the environment undone
 
 
+def test_a_server_that_does_not_start_in_time_is_an_error_not_a_hang(monkeypatch):
+    worker_server.shutdown()
+    monkeypatch.setattr(worker_server, "START_S", 0.05)  # it imports torch first: seconds
+    with pytest.raises(MeasureError, match=r"^the worker server did not say 'ready' within 0.05 s$"):
+        worker_server.running_server()
+    assert worker_server._server is None  # the next run starts one again
+
+
 def test_a_killed_server_ends_its_workers_and_the_next_run_starts_another(monkeypatch):
     server = worker_server.running_server()
     os.kill(server.proc.pid, signal.SIGKILL)

@@ -39,6 +39,8 @@ from pathlib import Path
 from zeroplan.errors import MeasureError
 
 POLL_S = 0.02  # how often the server looks for workers that exited
+START_S = 300.0  # the longest the server may take to import what it preloads (seconds on 2 loaded cores)
+ANSWER_S = 60.0  # the longest a fork may take to be answered
 
 
 class _Server:
@@ -51,9 +53,15 @@ class _Server:
         self.proc = spawn([sys.executable, "-m", __name__], env=env, stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=None)
         self._pending = b""
+        self.ended = False  # its stdout reached its end: the server has exited or is exiting
         self.statuses: dict[int, int] = {}  # exit status of each worker reported and not yet released
         self.lock = threading.Lock()
-        self.pid = self._expect("ready")
+        try:
+            self.pid = self._expect("ready", START_S)
+        except MeasureError:
+            self.proc.kill()  # its session: it has started no worker yet
+            self.proc.wait()
+            raise
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -61,20 +69,24 @@ class _Server:
     def request(self, message: dict, answer: str | None = None) -> int | None:
         self.proc.stdin.write(json.dumps(message).encode() + b"\n")
         self.proc.stdin.flush()
-        return self._expect(answer) if answer else None
+        return self._expect(answer, ANSWER_S) if answer else None
 
     def drain(self) -> None:
         """Read the exit reports the server has written so far."""
         while self._read_line(timeout=0) is not None:
             pass
 
-    def _expect(self, key: str) -> int:
+    def _expect(self, key: str, timeout_s: float) -> int:
+        """The value of the next message holding `key`; MeasureError if the server ends or is silent for `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
         while True:
-            message = self._read_line(timeout=None)
-            if message is None:
-                raise MeasureError(f"the worker server ended (exit status {self.proc.wait()}) before it said {key!r}")
-            if key in message:
+            message = self._read_line(timeout=max(deadline - time.monotonic(), 0.0))
+            if message is not None and key in message:
                 return message[key]
+            if message is None and self.ended:
+                raise MeasureError(f"the worker server ended (exit status {self.proc.wait()}) before it said {key!r}")
+            if message is None and time.monotonic() >= deadline:
+                raise MeasureError(f"the worker server did not say {key!r} within {timeout_s:g} s")
 
     def _read_line(self, timeout: float | None) -> dict | None:
         """The next message (exit reports are recorded on the way); None if there is none yet, or at the end."""
@@ -85,6 +97,7 @@ class _Server:
                 return None
             chunk = os.read(fd, 65536)
             if not chunk:
+                self.ended = True
                 return None
             self._pending += chunk
         line, self._pending = self._pending.split(b"\n", 1)
