@@ -134,27 +134,6 @@ def test_no_bound_where_the_argument_does_not_hold():
         assert middle_ranks_peak_bound(model, training, tuple(kinds[:2])) is None  # rank 0 holds the embedding
 
 
-@pytest.mark.parametrize("changes", [
-    {"checkpointing": "full"}, {"checkpointing": "op"}, {"checkpointing": "selective", "dropout": 0.1},
-    {"checkpointing": "full", "mesh": MeshSpec(tp=2, cp=2)},
-])
-def test_the_spec_without_checkpointing_is_the_one_varied_validates(changes):
-    # `_without_checkpointing` copies instead of validating again: the same spec as `varied`
-    from zeroplan.estimate.mesh import _without_checkpointing
-
-    training = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=16, seq_len=4096, recipe="torchtitan").varied(**changes)
-    assert _without_checkpointing(training) == training.varied(checkpointing="none")
-
-
-def test_the_spec_without_checkpointing_keeps_checkpoint_every_refused():
-    from zeroplan.errors import SpecError
-    from zeroplan.estimate.mesh import _without_checkpointing
-
-    training = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=16, seq_len=4096, checkpointing="full", checkpoint_every=2)
-    with pytest.raises(SpecError, match="checkpoint_every chooses which blocks full checkpointing recomputes"):
-        _without_checkpointing(training)
-
-
 @pytest.mark.parametrize("mesh", [
     MeshSpec(tp=2), MeshSpec(tp=2, sequence_parallel=False), MeshSpec(pp=4), MeshSpec(tp=2, pp=2, dp_replicate=2),
     MeshSpec(pp=4, pp_schedule=PPSchedule.INTERLEAVED_1F1B, pp_virtual_stages=2),

@@ -199,18 +199,20 @@ def _local_model(model: TransformerSpec, tp: int, moe_by_ep: bool, loss_parallel
         num_layers=layers))
 
 
-def _sequence_parallel_saving(model: TransformerSpec, training: TrainingSpec, tokens: int, act_bytes: int) -> int:
+def _sequence_parallel_saving(model: TransformerSpec, training: TrainingSpec, tokens: int, act_bytes: int,
+                              checkpointed: bool) -> int:
     """What sequence parallelism takes off one block's saved tensors: the two norms' own tensors (their
     input, fp32 upcast and rstd; not the output, which the colwise linears keep all-gathered) and the
-    residual stream a checkpointed block keeps, cut over tp (Korthikanti et al. 2022 section 4.2.2)."""
+    residual stream a checkpointed block keeps, cut over tp (Korthikanti et al. 2022 section 4.2.2).
+    `checkpointed`: the block keeps its input alone (full or op checkpointing), or every tensor."""
     tp, h = training.mesh.tp, model.hidden_size
-    if training.checkpointing in (Checkpointing.FULL, Checkpointing.OP):
+    if checkpointed:
         per_token = act_bytes * h  # the block input a checkpoint keeps
     elif model.norm == "rmsnorm":
         per_token = 2 * (FP32_BYTES * h + act_bytes * h + FP32_BYTES)  # LlamaRMSNorm: fp32 input, normalised, rstd
     else:
         per_token = 2 * (act_bytes * h + 2 * FP32_BYTES)  # LayerNorm: input, mean, rstd
-    if model.dropout_rates(training.dropout).residual and training.checkpointing not in (Checkpointing.FULL, Checkpointing.OP):
+    if model.dropout_rates(training.dropout).residual and not checkpointed:
         # the attention and MLP outputs' dropout runs after the reduce-scatter: its two masks are cut too
         per_token += 2 * h * (1 if training.device.value == "cuda" else act_bytes)
     return tokens * per_token * (tp - 1) // tp
@@ -223,13 +225,15 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     acts = activation_bytes(_local_view(model, mesh, kind), local, act_bytes)
     tokens = training.micro_batch * local_seq
     changes: dict[str, int] = {}
+    checkpointed = training.checkpointing in (Checkpointing.FULL, Checkpointing.OP)
     if mesh.tp > 1 and mesh.sequence_parallel:
-        saved = acts.saved_per_block - _sequence_parallel_saving(model, training, tokens, act_bytes)
+        saved = acts.saved_per_block - _sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed)
         changes.update(saved_per_block=saved, block_input_grad_bytes=acts.block_input_grad_bytes // mesh.tp)
-    if mesh.tp > 1 and mesh.sequence_parallel and training.checkpointing in (Checkpointing.FULL, Checkpointing.OP):
+    if mesh.tp > 1 and mesh.sequence_parallel and checkpointed:
         from zeroplan.estimate.mesh_tp_checkpoint import checkpointed_under_sequence_parallel
 
-        norms_cut = _sequence_parallel_saving(model, _without_checkpointing(training), tokens, act_bytes)
+        # the norms' own tensors, as a block without checkpointing keeps them, for the recomputation's
+        norms_cut = _sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed=False)
         changes.update(checkpointed_under_sequence_parallel(model, training, acts, tokens, act_bytes, norms_cut))
     if mesh.tp > 1 and mesh.sequence_parallel and kind.head:
         # the final norm is SequenceParallel too (torchtitan apply_tp "norm"): its input, normalised output
@@ -259,7 +263,8 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
     if mesh.cp > 1 and kind.layers and training.engine != Engine.DEEPSPEED:
         from zeroplan.estimate.mesh_cp import core_saved_bytes, with_ring_attention
 
-        norm_cut = _sequence_parallel_saving(model, training, tokens, act_bytes) // 2 if mesh.tp > 1 and mesh.sequence_parallel else 0
+        norm_cut = (_sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed) // 2
+                    if mesh.tp > 1 and mesh.sequence_parallel else 0)
         core_saved = core_saved_bytes(_local_view(model, mesh, kind), local, tokens, act_bytes, norm_cut)
         acts = with_ring_attention(acts, model, training, tokens, act_bytes, core_saved)
     # The profile runs one micro-batch through all the rank's blocks: as many stage chunks as it has stages.
@@ -280,16 +285,6 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         micro_batches = training.grad_accum
         acts = acts.replaced(embedding=acts.embedding + (micro_batches - max(kind.in_flight // chunks, 1) + 1) * acts.logits)
     return acts
-
-
-# every rank kind of one fit check asks for the same one
-@memo(maxsize=64)
-def _without_checkpointing(training: TrainingSpec) -> TrainingSpec:
-    """`training.varied(checkpointing=NONE)`. Of TrainingSpec's rules only checkpoint_every's reads checkpointing:
-    without checkpoint_every the valid spec stays valid and is copied; with it, `varied` raises as it always has."""
-    if training.checkpoint_every is not None:
-        return training.varied(checkpointing=Checkpointing.NONE)
-    return training.model_copy(update={"checkpointing": Checkpointing.NONE})
 
 
 # every rank kind of one mesh estimate asks for the same one; copied, not validated again: no validator reads
