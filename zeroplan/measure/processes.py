@@ -73,16 +73,21 @@ def exit_status(proc) -> int | None:
     `proc.poll()` it does not reap `proc`, so its pid, the id of its session, cannot be reused
     by another program's session before `kill_sessions` has swept it.
 
-    A forked worker (`worker_server.Worker`) is not this process's child: its server reaps it and
-    reports the status, so its pid is free once it has exited (its session's other processes are
-    still swept by their session id; a new session of that id within the sweep is not guarded)."""
+    A forked worker (`worker_server.Worker`) is not this process's child: its server reads its
+    status the same way (`unreaped_status`) and reaps it only when `kill_sessions` has swept it."""
     if not isinstance(proc, subprocess.Popen):
         return proc.returncode
     if not hasattr(os, "waitid"):
         return proc.poll()
     if proc.returncode is not None:
         return proc.returncode
-    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    return unreaped_status(proc.pid)
+
+
+def unreaped_status(pid: int) -> int | None:
+    """The exit status of child `pid` (negative: killed by that signal), or None while it runs, leaving
+    it unreaped (waitid's WNOWAIT): a zombie keeps its pid, and so its session id, from being reused."""
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     if info is None or info.si_pid == 0:
         return None
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status

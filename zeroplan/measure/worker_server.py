@@ -202,6 +202,7 @@ def start(argv: list[str], *, env: dict[str, str], log: Path) -> Worker:
 
 def serve() -> None:  # pragma: no cover - runs in the server process
     import zeroplan.measure.server_preload  # noqa: F401 - torch, once for every worker
+    from zeroplan.measure.processes import unreaped_status
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's; the server ends with it
     requests, replies = sys.stdin.buffer.fileno(), sys.stdout.buffer
@@ -232,11 +233,10 @@ def serve() -> None:  # pragma: no cover - runs in the server process
                     reply({"started": pid})
                 elif "release" in message:
                     os.waitpid(message["release"], 0)
-        for pid in list(running):  # exited, not reaped: WNOWAIT
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            if info is not None and info.si_pid:
+        for pid in list(running):  # exited, not reaped until the launcher releases it
+            status = unreaped_status(pid)
+            if status is not None:
                 running.discard(pid)
-                status = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
                 reply({"exited": pid, "status": status})
 
 
