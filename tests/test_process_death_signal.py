@@ -1,6 +1,6 @@
 """A worker dies with its launcher even when the launcher dies between the fork and the worker's
 prctl(PR_SET_PDEATHSIG): prctl(2) only signals for a parent that dies after the call, so the child
-checks that its parent is still the launcher that spawned it (measure/processes.py `_die_with_parent`).
+checks that its parent is still the launcher that spawned it (measure/processes.py `die_with_parent`).
 The race was seen in CI: a SIGKILLed launcher left one worker of two running."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import sys
 
 import pytest
 
-from zeroplan.measure.processes import _die_with_parent
+from zeroplan.measure.processes import die_with_parent
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
 
 def _run(launcher_pid: int) -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.DEVNULL,
-                             preexec_fn=functools.partial(_die_with_parent, launcher_pid))
+                             preexec_fn=functools.partial(die_with_parent, launcher_pid))
     return child.wait(timeout=60)
 
 

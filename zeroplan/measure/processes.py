@@ -20,16 +20,17 @@ PROC = Path("/proc")
 SWEEP_S = 5.0  # how long kill_sessions keeps sweeping processes that are still being forked
 
 
-def _die_with_parent(launcher_pid: int) -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGKILL this child if the launcher dies without cleaning up (itself SIGKILLed).
-    A launcher that died between the fork and the prctl sent no signal (prctl(2): the death signal
-    applies to a parent dying after the call), so the child checks it still has that parent."""
+def die_with_parent(parent_pid: int) -> None:  # pragma: no cover - runs in the child after the fork
+    """Linux: SIGKILL this child if its parent (the launcher, or the worker server that forked it) dies
+    without cleaning up (itself SIGKILLed). A parent that died between the fork and the prctl sent no
+    signal (prctl(2): the death signal applies to a parent dying after the call), so the child checks
+    it still has that parent."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_PDEATHSIG = 1  # linux/prctl.h
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != launcher_pid:
+        if os.getppid() != parent_pid:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -38,7 +39,7 @@ def spawn(argv: list[str], *, env: dict[str, str], stdout, stderr=subprocess.STD
     """Start `argv` in a new session (its session id is its pid), to be ended by `kill_sessions`."""
     return subprocess.Popen(
         argv, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
-        start_new_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()), **kwargs,
+        start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()), **kwargs,
     )
 
 

@@ -245,10 +245,10 @@ def _enter_worker(argv: list[str], env: dict[str, str], log: str, server_pid: in
     Its stdin and stdout, the server's pipes to the launcher, are replaced by /dev/null and the log."""
     status = 1
     try:
-        from zeroplan.measure.processes import _die_with_parent
+        from zeroplan.measure.processes import die_with_parent
 
         os.setsid()
-        _die_with_parent(server_pid)
+        die_with_parent(server_pid)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
