@@ -17,8 +17,10 @@ from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, setup_of
 from zeroplan.estimate.lora import kbit_activation_bytes, lora_activations
 from zeroplan.estimate.facts import ModelFacts, model_facts
+from zeroplan.estimate.ledger import fold
 from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import Estimate, ModelSummary, NodeBytes, ParamParts, PhaseBytes
+from zeroplan.estimate.terms import naming
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Attention, Device, Engine, TrainingSpec
 from zeroplan.spec.training import clear_caches as clear_resolved_programs
@@ -155,12 +157,23 @@ def _checkpointing_notes(model: TransformerSpec, training: TrainingSpec) -> tupl
 def _estimate_of(profiled: _Profiled, engine: Engine) -> Estimate:
     facts = profiled.facts
     summary = ModelSummary(facts.name, facts.total_params, facts.trainable_params, profiled.implementation)
-    phases = _with_overhead(profiled.result.phases, profiled.overhead)
-    return Estimate(summary, engine.value, phases, profiled.result.per_node, profiled.notes, profiled.param_parts)
+    folded = fold(_with_overhead(profiled.result.phases, profiled.overhead), profiled.result.per_node)
+    parts = profiled.param_parts
+    if parts is not None:
+        parts = ParamParts(int(parts.base_bytes), int(parts.adapter_bytes))
+    return Estimate(summary, engine.value, folded.phases, folded.per_node, profiled.notes, parts, folded.ledger)
 
 
 def estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
-    """Per-GPU memory by phase and category, and per-node host memory, for one configuration."""
+    """Per-GPU memory by phase and category, and per-node host memory, for one configuration, with
+    the terms each phase's bytes are made of (its ledger)."""
+    with naming():
+        return estimate_unnamed(model, training)
+
+
+def estimate_unnamed(model: ModelSpec, training: TrainingSpec) -> Estimate:
+    """`estimate(model, training)` in the current naming mode: without its ledger in the planner's fast
+    mode (estimate/terms.py), the same bytes."""
     return _estimate_of(_profile(model, training), training.engine)
 
 

@@ -51,11 +51,51 @@ import zeroplan.estimate.activations_families as families
 import zeroplan.estimate.moe as moe
 from zeroplan.estimate.layout import param_layout
 from zeroplan.estimate.caches import memo
+from zeroplan.estimate.terms import named, register
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.program import ActivationOffload, Loss, Recipe
 from zeroplan.spec.training import Attention, Checkpointing, Device, Engine, Precision, TrainingSpec
 
 FP32_BYTES = 4
+
+_DOC = "docs/engines/activations.md"
+# The activation terms: ActivationBytes' fields as the ledger names them (estimate/terms.py).
+TERMS = {
+    "saved_per_block": "activations saved by blocks",
+    "recompute_block": "block recomputed in backward",
+    "block_backward_transient": "block backward gradients",
+    "block_backward_freed": "activations saved by blocks",  # what a block's backward has freed of its own
+    "block_forward_transient": "block forward intermediates",
+    "block_input_grad_bytes": "block input gradient",
+    "embedding": "token ids, labels and shared tables",
+    "final_norm": "final norm saved activations",
+    "logits": "logits",
+    "loss_saved": "loss saved activations (fp32)",
+    "loss_transient": "loss fp32 upcast",
+    "logits_grad": "loss gradients (fp32)",
+    "logits_grad_cast": "logits gradient cast",
+    "head_backward_temporary": "output head backward gradients",
+    "attention_backward_saved": "attention core backward saved",
+    "attention_backward_temporary": "attention core backward gradients",
+}
+register({
+    "activations saved by blocks": f"{_DOC} (blocks; Korthikanti et al. 2022 section 4.1)",
+    "block recomputed in backward": f"{_DOC} (checkpointing; torch/utils/checkpoint.py)",
+    "block backward gradients": f"{_DOC} (a block's backward)",
+    "block forward intermediates": f"{_DOC} (a block's forward)",
+    "block input gradient": f"{_DOC} (a block's backward: the residual stream's gradient)",
+    "token ids, labels and shared tables": f"{_DOC} (outside the blocks)",
+    "final norm saved activations": f"{_DOC} (the final norm)",
+    "logits": f"{_DOC} (logits and loss; transformers loss_utils.py ForCausalLMLoss)",
+    "loss saved activations (fp32)": f"{_DOC} (logits and loss: log_softmax's output)",
+    "loss fp32 upcast": f"{_DOC} (logits and loss: the fp32 upcast)",
+    "loss gradients (fp32)": f"{_DOC} (logits and loss: nll_loss and log_softmax backward)",
+    "logits gradient cast": f"{_DOC} (logits and loss: the gradient cast for lm_head)",
+    "output head backward gradients": f"{_DOC} (lm_head's backward)",
+    "attention core backward saved": f"{_DOC} (eager attention's backward)",
+    "attention core backward gradients": f"{_DOC} (eager attention's backward)",
+    "activations offloaded to the host": f"{_DOC} (activation offloading; torchtune training/_activation_offloading.py)",
+})
 
 
 @dataclass(frozen=True)
@@ -665,7 +705,7 @@ def _offloaded(acts: ActivationBytes, spec: TransformerSpec, training: TrainingS
     in_flight = acts.saved_per_block
     if training.checkpointing not in (Checkpointing.FULL, Checkpointing.OP):
         in_flight = min(in_flight, tokens * _mlp_saved_per_token(spec, w))
-    return replace(acts, offloaded=True, host_bytes=host, saved_per_block=in_flight)
+    return replace(acts, offloaded=True, host_bytes=named("activations offloaded to the host", host), saved_per_block=in_flight)
 
 
 def _block_matmuls(spec: TransformerSpec) -> list[tuple[int, bool]]:
@@ -874,7 +914,7 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
     final_norm = (tokens * _norm_saved_per_token(spec, w, 1) + head_cast + head.pop("final_norm")
                   + families.offset_weights_bytes(spec, final=True))
     head["loss_transient"] += forward_casts
-    return ActivationBytes(
+    terms = dict(
         saved_per_block=saved_block,
         recompute_block=recompute,
         block_backward_transient=tokens * _block_backward_transient_per_token(spec, w),
@@ -883,8 +923,8 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         block_input_grad_bytes=tokens * w.resid * h,
         embedding=embedding,
         final_norm=final_norm,
-        num_blocks=spec.num_layers,
         attention_backward_saved=attention_saved,
         attention_backward_temporary=attention_temporary,
         **head,
     )
+    return ActivationBytes(num_blocks=spec.num_layers, **{field: named(TERMS[field], value) for field, value in terms.items()})

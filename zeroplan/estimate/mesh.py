@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-from zeroplan.estimate import IMPLEMENTATION, _engine_profile, estimate
+from zeroplan.estimate import IMPLEMENTATION, _engine_profile, estimate_unnamed
 from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, activation_bytes
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import state_bytes
@@ -29,6 +29,7 @@ from zeroplan.estimate.engines.common import Setup, ceil_div, setup_of
 from zeroplan.estimate.engines.deepspeed_mesh import autotp_facts, autotp_training
 from zeroplan.estimate.facts import ModelFacts, ModuleGroup, model_facts
 from zeroplan.estimate.layout import ParamTensor, param_layout
+from zeroplan.estimate.ledger import fold
 from zeroplan.estimate.mesh_ep import (backward_transient_delta, first_block_gradient, placed_experts, recompute_end_transient,
                                       saved_per_block_delta)
 from zeroplan.estimate.overhead import overhead_bytes
@@ -37,6 +38,7 @@ from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.program import GradSync
 from zeroplan.spec.training import Checkpointing, Engine, TrainingSpec
+from zeroplan.estimate.terms import naming
 
 # Tensor-parallel plans (torchtitan v0.2.2 models/llama3/infra/parallelize.py `apply_tp`; 0.3.0
 # models/common/decoder_sharding.py): layer names, by how their weight is cut over tp.
@@ -477,8 +479,9 @@ def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKin
     implementation = f"{IMPLEMENTATION}/{training.attention.value}"
     whole = model_facts(model, training)
     summary = ModelSummary(model.name, whole.total_params, whole.trainable_params, implementation)
-    rank = Estimate(summary, training.engine.value, phases, result.per_node, result.notes)
-    return RankEstimate(kind, training.gpus // training.mesh.pp, facts.total_params, rank)
+    folded = fold(phases, result.per_node)
+    rank = Estimate(summary, training.engine.value, folded.phases, folded.per_node, result.notes, ledger=folded.ledger)
+    return RankEstimate(kind, training.gpus // training.mesh.pp, int(facts.total_params), rank)
 
 
 def _rank_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int,
@@ -551,11 +554,17 @@ def _rank_profile(model: TransformerSpec, training: TrainingSpec, kind: RankKind
 
 
 def estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
-    """Each distinct rank kind of `training.mesh`, estimated; an all-ones mesh is `estimate(model, training)`."""
+    """Each distinct rank kind of `training.mesh`, estimated with its ledger; an all-ones mesh is
+    `estimate(model, training)`."""
+    with naming():
+        return _estimate_mesh(model, training)
+
+
+def _estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
     mesh = training.mesh
     if mesh.is_trivial:
         kind = RankKind(0, (0,), getattr(model, "num_layers", 0), True, True, 1)
-        single = estimate(model, training)
+        single = estimate_unnamed(model, training)
         return MeshEstimate(mesh, (RankEstimate(kind, training.gpus, single.model.params, single),))
     check_mesh(model, training)
     micro_batches = training.grad_accum if mesh.pp > 1 else 1
@@ -569,7 +578,7 @@ def estimate_mesh_within(model: ModelSpec, training: TrainingSpec, budget_bytes:
     in flight, the logits) are estimated first and the rest only when those fit."""
     mesh = training.mesh
     if mesh.is_trivial:
-        whole = estimate_mesh(model, training)
+        whole = _estimate_mesh(model, training)
         return whole if whole.worst.estimate.peak_bytes <= budget_bytes else None
     check_mesh(model, training)
     micro_batches = training.grad_accum if mesh.pp > 1 else 1

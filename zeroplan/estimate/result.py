@@ -118,6 +118,8 @@ class Estimate:
     per_node: NodeBytes
     notes: tuple[str, ...] = field(default=())
     param_parts: ParamParts | None = None  # with LoRA only: the peak's params as base + adapter bytes
+    # every phase's terms (estimate/ledger.py Moment, aligned with `phases`); None from the planner's fast fit
+    ledger: tuple | None = field(default=None, compare=False)
 
     @cached_property
     def peak(self) -> PhaseBytes:
