@@ -64,7 +64,7 @@ TERMS = {
     "saved_per_block": "activations saved by blocks",
     "recompute_block": "block recomputed in backward",
     "block_backward_transient": "block backward gradients",
-    "block_backward_freed": "activations saved by blocks",  # what a block's backward has freed of its own
+    "block_backward_freed": "saved activations freed by a block's backward",  # subtracted: ledger.py nets it
     "block_forward_transient": "block forward intermediates",
     "block_input_grad_bytes": "block input gradient",
     "embedding": "token ids, labels and shared tables",
@@ -84,6 +84,7 @@ register({
     "block backward gradients": f"{_DOC} (a block's backward)",
     "block forward intermediates": f"{_DOC} (a block's forward)",
     "block input gradient": f"{_DOC} (a block's backward: the residual stream's gradient)",
+    "saved activations freed by a block's backward": f"{_DOC} (a block's backward frees its MLP product)",
     "token ids, labels and shared tables": f"{_DOC} (outside the blocks)",
     "final norm saved activations": f"{_DOC} (the final norm)",
     "logits": f"{_DOC} (logits and loss; transformers loss_utils.py ForCausalLMLoss)",

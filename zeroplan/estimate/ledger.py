@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from zeroplan.estimate.result import CATEGORY_NAMES, CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
-from zeroplan.estimate.terms import naming_on, parts_of, source_of
+from zeroplan.estimate.terms import UNNAMED, naming_on, parts_of, source_of
 
 
 class Term(NamedTuple):
@@ -40,7 +40,19 @@ class Moment(NamedTuple):
 
 
 def terms_of(category: str, value: int) -> list[Term]:
-    return [Term(name, category, part, source_of(name)) for name, part in parts_of(value).items()]
+    """The terms of one category's bytes. A negative part is what a formula subtracts: memory freed of
+    another term (a block's backward freeing its MLP product); it is taken off the category's largest
+    term, so that every term is an allocation and they still add up to the category."""
+    parts = parts_of(value)
+    freed = sum(part for part in parts.values() if part < 0)
+    if freed:
+        parts = {name: part for name, part in parts.items() if part > 0}
+        if parts:
+            largest = max(parts, key=parts.__getitem__)
+            parts[largest] += freed
+        else:
+            parts = {UNNAMED: freed}
+    return [Term(name, category, part, source_of(name)) for name, part in parts.items() if part]
 
 
 def moment_of(phase: PhaseBytes) -> Moment:
