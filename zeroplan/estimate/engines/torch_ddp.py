@@ -39,9 +39,6 @@ register({
     "parameters": "torch/nn/modules/module.py (the model's parameters, on every rank under DDP)",
     "gradients (.grad)": "torch/csrc/autograd/functions/accumulate_grad.h (one .grad per trainable parameter)",
     "DDP reducer buckets": "torch/csrc/distributed/c10d/reducer.cpp Reducer::initialize_buckets",
-    "optimizer states": "torch/optim/adam.py _init_group (exp_avg, exp_avg_sq; SGD momentum_buffer)",
-    "optimizer step temporaries": "torch/optim/adam.py _single_tensor_adam / _multi_tensor_adam (docs/engines/torch.md)",
-    "tied head gradient pending in autograd": "torch/csrc/autograd/input_buffer.cpp accumulate",
     "DDP output clones": "torch/nn/parallel/distributed.py _DDPSink (docs/engines/torch.md)",
 })
 
