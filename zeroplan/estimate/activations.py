@@ -51,7 +51,7 @@ import zeroplan.estimate.activations_families as families
 import zeroplan.estimate.moe as moe
 from zeroplan.estimate.layout import param_layout
 from zeroplan.estimate.caches import memo
-from zeroplan.estimate.terms import named, register
+from zeroplan.estimate.terms import UNNAMED, Terms, named, naming_on, parts_of, register
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.program import ActivationOffload, Loss, Recipe
 from zeroplan.spec.training import Attention, Checkpointing, Device, Engine, Precision, TrainingSpec
@@ -147,6 +147,12 @@ class ActivationBytes:
 
     def __post_init__(self) -> None:
         derived = object.__setattr__
+        if naming_on():
+            # a field changed by a transform (TP, CP, EP, LoRA) is still that quantity: its unnamed part takes its name
+            for name in _NAMED_FIELDS:
+                value = getattr(self, name)
+                if UNNAMED in parts_of(value):
+                    derived(self, name, _with_field_name(name, value))
         # A recomputed block's MLP product is counted among what backward allocates, not saved.
         mlp_temporary = self.recompute_block - (self.block_backward_freed if self.recompute_block else 0) + self.block_backward_transient
         mlp_intercept = self.blocks_left_saved(1) - self.saved_per_block + mlp_temporary
@@ -294,6 +300,16 @@ class ActivationBytes:
 
 
 _INT_FIELDS = frozenset(f.name for f in fields(ActivationBytes) if f.init and f.type in ("int", int))
+_NAMED_FIELDS = tuple(sorted(TERMS.keys() | {"host_bytes"}))
+
+
+def _with_field_name(field_name: str, value: int) -> int:
+    """`value` with its unnamed part under the field's own term name (`TERMS`)."""
+    parts = parts_of(value)
+    unnamed = parts.pop(UNNAMED)
+    name = TERMS.get(field_name, "activations offloaded to the host")
+    parts[name] = parts.get(name, 0) + unnamed
+    return Terms(parts)
 
 
 @dataclass(frozen=True)

@@ -44,14 +44,15 @@ def terms_of(category: str, value: int) -> list[Term]:
     another term (a block's backward freeing its MLP product); it is taken off the category's largest
     term, so that every term is an allocation and they still add up to the category."""
     parts = parts_of(value)
-    freed = sum(part for part in parts.values() if part < 0)
+    freed = sum(part for name, part in parts.items() if part < 0 and name != UNNAMED)
     if freed:
-        parts = {name: part for name, part in parts.items() if part > 0}
-        if parts:
-            largest = max(parts, key=parts.__getitem__)
+        parts = {name: part for name, part in parts.items() if part > 0 or name == UNNAMED}
+        named_parts = [name for name in parts if name != UNNAMED]
+        if named_parts:
+            largest = max(named_parts, key=parts.__getitem__)
             parts[largest] += freed
         else:
-            parts = {UNNAMED: freed}
+            parts[UNNAMED] = parts.get(UNNAMED, 0) + freed
     return [Term(name, category, part, source_of(name)) for name, part in parts.items() if part]
 
 

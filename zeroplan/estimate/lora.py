@@ -24,9 +24,15 @@ from zeroplan.errors import FieldError, SpecError
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.layout import ParamTensor, param_layout
 from zeroplan.spec.lora import LoraSpec, QuantSpec
+from zeroplan.estimate.terms import named, register
 from zeroplan.spec.model import TransformerSpec
 
 FP32_BYTES = 4
+register({
+    "frozen base as stored (bitsandbytes)": "bitsandbytes nn/modules.py Params4bit, Int8Params (docs/engines/lora.md, "
+                                            "The base's storage)",
+    "frozen base at the engine's element size": "estimate/lora.py base_params_delta (taken off the engine's parameters)",
+})
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "uint8": 1}
 DOUBLE_QUANT_BLOCK = 256  # functional.py quantize_4bit: quantize_blockwise(_absmax - offset, blocksize=256)
 FOUR_BIT_CODE_VALUES = 16  # functional.py get_4bit_type: the nf4 / fp4 code
@@ -755,15 +761,18 @@ def base_params_delta(spec: TransformerSpec, training, param: int) -> int:
     element = _engine_param_element(training.engine.value, training.precision.value, param)
     n = training.gpus if _sharded(training) else 1
     packed = packed_storage(training)
-    delta = 0
+    stored = counted = 0
     for t in base_tensors(spec, quant):
         if packed is not None and t.packed:
             # the shards of the packed storage, and the QuantState whole on every rank (Params4bit.__torch_function__)
-            stored = _ceil(packed_elements(t.numel, quant), n) * DTYPE_BYTES[quant.quant_storage] + quant_state_bytes(t.numel, quant)
-            delta += t.count * (stored - _ceil(_packed_units(t.numel, packed), n) * element)
+            stored += t.count * (_ceil(packed_elements(t.numel, quant), n) * DTYPE_BYTES[quant.quant_storage]
+                                 + quant_state_bytes(t.numel, quant))
+            counted += t.count * _ceil(_packed_units(t.numel, packed), n) * element
         else:
-            delta += t.count * (_ceil(t.stored_bytes, n) - _ceil(t.numel, n) * element)
-    return delta
+            stored += t.count * _ceil(t.stored_bytes, n)
+            counted += t.count * _ceil(t.numel, n) * element
+    # the base as stored replaces the engine's count of it (the fold takes that off the engine's parameters)
+    return named("frozen base as stored (bitsandbytes)", stored) - named("frozen base at the engine's element size", counted)
 
 
 def adapter_param_bytes(facts, training, param: int, steady: bool) -> int:

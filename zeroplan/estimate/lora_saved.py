@@ -12,6 +12,11 @@ from zeroplan.estimate.engines.common import step_temporary_bytes
 from zeroplan.estimate.engines.torch_ddp import _largest_local_shard
 from zeroplan.estimate.lora import _engine_param_element, is_saved_copy
 from zeroplan.estimate.result import Phase
+from zeroplan.estimate.terms import named, register
+
+register({f"modules_to_save copies in the base's dtype ({part})": "peft utils/other.py ModulesToSaveWrapper (a deep copy "
+          "in the base's dtype, counted against the torch engine's element size: estimate/lora_saved.py)"
+          for part in ("parameters", "DDP buckets", "gradients", "optimizer states", "step temporaries")})
 
 
 class SavedCopyBytes(NamedTuple):
@@ -43,8 +48,13 @@ def saved_copy_bytes(facts, training, setup, element: int) -> SavedCopyBytes:
                    - step_temporary_bytes(max(local, default=0), sum(local), engine_element, optimizer, impl))
     states = sum(optimizer_state_bytes(numel, optimizer, element) - optimizer_state_bytes(numel, optimizer, engine_element)
                  for numel in local_copies)
-    return SavedCopyBytes(sum(copies) * narrower, sum(copies) * narrower if setup.program.ddp else 0,
-                          sum(copies) * narrower, head * narrower, states, temporaries)
+    def copy(name: str, value: int) -> int:
+        return named(f"modules_to_save copies in the base's dtype ({name})", value)
+
+    return SavedCopyBytes(copy("parameters", sum(copies) * narrower),
+                          copy("DDP buckets", sum(copies) * narrower if setup.program.ddp else 0),
+                          copy("gradients", sum(copies) * narrower), copy("gradients", head * narrower),
+                          copy("optimizer states", states), copy("step temporaries", temporaries))
 
 
 def with_saved_copies(categories, phase, copy: SavedCopyBytes, full_grads: int):

@@ -38,7 +38,15 @@ from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.program import GradSync
 from zeroplan.spec.training import Checkpointing, Engine, TrainingSpec
-from zeroplan.estimate.terms import naming
+from zeroplan.estimate.terms import named, naming, register
+
+register({
+    "zero bubble: output gradients kept from I to W": "torch/distributed/pipelining/_backward.py stage_backward_input "
+                                                      "(docs/engines/mesh.md)",
+    "pipeline sends pending": "torch/distributed/pipelining/schedules.py _step_microbatches (sends waited at the step's end)",
+    "pipeline receive buffers": "torch/distributed/pipelining/stage.py _prepare_forward_infra, _create_grad_recv_info",
+    "Ulysses all-to-all buffers": "deepspeed/sequence/layer.py _SeqAllToAll",
+})
 
 # Tensor-parallel plans (torchtitan v0.2.2 models/llama3/infra/parallelize.py `apply_tp`; 0.3.0
 # models/common/decoder_sharding.py): layer names, by how their weight is cut over tp.
@@ -371,10 +379,11 @@ class _ChunkMaker:
             saved=counts[stage] * acts.saved_per_block + (acts.embedding if stage == 0 else 0)
             + (acts.final_norm + acts.loss_saved if stage == last else 0),
             # stage 0 skips its I and runs a full backward at W (stage.py `backward_one_chunk`): it keeps nothing from I to W
-            weight_grad_inputs=zero_bubble * (stage != 0) * self.tokens * self.act_bytes
-            * (counts[stage] * _weight_op_output_width(model, mesh) + (head_width if stage == last else 0)),
-            sent=self.boundary if stage != last else 0,
-            sent_grad=self.boundary if stage != 0 else 0,
+            weight_grad_inputs=named("zero bubble: output gradients kept from I to W", zero_bubble * (stage != 0)
+                                     * self.tokens * self.act_bytes
+                                     * (counts[stage] * _weight_op_output_width(model, mesh) + (head_width if stage == last else 0))),
+            sent=named("pipeline sends pending", self.boundary if stage != last else 0),
+            sent_grad=named("pipeline sends pending", self.boundary if stage != 0 else 0),
             kept_output=acts.logits if stage == last else 0,
             grads=self.profiled_grads * params // self.total_params)
 
@@ -420,8 +429,8 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
     # ring attention's tensors (FSDP2) are moments of a block's attention core: rank_activations, estimate/mesh_cp.py
     if mesh.cp > 1 and kind.layers and training.engine.value == "deepspeed":
         # Ulysses (deepspeed/sequence/layer.py _SeqAllToAll): q, k, v and the output re-laid out by all-to-all
-        forward += tokens * (2 * q_width + 2 * kv_width) * act_bytes
-        backward += tokens * (2 * q_width + 2 * kv_width) * act_bytes
+        forward += named("Ulysses all-to-all buffers", tokens * (2 * q_width + 2 * kv_width) * act_bytes)
+        backward += named("Ulysses all-to-all buffers", tokens * (2 * q_width + 2 * kv_width) * act_bytes)
     if mesh.pp > 1:
         # torch/distributed/pipelining/stage.py `_prepare_forward_infra` / `_create_grad_recv_info`: a receive
         # buffer per micro-batch for the stage input (all but stage 0) and for its gradient (all but the last)
@@ -429,7 +438,7 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
         stage_count = len(kind.stages)
         receives = stage_count - (1 if kind.embedding else 0)
         grad_receives = stage_count - (1 if kind.head else 0)
-        steady += micro_batches * boundary * (receives + grad_receives)
+        steady += named("pipeline receive buffers", micro_batches * boundary * (receives + grad_receives))
     # EP's dispatch and combine outputs are activations, none in flight at the peaks (estimate/mesh_ep.py)
     return MeshBuffers(forward, backward, steady)
 
