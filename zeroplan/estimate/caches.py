@@ -25,12 +25,12 @@ def memo(maxsize: int | None) -> Callable[[F], F]:
     (estimate/terms.py: a result computed with named terms is not the planner's int, nor the reverse)."""
 
     def decorate(function: F) -> F:
-        cached = lru_cache(maxsize=maxsize)(lambda naming, *args: function(*args))
+        cached = lru_cache(maxsize=maxsize)(lambda naming, *args, **kwargs: function(*args, **kwargs))
         _REGISTERED.append(cached)
 
         @wraps(function)
-        def keyed(*args: Any) -> Any:
-            return cached(naming_on(), *args)
+        def keyed(*args: Any, **kwargs: Any) -> Any:
+            return cached(naming_on(), *args, **kwargs)
 
         keyed.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
         keyed.cache_info = cached.cache_info  # type: ignore[attr-defined]
