@@ -79,13 +79,13 @@ def test_what_the_trainer_cannot_run_is_one_line_naming_the_field(fields, messag
 def _measure_and_compare(training: TrainingSpec, engine_config: dict | None = None):
     pytest.importorskip("accelerate")
     from zeroplan.estimate import estimate
-    from zeroplan.estimate.serialize import estimate_to_dict
+    from zeroplan.estimate.serialize import phase_to_dict
     from zeroplan.measure.launcher import run_measurement
 
     result = run_measurement(TINY, training, nproc=N, backend="gloo", steps=2, timeout_s=300, engine_config=engine_config)
     assert result.implementation.startswith("transformers.Trainer-"), result.implementation
     measured = result.to_json_dict()
-    comparison = compare(estimate_to_dict(estimate(TINY, training), training)["phases"], run_peaks(measured))
+    comparison = compare([phase_to_dict(phase) for phase in estimate(TINY, training).phases], run_peaks(measured))
     return result, comparison
 
 

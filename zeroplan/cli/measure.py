@@ -96,7 +96,7 @@ def command(**options: Any) -> None:
     from zeroplan.report.measure import render_table, report_data
 
     # the worst rank kind on a mesh, set against the rank that peaks highest; before the run: its errors come first
-    estimated = estimate_to_dict(estimate_mesh(model, training).worst.estimate, training)
+    estimated = estimate_to_dict(estimate_mesh(model, training), training)
     result = run_measurement(
         model, training, nproc=nproc, backend=backend, simulate=simulate,
         steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],
@@ -105,7 +105,7 @@ def command(**options: Any) -> None:
     if training.mesh.ep > 1 and options.get("mesh_moe_imbalance") is None:  # estimated with the routing the run had
         from zeroplan.measure.grid_ep import with_measured_imbalance
 
-        estimated = estimate_to_dict(estimate_mesh(model, with_measured_imbalance(training, result.notes)).worst.estimate,
+        estimated = estimate_to_dict(estimate_mesh(model, with_measured_imbalance(training, result.notes)),
                                      training)
     measured = result.to_json_dict()
     comparison = compare(estimated["phases"], run_peaks(measured))

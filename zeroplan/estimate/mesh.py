@@ -17,8 +17,6 @@ An all-ones mesh is today's estimate, unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
 from typing import NamedTuple
 
 from zeroplan.estimate import IMPLEMENTATION, _engine_profile, estimate_unnamed
@@ -33,7 +31,8 @@ from zeroplan.estimate.ledger import fold
 from zeroplan.estimate.mesh_ep import (backward_transient_delta, first_block_gradient, placed_experts, recompute_end_transient,
                                       saved_per_block_delta)
 from zeroplan.estimate.overhead import overhead_bytes
-from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, Phase, PhaseBytes
+from zeroplan.estimate.result import (CategoryBytes, Estimate, MeshEstimate, ModelSummary, Phase, PhaseBytes, RankEstimate,
+                                      RankKind)
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.program import GradSync
@@ -53,41 +52,6 @@ register({
 _COLWISE = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "gate_proj", "up_proj", "gate_up_proj", "c_fc",
             "fc_in", "lm_head", "experts")
 _ROWWISE = ("o_proj", "c_proj", "down_proj", "fc_out", "embed_tokens")
-
-
-class RankKind(NamedTuple):
-    """Ranks that hold the same things: one pipeline rank's stages and what flows through them."""
-
-    pp_rank: int  # 0 .. pp - 1
-    stages: tuple[int, ...]  # the pipeline stages this rank runs (several under looped schedules)
-    layers: int  # transformer blocks it holds
-    embedding: bool  # holds the token embedding (stage 0)
-    head: bool  # holds the final norm and the output head, and computes the loss (the last stage)
-    in_flight: int  # micro-batches whose activations its schedule keeps at once (stage-sized chunks)
-
-    @property
-    def label(self) -> str:
-        parts = ["embedding"] * self.embedding + [f"{self.layers} layers"] + ["head, loss"] * self.head
-        return f"pp rank {self.pp_rank} ({', '.join(parts)})"
-
-
-class RankEstimate(NamedTuple):
-    kind: RankKind
-    ranks: int  # GPUs of this kind in the world
-    params: int  # parameters the rank holds before data-parallel sharding (its stage, cut by tp and ep)
-    estimate: Estimate
-
-
-@dataclass(frozen=True)
-class MeshEstimate:
-    """Every distinct rank kind's estimate; `worst` is the one with the highest peak."""
-
-    mesh: MeshSpec
-    ranks: tuple[RankEstimate, ...]
-
-    @cached_property
-    def worst(self) -> RankEstimate:
-        return max(self.ranks, key=lambda rank: rank.estimate.peak_bytes)
 
 
 def stage_layers(num_layers: int, stages: int) -> list[int]:

@@ -370,7 +370,7 @@ def _accumulation(mesh: MeshSpec, gpus: int, micro: int, global_batch: int | Non
 def mesh_plan_to_dict(plan: MeshPlan) -> dict[str, Any]:
     """`zeroplan plan --mesh` as plain data: every shown mesh, its worst rank's peak, its cost terms and reason."""
     from zeroplan.estimate.serialize import per_gpu_to_dict
-    from zeroplan.estimate.serialize_mesh import mesh_to_dict
+    from zeroplan.estimate.serialize import mesh_to_dict
 
     return {
         "model": plan.model_name, "gpus": plan.gpus, "budget": plan.budget_bytes, "evaluated": plan.evaluated,
