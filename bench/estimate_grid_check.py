@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from json_subset import restricted
 from zeroplan.estimate import fit
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.estimate.serialize import estimate_to_dict
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.model import ParamCountSpec

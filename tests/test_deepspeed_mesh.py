@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from zeroplan.cli import cli
 from zeroplan.errors import MeasureError
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.deepspeed_json import settings_from_deepspeed, write_deepspeed_config
 from zeroplan.measure.grid import _grid

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from zeroplan.cli import cli
 from zeroplan.estimate import estimate, fit
 from zeroplan.estimate.ledger import allocation_events
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.estimate.result import CATEGORY_NAMES
 from zeroplan.estimate.serialize import estimate_to_dict
 from zeroplan.estimate.terms import UNNAMED, Terms, named, naming, naming_on, parts_of

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from zeroplan.estimate.mesh import estimate_mesh  # noqa: E402
+from zeroplan.estimate import estimate_mesh  # noqa: E402
 from zeroplan.importers.catalog import resolve_model  # noqa: E402
 from zeroplan.measure import launcher  # noqa: E402
 from zeroplan.measure.grid_ep import measured_imbalance, with_measured_imbalance  # noqa: E402

@@ -10,7 +10,9 @@ from click.testing import CliRunner
 from zeroplan.cli import cli
 from zeroplan.errors import SpecError
 from zeroplan.estimate.engines.fsdp2 import _units
-from zeroplan.estimate.mesh import RankKind, estimate_mesh, rank_facts
+from zeroplan.estimate import estimate_mesh
+from zeroplan.estimate.result import RankKind
+from zeroplan.estimate.mesh import rank_facts
 from zeroplan.estimate.mesh_ep import saved_per_block_delta
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.measure.grid_ep import measured_imbalance, with_measured_imbalance

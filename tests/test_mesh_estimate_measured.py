@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec
 

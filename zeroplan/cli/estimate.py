@@ -43,7 +43,7 @@ def command(**options: Any) -> None:
                                config)
     training = training_spec_from_options(options, config, model)
 
-    from zeroplan.estimate.mesh import estimate_mesh
+    from zeroplan.estimate import estimate_mesh
     from zeroplan.estimate.serialize import estimate_to_dict
     from zeroplan.report.estimate import render_estimate
 

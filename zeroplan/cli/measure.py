@@ -90,7 +90,7 @@ def command(**options: Any) -> None:
 
             user_config(engine_config, training, nproc)  # a stage or batch that disagrees fails here, before any rank starts
 
-    from zeroplan.estimate.mesh import estimate_mesh
+    from zeroplan.estimate import estimate_mesh
     from zeroplan.estimate.serialize import estimate_to_dict
     from zeroplan.measure.comparison import compare, run_peaks
     from zeroplan.report.measure import render_table, report_data

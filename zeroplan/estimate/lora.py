@@ -751,7 +751,7 @@ def packed_layout(spec: TransformerSpec, layout: LoraLayout, packed: PackedStora
                            runs=tuple((storage(tensors), count) for tensors, count in layout.runs))
 
 
-def base_params_delta(spec: TransformerSpec, training, param: int) -> int:
+def base_params_delta(spec: TransformerSpec, training, param: int, shard_ranks: int) -> int:
     """Bytes per rank the base really takes minus what the engine profile counted for it (every
     parameter in the engine's dtype; a 4-bit weight under a sharding engine as its packed storage,
     `packed_layout`): zero without `quant`."""
@@ -759,7 +759,7 @@ def base_params_delta(spec: TransformerSpec, training, param: int) -> int:
     if quant is None or training.offload_params.value != "none":
         return 0
     element = _engine_param_element(training.engine.value, training.precision.value, param)
-    n = training.gpus if _sharded(training) else 1
+    n = shard_ranks if _sharded(training) else 1
     packed = packed_storage(training)
     stored = counted = 0
     for t in base_tensors(spec, quant):
@@ -775,7 +775,7 @@ def base_params_delta(spec: TransformerSpec, training, param: int) -> int:
     return named("frozen base as stored (bitsandbytes)", stored) - named("frozen base at the engine's element size", counted)
 
 
-def adapter_param_bytes(facts, training, param: int, steady: bool) -> int:
+def adapter_param_bytes(facts, training, param: int, steady: bool, shard_ranks: int) -> int:
     """The trained tensors' share of the params category per rank (engines/*.py: the engine's dtype,
     sharded as the engine shards; ZeRO-3 keeps tensors under the persistence threshold whole once traced)."""
     element = _engine_param_element(training.engine.value, training.precision.value, param)
@@ -786,7 +786,7 @@ def adapter_param_bytes(facts, training, param: int, steady: bool) -> int:
                    for g in facts.groups for t in g.trainable_tensors)
     if not _sharded(training):
         return element * sum(numel * count for numel, count in tensors)
-    n = training.gpus
+    n = shard_ranks
     threshold = training.deepspeed.stage3_param_persistence_threshold if training.engine.value == "deepspeed" else 0
     whole = sum(numel * count for numel, count in tensors if numel <= threshold) if steady else 0
     return element * (sum(_ceil(numel, n) * count for numel, count in tensors) + whole)

@@ -17,9 +17,9 @@ An all-ones mesh is today's estimate, unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
-from zeroplan.estimate import IMPLEMENTATION, _engine_profile, estimate_unnamed
 from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, activation_bytes
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import state_bytes
@@ -192,11 +192,18 @@ def _sequence_parallel_saving(model: TransformerSpec, training: TrainingSpec, to
     return tokens * per_token * (tp - 1) // tp
 
 
-def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankKind, act_bytes: int) -> ActivationBytes:
+def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankKind, act_bytes: int,
+                     adapted: Callable[[ActivationBytes, TransformerSpec, TrainingSpec], ActivationBytes] | None = None
+                     ) -> ActivationBytes:
+    """One micro-batch of the rank's tokens through its blocks, heads and MLP cut by tp; `adapted` (LoRA's,
+    estimate/lora.py) changes them as the adapters do, before the mesh's own changes."""
     mesh = training.mesh
     local_seq = training.seq_len // mesh.cp
     local = _local_training(training, local_seq)
-    acts = activation_bytes(_local_view(model, mesh, kind), local, act_bytes)
+    view = _local_view(model, mesh, kind)
+    acts = activation_bytes(view, local, act_bytes)
+    if adapted is not None:
+        acts = adapted(acts, view, local)
     tokens = training.micro_batch * local_seq
     changes: dict[str, int] = {}
     checkpointed = training.checkpointing in (Checkpointing.FULL, Checkpointing.OP)
@@ -278,7 +285,7 @@ def _weight_op_output_width(model: TransformerSpec, mesh: MeshSpec) -> int:
     return q_width + 2 * kv_width + h + mlp_inputs * model.intermediate_size // tp + h + 2 * h
 
 
-def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, facts: ModelFacts,
+def looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, facts: ModelFacts,
                             acts: ActivationBytes, phases: tuple[PhaseBytes, ...], act_bytes: int,
                             micro_batches: int, bounded: tuple[RankKind, ...] = ()) -> tuple[tuple[PhaseBytes, ...], int] | None:
     """The profile's forward and backward phases raised (or lowered) to the peak found by walking the
@@ -407,8 +414,8 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
     return MeshBuffers(forward, backward, steady)
 
 
-def _with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers, overhead: int) -> tuple[PhaseBytes, ...]:
-    """`phases` with the mesh's buffers, and `overhead` in every phase (`estimate._with_overhead`, in the same pass)."""
+def with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers, overhead: int) -> tuple[PhaseBytes, ...]:
+    """`phases` with the mesh's buffers, and `overhead` in every phase."""
     extra = {Phase.FORWARD: buffers.forward + buffers.steady, Phase.BACKWARD: buffers.backward + buffers.steady,
              Phase.OPTIMIZER_STEP: buffers.steady}
     raised = []
@@ -425,13 +432,13 @@ def _with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers, overhead
 
 # every rank kind of one mesh estimate asks for the same one
 @memo(maxsize=64)
-def _rank_setup(training: TrainingSpec) -> tuple[Engine, Setup]:
+def rank_setup(training: TrainingSpec) -> tuple[Engine, Setup]:
     """The engine a rank of `training`'s mesh runs and its set-up (every rank kind's: read from `training` alone)."""
     mesh = training.mesh
     setup = setup_of(training)._replace(gpus=mesh.fsdp_degree(training.gpus),
                                         expert_gpus=mesh.expert_fsdp_degree(training.gpus) if mesh.ep > 1 else 0)
     engine = training.engine
-    if engine == Engine.FSDP2 and setup.gpus == 1:
+    if engine == Engine.FSDP2 and setup.gpus == 1:  # (a mesh rank's: plain data parallelism runs the engine asked for)
         # torchtitan applies fully_shard only when dp_shard > 1 or cp > 1 (distributed/parallel_dims.py
         # `fsdp_enabled`): a rank with nothing to shard steps its TP/PP-local parameters as one plain module
         engine, setup = Engine.TORCH, setup._replace(zero_stage=0, program=setup.program._replace(ddp=False))
@@ -447,130 +454,7 @@ def _rank_setup(training: TrainingSpec) -> tuple[Engine, Setup]:
     return engine, setup
 
 
-def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int) -> RankEstimate:
-    training, kind, facts, result, phases = _rank_phases(model, training, kind, micro_batches)
-    implementation = f"{IMPLEMENTATION}/{training.attention.value}"
-    whole = model_facts(model, training)
-    summary = ModelSummary(model.name, whole.total_params, whole.trainable_params, implementation)
-    folded = fold(phases, result.per_node)
-    rank = Estimate(summary, training.engine.value, folded.phases, folded.per_node, result.notes, ledger=folded.ledger)
-    return RankEstimate(kind, training.gpus // training.mesh.pp, int(facts.total_params), rank)
-
-
-def _rank_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int,
-                 bounded: tuple[RankKind, ...] = ()):
-    """The training the rank runs, its kind (micro-batches in flight from its walk), facts, engine profile and
-    phases; with `bounded`, phases no lower than any of theirs (`middle_ranks_peak_bound`), or None."""
-    if training.engine == Engine.DEEPSPEED:  # AutoTP's plan is not torchtitan's (estimate/engines/deepspeed_mesh.py)
-        training = autotp_training(training)
-    mesh = training.mesh
-    dtypes = state_bytes(training.precision, training.optimizer)
-    # the profile reads the kind's ends, layers, stage count and (one stage per rank) micro-batches in flight only:
-    # the middle ranks of a looped schedule share it and differ in their walk alone
-    shape = kind._replace(pp_rank=0, stages=tuple(range(len(kind.stages))),
-                          in_flight=0 if mesh.pp_schedule.looped and mesh.pp > 1 else kind.in_flight)
-    facts, acts, engine, result = _rank_profile(model, training, shape)
-    if kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2 and engine == Engine.TORCH:
-        # without FSDP2 (_rank_profile) the rowwise embedding's Replicate gradient stays whole until
-        # zero_grad (estimate/tp_embedding.py)
-        from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
-
-        extra = replicated_embedding_grad_bytes(model, mesh, dtypes.grad)
-        result = result._replace(phases=with_replicated_embedding_grad(result.phases, extra, facts.trainable_params * dtypes.grad))
-    if mesh.pp > 1 and mesh.pp_schedule.looped:
-        looped = _looped_schedule_phases(model, training, kind, facts, acts, result.phases, dtypes.activation,
-                                         micro_batches, bounded)
-        if looped is None:
-            return None
-        result, kind = result._replace(phases=looped[0]), kind._replace(in_flight=looped[1])  # the walk's count at its peak
-    phases = _with_buffers(result.phases, mesh_buffers(model, training, kind, dtypes.activation, micro_batches),
-                           overhead_bytes(training))
-    return training, kind, facts, result, phases
-
-
-def middle_ranks_peak_bound(model: TransformerSpec, training: TrainingSpec, kinds: tuple[RankKind, ...]) -> int | None:
-    """A peak no rank of `kinds` is above, from one walk of the schedule for them all (`_envelope_walk`): `kinds`
-    are middle ranks (neither embedding nor head) of one ScheduleInterleaved1F1B mesh with the same layers and
-    stages, so that they share one engine profile and differ in their walks alone (`_rank_phases`). None where
-    that does not hold, or a chunk's bytes are negative (the envelope's argument needs them not to be)."""
-    mesh = training.mesh
-    if (mesh.pp < 2 or mesh.pp_schedule != PPSchedule.INTERLEAVED_1F1B or not kinds
-            or any(kind.embedding or kind.head or (kind.layers, len(kind.stages)) != (kinds[0].layers, len(kinds[0].stages))
-                   for kind in kinds)):
-        return None
-    found = _rank_phases(model, training, kinds[0], training.grad_accum, bounded=kinds)
-    return None if found is None else max(phase.total_bytes for phase in found[-1])
-
-
-def rank_params(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> int:
-    """`RankEstimate.params` of a rank of `kind`, without its profile (the planner's cost bound)."""
-    if training.engine == Engine.DEEPSPEED:
-        training = autotp_training(training)
-    return _held(model, training, kind).total_params
-
-
-def _held(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> ModelFacts:
-    """What a rank of `kind` holds (`training` as `_rank_phases` runs it)."""
+def held(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> ModelFacts:
+    """What a rank of `kind` holds (`training` as the pipeline runs it: DeepSpeed's AutoTP keeps the embedding whole)."""
     facts = rank_facts(model, training, kind)
     return autotp_facts(model, facts) if training.engine == Engine.DEEPSPEED else facts
-
-
-@memo(maxsize=64)
-def _rank_profile(model: TransformerSpec, training: TrainingSpec, kind: RankKind):
-    """What a rank of `kind` holds, the engine that runs it and the engine profile over it, before a looped
-    schedule's walk."""
-    dtypes = state_bytes(training.precision, training.optimizer)
-    facts = _held(model, training, kind)
-    acts = rank_activations(model, training, kind, dtypes.activation)
-    engine, setup = _rank_setup(training)
-    return facts, acts, engine, _engine_profile(engine)(facts, setup, acts)
-
-
-def estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
-    """Each distinct rank kind of `training.mesh`, estimated with its ledger; an all-ones mesh is
-    `estimate(model, training)`."""
-    with naming():
-        return _estimate_mesh(model, training)
-
-
-def _estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
-    mesh = training.mesh
-    if mesh.is_trivial:
-        kind = RankKind(0, (0,), getattr(model, "num_layers", 0), True, True, 1)
-        single = estimate_unnamed(model, training)
-        return MeshEstimate(mesh, (RankEstimate(kind, training.gpus, single.model.params, single),))
-    check_mesh(model, training)
-    micro_batches = training.grad_accum if mesh.pp > 1 else 1
-    ranks = tuple(_rank_estimate(model, training, kind, micro_batches) for kind in rank_kinds(model, mesh, micro_batches))
-    return MeshEstimate(mesh, ranks)
-
-
-def estimate_mesh_within(model: ModelSpec, training: TrainingSpec, budget_bytes: int) -> MeshEstimate | None:
-    """`estimate_mesh(model, training)` if its worst rank fits `budget_bytes`, else None. The worst rank's peak
-    is the largest, so the first rank over the budget decides: the ends of the pipeline (the most micro-batches
-    in flight, the logits) are estimated first and the rest only when those fit."""
-    mesh = training.mesh
-    if mesh.is_trivial:
-        whole = _estimate_mesh(model, training)
-        return whole if whole.worst.estimate.peak_bytes <= budget_bytes else None
-    check_mesh(model, training)
-    micro_batches = training.grad_accum if mesh.pp > 1 else 1
-    kinds = rank_kinds(model, mesh, micro_batches)
-    ends_first = [0, len(kinds) - 1] + list(range(1, len(kinds) - 1))
-    ranks: dict[int, RankEstimate] = {}
-    for index in ends_first:
-        if index not in ranks:
-            ranks[index] = _rank_estimate(model, training, kinds[index], micro_batches)
-            if ranks[index].estimate.peak_bytes > budget_bytes:
-                return None
-    return MeshEstimate(mesh, tuple(ranks[index] for index in range(len(kinds))))
-
-
-def rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> RankEstimate:
-    """One rank kind of a mesh `check_mesh` passed (the planner estimates only the kinds that can be the worst)."""
-    return _rank_estimate(model, training, kind, training.grad_accum if training.mesh.pp > 1 else 1)
-
-
-def worst_rank_estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
-    """The estimate of the rank with the highest peak: what decides whether a mesh fits (`zeroplan compare`)."""
-    return estimate_mesh(model, training).worst.estimate

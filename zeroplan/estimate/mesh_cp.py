@@ -52,7 +52,7 @@ def core_saved_bytes(local: TransformerSpec, training: TrainingSpec, tokens: int
     o_proj's input were freed by their backward before); `local` is the rank's view (heads / tp),
     `norm_cut` what sequence parallelism takes off one norm. Under full checkpointing they are the
     recomputed ones, beside the block input the checkpoint keeps (counted already)."""
-    from zeroplan.estimate import activations as a
+    import zeroplan.estimate.activations as a
 
     w = a._Widths(resid=act_bytes, comp=act_bytes, autocast=False)  # torchtitan: no autocast (FSDP2 casts)
     core = a._attention_core(local, training.attention, a._dropout(local, training), w)

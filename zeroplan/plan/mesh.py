@@ -17,8 +17,9 @@ from typing import Any
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate.activations import memory_checkpointing
-from zeroplan.estimate.mesh import (MeshEstimate, RankEstimate, RankKind, estimate_mesh, estimate_mesh_within,
-                                    middle_ranks_peak_bound, rank_estimate, rank_kinds, rank_params)
+from zeroplan.estimate import estimate_mesh, estimate_mesh_within, middle_ranks_peak_bound, rank_estimate, rank_params
+from zeroplan.estimate.result import MeshEstimate, RankEstimate, RankKind
+from zeroplan.estimate.mesh import rank_kinds
 from zeroplan.plan.cost import Assumptions, model_flops
 from zeroplan.plan.mesh_cost import MeshStepCost, mesh_step_cost
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh, routed_experts
