@@ -18,6 +18,7 @@ An all-ones mesh is today's estimate, unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, activation_bytes
@@ -192,6 +193,20 @@ def _sequence_parallel_saving(model: TransformerSpec, training: TrainingSpec, to
     return tokens * per_token * (tp - 1) // tp
 
 
+def _sequence_parallel_changes(model: TransformerSpec, training: TrainingSpec, acts: ActivationBytes, tokens: int,
+                               act_bytes: int, checkpointed: bool) -> dict[str, int]:
+    """What sequence parallelism changes in one kind of block (`checkpointed`: it keeps its input alone)."""
+    saved = acts.saved_per_block - _sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed)
+    changes = dict(saved_per_block=saved, block_input_grad_bytes=acts.block_input_grad_bytes // training.mesh.tp)
+    if checkpointed:
+        from zeroplan.estimate.mesh_tp_checkpoint import checkpointed_under_sequence_parallel
+
+        # the norms' own tensors, as a block without checkpointing keeps them, for the recomputation's
+        norms_cut = _sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed=False)
+        changes.update(checkpointed_under_sequence_parallel(model, training, acts, tokens, act_bytes, norms_cut))
+    return changes
+
+
 def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankKind, act_bytes: int,
                      adapted: Callable[[ActivationBytes, TransformerSpec, TrainingSpec], ActivationBytes] | None = None
                      ) -> ActivationBytes:
@@ -206,16 +221,10 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         acts = adapted(acts, view, local)
     tokens = training.micro_batch * local_seq
     changes: dict[str, int] = {}
-    checkpointed = training.checkpointing in (Checkpointing.FULL, Checkpointing.OP)
+    # under checkpoint_every N the blocks N, 2N, ... are acts.checkpointed's and the others keep everything
+    checkpointed = training.checkpointing in (Checkpointing.FULL, Checkpointing.OP) and not acts.checkpoint_every
     if mesh.tp > 1 and mesh.sequence_parallel:
-        saved = acts.saved_per_block - _sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed)
-        changes.update(saved_per_block=saved, block_input_grad_bytes=acts.block_input_grad_bytes // mesh.tp)
-    if mesh.tp > 1 and mesh.sequence_parallel and checkpointed:
-        from zeroplan.estimate.mesh_tp_checkpoint import checkpointed_under_sequence_parallel
-
-        # the norms' own tensors, as a block without checkpointing keeps them, for the recomputation's
-        norms_cut = _sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed=False)
-        changes.update(checkpointed_under_sequence_parallel(model, training, acts, tokens, act_bytes, norms_cut))
+        changes.update(_sequence_parallel_changes(model, training, acts, tokens, act_bytes, checkpointed))
     if mesh.tp > 1 and mesh.sequence_parallel and kind.head:
         # the final norm is SequenceParallel too (torchtitan apply_tp "norm"): its input, normalised output
         # and rstd are cut over tp; its output, all-gathered for the head, is not
@@ -241,6 +250,10 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         changes.update(saved_per_block=0, recompute_block=0, block_backward_transient=0, block_backward_freed=0,
                        block_forward_transient=0)
     acts = acts.replaced(**changes) if changes else acts
+    if mesh.tp > 1 and mesh.sequence_parallel and acts.checkpointed is not None:
+        every = acts.checkpointed
+        acts = replace(acts, checkpointed=every.replaced(**_sequence_parallel_changes(model, training, every, tokens,
+                                                                                       act_bytes, checkpointed=True)))
     if mesh.cp > 1 and kind.layers and training.engine != Engine.DEEPSPEED:
         from zeroplan.estimate.mesh_cp import core_saved_bytes, with_ring_attention
 

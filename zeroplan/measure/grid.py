@@ -377,6 +377,8 @@ def mesh_rows() -> list[Row]:
             grad_accum=4, world=4, **titan),
         # a 16k vocabulary: the rowwise embedding's gradient arrives whole on each TP rank (estimate/tp_embedding.py)
         Row(_TINY_LLAMA_16K, "fsdp2", 3, "fp32", mesh=(("tp", 2),), **titan),
+        # every other block checkpointed under sequence parallelism: two kinds of block, each cut by SP as it keeps
+        Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", checkpointing="full", checkpoint_every=2, mesh=(("tp", 2),), **titan),
     ]
 
 
@@ -467,6 +469,12 @@ def _lora_rows() -> list[Row]:
         rows.append(Row("tiny-llama", engine, stage, precision, checkpointing=ckpt, lora=lora, recipe="hf-trainer"))
     # adapted experts: peft's ParamWrapper merges each expert stack in every forward (estimate/lora_experts.py)
     rows.append(Row("qwen3moe-tiny", "torch", 0, "fp32", checkpointing="none", lora=LoraRow(4), world=1, ddp=False))
+    # HSDP: fully_shard over a 2-D (dp_replicate, dp_shard) mesh shards the PEFT model as it shards any other
+    hsdp = (("dp_replicate", 2),)
+    rows.append(Row("tiny-llama", "fsdp2", 3, "fp32", lora=LoraRow(8, "all-linear"), mesh=hsdp, world=4))
+    rows.append(Row("tiny-llama", "fsdp2", 2, "bf16", checkpointing="full", lora=LoraRow(8), mesh=hsdp, world=4))
+    rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", lora=LoraRow(8, base_precision="nf4", quant_storage="bf16"), mesh=hsdp,
+                    world=4, model_init="host"))
     return rows
 
 

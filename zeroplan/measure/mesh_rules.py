@@ -18,9 +18,17 @@ from zeroplan.spec.training import TrainingSpec
 MESH_RECIPES = ("torchtitan", "plain")  # zeroplan's loop; the Trainer owns its own and has no mesh
 
 
+def is_adapted_hsdp(training: TrainingSpec) -> bool:
+    """LoRA on HSDP alone: the FSDP2 engine runs it over a 2-D (dp_replicate, dp_shard) mesh with the Hugging Face
+    model and PEFT (engines/fsdp2_engine.py), not measure/mesh.py, whose reference model has no adapters."""
+    mesh = training.mesh
+    return training.lora is not None and mesh.dp_replicate > 1 and (mesh.tp, mesh.cp, mesh.pp, mesh.ep) == (1, 1, 1, 1)
+
+
 def is_mesh_run(training: TrainingSpec) -> bool:
-    """Whether `training` cuts the GPUs beyond data-parallel sharding (spec/mesh.py)."""
-    return not training.mesh.is_trivial
+    """Whether measure/mesh.py (or DeepSpeed's, or expert parallelism's runner) runs `training`: a mesh beyond
+    data-parallel sharding (spec/mesh.py), adapted HSDP aside."""
+    return not training.mesh.is_trivial and not is_adapted_hsdp(training)
 
 
 def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate: bool = False) -> None:

@@ -66,7 +66,9 @@ def _inject_fault(rank: int) -> None:
 def _implementation(job: dict, training) -> str:
     """The job's model implementation; a mesh run's is the reference model (measure/mesh.py says why)."""
     # expert parallelism runs the transformers MoE model; DeepSpeed's mesh runs the HF model
-    if not training.mesh.is_trivial and training.mesh.ep == 1 and training.engine.value != "deepspeed":
+    from zeroplan.measure.mesh_rules import is_mesh_run
+
+    if is_mesh_run(training) and training.mesh.ep == 1 and training.engine.value != "deepspeed":
         return "reference"
     return job.get("implementation", "auto")
 

@@ -170,7 +170,9 @@ def materialize(model: "torch.nn.Module", device) -> None:
 
 def _mesh(training: TrainingSpec, ctx: RunContext):
     """The mesh of a run whose degrees are not all one (measure/mesh.py `MeshShape`), else None."""
-    if training.mesh.is_trivial or training.engine.value == "deepspeed":  # measure/deepspeed_mesh.py runs those
+    from zeroplan.measure.mesh_rules import is_mesh_run
+
+    if not is_mesh_run(training) or training.engine.value == "deepspeed":  # measure/deepspeed_mesh.py runs those
         return None
     return importlib.import_module("zeroplan.measure.mesh").mesh_shape(training, ctx.world_size)
 

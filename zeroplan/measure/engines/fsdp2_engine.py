@@ -44,15 +44,21 @@ def _policies(training: TrainingSpec, ctx: RunContext) -> dict:
     return {"mp_policy": mp_policy, "offload_policy": offload_policy}
 
 
-def _device_mesh(ctx: RunContext):
+def _device_mesh(training: TrainingSpec, ctx: RunContext):
+    """The ranks fully_shard shards over: all of them, or under HSDP (dp_replicate > 1: measure/mesh_rules.py
+    `is_adapted_hsdp`) a 2-D (dp_replicate, dp_shard) mesh, which fully_shard replicates over its first dimension
+    and shards over its second (torch/distributed/fsdp/_fully_shard/_fully_shard.py, HSDP)."""
+    replicas = training.mesh.dp_replicate
+    shape, names = ((ctx.world_size,), None) if replicas == 1 else ((replicas, ctx.world_size // replicas),
+                                                                     ("dp_replicate", "dp_shard"))
     if not ctx.is_fake:
-        return init_device_mesh(ctx.device.type, (ctx.world_size,))
+        return init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
     # DeviceMesh reads its rank layout back from a tensor (.tolist()), which a fake tensor
     # cannot give: build the mesh from real tensors.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return init_device_mesh(ctx.device.type, (ctx.world_size,))
+        return init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
 
 
 class FSDP2Runner(TorchOptimizerSteps):
@@ -61,7 +67,7 @@ class FSDP2Runner(TorchOptimizerSteps):
         self.grad_accum = training.grad_accum
         self._micro = 0
         self.sync_every = training.program.grad_sync == GradSync.EVERY
-        mesh = _device_mesh(ctx)
+        mesh = _device_mesh(training, ctx)
         reshard = training.zero_stage == 3
         wrapping = training.fsdp2_wrapping
         policies = _policies(training, ctx)
