@@ -9,8 +9,9 @@ from typing import NamedTuple
 
 from zeroplan.estimate.dtypes import optimizer_state_bytes
 from zeroplan.estimate.engines.common import step_temporary_bytes
-from zeroplan.estimate.engines.torch_ddp import _largest_local_shard
-from zeroplan.estimate.lora import _engine_param_element, is_saved_copy
+from zeroplan.estimate.engines.torch_ddp import largest_local_shard
+from zeroplan.estimate.engines.rules import param_element_bytes
+from zeroplan.estimate.lora import is_saved_copy
 from zeroplan.estimate.result import Phase
 from zeroplan.estimate.terms import named, register
 
@@ -33,10 +34,10 @@ class SavedCopyBytes(NamedTuple):
 
 def saved_copy_bytes(facts, training, setup, element: int) -> SavedCopyBytes:
     """The corrections `SavedCopyBytes` names, for copies of `element` bytes against the engine's."""
-    engine_element = _engine_param_element("torch", training.precision.value, 0)
+    engine_element = param_element_bytes("torch", training.precision.value, 0)
     copies = [t.numel * g.count for g in facts.groups for t in g.trainable_tensors if is_saved_copy(t)]
     head = sum(t.numel for g in facts.groups if g.role == "final" for t in g.trainable_tensors if is_saved_copy(t))
-    local = list(_largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1))
+    local = list(largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1))
     local_copies = [numel for numel in copies if numel in local]
     narrower = element - engine_element
     optimizer, impl = setup.optimizer, setup.program.optimizer_impl

@@ -24,12 +24,11 @@ and the adapters already are.
 
 from __future__ import annotations
 
+from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES  # HALF_BYTES: DeepSpeed's 16-bit parameters (engines/rules.py)
 from zeroplan.estimate.terms import named, register
 
-FP32_BYTES = 4
 register({"adapters kept fp32 (bytes beyond 16-bit)": "peft get_peft_model autocast_adapter_dtype; deepspeed "
                                                      "runtime/engine.py _cast_module_mixed_precision (estimate/lora_trainer.py)"})
-HALF_BYTES = 2  # bf16 and fp16, what DeepSpeed's profile gives every parameter (estimate/lora.py `_engine_param_element`)
 
 
 def adapters_stay_fp32(training) -> bool:

@@ -81,11 +81,11 @@ def saved_per_block_delta(model: TransformerSpec, mesh: MeshSpec, tokens: int, c
     the gate's intermediate tensors) moe_imbalance - 1 times over on the busiest rank."""
     if mesh.ep == 1 or model.moe is None:
         return 0
-    from zeroplan.estimate.moe import _gate_saved
+    from zeroplan.estimate.moe import gate_saved
 
     sent = tokens * _routed_pairs(model)
     received = round(sent * mesh.moe_imbalance)
-    per_received = comp * (model.hidden_size + _gate_saved(model) * model.moe.expert_intermediate_size)
+    per_received = comp * (model.hidden_size + gate_saved(model) * model.moe.expert_intermediate_size)
     return received * INT64_BYTES + (received - sent) * per_received
 
 

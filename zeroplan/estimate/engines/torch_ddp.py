@@ -55,7 +55,7 @@ def zero_redundancy_shards(numels: list[int], world_size: int) -> list[list[int]
 
 
 @memo(maxsize=1024)  # a greedy walk over every tensor: torch-engine plans take 3-20x longer without it
-def _largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[int, ...]:
+def largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[int, ...]:
     """The trainable tensors of the rank with the most elements (all of them without sharding)."""
     numels = facts.trainable_numels() or [facts.trainable_params]
     if world_size == 1:
@@ -79,7 +79,7 @@ def _trainer_output_clones(setup: Setup, acts: ActivationBytes) -> int:
 
 def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
     element = HALF_BYTES if setup.precision == Precision.PURE_BF16 else FP32_BYTES
-    local = _largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1)
+    local = largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1)
     params = named("parameters", facts.total_params * element)
     grads = named("gradients (.grad)", facts.trainable_params * element)
     # DDP reducer buckets, allocated at wrap time; a single rank without the wrapper has none
