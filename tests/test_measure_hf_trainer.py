@@ -66,7 +66,7 @@ def test_deepspeed_json_leaves_to_the_trainer_what_the_trainer_fills():
 def test_what_the_trainer_cannot_run_is_one_line_naming_the_field(fields, message):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from zeroplan.measure.engines import RunContext
+    from zeroplan.measure.engines.common import RunContext
     from zeroplan.measure.programs.hf_trainer import check_supported
 
     ctx = RunContext(rank=0, world_size=N, local_rank=0, device=torch.device("cpu"), backend="gloo")

@@ -1,4 +1,4 @@
-"""Measure on a device mesh (issue 14, zeroplan/measure/mesh.py): 4 and 2 gloo ranks on loopback,
+"""Measure on a device mesh (issue 14, zeroplan/measure/engines/mesh.py): 4 and 2 gloo ranks on loopback,
 tiny-llama, checked against what the TP plan, FSDP2 and the pipeline split must leave on each rank."""
 
 from __future__ import annotations

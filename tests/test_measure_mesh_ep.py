@@ -1,4 +1,4 @@
-"""Measure expert parallelism (issue 14, zeroplan/measure/mesh_moe.py): 2 gloo ranks on loopback, ep 2,
+"""Measure expert parallelism (issue 14, zeroplan/measure/engines/mesh_moe.py): 2 gloo ranks on loopback, ep 2,
 qwen3moe-tiny; each rank holds half the experts, and the estimate taken with the imbalance the run reports
 is within 3% of the worst rank's steady peak."""
 

@@ -91,7 +91,7 @@ def test_a_run_is_estimated_with_the_imbalance_it_measured():
 
 def test_permutation_is_torchtitans_rank_major_to_expert_major():
     torch = pytest.importorskip("torch")
-    from zeroplan.measure.mesh_moe import _permute_indices
+    from zeroplan.measure.engines.mesh_moe import _permute_indices
 
     # torchtitan models/common/moe/utils.py `_generate_permute_indices`' own example: 2 ranks x 3 local experts,
     # counts [4, 2, 1, 1, 3, 2] (rank-major); expert-major groups start at 0, 7, 4, 8, 6, 11 in the input

@@ -14,7 +14,7 @@ from zeroplan.errors import MissingDependencyError, SpecError
 from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
 def mesh_options(function):
-    """--tp, --pp, ... (cli/mesh_options.py): measure runs a mesh as zeroplan/measure/mesh.py says."""
+    """--tp, --pp, ... (cli/mesh_options.py): measure runs a mesh as zeroplan/measure/engines/mesh.py says."""
     for option in reversed(MESH_OPTIONS):
         function = option(function)
     return function

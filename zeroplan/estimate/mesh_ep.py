@@ -103,7 +103,7 @@ def recompute_end_transient(model: TransformerSpec, mesh: MeshSpec, tokens: int,
     """Beyond the recomputed block's saved tensors, live where full checkpointing's recomputation of a sparse
     block stops under EP: at the combine's last saved tensor (the un-permute index, torch/utils/checkpoint.py
     `_StopRecomputationError` once every saved tensor is rebuilt), the forward's locals are still alive
-    (measure/mesh_moe.py `ExpertParallelExperts.forward`: the down output and its un-permuted copy, R x h each,
+    (measure/engines/mesh_moe.py `ExpertParallelExperts.forward`: the down output and its un-permuted copy, R x h each,
     the weighted pairs S x h, the sort's values and the arange, S int64 each) and its callers' (the decoder layer's
     `residual`, tokens x h; Qwen3MoeSparseMoeBlock's discarded router logits, tokens x experts, and the 16-bit
     routing weights, tokens x k), beside the block output's gradient and the sum's expanded gradient made

@@ -327,7 +327,7 @@ def _grid() -> tuple[Row, ...]:
                             small_buckets=engine == "deepspeed"))  # buffers the size of the model, not of 5e8 elements
     rows.extend(mesh_rows())
     rows.extend(deepspeed_mesh_rows())
-    rows.extend(ep_rows(Row))  # expert parallelism (measure/mesh_moe.py)
+    rows.extend(ep_rows(Row))  # expert parallelism (measure/engines/mesh_moe.py)
     rows += _dense_family_rows()
     rows.extend(_lora_rows())
     return tuple(rows)
@@ -349,7 +349,7 @@ _TINY_LLAMA_16K = "tests/data/tiny-llama-16k.toml"
 
 
 def mesh_rows() -> list[Row]:
-    """Tensor, sequence and pipeline parallelism with FSDP2 (issue 14, measure/mesh.py): torchtitan's
+    """Tensor, sequence and pipeline parallelism with FSDP2 (issue 14, measure/engines/mesh.py): torchtitan's
     loop with its standard loss, tiny-llama (2 KV heads: tp 2 at most), real gloo ranks and one
     simulated world. Context parallelism runs torch's ring attention with the CPU kernel added
     (measure/cp_cpu.py; docs/measure.md, "Context parallelism on CPU")."""
@@ -383,7 +383,7 @@ def mesh_rows() -> list[Row]:
 
 
 def deepspeed_mesh_rows() -> list[Row]:
-    """DeepSpeed AutoTP (ZeRO 1-2) and Ulysses (issue 14, measure/deepspeed_mesh.py) on the Hugging Face
+    """DeepSpeed AutoTP (ZeRO 1-2) and Ulysses (issue 14, measure/engines/deepspeed_mesh.py) on the Hugging Face
     tiny-llama in zeroplan's loop, with small buckets so that the buckets are not one 5e8-element buffer."""
     tp2, ulysses2 = (("tp", 2),), (("cp", 2),)
     return [
