@@ -47,6 +47,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.estimate.terms import named, register
 from zeroplan.spec.optimizer_step import deepspeed_optimizer_step
 from zeroplan.spec.program import ModelInit, OptimizerImpl, Recipe
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision
@@ -61,6 +62,31 @@ MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 NORM_BYTES = 8
 # zero/offload_config.py: offload_optimizer.buffer_count default (NVMe swap buffers).
 OPTIMIZER_SWAP_BUFFERS = 4
+
+# The ledger's names for what DeepSpeed allocates (estimate/terms.py), with the DeepSpeed source
+# (paths under deepspeed/runtime/) each comes from; the tensor-by-tensor table is
+# docs/engines/deepspeed.md. The first four are torch's own allocations, named as the torch
+# engine names them (engines/torch_ddp.py), with the same source.
+register({
+    "gradients (.grad)": "torch/csrc/autograd/functions/accumulate_grad.h (one .grad per trainable parameter)",
+    "tied head gradient pending in autograd": "torch/csrc/autograd/input_buffer.cpp accumulate",
+    "optimizer step temporaries": "torch/optim/adam.py _single_tensor_adam / _multi_tensor_adam (docs/engines/torch.md)",
+    "module parameters": "engine.py `_configure_distributed_model` (the module's parameters, cast to the model dtype)",
+    "optimizer states (basic optimizer)": "engine.py `_configure_basic_optimizer`: torch AdamW, ops/adam/fused_adam.py "
+                                          "FusedAdam or ops/adam/cpu_adam.py DeepSpeedCPUAdam (exp_avg, exp_avg_sq; "
+                                          "SGD momentum_buffer), created at the first step",
+    # stage 0
+    "all-reduce flat gradient copy (allreduce_no_retain)": "engine.py `allreduce_gradients` -> "
+                                                           "`buffered_allreduce_fallback` -> `allreduce_no_retain`",
+    "fp32 master copies (fp32_groups)": "fp16/unfused_optimizer.py `FP16_UnfusedOptimizer.__init__`",
+    "fp32 master gradients (fp32_groups .grad)": "fp16/unfused_optimizer.py `step` (`fp16.grad.to(fp32)`), "
+                                                 "`initialize_optimizer_states` (zeros)",
+    "16-bit flat parameters (fp16_groups_flat)": "fp16/fused_optimizer.py `FP16_Optimizer.__init__`",
+    "fp32 flat master (fp32_groups_flat)": "fp16/fused_optimizer.py `FP16_Optimizer.__init__`",
+    "fp32 flat gradient (fp32_groups_flat .grad)": "fp16/fused_optimizer.py `step` (`_flatten_dense_tensors`), "
+                                                   "`initialize_optimizer_states` (zeros)",
+    "fp32 gradient copies being flattened": "fp16/fused_optimizer.py `step` (`p.grad.to(fp32)` per parameter)",
+})
 
 def _plus(base: Point, **more: int) -> Point:
     out = dict(base)
@@ -156,12 +182,13 @@ def _step_temporaries(run: _Run, largest: int, total: int) -> int:
     of one optimizer call (common.py `step_temporary_bytes`). Only Adam/AdamW allocate any."""
     if run.setup.optimizer not in (Optimizer.ADAM, Optimizer.ADAMW):
         return 0
-    return step_temporary_bytes(largest, total, FP32_BYTES, run.setup.optimizer, run.step_impl)
+    return named("optimizer step temporaries",
+                 step_temporary_bytes(largest, total, FP32_BYTES, run.setup.optimizer, run.step_impl))
 
 
 def _states(run: _Run, numel: int) -> int:
     """Adam moments (fp32, lazily at the first step) or SGD momentum of `numel` master elements."""
-    return optimizer_state_bytes(numel, run.setup.optimizer, FP32_BYTES)
+    return named("optimizer states (basic optimizer)", optimizer_state_bytes(numel, run.setup.optimizer, FP32_BYTES))
 
 
 # -- activations along backward ----------------------------------------------------------------
@@ -180,7 +207,7 @@ def _activation_along(run: _Run, acts: ActivationBytes | None, index: int) -> in
         return acts.embedding
     # the head (index 0) runs with every block's saved tensors, as the last block (index 1) does
     left = acts.num_blocks + 1 - max(index, 1)
-    return acts.block_backward_peak(left) + run.layout.tied_head * run.b
+    return acts.block_backward_peak(left) + _tied_head(run)
 
 
 def _hook_along(run: _Run, acts: ActivationBytes | None, index: int) -> int:
@@ -193,8 +220,12 @@ def _hook_along(run: _Run, acts: ActivationBytes | None, index: int) -> int:
         # the hooks fire as the weights' gradients come: at the MLP's moment of the block, also
         # where its attention core peaks later (eager attention)
         left = acts.num_blocks + 1 - index
-        return max(acts.block_mlp_peak(left) + run.layout.tied_head * run.b - acts.block_backward_transient, 0)
+        return max(acts.block_mlp_peak(left) + _tied_head(run) - acts.block_backward_transient, 0)
     return along
+
+
+def _tied_head(run: _Run) -> int:
+    return named("tied head gradient pending in autograd", run.layout.tied_head * run.b)
 
 
 def _contenders(entries: tuple[tuple[int, ...], ...], last: int) -> tuple[tuple[int, ...], ...]:
@@ -253,11 +284,12 @@ def _forward_activations(acts: ActivationBytes | None) -> int:
 
 def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
     b, psi = run.b, run.trainable
-    params = run.total * b
-    grads = psi * b
+    params = named("module parameters", run.total * b)
+    grads = named("gradients (.grad)", psi * b)
     # engine.py `allreduce_gradients` -> `buffered_allreduce_fallback` -> `allreduce_no_retain`:
     # a flat copy of the gradients (chunks of MEMORY_OPT_ALLREDUCE_SIZE) at the end of backward.
-    flat_allreduce = min(psi, MEMORY_OPT_ALLREDUCE_SIZE + run.layout.largest) * b
+    flat_allreduce = named("all-reduce flat gradient copy (allreduce_no_retain)",
+                           min(psi, MEMORY_OPT_ALLREDUCE_SIZE + run.layout.largest) * b)
     states = _states(run, psi)
     fwd = _forward_activations(acts)
     bwd = _backward_start(acts)
@@ -280,20 +312,25 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
     # bf16/fp16: fp32 master of every parameter and the states exist from init:
     # `initialize_optimizer_states` steps the optimizer on zero gradients (fp16/unfused_optimizer.py,
     # fp16/fused_optimizer.py).
-    master = psi * FP32_BYTES
     if run.setup.device == Device.CPU or run.setup.deepspeed.client_optimizer:
         # FP16_UnfusedOptimizer (engine.py `_configure_fp16_optimizer`: any optimizer but FusedAdam):
         # per-parameter fp32 clones; step: `fp32.grad = fp16.grad.to(fp32)` per parameter, the 16-bit
         # gradients still alive; torch AdamW over the per-parameter masters.
-        step_grads = grads + psi * FP32_BYTES
+        master = named("fp32 master copies (fp32_groups)", psi * FP32_BYTES)
+        step_grads = grads + named("fp32 master gradients (fp32_groups .grad)", psi * FP32_BYTES)
         step_temps = _step_temporaries(run, run.layout.largest, psi)
-        init_extra = {"grads": grads + psi * FP32_BYTES, "temporaries": step_temps}  # the zero-gradient step
+        init_extra = {"grads": step_grads, "temporaries": step_temps}  # the zero-gradient step, 16-bit and fp32
     else:
         # FP16_Optimizer.step: `p.grad.to(fp32)` per parameter, then `_flatten_dense_tensors` of
-        # them (both Ψ x 4 alive while flattening), the 16-bit grads freed after.
-        step_grads = grads + psi * FP32_BYTES
-        step_temps = psi * FP32_BYTES
-        init_extra = {"grads": psi * FP32_BYTES}  # zero fp32 flat gradient for the init step
+        # them (both Ψ x 4 alive while flattening), the 16-bit grads freed after. The module's
+        # trainable parameters are views of the flat 16-bit group.
+        params = (named("16-bit flat parameters (fp16_groups_flat)", psi * b)
+                  + named("module parameters", (run.total - psi) * b))
+        master = named("fp32 flat master (fp32_groups_flat)", psi * FP32_BYTES)
+        flat_grad = named("fp32 flat gradient (fp32_groups_flat .grad)", psi * FP32_BYTES)
+        step_grads = grads + flat_grad
+        step_temps = named("fp32 gradient copies being flattened", psi * FP32_BYTES)
+        init_extra = {"grads": flat_grad}  # zero fp32 flat gradient for the init step
     base = {"params": params, "optimizer_states": master + states}
     for step in (Step.FIRST, Step.STEADY):
         if step == Step.FIRST:
