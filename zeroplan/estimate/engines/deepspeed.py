@@ -86,6 +86,31 @@ register({
     "fp32 flat gradient (fp32_groups_flat .grad)": "fp16/fused_optimizer.py `step` (`_flatten_dense_tensors`), "
                                                    "`initialize_optimizer_states` (zeros)",
     "fp32 gradient copies being flattened": "fp16/fused_optimizer.py `step` (`p.grad.to(fp32)` per parameter)",
+    # stages 1-2 (and what stage 3 shares with them)
+    "flat parameters (bit16_groups_flat)": "zero/stage_1_and_2.py `__init__` (`flatten_dense_tensors_aligned`, padded "
+                                           "to 2N; the parameters become views of it)",
+    "parameters before flattening": "zero/stage_1_and_2.py `__init__` (the per-parameter storages, alive while "
+                                    "`flatten_dense_tensors_aligned` copies them)",
+    "fp32 master partition (single_partition_of_fp32_groups)": "zero/stage_1_and_2.py `__init__`",
+    "reduce bucket (ipg buffer)": "zero/stage_1_and_2.py `setup_buckets` (stages 1-2: at the first gradient hook of "
+                                  "every backward); zero/stage3.py `_setup_for_real_optimizer` (stage 3: at init)",
+    "second reduce bucket (overlap_comm)": "zero/stage_1_and_2.py `setup_buckets` (the ipg buffer's second half)",
+    "gradient partition (grads_in_partition)": "zero/stage_1_and_2.py `copy_grads_in_partition`",
+    "accumulated gradient partition (all_grad_tensors)": "zero/stage_1_and_2.py `independent_gradient_partition_epilogue` "
+                                                         "(kept between micro-batches)",
+    "flattened bucket contents (average_tensor)": "zero/stage_1_and_2.py `average_tensor` -> `allreduce_no_retain` / "
+                                                  "`allreduce_and_scatter` (a flat copy of the slices reduced)",
+    "fp32 gradient partition (single_partition_of_fp32_groups .grad)": "zero/stage_1_and_2.py `step` "
+                                                                       "(`flatten(averaged_gradients).to(fp32)`); with "
+                                                                       "cpu_offload `initialize_optimizer_states`, kept",
+    "flat gradient partition (flatten(averaged_gradients))": "zero/stage_1_and_2.py `step`; zero/stage3.py "
+                                                             "`_prepare_fp32_grad_for_sub_group` (freed after `.to(fp32)`)",
+    "bit16 partition for CPU offload (param_buffer_of_bit16_for_cpu_offload_groups)": "zero/stage_1_and_2.py `__init__`",
+    "temp_grad_buffer_for_cpu_offload": "zero/stage_1_and_2.py `__init__` (the largest parameter, on the host)",
+    "temp_grad_buffer_for_gpu_offload": "zero/stage_1_and_2.py `__init__` (the largest parameter, on the device)",
+    "accumulated gradients on the host (accumulated_grads_in_cpu)": "zero/stage_1_and_2.py "
+                                                                    "`async_accumulate_grad_in_cpu_via_gpu`",
+    "gradient norm copy (fp64)": "zero/stage_1_and_2.py `set_norm_for_param_grad_in_gpu` (zero/utils.py `get_norm_dtype`)",
 })
 
 def _plus(base: Point, **more: int) -> Point:
@@ -450,7 +475,7 @@ def _stage1_grads(layout: _Layout, b: int) -> tuple[tuple[int, int], ...]:
     groups = layout.groups_backward
     for index, group in enumerate(groups):
         in_block = layout.first_block if 0 < index < len(groups) - 1 and group else 0
-        entries.append((index, (done + in_block) * b))
+        entries.append((index, named("gradients (.grad)", (done + in_block) * b)))
         done += sum(group)
     return _contenders(tuple(entries), len(groups) - 1)
 
@@ -513,8 +538,9 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             # `set_norm_for_param_grad_in_gpu` takes its norm in `get_norm_dtype()` (fp64
             # where supported: a copy of the tensor), while the next gradient waits in .grad.
             hook = _hook_along(run, acts, first_index) if first_index < groups else 0
-            points.append({"activations": hook, "buffers": bucket_now, "grads": run.layout.largest * run.b,
-                           "temporaries": run.layout.largest * NORM_BYTES})
+            points.append({"activations": hook, "buffers": bucket_now,
+                           "grads": named("gradients (.grad)", run.layout.largest * run.b),
+                           "temporaries": named("gradient norm copy (fp64)", run.layout.largest * NORM_BYTES)})
     else:
         # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
         # boundary's `reduce_gradients` walks them through the bucket (`_stage12_fixed`).
@@ -549,18 +575,23 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     alignment = NCCL_START_ALIGNMENT_FACTOR * n
     flat = ceil_div(run.trainable, alignment) * alignment
     partition = flat // n  # P12: `partition_size`, the padding sits in the last rank's slice
-    params = (flat + run.total - run.trainable) * b  # `bit16_groups_flat` + frozen module params
-    master = partition * FP32_BYTES  # `single_partition_of_fp32_groups`, also in an fp32 run
+    params = (named("flat parameters (bit16_groups_flat)", flat * b)
+              + named("module parameters", (run.total - run.trainable) * b))  # the frozen ones
+    # also in an fp32 run
+    master = named("fp32 master partition (single_partition_of_fp32_groups)", partition * FP32_BYTES)
     states = _states(run, partition)
     layout, buckets = run.layout, knobs.reduce_bucket_size
     # (The walks over every tensor below are cached by the few integers they depend on, so that
     # the stages and offload targets of one model share them.)
     owned_runs = _owned_runs(layout, partition, n)
-    owned = max(elements for _, elements in owned_runs) * b
+    owned_elements = max(elements for _, elements in owned_runs)
+    owned = named("gradient partition (grads_in_partition)", owned_elements * b)
     # `setup_buckets`: `reduce_bucket_size` elements, always (not capped by the model), two with
     # overlap_comm; at the first gradient hook of every backward, freed by
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
-    bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
+    one_bucket = knobs.reduce_bucket_size * b
+    bucket = (named("reduce bucket (ipg buffer)", one_bucket)
+              + (named("second reduce bucket (overlap_comm)", one_bucket) if overlap else 0))
     first_index, last_fill, last_fill_forward, first_after_peak = _bucket_walks(layout, buckets)
     groups = len(run.layout.groups_backward)
 
@@ -572,11 +603,12 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     host_grads = host_buffers = 0
     device_buffers = 0
     if run.offload_opt:
-        host_grads = partition * FP32_BYTES
-        host_buffers = partition * b + run.layout.largest * b
-        device_buffers = run.layout.largest * b
+        host_grads = named("fp32 gradient partition (single_partition_of_fp32_groups .grad)", partition * FP32_BYTES)
+        host_buffers = (named("bit16 partition for CPU offload (param_buffer_of_bit16_for_cpu_offload_groups)", partition * b)
+                        + named("temp_grad_buffer_for_cpu_offload", run.layout.largest * b))
+        device_buffers = named("temp_grad_buffer_for_gpu_offload", run.layout.largest * b)
         if setup.accumulating:  # `accumulated_grads_in_cpu`: owned slices, model dtype
-            host_grads += partition * b
+            host_grads += named("accumulated gradients on the host (accumulated_grads_in_cpu)", partition * b)
     on_device = not run.offload_opt or run.cpu_run  # a CPU run has one memory
 
     def host(value: int) -> int:
@@ -590,7 +622,7 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     # reaches the GPU cast (model_init host) needs no room for both: `__init__` flattens on the host
     # when the accelerator lacks it (`flatten_on_accelerator`), so only the flat copy is required.
     from_host = setup.program.model_init == ModelInit.HOST and not run.cpu_run
-    flatten = {"params": params if from_host else params + run.trainable * b}
+    flatten = {"params": params if from_host else params + named("parameters before flattening", run.trainable * b)}
     after = {"params": params, "optimizer_states": host(master), "grads": host(host_grads),
              "buffers": host(host_buffers) + device_buffers}
     init = phase(Step.FIRST, Phase.INIT, **largest_point(flatten, after))
@@ -605,9 +637,9 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
         # or, offloaded, `accumulated_grads_in_cpu` (in host_grads).
         carried: Point = {}
         if accumulating and stage == 1:
-            carried = {"grads": run.trainable * b, "buffers": bucket}
+            carried = {"grads": named("gradients (.grad)", run.trainable * b), "buffers": bucket}
         elif accumulating and not run.offload_opt:
-            carried = {"grads": owned}
+            carried = {"grads": named("accumulated gradient partition (all_grad_tensors)", owned_elements * b)}
         during = _plus(base, **carried)
 
         # backward's moments without activations, in backward order after those with them
@@ -617,19 +649,20 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
             # `allreduce_no_retain` / `allreduce_and_scatter` flatten the slices they reduce:
             # a copy of the bucket's contents), before those gradients reach the partition.
             earlier = kept if first_index < groups else 0
-            settled.append(_plus(during, buffers=bucket_now + last_fill * b, grads=earlier))
+            settled.append(_plus(during, buffers=bucket_now + _flattened(last_fill * b), grads=earlier))
         else:
             # Stage 1, at the boundary: `reduce_gradients` walks the parameters in their order,
             # freeing each .grad as it is copied into the bucket and filling the owned partition
             # (the last micro-batch accumulates into the kept .grad); the first rank allocates its
             # partition at the first overflow, with the rest still in .grad.
             filled = _bucket_fill(run.layout.numels, buckets)
-            first_rank = 0 if run.offload_opt else owned_runs[0][1] * b
-            settled = [_plus(base, buffers=bucket, grads=(run.trainable - filled) * b + first_rank)]
+            first_rank = 0 if run.offload_opt else named("gradient partition (grads_in_partition)", owned_runs[0][1] * b)
+            left = named("gradients (.grad)", (run.trainable - filled) * b)
+            settled = [_plus(base, buffers=bucket, grads=left + first_rank)]
             # Each reduction flattens the bucket's contents (`average_tensor`): at the first one
             # every gradient is still a .grad or in the bucket; at the last, the partition is full.
-            settled.append(_plus(base, buffers=bucket + filled * b, grads=(run.trainable - filled) * b))
-            settled.append(_plus(base, buffers=bucket + last_fill_forward * b, grads=kept))
+            settled.append(_plus(base, buffers=bucket + _flattened(filled * b), grads=left))
+            settled.append(_plus(base, buffers=bucket + _flattened(last_fill_forward * b), grads=kept))
 
         # `step`, one param group after the other: `flatten(averaged_gradients)` (P x b) then
         # `.to(fp32)` becomes the group's master .grad (P x 4, a second copy only when b != 4) while
@@ -641,9 +674,11 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
         else:
             several = run.first_group < run.trainable
             first = ceil_div(run.first_group, alignment) * alignment // n if several else partition
-            convert = dict(base, grads=owned + first * FP32_BYTES, temporaries=first * b if b != FP32_BYTES else 0)
+            fp32_grad = named("fp32 gradient partition (single_partition_of_fp32_groups .grad)", first * FP32_BYTES)
+            flat_grad = named("flat gradient partition (flatten(averaged_gradients))", first * b)
+            convert = dict(base, grads=owned + fp32_grad, temporaries=flat_grad if b != FP32_BYTES else 0)
             stepping = dict(base, optimizer_states=master + max(held, _states(run, first)),
-                            grads=(owned if several else 0) + first * FP32_BYTES,
+                            grads=(owned if several else 0) + fp32_grad,
                             temporaries=_step_temporaries(run, first, first))
             step_point = largest_point(convert, stepping)
         steps.append(_StepMoments(step, during, largest_point(*settled), phase(step, Phase.OPTIMIZER_STEP, **step_point)))
@@ -654,11 +689,16 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
         init, tuple(steps), host_bytes, moving, first_index, first_after_peak, groups, bucket_now,
         # The last rank owns the head, whose gradients come first in backward: it allocates its
         # partition at the first reduction during backward, the others later.
-        owned_early=owned_runs[-1][1] * b,
+        owned_early=named("gradient partition (grads_in_partition)", owned_runs[-1][1] * b),
         before=_contenders(tuple((i, 0) for i in range(first_index)), groups - 1),
         after=_contenders(tuple((i, 0) for i in range(first_index + 1, groups)), groups - 1),
         grads_along=_stage1_grads(layout, grads_b),
     )
+
+
+def _flattened(value: int) -> int:
+    """A flat copy of the bucket's contents made by a reduction (`average_tensor`)."""
+    return named("flattened bucket contents (average_tensor)", value)
 
 
 # -- stage 3 --------------------------------------------------------------------------------------
