@@ -63,54 +63,115 @@ NORM_BYTES = 8
 # zero/offload_config.py: offload_optimizer.buffer_count default (NVMe swap buffers).
 OPTIMIZER_SWAP_BUFFERS = 4
 
-# The ledger's names for what DeepSpeed allocates (estimate/terms.py), with the DeepSpeed source
-# (paths under deepspeed/runtime/) each comes from; the tensor-by-tensor table is
-# docs/engines/deepspeed.md. The first four are torch's own allocations, named as the torch
-# engine names them (engines/torch_ddp.py), with the same source.
+# The ledger's names for what DeepSpeed allocates (estimate/terms.py), each with the DeepSpeed
+# source it comes from (paths under deepspeed/runtime/ unless said); the tensor-by-tensor table is
+# docs/engines/deepspeed.md. The first three are torch's own allocations, named (with the same
+# source) as the torch engine names them (engines/torch_ddp.py).
 register({
-    "gradients (.grad)": "torch/csrc/autograd/functions/accumulate_grad.h (one .grad per trainable parameter)",
-    "tied head gradient pending in autograd": "torch/csrc/autograd/input_buffer.cpp accumulate",
-    "optimizer step temporaries": "torch/optim/adam.py _single_tensor_adam / _multi_tensor_adam (docs/engines/torch.md)",
-    "module parameters": "engine.py `_configure_distributed_model` (the module's parameters, cast to the model dtype)",
-    "optimizer states (basic optimizer)": "engine.py `_configure_basic_optimizer`: torch AdamW, ops/adam/fused_adam.py "
-                                          "FusedAdam or ops/adam/cpu_adam.py DeepSpeedCPUAdam (exp_avg, exp_avg_sq; "
-                                          "SGD momentum_buffer), created at the first step",
+    "gradients (.grad)":
+        "torch/csrc/autograd/functions/accumulate_grad.h (one .grad per trainable parameter)",
+    "tied head gradient pending in autograd":
+        "torch/csrc/autograd/input_buffer.cpp accumulate",
+    "optimizer step temporaries":
+        "torch/optim/adam.py _single_tensor_adam / _multi_tensor_adam (docs/engines/torch.md)",
+    "module parameters":
+        "engine.py `_configure_distributed_model` (the module's parameters, cast to the model dtype)",
+    "optimizer states (basic optimizer)":
+        "engine.py `_configure_basic_optimizer`: torch AdamW, deepspeed/ops/adam FusedAdam or DeepSpeedCPUAdam "
+        "(exp_avg, exp_avg_sq; SGD momentum_buffer)",
     # stage 0
-    "all-reduce flat gradient copy (allreduce_no_retain)": "engine.py `allreduce_gradients` -> "
-                                                           "`buffered_allreduce_fallback` -> `allreduce_no_retain`",
-    "fp32 master copies (fp32_groups)": "fp16/unfused_optimizer.py `FP16_UnfusedOptimizer.__init__`",
-    "fp32 master gradients (fp32_groups .grad)": "fp16/unfused_optimizer.py `step` (`fp16.grad.to(fp32)`), "
-                                                 "`initialize_optimizer_states` (zeros)",
-    "16-bit flat parameters (fp16_groups_flat)": "fp16/fused_optimizer.py `FP16_Optimizer.__init__`",
-    "fp32 flat master (fp32_groups_flat)": "fp16/fused_optimizer.py `FP16_Optimizer.__init__`",
-    "fp32 flat gradient (fp32_groups_flat .grad)": "fp16/fused_optimizer.py `step` (`_flatten_dense_tensors`), "
-                                                   "`initialize_optimizer_states` (zeros)",
-    "fp32 gradient copies being flattened": "fp16/fused_optimizer.py `step` (`p.grad.to(fp32)` per parameter)",
-    # stages 1-2 (and what stage 3 shares with them)
-    "flat parameters (bit16_groups_flat)": "zero/stage_1_and_2.py `__init__` (`flatten_dense_tensors_aligned`, padded "
-                                           "to 2N; the parameters become views of it)",
-    "parameters before flattening": "zero/stage_1_and_2.py `__init__` (the per-parameter storages, alive while "
-                                    "`flatten_dense_tensors_aligned` copies them)",
-    "fp32 master partition (single_partition_of_fp32_groups)": "zero/stage_1_and_2.py `__init__`",
-    "reduce bucket (ipg buffer)": "zero/stage_1_and_2.py `setup_buckets` (stages 1-2: at the first gradient hook of "
-                                  "every backward); zero/stage3.py `_setup_for_real_optimizer` (stage 3: at init)",
-    "second reduce bucket (overlap_comm)": "zero/stage_1_and_2.py `setup_buckets` (the ipg buffer's second half)",
-    "gradient partition (grads_in_partition)": "zero/stage_1_and_2.py `copy_grads_in_partition`",
-    "accumulated gradient partition (all_grad_tensors)": "zero/stage_1_and_2.py `independent_gradient_partition_epilogue` "
-                                                         "(kept between micro-batches)",
-    "flattened bucket contents (average_tensor)": "zero/stage_1_and_2.py `average_tensor` -> `allreduce_no_retain` / "
-                                                  "`allreduce_and_scatter` (a flat copy of the slices reduced)",
-    "fp32 gradient partition (single_partition_of_fp32_groups .grad)": "zero/stage_1_and_2.py `step` "
-                                                                       "(`flatten(averaged_gradients).to(fp32)`); with "
-                                                                       "cpu_offload `initialize_optimizer_states`, kept",
-    "flat gradient partition (flatten(averaged_gradients))": "zero/stage_1_and_2.py `step`; zero/stage3.py "
-                                                             "`_prepare_fp32_grad_for_sub_group` (freed after `.to(fp32)`)",
-    "bit16 partition for CPU offload (param_buffer_of_bit16_for_cpu_offload_groups)": "zero/stage_1_and_2.py `__init__`",
-    "temp_grad_buffer_for_cpu_offload": "zero/stage_1_and_2.py `__init__` (the largest parameter, on the host)",
-    "temp_grad_buffer_for_gpu_offload": "zero/stage_1_and_2.py `__init__` (the largest parameter, on the device)",
-    "accumulated gradients on the host (accumulated_grads_in_cpu)": "zero/stage_1_and_2.py "
-                                                                    "`async_accumulate_grad_in_cpu_via_gpu`",
-    "gradient norm copy (fp64)": "zero/stage_1_and_2.py `set_norm_for_param_grad_in_gpu` (zero/utils.py `get_norm_dtype`)",
+    "all-reduce flat gradient copy (allreduce_no_retain)":
+        "engine.py `allreduce_gradients` -> `buffered_allreduce_fallback` -> `allreduce_no_retain`",
+    "fp32 master copies (fp32_groups)":
+        "fp16/unfused_optimizer.py `FP16_UnfusedOptimizer.__init__`",
+    "fp32 master gradients (fp32_groups .grad)":
+        "fp16/unfused_optimizer.py `step` (`fp16.grad.to(fp32)`), `initialize_optimizer_states` (zeros)",
+    "16-bit flat parameters (fp16_groups_flat)":
+        "fp16/fused_optimizer.py `FP16_Optimizer.__init__`",
+    "fp32 flat master (fp32_groups_flat)":
+        "fp16/fused_optimizer.py `FP16_Optimizer.__init__`",
+    "fp32 flat gradient (fp32_groups_flat .grad)":
+        "fp16/fused_optimizer.py `step` (`_flatten_dense_tensors`), `initialize_optimizer_states` (zeros)",
+    "fp32 gradient copies being flattened":
+        "fp16/fused_optimizer.py `step` (`p.grad.to(fp32)` per parameter)",
+    # stages 1-2 (the bucket and the step's flat gradient partition: stage 3 too)
+    "flat parameters (bit16_groups_flat)":
+        "zero/stage_1_and_2.py `__init__` (`flatten_dense_tensors_aligned`, padded to 2N; the parameters view it)",
+    "parameters before flattening":
+        "zero/stage_1_and_2.py `__init__` (the per-parameter storages, alive while `flatten_dense_tensors_aligned` "
+        "copies them)",
+    "fp32 master partition (single_partition_of_fp32_groups)":
+        "zero/stage_1_and_2.py `__init__`",
+    "reduce bucket (ipg buffer)":
+        "zero/stage_1_and_2.py `setup_buckets` (stages 1-2: at the first gradient hook of every backward); "
+        "zero/stage3.py `_setup_for_real_optimizer` (stage 3: at init)",
+    "second reduce bucket (overlap_comm)":
+        "zero/stage_1_and_2.py `setup_buckets` (the ipg buffer's second half)",
+    "gradient partition (grads_in_partition)":
+        "zero/stage_1_and_2.py `copy_grads_in_partition`",
+    "accumulated gradient partition (all_grad_tensors)":
+        "zero/stage_1_and_2.py `independent_gradient_partition_epilogue` (kept between micro-batches)",
+    "flattened bucket contents (average_tensor)":
+        "zero/stage_1_and_2.py `average_tensor` -> `allreduce_no_retain` / `allreduce_and_scatter` (a flat copy of "
+        "the slices reduced)",
+    "fp32 gradient partition (single_partition_of_fp32_groups .grad)":
+        "zero/stage_1_and_2.py `step` (`flatten(averaged_gradients).to(fp32)`); with cpu_offload "
+        "`initialize_optimizer_states`, kept",
+    "flat gradient partition (flatten(averaged_gradients))":
+        "zero/stage_1_and_2.py `step`; zero/stage3.py `_prepare_fp32_grad_for_sub_group` (freed after `.to(fp32)`)",
+    "bit16 partition for CPU offload (param_buffer_of_bit16_for_cpu_offload_groups)":
+        "zero/stage_1_and_2.py `__init__`",
+    "temp_grad_buffer_for_cpu_offload":
+        "zero/stage_1_and_2.py `__init__` (the largest parameter, on the host)",
+    "temp_grad_buffer_for_gpu_offload":
+        "zero/stage_1_and_2.py `__init__` (the largest parameter, on the device)",
+    "accumulated gradients on the host (accumulated_grads_in_cpu)":
+        "zero/stage_1_and_2.py `async_accumulate_grad_in_cpu_via_gpu`",
+    "gradient norm copy (fp64)":
+        "zero/stage_1_and_2.py `set_norm_for_param_grad_in_gpu` (zero/utils.py `get_norm_dtype`)",
+    # stage 3
+    "fp16 parameter partition (lp_param_buffer)":
+        "zero/stage3.py `_create_fp16_partitions_with_defragmentation`; with offload_param "
+        "`_create_param_groups_fp16_flat_cpu_memory` (host)",
+    "frozen parameter partitions (ds_tensor)":
+        "zero/partition_parameters.py `_partition_param` (parameters outside the optimizer's groups keep their own)",
+    "parameter partitions before defragmentation (ds_tensor)":
+        "zero/stage3.py `_create_fp16_partitions_with_defragmentation` (runtime/utils.py `defragment` copies them)",
+    "persistent parameters (ds_persist)":
+        "zero/parameter_offload.py `mark_persistent_parameters` (gathered once, never released)",
+    "fp32 master partition (fp32_partitioned_groups_flat)":
+        "zero/stage3.py `_create_fp32_partitions`",
+    "gradient partitions (grad_partitions_flat_buffer)":
+        "zero/stage3.py `_setup_for_real_optimizer`",
+    "fp32 gradient partition (fp32_partitioned_groups_flat .grad)":
+        "zero/stage3.py `_prepare_fp32_grad_for_sub_group`",
+    "CPU Adam gradient partition (subgroup_gradient_buffer)":
+        "zero/stage3.py `initialize_optimizer_states` (with offload_optimizer, kept as the fp32 master's .grad)",
+    "initial step zero gradient (initialize_optimizer_states)":
+        "zero/stage3.py `initialize_optimizer_states` (`gradient_buffer`)",
+    "ZeRO-3 gathered parameters":
+        "zero/partitioned_param_coordinator.py `fetch_sub_module`, `__params_to_release` (kept while reused within "
+        "stage3_max_reuse_distance); zero/partition_parameters.py `AllGatherCoalescedHandle.wait`",
+    "ZeRO-3 gathered parameters (prefetch)":
+        "zero/partitioned_param_coordinator.py `fetch_sub_module` (up to stage3_prefetch_bucket_size elements "
+        "ahead, under stage3_max_live_parameters)",
+    "all-gather flat buffer (coalesced fetch)":
+        "zero/partition_parameters.py `_all_gather_dtype`, held until `AllGatherCoalescedHandle.wait` "
+        "(docs/engines/deepspeed.md, \"Stage 3: the coalesced fetch, the first step, the epilogue\")",
+    "reduce-scatter flat copy (reduce_scatter_coalesced)":
+        "zero/stage3.py `__avg_scatter_grads` -> comm/coalesced_collectives.py `reduce_scatter_coalesced`",
+    "whole module parameters before partitioning":
+        "engine.py `_configure_distributed_model`, partitioned by zero/parameter_offload.py "
+        "`_convert_to_zero_parameters`",
+    "parameter being cast (p.data.to(dtype))":
+        "engine.py `_cast_module_mixed_precision`",
+    "tensor being partitioned (zero.Init)":
+        "zero/partition_parameters.py `_post_init_method`",
+    "optimizer swap buffers (NVMe)":
+        "swap_tensor/optimizer_utils.py `OptimizerSwapper` (buffer_count pinned fp32 buffers of the largest sub-group)",
+    "parameter swap buffers (NVMe)":
+        "swap_tensor/partitioned_param_swapper.py `AsyncPartitionedParameterSwapper` (buffer_count x buffer_size, "
+        "pinned)",
 })
 
 def _plus(base: Point, **more: int) -> Point:
@@ -475,7 +536,7 @@ def _stage1_grads(layout: _Layout, b: int) -> tuple[tuple[int, int], ...]:
     groups = layout.groups_backward
     for index, group in enumerate(groups):
         in_block = layout.first_block if 0 < index < len(groups) - 1 and group else 0
-        entries.append((index, named("gradients (.grad)", (done + in_block) * b)))
+        entries.append((index, (done + in_block) * b))
         done += sum(group)
     return _contenders(tuple(entries), len(groups) - 1)
 
@@ -552,7 +613,8 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             if best is None or along + grads_now > best[0] + best[1]:
                 best = (along, grads_now)
         if best is not None:
-            points.append({"activations": best[0], "buffers": bucket_now, "grads": best[1]})
+            grads = named("gradients (.grad)", best[1])
+            points.append({"activations": best[0], "buffers": bucket_now, "grads": grads})
     moment = largest_point(*points)
     phases = [fixed.init]
     for step, during, settled, optimizer_step in fixed.steps:
@@ -604,7 +666,8 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     device_buffers = 0
     if run.offload_opt:
         host_grads = named("fp32 gradient partition (single_partition_of_fp32_groups .grad)", partition * FP32_BYTES)
-        host_buffers = (named("bit16 partition for CPU offload (param_buffer_of_bit16_for_cpu_offload_groups)", partition * b)
+        host_buffers = (named("bit16 partition for CPU offload (param_buffer_of_bit16_for_cpu_offload_groups)",
+                              partition * b)
                         + named("temp_grad_buffer_for_cpu_offload", run.layout.largest * b))
         device_buffers = named("temp_grad_buffer_for_gpu_offload", run.layout.largest * b)
         if setup.accumulating:  # `accumulated_grads_in_cpu`: owned slices, model dtype
@@ -656,7 +719,9 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
             # (the last micro-batch accumulates into the kept .grad); the first rank allocates its
             # partition at the first overflow, with the rest still in .grad.
             filled = _bucket_fill(run.layout.numels, buckets)
-            first_rank = 0 if run.offload_opt else named("gradient partition (grads_in_partition)", owned_runs[0][1] * b)
+            first_rank = 0
+            if not run.offload_opt:
+                first_rank = named("gradient partition (grads_in_partition)", owned_runs[0][1] * b)
             left = named("gradients (.grad)", (run.trainable - filled) * b)
             settled = [_plus(base, buffers=bucket, grads=left + first_rank)]
             # Each reduction flattens the bucket's contents (`average_tensor`): at the first one
@@ -736,7 +801,8 @@ def _stage3_sizes(facts: ModelFacts, n: int, threshold: int) -> tuple[int, int, 
 @dataclass(frozen=True)
 class _Walk3:
     """What stage 3 holds along a step apart from activations (elements, or bytes where named):
-    the same for every micro-batch, so cached per (model, N, b, knobs)."""
+    the same for every micro-batch, so cached per (model, N, b, knobs). Plain ints: the terms are
+    named when a moment is chosen (`_backward_extra`), so that the walks compare ints."""
 
     p3_all: int
     p3: int
@@ -745,11 +811,13 @@ class _Walk3:
     prefetch: int
     largest_leaf: int  # bytes: the largest tensor gathered alone (first micro-batch, no trace)
     # `_contenders` of (backward index, gathered bytes) without a trace (`cold`) and with one,
-    # and of (backward index, bytes, buffers bytes, grads bytes) at each bucket reduction
+    # and of (backward index, bytes, gathered bytes, flat copy bytes, gradient bytes) at each
+    # bucket reduction
     cold: tuple[tuple[int, ...], ...]
     cold_reductions: tuple[tuple[int, ...], ...]
     warm: tuple[tuple[int, ...], ...]
     warm_reductions: tuple[tuple[int, ...], ...]
+    prefetched: tuple[int, ...]  # bytes of `warm`'s gathered bytes that were prefetched, by backward index
 
 
 @memo(maxsize=4096)  # shared by offloads: cold plans take 20-78% longer without it
@@ -773,32 +841,49 @@ def _stage3_walk(facts: ModelFacts, n: int, b: int, knobs: DeepSpeedSizes, recom
 
         cold = recomputed_block_gathered(cold, layout.gathered_backward, layout.groups_backward, n, b, threshold,
                                          recompute_held_element)
-    warm = [(i, g * b) for i, g in enumerate(gathered_in_backward)]
-    cold_reductions = [(i, module_all[i] + (flat + trigger) * b, module_all[i] + flat * b, trigger * b)
+    warm = [(i, (held + ahead) * b) for i, (held, ahead) in enumerate(gathered_in_backward)]
+    cold_reductions = [(i, module_all[i] + (flat + trigger) * b, module_all[i], flat * b, trigger * b)
                        for i, flat, trigger in reductions]
-    warm_reductions = [(i, (gathered_in_backward[i] + flat + trigger) * b, (gathered_in_backward[i] + flat) * b,
-                        trigger * b) for i, flat, trigger in reductions]
+    warm_reductions = [(i, warm[i][1] + (flat + trigger) * b, warm[i][1], flat * b, trigger * b)
+                       for i, flat, trigger in reductions]
     return _Walk3(p3_all, p3, persistent, gathered_at_head, prefetch, max(module_all, default=0),
-                  *(_contenders(tuple(entries), last) for entries in (cold, cold_reductions, warm, warm_reductions)))
+                  *(_contenders(tuple(entries), last) for entries in (cold, cold_reductions, warm, warm_reductions)),
+                  tuple(ahead * b for _, ahead in gathered_in_backward))
+
+
+def _gathered(buffers: int, prefetched: int) -> int:
+    """`buffers` bytes of gathered parameters, `prefetched` of them fetched ahead of their module."""
+    return (named("ZeRO-3 gathered parameters", buffers - prefetched)
+            + named("ZeRO-3 gathered parameters (prefetch)", prefetched))
 
 
 def _backward_extra(run: _Run, acts: ActivationBytes | None, start: Point, gathered: tuple[tuple[int, ...], ...],
-                    reductions: tuple[tuple[int, ...], ...]) -> Point:
+                    reductions: tuple[tuple[int, ...], ...], prefetched: tuple[int, ...] | None) -> Point:
     """What backward adds to the base at its peak, the first largest of: the loss's backward
     (`start`), the module group with the most gathered parameters and activations, and each bucket
-    reduction (its flat copy beside the gathered parameters, the triggering gradient waiting)."""
+    reduction (its flat copy beside the gathered parameters, the triggering gradient waiting).
+    `prefetched`: the bytes of the gathered ones fetched ahead, by backward index (None: none)."""
     most: Point = {}
+    most_index = 0
     for index, buffers in gathered:
         along = _activation_along(run, acts, index)
         if not most or buffers + along > most["buffers"] + most["activations"]:
-            most = {"buffers": buffers, "activations": along}
+            most, most_index = {"buffers": buffers, "activations": along}, index
+    if most:
+        most["buffers"] = _gathered(most["buffers"], prefetched[most_index] if prefetched else 0)
     best = start if point_total(start) >= point_total(most) else most
     best_total = point_total(best)
-    for index, total, buffers, grads in reductions:
-        hook = _hook_along(run, acts, index)
-        if total + hook > best_total:
-            best, best_total = {"buffers": buffers, "grads": grads, "activations": hook}, total + hook
-    return best
+    reduction = None
+    for entry in reductions:
+        hook = _hook_along(run, acts, entry[0])
+        if entry[1] + hook > best_total:
+            reduction, best_total = (entry, hook), entry[1] + hook
+    if reduction is None:
+        return best
+    (index, _, held, flat, trigger), hook = reduction
+    return {"buffers": _gathered(held, prefetched[index] if prefetched else 0)
+            + named("reduce-scatter flat copy (reduce_scatter_coalesced)", flat),
+            "grads": named("gradients (.grad)", trigger), "activations": hook}
 
 
 @dataclass(frozen=True)
@@ -817,18 +902,20 @@ def _stage3(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], 
     fwd = _forward_activations(acts)
     # The trace is complete from the second micro-batch of the first step on: the steady step's
     # moments, also the first step's when it accumulates.
-    head = walk.gathered_at_head * b
-    warm = (largest_point({"buffers": head + walk.prefetch * b, "activations": _activations_before_head(acts)},
+    head = named("ZeRO-3 gathered parameters", walk.gathered_at_head * b)
+    coalesced = named("all-gather flat buffer (coalesced fetch)", walk.prefetch * b)
+    warm = (largest_point({"buffers": head + coalesced, "activations": _activations_before_head(acts)},
                           {"buffers": head, "activations": fwd}),
             _backward_extra(run, acts, {"buffers": head, "activations": _backward_start(acts)}, walk.warm,
-                            walk.warm_reductions))
+                            walk.warm_reductions, walk.prefetched))
     phases = [fixed.init]
     for step, base, _, optimizer_step in fixed.steps:
         if step == Step.FIRST and not run.setup.accumulating:  # no trace yet
             # `release_sub_module` frees each leaf module's parameters after its hook, persistent
             # ones too: one tensor gathered at a time (docs/engines/deepspeed.md, "The first step").
-            forward = largest_point({"activations": fwd}, {"buffers": walk.largest_leaf})
-            extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions)
+            forward = largest_point({"activations": fwd}, {"buffers": _gathered(walk.largest_leaf, 0)})
+            extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions,
+                                    None)
         else:
             forward, extra = warm
         # (the moments of a phase share `base`: the largest is the one that adds the most)
@@ -844,13 +931,18 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
     b = run.b
     walk = _stage3_walk(run.facts, run.n, b, knobs, run.setup.recompute_held_element)
     p3_all, p3, persistent = walk.p3_all, walk.p3, walk.persistent
-    partitions = p3_all * b  # `lp_param_buffer` (or the offload_param host buffer)
-    master = p3 * FP32_BYTES  # `fp32_partitioned_groups_flat`, a separate copy even in fp32
+    # `lp_param_buffer` (or the offload_param host buffer) and the frozen parameters' own partitions
+    partitions = (named("fp16 parameter partition (lp_param_buffer)", p3 * b)
+                  + named("frozen parameter partitions (ds_tensor)", (p3_all - p3) * b))
+    # `fp32_partitioned_groups_flat`, a separate copy even in fp32
+    master = named("fp32 master partition (fp32_partitioned_groups_flat)", p3 * FP32_BYTES)
     states = _states(run, p3)
-    grad_partitions = p3 * b  # `grad_partitions_flat_buffer`, init (host with optimizer offload)
+    # `grad_partitions_flat_buffer`, init (host with optimizer offload)
+    grad_partitions = named("gradient partitions (grad_partitions_flat_buffer)", p3 * b)
     # `_setup_for_real_optimizer`: one bucket in the communication dtype, not doubled by overlap.
-    bucket = knobs.reduce_bucket_size * b
-    fp32_grad = p3 * FP32_BYTES  # offload: `subgroup_gradient_buffer` from init; else at step
+    bucket = named("reduce bucket (ipg buffer)", knobs.reduce_bucket_size * b)
+    # the step's `.to(fp32)` (optimizer offload keeps its own from init: `offload_grads`)
+    fp32_grad = named("fp32 gradient partition (fp32_partitioned_groups_flat .grad)", p3 * FP32_BYTES)
 
     on_device_opt = not run.offload_opt or run.cpu_run
     on_device_par = not run.offload_par or run.cpu_run
@@ -859,12 +951,16 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
         return value if on_device_opt else 0
 
     partitions_dev = partitions if on_device_par else 0
-    offload_grads = fp32_grad if run.offload_opt else 0
+    offload_grads = 0
+    if run.offload_opt:  # `subgroup_gradient_buffer`, from init
+        offload_grads = named("CPU Adam gradient partition (subgroup_gradient_buffer)", p3 * FP32_BYTES)
     steps = []
     for step in (Step.FIRST, Step.STEADY):
         held = states if step == Step.STEADY else 0
         # persistent parameters stay gathered once the trace is complete (after the first micro-batch)
-        persist = persistent * b if step == Step.STEADY or run.setup.accumulating else 0
+        persist = 0
+        if step == Step.STEADY or run.setup.accumulating:
+            persist = named("persistent parameters (ds_persist)", persistent * b)
         base = {"params": partitions_dev + persist, "optimizer_states": opt(master + held),
                 "grads": opt(grad_partitions + offload_grads), "buffers": bucket}
         # `step`: all parameters are released, persistent ones included, and re-gathered after
@@ -876,11 +972,13 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
         if run.offload_opt:
             stepping = dict(stepping_base, optimizer_states=opt(master + states))
         else:
-            convert = dict(stepping_base, grads=grad_partitions + fp32_grad, temporaries=p3 * b if b != FP32_BYTES else 0)
+            flat_grad = named("flat gradient partition (flatten(averaged_gradients))", p3 * b) if b != FP32_BYTES else 0
+            convert = dict(stepping_base, grads=grad_partitions + fp32_grad, temporaries=flat_grad)
             update = dict(stepping_base, optimizer_states=master + states, grads=grad_partitions + fp32_grad,
                           temporaries=_step_temporaries(run, sub_group, sub_group))
             stepping = largest_point(convert, update)
-        after = dict(base, params=partitions_dev + persistent * b, optimizer_states=opt(master + states))
+        after = dict(base, params=partitions_dev + named("persistent parameters (ds_persist)", persistent * b),
+                     optimizer_states=opt(master + states))
         steps.append(_StepMoments(step, base, None, phase(step, Phase.OPTIMIZER_STEP, **largest_point(stepping, after))))
     # Under `deepspeed.zero.Init` (partition_parameters.py `_post_init_method`) each module's
     # parameters are partitioned as the module is built, onto the host with offload_param
@@ -891,15 +989,18 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
     # `initialize_optimizer_states` makes a P3 x 4 zero gradient (temporary without offload) before
     # the bucket and gradient partitions.
     if run.setup.program.model_init == ModelInit.ZERO_INIT:
-        built = {"params": partitions_dev + run.layout.largest * b}
+        built = {"params": partitions_dev + named("tensor being partitioned (zero.Init)", run.layout.largest * b)}
     else:
         built = {"params": _built_whole(run)}
-    defrag = {"params": 2 * partitions_dev}
+    # the partitions, and their copy into one buffer
+    defrag = {"params": partitions_dev + (named("parameter partitions before defragmentation (ds_tensor)", p3_all * b)
+                                          if on_device_par else 0)}
+    zero_grad = named("initial step zero gradient (initialize_optimizer_states)", p3 * FP32_BYTES)
     opt_init = {"params": partitions_dev, "optimizer_states": opt(master),
-                "temporaries": 0 if run.offload_opt else opt(fp32_grad), "grads": opt(offload_grads)}
+                "temporaries": 0 if run.offload_opt else opt(zero_grad), "grads": opt(offload_grads)}
     first_base = steps[0].during
     init = phase(Step.FIRST, Phase.INIT, **largest_point(built, defrag, opt_init, dict(first_base, params=partitions_dev)))
-    host = _stage3_host(run, p3, partitions, master + states, grad_partitions + fp32_grad)
+    host = _stage3_host(run, p3, partitions, master + states, grad_partitions + offload_grads)
     return _Fixed3(init, tuple(steps), host, walk)
 
 
@@ -909,10 +1010,11 @@ def _built_whole(run: _Run) -> int:
     `module.to(device)`), or built there in fp32 and cast one parameter at a time (device; on a CPU
     run the host is the same memory)."""
     if run.setup.program.model_init == ModelInit.HOST and not run.cpu_run:
-        return run.total * run.b
+        return named("whole module parameters before partitioning", run.total * run.b)
     built = HALF_BYTES if run.setup.precision == Precision.PURE_BF16 else FP32_BYTES
-    cast = run.layout.largest * run.b if run.b != built else 0  # `p.data = p.data.to(dtype)`, the largest
-    return run.total * built + cast
+    # `p.data = p.data.to(dtype)`, the largest
+    cast = named("parameter being cast (p.data.to(dtype))", run.layout.largest * run.b) if run.b != built else 0
+    return named("whole module parameters before partitioning", run.total * built) + cast
 
 
 def _largest_sub_group(run: _Run, p3: int) -> int:
@@ -939,12 +1041,14 @@ def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int
         host += optimizer + grads
     elif run.setup.offload_optimizer == Offload.NVME:
         nvme += optimizer
-        host += grads + OPTIMIZER_SWAP_BUFFERS * _largest_sub_group(run, p3) * FP32_BYTES
+        swap = OPTIMIZER_SWAP_BUFFERS * _largest_sub_group(run, p3) * FP32_BYTES
+        host += grads + named("optimizer swap buffers (NVMe)", swap)
     if run.setup.offload_params == Offload.CPU:
         host += partitions
     elif run.setup.offload_params == Offload.NVME:
         nvme += partitions
-        host += knobs.offload_buffer_count * knobs.offload_buffer_size * run.b
+        swap = knobs.offload_buffer_count * knobs.offload_buffer_size * run.b
+        host += named("parameter swap buffers (NVMe)", swap)
     return host, nvme
 
 
@@ -979,9 +1083,9 @@ def _stage3_reductions(groups_backward: tuple[tuple[int, ...], ...], n: int, buc
 
 
 def _steady_gathering(gathered_backward: tuple[tuple[int, ...], ...], n: int, threshold: int, reuse: int, live: int,
-                      prefetch_bucket: int) -> tuple[int, tuple[int, ...]]:
+                      prefetch_bucket: int) -> tuple[int, tuple[tuple[int, int], ...]]:
     """Gathered non-persistent elements once the trace is recorded: at the head's forward, and
-    while each module group (backward order) runs its backward.
+    while each module group (backward order) runs its backward, as (held, prefetched).
 
     partitioned_param_coordinator.py `__params_to_release`: after a module runs, its parameters
     are kept if they reappear within `stage3_max_reuse_distance` elements of the upcoming trace.
@@ -1012,7 +1116,7 @@ def _steady_gathering(gathered_backward: tuple[tuple[int, ...], ...], n: int, th
             done += kept_backward[index - 1]
         ahead = after - not_reached
         prefetch = min(prefetch_bucket, ahead) if not_reached + done + size < live else 0
-        in_backward.append(min(not_reached + done, live) + size + prefetch)
+        in_backward.append((min(not_reached + done, live) + size, prefetch))
     return at_head, tuple(in_backward)
 
 
