@@ -15,6 +15,7 @@ from zeroplan.spec.training import DeepSpeedKnobs, Device, Offload, Optimizer, P
 
 # Terms every engine names alike (estimate/terms.py).
 register({
+    "gradients (.grad)": "torch/csrc/autograd/functions/accumulate_grad.h (one .grad per trainable parameter)",
     "optimizer states": "torch/optim/adam.py _init_group (exp_avg, exp_avg_sq; SGD momentum_buffer)",
     "optimizer step temporaries": "torch/optim/adam.py _single_tensor_adam / _multi_tensor_adam (docs/engines/torch.md)",
     "tied head gradient pending in autograd": "torch/csrc/autograd/input_buffer.cpp accumulate",

@@ -68,12 +68,6 @@ OPTIMIZER_SWAP_BUFFERS = 4
 # docs/engines/deepspeed.md. The first three are torch's own allocations, named (with the same
 # source) as the torch engine names them (engines/torch_ddp.py).
 register({
-    "gradients (.grad)":
-        "torch/csrc/autograd/functions/accumulate_grad.h (one .grad per trainable parameter)",
-    "tied head gradient pending in autograd":
-        "torch/csrc/autograd/input_buffer.cpp accumulate",
-    "optimizer step temporaries":
-        "torch/optim/adam.py _single_tensor_adam / _multi_tensor_adam (docs/engines/torch.md)",
     "module parameters":
         "engine.py `_configure_distributed_model` (the module's parameters, cast to the model dtype)",
     "optimizer states (basic optimizer)":

@@ -37,7 +37,6 @@ from zeroplan.spec.training import Precision
 
 register({
     "parameters": "torch/nn/modules/module.py (the model's parameters, on every rank under DDP)",
-    "gradients (.grad)": "torch/csrc/autograd/functions/accumulate_grad.h (one .grad per trainable parameter)",
     "DDP reducer buckets": "torch/csrc/distributed/c10d/reducer.cpp Reducer::initialize_buckets",
     "DDP output clones": "torch/nn/parallel/distributed.py _DDPSink (docs/engines/torch.md)",
 })
