@@ -1,4 +1,4 @@
-"""The rowwise embedding's whole gradient under tensor parallelism (estimate/tp_embedding.py) against the
+"""The rowwise embedding's whole gradient under tensor parallelism (estimate/parallel/tp_embedding.py) against the
 2-rank gloo run of torch 2.13.0 (grid row mesh-tp2/tests/data/tiny-llama-16k.toml/...; docs/measure.md
 "Embedding gradient under TP")."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zeroplan.estimate import estimate_mesh
-from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes
+from zeroplan.estimate.parallel.tp_embedding import replicated_embedding_grad_bytes
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.training import TrainingSpec

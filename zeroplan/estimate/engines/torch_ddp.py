@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 
-from zeroplan.estimate.activations import ActivationBytes
+from zeroplan.estimate.activations.transformer import ActivationBytes
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
@@ -29,7 +29,7 @@ from zeroplan.estimate.engines.common import (
     phase,
     step_temporary_bytes,
 )
-from zeroplan.estimate.facts import ModelFacts
+from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.terms import named, register
 from zeroplan.spec.program import Recipe
