@@ -136,6 +136,11 @@ def _mesh_run(model: TransformerSpec, training: TrainingSpec, shape: RankKind) -
     activation = kbit_activation_bytes(training, dtypes.activation)
     acts = rank_activations(model, training, shape, activation, adapted)
     engine, setup = rank_setup(training)
+    if shape.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2 and engine == Engine.TORCH:
+        # without FSDP2 (mesh.py `rank_setup`) the rowwise embedding's Replicate gradient stays whole until zero_grad
+        from zeroplan.estimate.parallel.tp_embedding import with_replicated_embedding_grad
+
+        facts = with_replicated_embedding_grad(facts, model, training.mesh)
     return EngineRun(facts, acts, engine, setup, engine_profile(engine)(facts, setup, acts),
                      _program_notes(model, training))
 
@@ -164,15 +169,6 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
         result = with_adapters(result, facts, model, training, run.setup)
         notes += lora_notes(model, training, facts)
     dtypes = state_bytes(training.precision, training.optimizer)
-    if (not trivial and kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2
-            and run.engine == Engine.TORCH):
-        # without FSDP2 (mesh.py `rank_setup`) the rowwise embedding's Replicate gradient stays whole until
-        # zero_grad (estimate/parallel/tp_embedding.py)
-        from zeroplan.estimate.parallel.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
-
-        extra = replicated_embedding_grad_bytes(model, mesh, dtypes.grad)
-        result = result._replace(phases=with_replicated_embedding_grad(result.phases, extra,
-                                                                       facts.trainable_params * dtypes.grad))
     if mesh.pp > 1 and mesh.pp_schedule.looped:
         looped = looped_schedule_phases(model, training, kind, facts, run.acts, result.phases, dtypes.activation,
                                         micro_batches, bounded)

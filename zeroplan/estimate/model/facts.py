@@ -53,6 +53,9 @@ class ModelFacts:
     largest_tensor_numel: int
     # a sparse MLP's gradients alive at its backward peak, in place of `early_gradients`' rule (estimate/activations/moe.py)
     first_block_gradient: int | None = None
+    # gradient elements beyond the parameters': a gradient whole where its parameter is a shard (a TP rowwise
+    # embedding without FSDP2, estimate/parallel/tp_embedding.py); it arrives with the embedding's, the last
+    replicated_grad_params: int = 0
 
     def trainable_numels(self) -> list[int]:
         """Every trainable tensor's element count, in `model.parameters()` order (block after block)."""

@@ -14,29 +14,18 @@ a transient of the embedding unit's post-backward, not modelled.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from zeroplan.estimate.engines.common import ceil_div
-from zeroplan.estimate.result import PhaseBytes
-from zeroplan.estimate.terms import named, register
-
-register({"replicated embedding gradient (TP)": "torch/distributed/tensor/_ops (the rowwise embedding's backward takes "
-                                                "the all-Replicate strategy; docs/engines/mesh.md)"})
-from zeroplan.spec.model import TransformerSpec
+from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.spec.mesh import MeshSpec
+from zeroplan.spec.model import TransformerSpec
 
 
-def replicated_embedding_grad_bytes(model: TransformerSpec, mesh: MeshSpec, grad_bytes: int) -> int:
-    """What the whole gradient holds beyond the rank's vocabulary rows: (vocab - ceil(vocab / tp)) x hidden."""
+def with_replicated_embedding_grad(facts: ModelFacts, model: TransformerSpec, mesh: MeshSpec) -> ModelFacts:
+    """`facts` of a rank that holds the rowwise embedding without FSDP2, its gradient whole: (vocab - ceil(vocab /
+    tp)) x hidden elements beyond its parameter's rows, a .grad from the embedding's backward (the last) on."""
     if mesh.tp == 1 or model.tie_word_embeddings:
-        return 0  # a tied embedding's gradient meets the colwise head's: not this rule alone
-    return named("replicated embedding gradient (TP)",
-                 (model.vocab_size - ceil_div(model.vocab_size, mesh.tp)) * model.hidden_size * grad_bytes)
-
-
-def with_replicated_embedding_grad(phases: tuple[PhaseBytes, ...], extra_bytes: int,
-                                   all_grads_bytes: int) -> tuple[PhaseBytes, ...]:
-    """The extra bytes in every phase whose peak holds every gradient: the embedding's is the last the
-    backward writes, so such a moment holds it whole."""
-    if not extra_bytes:
-        return phases
-    return tuple(PhaseBytes(p.step, p.phase, p.categories._replace(grads=p.categories.grads + extra_bytes))
-                 if p.categories.grads >= all_grads_bytes > 0 else p for p in phases)
+        return facts  # a tied embedding's gradient meets the colwise head's: not this rule alone
+    return replace(facts, replicated_grad_params=(model.vocab_size - ceil_div(model.vocab_size, mesh.tp))
+                   * model.hidden_size)
