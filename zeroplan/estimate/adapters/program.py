@@ -1,6 +1,7 @@
 """The adapters in a rank's profile (issue 12): the frozen base as bitsandbytes stores it in place of the
-engine's count of it, the Trainer's fp32 adapters under ZeRO-3, modules_to_save copies in the base's
-dtype, and the peak's params split into base and adapter bytes. The engine profile counts every
+engine's count of it, the Trainer's fp32 adapters under ZeRO-3, and the peak's params split into base and
+adapter bytes (modules_to_save copies in the base's dtype are the layout's: ParamTensor.element, which the
+torch engine counts). The engine profile counts every
 parameter in its own dtype; these terms say what the adapted program holds instead (estimate/adapters/lora.py,
 docs/engines/lora.md). `setup` is the rank's: its `gpus` are the ranks that shard (HSDP shards over
 dp_shard only)."""
@@ -21,19 +22,10 @@ def with_adapters(result: EngineEstimate, facts: ModelFacts, model: TransformerS
     """The engine's phases with the base stored as `training.quant` says, the fp32 adapters and the copies."""
     param = state_bytes(training.precision, training.optimizer).param
     delta = lora.base_params_delta(model, training, param, setup.gpus)
-    copies = None
-    copy_element = lora.saved_copy_element(training)
-    if copy_element is not None:
-        import zeroplan.estimate.adapters.saved_copies as lora_saved
-
-        copies = lora_saved.saved_copy_bytes(facts, training, setup, copy_element)
-    full_grads = max(p.categories.grads for p in result.phases)
     phases = []
     for p in result.phases:
         categories = p.categories._replace(params=max(0, p.categories.params + delta
                                                       + _fp32_adapters(facts, training, param, p.step, setup.gpus)))
-        if copies is not None:
-            categories = lora_saved.with_saved_copies(categories, p.phase, copies, full_grads)
         phases.append(PhaseBytes(p.step, p.phase, categories))
     return result._replace(phases=tuple(phases))
 

@@ -3,10 +3,12 @@ optimizer step's temporaries, sharding arithmetic, and the per-phase record."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from zeroplan.estimate.activations.transformer import ActivationBytes
 from zeroplan.estimate.model.facts import ModelFacts
+from zeroplan.estimate.model.layout import ParamTensor
 from zeroplan.estimate.result import CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.terms import register
 from zeroplan.spec.program import OptimizerImpl, Program
@@ -119,12 +121,17 @@ def early_gradients(facts: ModelFacts) -> tuple[int, int, int]:
     twice in its input buffer and calls AccumulateGrad once, after the embedding's backward
     (torch/csrc/autograd/input_buffer.cpp). Until then it is held by autograd like an
     activation, and `zeroplan measure` counts it so."""
+    return early_gradient_sizes(facts, lambda t: t.numel)
+
+
+def early_gradient_sizes(facts: ModelFacts, size: Callable[[ParamTensor], int]) -> tuple[int, int, int]:
+    """`early_gradients` with each tensor measured by `size` (its elements, or its bytes in its own dtype)."""
     head = tied = 0
     final = [g for g in facts.groups if g.role == "final" and not g.frozen]
     if final:
-        head = final[0].trainable_params
+        head = sum(size(t) for t in final[0].trainable_tensors)
         if not any(t.name.startswith("lm_head") for t in final[0].trainable_tensors):
-            tied = max((t.numel for g in facts.groups if g.role == "embedding" for t in g.trainable_tensors), default=0)
+            tied = max((size(t) for g in facts.groups if g.role == "embedding" for t in g.trainable_tensors), default=0)
     blocks = [g for g in facts.groups if g.role == "block" and not g.frozen]
     first = 0
     # The output projection: the MLP's last matmul in registration order (architecture.py lists
@@ -133,9 +140,9 @@ def early_gradients(facts: ModelFacts) -> tuple[int, int, int]:
     if matmuls:
         last = ([name for name in matmuls if name.startswith("mlp.")] or matmuls)[-1]
         module = last.rsplit(".", 1)[0] + "."
-        first = sum(t.numel for t in blocks[0].trainable_tensors if t.name.startswith(module))
+        first = sum(size(t) for t in blocks[0].trainable_tensors if t.name.startswith(module))
     if facts.first_block_gradient is not None:  # a sparse MLP's (estimate/activations/moe.py)
-        first = facts.first_block_gradient
+        first = size(ParamTensor("first block gradient", facts.first_block_gradient, facts.first_block_gradient))
     return head, tied, first
 
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import heapq
+from typing import NamedTuple
 
 from zeroplan.estimate.activations.transformer import ActivationBytes
 from zeroplan.estimate.caches import memo
@@ -24,6 +25,7 @@ from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_byt
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
     Setup,
+    early_gradient_sizes,
     early_gradients,
     largest_point,
     phase,
@@ -33,7 +35,7 @@ from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.terms import named, register
 from zeroplan.spec.program import Recipe
-from zeroplan.spec.training import Precision
+from zeroplan.spec.training import Optimizer, Precision
 
 register({
     "parameters": "torch/nn/modules/module.py (the model's parameters, on every rank under DDP)",
@@ -56,12 +58,60 @@ def zero_redundancy_shards(numels: list[int], world_size: int) -> list[list[int]
 
 
 @memo(maxsize=1024)  # a greedy walk over every tensor: torch-engine plans take 3-20x longer without it
-def largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[int, ...]:
-    """The trainable tensors of the rank with the most elements (all of them without sharding)."""
-    numels = facts.trainable_numels() or [facts.trainable_params]
+def largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[tuple[int, int], ...]:
+    """The trainable tensors, as (elements, own element size or 0), of the rank with the most elements (all of
+    them without sharding): ZeroRedundancyOptimizer partitions by elements whatever a tensor's dtype."""
+    tensors = [(t.numel, t.element) for g in facts.groups for _ in range(g.count) for t in g.trainable_tensors]
+    tensors = tensors or [(facts.trainable_params, 0)]
     if world_size == 1:
-        return tuple(numels)
-    return tuple(max(zero_redundancy_shards(numels, world_size), key=sum))
+        return tuple(tensors)
+    owners = zero_redundancy_shards([numel for numel, _ in tensors], world_size)
+    largest = max(range(world_size), key=lambda rank: sum(owners[rank]))
+    # the rank's tensors by size: which of equal-sized ones it holds does not change its bytes unless their
+    # dtypes differ, and then the partition (elements alone) does not say: the wider are taken first
+    left = sorted(tensors, key=lambda tensor: (-tensor[0], -tensor[1]))
+    held = []
+    for numel in owners[largest]:
+        index = next(i for i, tensor in enumerate(left) if tensor[0] == numel)
+        held.append(left.pop(index))
+    return tuple(held)
+
+
+class _Sizes(NamedTuple):
+    """Bytes the torch engine holds for `facts`, each tensor in its own dtype where it keeps one (a
+    modules_to_save copy in the base's: layout.py `ParamTensor.element`; this engine casts nothing)."""
+
+    params: int
+    trainable: int  # every .grad (and DDP's buckets)
+    local_states: int  # the optimizer states of the rank's shard
+    largest_local: int  # bytes of its largest tensor and of the whole shard, for the step's temporaries
+    total_local: int
+    head: int  # early gradients (common.py `early_gradients`), in bytes
+    tied: int
+    first: int
+    block: int  # the largest block's trainable bytes
+
+
+@memo(maxsize=1024)  # the planner asks again at every micro-batch
+def _sizes(facts: ModelFacts, element: int, world_size: int, optimizer: Optimizer) -> _Sizes:
+    def own(tensor) -> int:
+        return tensor.element or element
+
+    def wider(tensors) -> int:  # what tensors of their own dtype take beyond the engine's element
+        return sum(t.numel * (own(t) - element) for t in tensors)
+
+    params = facts.total_params * element + sum(g.count * wider(g.tensors) for g in facts.groups)
+    trainable = facts.trainable_params * element + sum(g.count * wider(g.trainable_tensors) for g in facts.groups)
+    local = largest_local_shard(facts, world_size)
+    local_bytes = [numel * (kept or element) for numel, kept in local]
+    # the states of the shard's elements at the engine's element, and of tensors of their own dtype at theirs
+    states = optimizer_state_bytes(sum(numel for numel, _ in local), optimizer, element) + sum(
+        optimizer_state_bytes(numel, optimizer, kept) - optimizer_state_bytes(numel, optimizer, element)
+        for numel, kept in local if kept)
+    head, tied, first = early_gradient_sizes(facts, lambda t: t.numel * own(t))
+    block = max((sum(t.numel * own(t) for t in g.trainable_tensors) for g in facts.groups
+                 if g.role == "block" and not g.frozen), default=0)
+    return _Sizes(params, trainable, states, max(local_bytes, default=0), sum(local_bytes), head, tied, first, block)
 
 
 def _trainer_output_clones(setup: Setup, acts: ActivationBytes) -> int:
@@ -80,15 +130,18 @@ def _trainer_output_clones(setup: Setup, acts: ActivationBytes) -> int:
 
 def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
     element = HALF_BYTES if setup.precision == Precision.PURE_BF16 else FP32_BYTES
-    local = largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1)
-    params = named("parameters", facts.total_params * element)
-    grads = (named("gradients (.grad)", facts.trainable_params * element)
+    world = setup.gpus if setup.zero_stage == 1 else 1
+    z = _sizes(facts, element, world, setup.optimizer)
+    params = named("parameters", z.params)
+    grads = (named("gradients (.grad)", z.trainable)
              + named("gradients whole beyond their parameter shards", facts.replicated_grad_params * element))
-    # DDP reducer buckets, allocated at wrap time; a single rank without the wrapper has none
-    buckets = named("DDP reducer buckets", facts.trainable_params * element if setup.program.ddp else 0)
-    states = named("optimizer states", optimizer_state_bytes(sum(local), setup.optimizer, element))
+    # DDP reducer buckets, allocated at wrap time, each gradient in its parameter's dtype (reducer.cpp, one bucket
+    # per dtype); a single rank without the wrapper has none
+    buckets = named("DDP reducer buckets", z.trainable if setup.program.ddp else 0)
+    states = named("optimizer states", z.local_states)
+    # the step's temporaries are each tensor's own size and dtype (`step_temporary_bytes` over bytes)
     temporaries = named("optimizer step temporaries", step_temporary_bytes(
-        max(local, default=0), sum(local), element, setup.optimizer, setup.program.optimizer_impl))
+        z.largest_local, z.total_local, 1, setup.optimizer, setup.program.optimizer_impl))
     if setup.program.optimizer_in_backward:
         notes = [] if setup.zero_stage == 0 else ["ZeroRedundancyOptimizer on one rank holds every state"]
         return EngineEstimate(tuple(_in_backward_phases(facts, setup, acts, element, params, buckets)), NodeBytes(),
@@ -97,8 +150,6 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
     # without it reducer.cpp copies each .grad into its bucket and the result back (same bytes).
     # Where the model was built (model_init) does not matter either: DDP wraps it whole, in fp32.
     accumulating = setup.accumulating
-    head_numel, tied_numel, first_numel = early_gradients(facts)
-    block_numel = max((g.trainable_params for g in facts.groups if g.role == "block" and not g.frozen), default=0)
     num_blocks = acts.num_blocks if acts else 0
 
     phases = []
@@ -111,14 +162,14 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
         phases.append(phase(step, Phase.FORWARD, **base, grads=grads_before, activations=forward))
         # Backward's moments: the loss's, each block's (linear in the blocks done between the
         # ends), the end with every .grad present (docs/engines/torch.md).
-        tied = named("tied head gradient pending in autograd", tied_numel * element)
+        tied = named("tied head gradient pending in autograd", z.tied)
         points = [dict(grads=grads, temporaries=2 * tied)]
         if acts is not None:
             points.append(dict(grads=grads_before, activations=acts.forward_end, temporaries=acts.logits_grad))
-            points.append(dict(grads=max(grads_before, named("gradients (.grad)", head_numel * element)),
+            points.append(dict(grads=max(grads_before, named("gradients (.grad)", z.head)),
                                activations=acts.head_backward_saved, temporaries=acts.head_backward_temporary + tied))
             for j in acts.backward_blocks():
-                done = named("gradients (.grad)", (head_numel + first_numel + j * block_numel) * element)
+                done = named("gradients (.grad)", z.head + z.first + j * z.block)
                 points.append(dict(grads=max(grads_before, done), activations=acts.block_backward_saved(num_blocks - j),
                                    temporaries=acts.block_backward_temporary_at(num_blocks - j) + tied))
         worst = largest_point(*points)
@@ -129,7 +180,8 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
         )
     notes = []
     if setup.zero_stage == 1:
-        notes.append(f"ZeroRedundancyOptimizer: largest rank holds states for {sum(local):,} of {facts.trainable_params:,} elements")
+        held = sum(numel for numel, _ in largest_local_shard(facts, world))
+        notes.append(f"ZeroRedundancyOptimizer: largest rank holds states for {held:,} of {facts.trainable_params:,} elements")
     return EngineEstimate(tuple(phases), NodeBytes(), tuple(notes))
 
 

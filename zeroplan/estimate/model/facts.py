@@ -16,7 +16,8 @@ import zeroplan.estimate.activations.moe as moe
 from zeroplan.errors import SpecError
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.model.layout import ParamTensor, param_layout
-from zeroplan.estimate.adapters.lora import PackedStorage, lora_layout, packed_layout, packed_storage
+from zeroplan.estimate.adapters.lora import (PackedStorage, is_saved_copy, lora_layout, packed_layout, packed_storage,
+                                            saved_copy_element)
 from zeroplan.spec.lora import LoraSpec
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
@@ -92,19 +93,26 @@ def _transformer_facts(spec: TransformerSpec, freeze: tuple[str, ...]) -> ModelF
 
 
 @memo(maxsize=256)  # one object per model, as `_transformer_facts`
-def _lora_facts(spec: TransformerSpec, lora: LoraSpec, packed: PackedStorage | None = None) -> ModelFacts:
+def _lora_facts(spec: TransformerSpec, lora: LoraSpec, packed: PackedStorage | None = None,
+                copy_element: int | None = None) -> ModelFacts:
     """The model with PEFT's adapters: base tensors frozen, adapters trained (estimate/adapters/lora.py); with
-    `packed`, the 4-bit weights as the storage a sharding engine gathers (the parameter count stays)."""
+    `packed`, the 4-bit weights as the storage a sharding engine gathers (the parameter count stays); with
+    `copy_element`, modules_to_save copies in the base's dtype (`saved_copy_element`)."""
     layout = lora_layout(spec, lora)
     if packed is not None:
         return replace(_lora_facts(spec, lora), groups=_lora_facts_of(spec, packed_layout(spec, layout, packed)).groups)
-    return _lora_facts_of(spec, layout)
+    return _lora_facts_of(spec, layout, copy_element)
 
 
-def _lora_facts_of(spec: TransformerSpec, layout) -> ModelFacts:
-    groups = [_group("embedding", layout.embedding, 1, False)]
-    groups += [_group("block", tensors, count, False) for tensors, count in layout.runs]  # per block kind
-    groups.append(_group("final", layout.final, 1, False))
+def _lora_facts_of(spec: TransformerSpec, layout, copy_element: int | None = None) -> ModelFacts:
+    def kept(tensors: tuple[ParamTensor, ...]) -> tuple[ParamTensor, ...]:
+        if copy_element is None:
+            return tensors
+        return tuple([t._replace(element=copy_element) if is_saved_copy(t) else t for t in tensors])
+
+    groups = [_group("embedding", kept(layout.embedding), 1, False)]
+    groups += [_group("block", kept(tensors), count, False) for tensors, count in layout.runs]  # per block kind
+    groups.append(_group("final", kept(layout.final), 1, False))
     return _facts(spec.name, tuple(groups))
 
 
@@ -141,5 +149,5 @@ def model_facts(spec: TransformerSpec | ParamCountSpec, training: TrainingSpec) 
         )
     freeze = tuple(sorted(training.freeze)) if training.freeze else ()
     if training.lora is not None and isinstance(spec, TransformerSpec):
-        return _lora_facts(spec, training.lora, packed_storage(training))
+        return _lora_facts(spec, training.lora, packed_storage(training), saved_copy_element(training))
     return _transformer_facts(spec, freeze) if isinstance(spec, TransformerSpec) else _count_facts(spec)

@@ -24,6 +24,9 @@ class ParamTensor(NamedTuple):
     numel: int
     rows: int  # size of dim 0: FSDP2 shards on dim 0 and pads it to a multiple of the world size
     frozen: bool = False  # a frozen tensor in a group that trains (LoRA's base weights beside its adapters)
+    # bytes per element where the module keeps a dtype of its own that an engine which does not cast honours (a
+    # modules_to_save copy, in the base's dtype: estimate/adapters/lora.py `saved_copy_element`); 0: the engine's
+    element: int = 0
 
 
 class ParamLayout(NamedTuple):
