@@ -17,7 +17,8 @@ from typing import NamedTuple
 from zeroplan.spec.lora import QuantSpec
 from zeroplan.spec.model import TransformerSpec
 
-_OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "down_proj", "fc_out", "dense", "out_proj")
+# (attention, MLP) x (input projections, output projection): layer roles (model/layout.py ROLES)
+_ROLES = {("attn", False): "qkv_in", ("attn", True): "attn_out", ("mlp", False): "mlp_in", ("mlp", True): "mlp_out"}
 
 
 class Int8Inputs(NamedTuple):
@@ -41,8 +42,7 @@ def int8_inputs(spec: TransformerSpec, linears, quant: QuantSpec | None, element
     block = [linear for linear in linears if linear.role == "block" and linear.kind == "linear"]
 
     def width(side: str, output: bool) -> int:
-        found = [linear.in_features for linear in block if linear.module.startswith(f"{side}.")
-                 and linear.module.endswith(_OUTPUT_PROJECTIONS) == output]
+        found = [linear.in_features for linear in block if linear.layer_role == _ROLES[side, output]]
         return element * (sum(found) if output else (spec.hidden_size if found else 0))
 
     return Int8Inputs(width("attn", False), width("attn", True), width("mlp", False), width("mlp", True))

@@ -24,7 +24,7 @@ from zeroplan.errors import FieldError, SpecError
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES
 from zeroplan.estimate.engines.rules import param_element_bytes
-from zeroplan.estimate.model.layout import ParamTensor, param_layout
+from zeroplan.estimate.model.layout import ParamTensor, param_layout, role_of
 from zeroplan.spec.lora import LoraSpec, QuantSpec
 from zeroplan.estimate.terms import named, register
 from zeroplan.spec.model import TransformerSpec
@@ -75,6 +75,7 @@ class Linear(NamedTuple):
     kind: str = "linear"  # "linear" (nn.Linear or Conv1D: what bitsandbytes quantizes), "router", "experts"
     experts: int = 1  # experts sharing one adapter pair (ParamWrapper: A is (r x E, in), B is (out, r x E))
     rank_factor: int = 1  # peft doubles the rank of a fused gate_up_proj (its rank_pattern)
+    layer_role: str = ""  # the layout's role of its weight (model/layout.py ROLES)
 
 
 def peft_name(spec: TransformerSpec, module: str) -> str:
@@ -105,7 +106,7 @@ def _linears(spec: TransformerSpec) -> tuple[Linear, ...]:
             found.setdefault(module, Linear(module, peft_name(spec, module), in_features, out_features,
                                             f"{module}.bias" in names, "block"))
     head = Linear("lm_head", peft_name(spec, "lm_head"), spec.hidden_size, spec.vocab_size, False, "final")
-    return (*found.values(), head)
+    return tuple(linear._replace(layer_role=role_of(f"{linear.module}.weight")) for linear in (*found.values(), head))
 
 
 def _moe_linear(spec: TransformerSpec, t: ParamTensor) -> list[Linear]:
@@ -211,13 +212,16 @@ def _frozen(tensors, trainable_bias: bool = False) -> list[ParamTensor]:
 
 def _adapter(linear: Linear, lora: LoraSpec) -> list[ParamTensor]:
     r, prefix = lora.rank * linear.rank_factor * linear.experts, linear.module
-    tensors = [ParamTensor(f"{prefix}.lora_A.weight", r * linear.in_features, r),
-               ParamTensor(f"{prefix}.lora_B.weight", linear.out_features * r, linear.out_features)]
+    role = linear.layer_role  # an adapter is part of the layer it adapts
+    tensors = [ParamTensor(f"{prefix}.lora_A.weight", r * linear.in_features, r, role=role),
+               ParamTensor(f"{prefix}.lora_B.weight", linear.out_features * r, linear.out_features, role=role)]
     if lora.lora_bias:
-        tensors.append(ParamTensor(f"{prefix}.lora_B.bias", linear.out_features, linear.out_features))
+        tensors.append(ParamTensor(f"{prefix}.lora_B.bias", linear.out_features, linear.out_features, role=role))
     if lora.dora:
-        tensors.append(ParamTensor(f"{prefix}.lora_magnitude_vector.weight", linear.out_features, linear.out_features))
+        tensors.append(ParamTensor(f"{prefix}.lora_magnitude_vector.weight", linear.out_features, linear.out_features,
+                                   role=role))
     return tensors
+
 
 
 @memo(maxsize=256)
@@ -280,16 +284,16 @@ def lora_layout(spec: TransformerSpec, lora: LoraSpec) -> LoraLayout:
     h = spec.hidden_size
     for module, peft, rows in embeddings:
         if any(_matches(peft, e) for _, e, _ in adapted_embeddings):
-            embedding += [ParamTensor(f"{module}.lora_embedding_A", lora.rank * rows, lora.rank),
-                          ParamTensor(f"{module}.lora_embedding_B", h * lora.rank, h)]
+            embedding += [ParamTensor(f"{module}.lora_embedding_A", lora.rank * rows, lora.rank, role=role_of(module)),
+                          ParamTensor(f"{module}.lora_embedding_B", h * lora.rank, h, role=role_of(module))]
         if any(_matches(peft, target) for target in lora.modules_to_save):
-            embedding.append(ParamTensor(f"{module}.modules_to_save.weight", rows * h, rows))
+            embedding.append(ParamTensor(f"{module}.modules_to_save.weight", rows * h, rows, role=role_of(module)))
     final = _frozen(layout.final, every_bias)
     head = [linear for linear in adapted if linear.role == "final"]
     for linear in head:
         final += _adapter(linear, lora)
     if any(_matches(peft_name(spec, "lm_head"), target) for target in lora.modules_to_save):
-        final.append(ParamTensor("lm_head.modules_to_save.weight", spec.vocab_size * h, spec.vocab_size))
+        final.append(ParamTensor("lm_head.modules_to_save.weight", spec.vocab_size * h, spec.vocab_size, role="head"))
     count = spec.num_layers
     if lora.layers_to_transform is not None:
         bad = [i for i in lora.layers_to_transform if not 0 <= i < count]

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from zeroplan.spec.model import TransformerSpec
 
-_OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "down_proj", "fc_out")
+_INPUT_PROJECTIONS = {"attn": "qkv_in", "mlp": "mlp_in"}  # what reads the block's norms' outputs (model/layout.py ROLES)
 
 
 class KeptInputs(NamedTuple):
@@ -64,8 +64,8 @@ def kept_inputs(spec: TransformerSpec, lora, quant, training, comp: int, adapter
     attention_input = 0
     if blocks_call_linear:
         for side in ("attn", "mlp"):
-            readers = [linear for linear in block_linears if linear.module.startswith(f"{side}.")
-                       and linear.in_features == h and not linear.module.endswith(_OUTPUT_PROJECTIONS)]
+            readers = [linear for linear in block_linears if linear.layer_role == _INPUT_PROJECTIONS[side]
+                       and linear.in_features == h]
             a_keeps_it = any(linear.module in adapted_modules for linear in readers) and not own_copy
             if readers and not a_keeps_it:
                 block += comp * h  # one tensor, the norm's output, whichever linears read it

@@ -124,6 +124,9 @@ def early_gradients(facts: ModelFacts) -> tuple[int, int, int]:
     return early_gradient_sizes(facts, lambda t: t.numel)
 
 
+_MLP_ROLES = ("mlp_in", "mlp_out", "router", "experts")  # a block's MLP, dense or sparse (model/layout.py ROLES)
+
+
 def early_gradient_sizes(facts: ModelFacts, size: Callable[[ParamTensor], int]) -> tuple[int, int, int]:
     """`early_gradients` with each tensor measured by `size` (its elements, or its bytes in its own dtype)."""
     head = tied = 0
@@ -134,12 +137,12 @@ def early_gradient_sizes(facts: ModelFacts, size: Callable[[ParamTensor], int]) 
             tied = max((size(t) for g in facts.groups if g.role == "embedding" for t in g.trainable_tensors), default=0)
     blocks = [g for g in facts.groups if g.role == "block" and not g.frozen]
     first = 0
-    # The output projection: the MLP's last matmul in registration order (architecture.py lists
-    # a block's tensors as the model registers them, norms last for Llama).
-    matmuls = [t.name for t in blocks[0].trainable_tensors if "norm" not in t.name] if blocks else []
+    # The output projection: the MLP's last matmul in registration order (the layout lists a block's
+    # tensors as the model registers them, norms last for Llama), and that module's other tensors.
+    matmuls = [t for t in blocks[0].trainable_tensors if t.role != "norm"] if blocks else []
     if matmuls:
-        last = ([name for name in matmuls if name.startswith("mlp.")] or matmuls)[-1]
-        module = last.rsplit(".", 1)[0] + "."
+        last = ([t for t in matmuls if t.role in _MLP_ROLES] or matmuls)[-1]
+        module = last.name.rsplit(".", 1)[0] + "."
         first = sum(size(t) for t in blocks[0].trainable_tensors if t.name.startswith(module))
     if facts.first_block_gradient is not None:  # a sparse MLP's (estimate/activations/moe.py)
         first = size(ParamTensor("first block gradient", facts.first_block_gradient, facts.first_block_gradient))

@@ -122,9 +122,9 @@ def _count_facts(spec: ParamCountSpec) -> ModelFacts:
     # estimate_zero3_model_states_mem_needs takes the same two numbers).
     largest = spec.largest_layer_params or spec.params
     full_layers, rest = divmod(spec.params, largest)
-    groups = (_group("block", (ParamTensor("layer.weight", largest, largest),), full_layers, False),)
+    groups = (_group("block", (ParamTensor("layer.weight", largest, largest, role="layer"),), full_layers, False),)
     if rest:
-        groups += (_group("block", (ParamTensor("layer.weight", rest, rest),), 1, False),)
+        groups += (_group("block", (ParamTensor("layer.weight", rest, rest, role="layer"),), 1, False),)
     trainable = spec.params if spec.trainable_params is None else spec.trainable_params
     return _facts(spec.name, groups, trainable)
 

@@ -27,6 +27,44 @@ class ParamTensor(NamedTuple):
     # bytes per element where the module keeps a dtype of its own that an engine which does not cast honours (a
     # modules_to_save copy, in the base's dtype: estimate/adapters/lora.py `saved_copy_element`); 0: the engine's
     element: int = 0
+    role: str = ""  # its layer's part in the model (`ROLES`), set once by the layout: what the mesh and adapters read
+
+
+ROLES = ("embedding", "positions", "qkv_in", "attn_out", "mlp_in", "mlp_out", "router", "experts", "norm", "head",
+         "sinks", "latent_proj", "mtp_proj", "layer")
+"""Layer roles: the token embedding and learned positions, attention's input projections (q, k, v, fused qkv) and
+output projection, the MLP's input (gate, up, fused, fc_in) and output (down, fc_out) projections, a MoE's router
+and fused routed experts, norms, the output head, attention sinks, multi-head latent attention's low-rank
+projections, DeepSeek's multi-token-prediction projection, a count-only model's layers. A LoRA adapter has the role
+of the layer it adapts (estimate/adapters/lora.py)."""
+
+# The layout's own module names (one naming for every family, below) and their roles; the family's
+# transformers names map to these in estimate/adapters/lora.py (PEFT matches those).
+_ROLE_OF_LAYER = {
+    "embed_tokens": "embedding", "embed_positions": "positions", "lm_head": "head", "sinks": "sinks",
+    "q_proj": "qkv_in", "k_proj": "qkv_in", "v_proj": "qkv_in", "qkv_proj": "qkv_in", "c_attn": "qkv_in",
+    "o_proj": "attn_out", "gate_proj": "mlp_in", "up_proj": "mlp_in", "gate_up_proj": "mlp_in", "c_fc": "mlp_in",
+    "fc_in": "mlp_in", "down_proj": "mlp_out", "fc_out": "mlp_out", "gate": "router", "experts": "experts",
+    "q_a_proj": "latent_proj", "q_b_proj": "latent_proj", "kv_a_proj_with_mqa": "latent_proj", "kv_b_proj": "latent_proj",
+    "eh_proj": "mtp_proj", "layer": "layer",
+}
+
+
+def role_of(name: str) -> str:
+    """The role of the layout tensor `name` (`ROLES`): its layer's, GPT-2's c_proj by the branch it ends."""
+    parts = name.split(".")
+    if "experts" in parts[:-1]:  # the fused routed experts (not shared_experts, a dense MLP)
+        return "experts"
+    if any("norm" in part for part in parts[:-1]):
+        return "norm"
+    layer = parts[-2] if len(parts) > 1 else parts[0]  # the module of a .weight / .bias, or a bare module name
+    if layer == "c_proj":
+        return "attn_out" if parts[0] == "attn" else "mlp_out"
+    return _ROLE_OF_LAYER.get(layer, _ROLE_OF_LAYER.get(parts[-1], ""))
+
+
+def with_roles(tensors) -> tuple[ParamTensor, ...]:
+    return tuple([t._replace(role=role_of(t.name)) for t in tensors])
 
 
 class ParamLayout(NamedTuple):
@@ -196,13 +234,13 @@ def param_layout(spec: TransformerSpec) -> ParamLayout:
     final = _norm("final_norm", spec)
     if not spec.tie_word_embeddings:
         final += _linear("lm_head", h, spec.vocab_size, bias=False)
-    return ParamLayout(tuple(embedding), tuple(_block(spec)), spec.num_layers, tuple(final))
+    return ParamLayout(with_roles(embedding), with_roles(_block(spec)), spec.num_layers, with_roles(final))
 
 
 def _moe_layout(spec: TransformerSpec) -> ParamLayout:
     """Qwen3-MoE, DeepSeek-V3, GPT-OSS (estimate/model/moe_layout.py): `block` is the largest kind."""
     moe = moe_param_layout(spec)
-    runs = tuple((tuple(ParamTensor(*t) for t in tensors), count) for tensors, count in moe.runs)
+    runs = tuple((with_roles(ParamTensor(*t) for t in tensors), count) for tensors, count in moe.runs)
     largest = max((tensors for tensors, _ in runs), key=lambda tensors: sum(t.numel for t in tensors))
-    return ParamLayout(tuple(ParamTensor(*t) for t in moe.embedding), largest, sum(count for _, count in runs),
-                       tuple(ParamTensor(*t) for t in moe.final), runs)
+    return ParamLayout(with_roles(ParamTensor(*t) for t in moe.embedding), largest, sum(count for _, count in runs),
+                       with_roles(ParamTensor(*t) for t in moe.final), runs)

@@ -27,11 +27,9 @@ from zeroplan.spec.model import TransformerSpec
 
 INT64_BYTES = 8
 
-_EXPERTS = ".experts."  # the fused expert tensors (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS layouts); not shared_experts
-
-
 def is_expert(tensor: ParamTensor) -> bool:
-    return _EXPERTS in tensor.name
+    """A fused routed experts' tensor (Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS layouts); not shared_experts."""
+    return tensor.role == "experts"
 
 
 def shard_degree(tensor: ParamTensor, n: int, expert_n: int) -> int:
@@ -57,7 +55,7 @@ def placed_experts(tensors: tuple[ParamTensor, ...], model: TransformerSpec, mes
     the experts (torchtitan apply_fsdp `_experts_shard_placement_fn`), which `rows` then stands for."""
     if mesh.ep == 1 or mesh.expert_fsdp_degree(gpus) * mesh.ep <= routed_experts(model):
         return tensors
-    return tuple(ParamTensor(t.name, t.numel, _dim1(t, model)) if is_expert(t) else t for t in tensors)
+    return tuple(t._replace(rows=_dim1(t, model)) if is_expert(t) else t for t in tensors)
 
 
 def first_block_gradient(model: TransformerSpec, mesh: MeshSpec) -> int | None:

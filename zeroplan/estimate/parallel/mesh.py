@@ -49,10 +49,9 @@ register({
 })
 
 # Tensor-parallel plans (torchtitan v0.2.2 models/llama3/infra/parallelize.py `apply_tp`; 0.3.0
-# models/common/decoder_sharding.py): layer names, by how their weight is cut over tp.
-_COLWISE = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "gate_proj", "up_proj", "gate_up_proj", "c_fc",
-            "fc_in", "lm_head", "experts")
-_ROWWISE = ("o_proj", "c_proj", "down_proj", "fc_out", "embed_tokens")
+# models/common/decoder_sharding.py): layer roles (model/layout.py), by how their weight is cut over tp.
+_COLWISE = ("qkv_in", "mlp_in", "head", "experts")
+_ROWWISE = ("attn_out", "mlp_out", "embedding")
 
 
 def stage_layers(num_layers: int, stages: int) -> list[int]:
@@ -104,28 +103,28 @@ def _rank_kinds(num_layers: int, mesh: MeshSpec, micro_batches: int) -> tuple[Ra
     return tuple(kinds)
 
 
-def _sharded(tensor: ParamTensor, mesh: MeshSpec, moe: bool) -> ParamTensor:
-    """One tensor as a rank holds it under TP (and EP for the experts)."""
-    layer = tensor.name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-    if layer == "experts" and mesh.ep > 1:
+def _sharded(tensor: ParamTensor, mesh: MeshSpec, conv1d: bool) -> ParamTensor:
+    """One tensor as a rank holds it under TP (and EP for the experts); `conv1d`: the family stores its linears as
+    GPT-2's Conv1D, (in, out), not nn.Linear's (out, in)."""
+    role = tensor.role
+    if role == "experts" and mesh.ep > 1:
         # experts split on dim 0 over ep (torchtitan ExpertParallel); not cut by tp then (0.3.0: efsdp borrows tp)
-        return ParamTensor(tensor.name, tensor.numel // mesh.ep, tensor.rows // mesh.ep)
+        return tensor._replace(numel=tensor.numel // mesh.ep, rows=tensor.rows // mesh.ep)
     if mesh.tp == 1:
         return tensor
-    colwise, rowwise = layer in _COLWISE, layer in _ROWWISE
+    colwise, rowwise = role in _COLWISE, role in _ROWWISE
     if not (colwise or rowwise):
         return tensor  # norms and the router are replicated
-    if layer == "experts":  # (E, out, in): cut on dim 1
-        return ParamTensor(tensor.name, tensor.numel // mesh.tp, tensor.rows)
+    if role == "experts":  # (E, out, in): cut on dim 1
+        return tensor._replace(numel=tensor.numel // mesh.tp)
     if tensor.name.endswith(".bias"):  # a colwise bias is cut with its outputs; a rowwise one is replicated
-        return tensor if rowwise else ParamTensor(tensor.name, ceil_div(tensor.rows, mesh.tp), ceil_div(tensor.rows, mesh.tp))
+        return tensor if rowwise else tensor._replace(numel=ceil_div(tensor.rows, mesh.tp), rows=ceil_div(tensor.rows, mesh.tp))
     # nn.Linear stores (out, in), GPT-2's Conv1D (in, out): colwise cuts the outputs, rowwise the inputs;
     # the embedding's rowwise plan cuts its vocabulary rows (dim 0)
-    conv1d = layer.startswith("c_")
-    if (colwise and not conv1d) or (rowwise and (conv1d or layer == "embed_tokens")):
+    if (colwise and not conv1d) or (rowwise and (conv1d or role == "embedding")):
         rows = ceil_div(tensor.rows, mesh.tp)  # dim 0, as DTensor's Shard(0): ceil(rows / tp) rows
-        return ParamTensor(tensor.name, rows * (tensor.numel // tensor.rows), rows)
-    return ParamTensor(tensor.name, tensor.numel // mesh.tp, tensor.rows)
+        return tensor._replace(numel=rows * (tensor.numel // tensor.rows), rows=rows)
+    return tensor._replace(numel=tensor.numel // mesh.tp)
 
 
 def rank_facts(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> ModelFacts:
@@ -140,7 +139,7 @@ def _rank_facts(model: TransformerSpec, mesh: MeshSpec, gpus: int, freeze: tuple
     layout = param_layout(model)
 
     def group(role: str, tensors: tuple[ParamTensor, ...], count: int, frozen: bool) -> ModuleGroup:
-        local = placed_experts(tuple(_sharded(t, mesh, model.is_moe) for t in tensors), model, mesh, gpus)
+        local = placed_experts(tuple(_sharded(t, mesh, model.hf_model_type == "gpt2") for t in tensors), model, mesh, gpus)
         return ModuleGroup(role, local, count, frozen, sum(t.numel for t in local))
 
     groups = []

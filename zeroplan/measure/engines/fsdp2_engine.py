@@ -29,7 +29,7 @@ from zeroplan.spec.training import Offload, Precision, TrainingSpec
 _PARAM_DTYPE = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
-def policies(training: TrainingSpec, ctx: RunContext) -> dict:
+def fsdp2_policies(training: TrainingSpec, ctx: RunContext) -> dict:
     dtype = _PARAM_DTYPE.get(training.precision)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     offload = training.offload_optimizer == Offload.CPU or training.offload_params == Offload.CPU
@@ -63,7 +63,7 @@ class FSDP2Runner(TorchOptimizerSteps):
         mesh = _device_mesh(training, ctx)
         reshard = training.zero_stage == 3
         wrapping = training.fsdp2_wrapping
-        policies = policies(training, ctx)
+        policies = fsdp2_policies(training, ctx)
         blocks = transformer_blocks(model)
         for i, block in enumerate(blocks):
             last = i == len(blocks) - 1

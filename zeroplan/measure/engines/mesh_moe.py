@@ -151,7 +151,7 @@ class ExpertParallelRunner(TorchOptimizerSteps):
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import Shard
 
-        from zeroplan.measure.engines.fsdp2_engine import policies
+        from zeroplan.measure.engines.fsdp2_engine import fsdp2_policies
 
         if not getattr(model, "hf", False):
             raise MeasureError("implementation: expert parallelism is measured on the transformers MoE model; "
@@ -160,7 +160,7 @@ class ExpertParallelRunner(TorchOptimizerSteps):
         self.grad_accum, self._micro = training.grad_accum, 0
         dense, sparse = ep_meshes(training, ctx)
         self.counters: list[list[int]] = []
-        policies = policies(training, ctx)
+        policies = fsdp2_policies(training, ctx)
         reshard, wrapping = training.zero_stage == 3, training.fsdp2_wrapping
         blocks = transformer_blocks(model)
         efsdp_mesh = sparse["efsdp"]
