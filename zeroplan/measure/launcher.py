@@ -24,7 +24,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,7 +31,15 @@ from typing import Callable
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build, stacks
-from zeroplan.measure.processes import child_env, exit_status, kill_sessions, last_line, spawn
+from zeroplan.measure.processes import (
+    child_env,
+    exit_status,
+    kill_sessions,
+    last_line,
+    remove_dead_run_folders,
+    run_folder,
+    spawn,
+)
 from zeroplan.measure.worker_server import Worker
 from zeroplan.measure.worker_server import start as start_worker
 from zeroplan.measure.mesh_rules import refuse_unmeasurable
@@ -167,7 +174,8 @@ def run_measurement(
         raise MeasureError(f"engine: --simulate runs fsdp2 only (the fake backend needs fake tensors), not {training.engine.value}")
 
     processes = 1 if backend == "fake" else nproc
-    workdir = Path(tempfile.mkdtemp(prefix="zeroplan-measure-"))
+    remove_dead_run_folders()  # what runs killed outright left in the temporary directory
+    workdir = run_folder("measure")
     procs: list[Worker | subprocess.Popen] = []
     ops: tuple[str, ...] = ()  # DeepSpeed's JIT ops this run may build
     # SIGTERM ends the launcher like Ctrl-C: through the `finally` that kills the workers.
