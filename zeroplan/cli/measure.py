@@ -39,6 +39,9 @@ reached) is still printed and written; 2 is a user error or a failed run, as for
 @click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table", show_default=True, help="Output on stdout; json is a stable contract with sizes in bytes.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also write the JSON to FILE (atomically; nothing is written when the run fails).")
 @click.option("--units", type=click.Choice(REPORT_UNITS), default="GiB", show_default=True, help=REPORT_UNITS_HELP)
+@click.option("--memory-check/--no-memory-check", "memory_check", default=True, show_default=True,
+              help="Refuse a run whose estimated host memory (every local rank; on CPU the device is the host) "
+                   "exceeds what this machine has available (MemAvailable, or a container's limit).")
 def command(**options: Any) -> None:
     """Run real training steps of MODEL on --nproc ranks and print the memory each rank used,
     by category at the peak, beside the estimate for the same configuration, with the error
@@ -100,7 +103,7 @@ def command(**options: Any) -> None:
     result = run_measurement(
         model, training, nproc=nproc, backend=backend, simulate=simulate,
         steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],
-        engine_config=engine_config,
+        engine_config=engine_config, check_memory=options["memory_check"],
     )
     if training.mesh.ep > 1 and options.get("mesh_moe_imbalance") is None:  # estimated with the routing the run had
         from zeroplan.measure.grid_ep import with_measured_imbalance
