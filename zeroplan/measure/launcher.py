@@ -43,6 +43,7 @@ from zeroplan.measure.processes import (
 from zeroplan.measure.worker_server import Worker
 from zeroplan.measure.worker_server import start as start_worker
 from zeroplan.measure.mesh_rules import refuse_unmeasurable
+from zeroplan.measure.quant_rules import refuse_unmeasurable_quant
 from zeroplan.measure.result import MeasureResult, RankResult
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Device, TrainingSpec
@@ -164,6 +165,7 @@ def run_measurement(
         raise MeasureError("fsdp2.units: measure runs torchtitan's chunked loss with the head in the root unit only "
                            "(fsdp2 units root); the estimate of units split is not measured on CPU")
     refuse_unmeasurable(model, training, simulate)  # a mesh run measure/mesh.py cannot run
+    refuse_unmeasurable_quant(training, simulate)  # a bitsandbytes base that could not be quantized
     if model.attention_softcap and training.attention.value == "fused":
         # transformers 5.23.0 Gemma2PreTrainedModel._supports_sdpa is False (docs/measure.md)
         raise MeasureError("attention: SDPA cannot soft-cap attention logits (transformers refuses it for "
