@@ -8,10 +8,9 @@ from typing import Any
 
 import click
 
-from zeroplan.cli.common import FiniteFloatRange, model_options, training_options
+from zeroplan.cli.common import FiniteFloatRange, model_options, training_options, units_option
 from zeroplan.cli.mesh_options import MESH_OPTIONS
 from zeroplan.errors import MissingDependencyError, SpecError
-from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
 def mesh_options(function):
     """--tp, --pp, ... (cli/mesh_options.py): measure runs a mesh as zeroplan/measure/mesh.py says."""
@@ -38,7 +37,7 @@ reached) is still printed and written; 2 is a user error or a failed run, as for
 @click.option("--implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True, help="Model code: hf (transformers), reference (zeroplan's own), auto (hf where installed).")
 @click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table", show_default=True, help="Output on stdout; json is a stable contract with sizes in bytes.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also write the JSON to FILE (atomically; nothing is written when the run fails).")
-@click.option("--units", type=click.Choice(REPORT_UNITS), default="GiB", show_default=True, help=REPORT_UNITS_HELP)
+@units_option()
 @click.option("--memory-check/--no-memory-check", "memory_check", default=True, show_default=True,
               help="Refuse a run whose estimated host memory (every local rank; on CPU the device is the host) "
                    "exceeds what this machine has available (MemAvailable, or a container's limit).")
