@@ -337,6 +337,7 @@ def row_line(r: RowReport, units: str = MARKDOWN_UNITS, measured_now: bool = Tru
         return f"{r.row.id}: {r.status}" + (f" ({r.record['failure']})" if r.record and "failure" in r.record else "") + when
     steady, first = r.comparison.steady, r.comparison.first
     misses = "; ".join(miss_texts(r.comparison, units)) or "within targets"
+    moved = "; ".join(f"{m.estimated_as} -> {m.measured_as} {amount(m.moved_bytes, units)} {units}" for m in steady.moves())
     return (f"{r.row.id}: est {amount(steady.peak.estimated_bytes, units)} {units}, measured "
             f"{amount(steady.peak.measured_bytes, units)} {units}, error {steady.peak.error:+.2%}, first step "
-            f"{first.peak.error:+.2%} -- {misses}{when}")
+            f"{first.peak.error:+.2%} -- {misses}" + (f" (moved between categories: {moved})" if moved else "") + when)
