@@ -6,7 +6,7 @@ import pytest
 
 from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.serialize import phase_to_dict
-from zeroplan.measure.comparison import TARGETS, Line, Move, compare, move_reason, run_peaks, summary_peaks
+from zeroplan.measure.comparison import MOVE_REASONS, TARGETS, Line, Move, compare, run_peaks, summary_peaks
 from zeroplan.report.accuracy import miss_texts
 
 MIB = 2**20
@@ -171,23 +171,25 @@ def test_the_highest_rank_is_compared_and_a_step_no_rank_reached_is_left_out():
 # -- categories that cancel out (issue 21) -------------------------------------------------------------
 
 
-def _moves(estimated: dict, measured: dict):
+def _moves(estimated: dict, measured: dict, engine: str | None = None):
     est = _estimate(CategoryBytes(**estimated), first=CategoryBytes(**estimated))
     summary = {"ranks": [_rank(0, measured, sum(measured.values()))]}
-    return _compare(est, summary)
+    return compare(_phases(est), summary_peaks(summary), engine=engine)
 
 
 def test_bytes_booked_in_another_category_are_a_move_not_two_errors():
     """Issue 21: `measure --engine deepspeed --zero 2` showed activations +24.6% and temporaries -100%
     beside a peak of +0.0%, without a word on why."""
     big = 1000 * MIB  # DeepSpeed's reduce bucket: its 1% floor (10 MiB) hides both category errors as misses
-    c = _moves({"buffers": big, "activations": int(5.859 * MIB)},
-               {"buffers": big, "activations": int(4.701 * MIB), "temporaries": int(1.156 * MIB)})
+    estimated = {"buffers": big, "activations": int(5.859 * MIB)}
+    measured = {"buffers": big, "activations": int(4.701 * MIB), "temporaries": int(1.156 * MIB)}
+    c = _moves(estimated, measured, "deepspeed")
     assert c.misses() == []  # within the floor: not a miss, and yet +24.6% and -100% in the table
     assert c.steady.categories["activations"].error == pytest.approx(0.246, abs=0.001)
-    assert c.steady.moves() == (Move("activations", "temporaries", int(1.156 * MIB)),)
-    assert "DeepSpeed's estimate counts them with the activations" in move_reason("deepspeed", c.steady.moves()[0])
-    assert move_reason("torch", c.steady.moves()[0]) is None  # no reason is made up
+    reason = MOVE_REASONS[("deepspeed", "activations", "temporaries")]
+    assert "DeepSpeed's estimate counts them with the activations" in reason
+    assert c.steady.moves() == (Move("activations", "temporaries", int(1.156 * MIB), reason),)
+    assert _moves(estimated, measured, "torch").steady.moves()[0].reason is None  # no reason is made up
 
 
 def test_a_move_is_what_both_differences_share_and_needs_a_peak_that_agrees():
@@ -209,7 +211,7 @@ def test_measure_says_which_categories_moved_and_why():
     big = 1000 * MIB
     est = _estimate(CategoryBytes(buffers=big, activations=6 * MIB), first=CategoryBytes(buffers=big, activations=6 * MIB))
     summary = {"ranks": [_rank(0, {"buffers": big, "activations": 5 * MIB, "temporaries": MIB}, big + 6 * MIB)]}
-    c = compare(_phases(est), run_peaks(_run_json(summary)))
+    c = compare(_phases(est), run_peaks(_run_json(summary)), engine="deepspeed")
     estimate = {"phases": _phases(est), "model": {"implementation": "x"},
                 "config": {"precision": "fp32", "optimizer": "adamw", "micro_batch": 2, "seq_len": 128, "grad_accum": 1,
                            "checkpointing": "none", "offload_optimizer": "none", "offload_params": "none"}}
@@ -217,13 +219,14 @@ def test_measure_says_which_categories_moved_and_why():
                 "implementation": "x", "model": "m", "steps": 2, "fits": True, "ranks": [], "notes": []}
     data = report_data(estimate, measured, c)
     assert data["comparison"]["steady"]["moves"] == [{"estimated_as": "activations", "measured_as": "temporaries",
-                                                      "bytes": MIB, "reason": move_reason("deepspeed", c.steady.moves()[0])}]
+                                                      "bytes": MIB, "reason": MOVE_REASONS[("deepspeed", "activations",
+                                                                                            "temporaries")]}]
     text = render_table(data, c, "MiB")
     (line,) = [line for line in text.splitlines() if line.startswith("activations -> temporaries")]
     assert line.startswith("activations -> temporaries, 1.000 MiB in the steady state: "  # the first step has no categories
                            "bytes the estimate counts as activations were temporaries in the run, and the peaks agree; "
                            "gradients of activations in flight at the backward peak")
-    text = render_table(data | {"engine": "torch"}, c, "MiB")
+    text = render_table(data, compare(_phases(est), run_peaks(_run_json(summary)), engine="torch"), "MiB")
     assert text.splitlines()[-1].endswith("were temporaries in the run, and the peaks agree")  # no reason made up
 
 

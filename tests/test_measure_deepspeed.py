@@ -172,19 +172,19 @@ def test_stage2_gradients_of_activations_are_temporaries_in_the_run_and_activati
     from zeroplan.estimate.mesh import estimate_mesh
     from zeroplan.estimate.serialize import estimate_to_dict
     from zeroplan.importers.catalog import resolve_model
-    from zeroplan.measure.comparison import compare, move_reason, run_peaks
+    from zeroplan.measure.comparison import compare, run_peaks
     from zeroplan.measure.launcher import run_measurement
 
     model, training = resolve_model("tiny-llama"), _training(zero_stage=2).varied(seq_len=128)
     result = run_measurement(model, training, nproc=N, backend="gloo", steps=2, timeout_s=400)
     estimated = estimate_to_dict(estimate_mesh(model, training).worst.estimate, training)
-    steady = compare(estimated["phases"], run_peaks(result.to_json_dict())).steady
+    steady = compare(estimated["phases"], run_peaks(result.to_json_dict()), engine="deepspeed").steady
     assert steady.peak.ok and steady.measured_phase == "backward"
     (move,) = steady.moves()
     assert (move.estimated_as, move.measured_as) == ("activations", "temporaries")
     in_flight = activation_bytes(model, training, FP32).block_backward_temporary_at(model.num_layers)
     assert move.moved_bytes == pytest.approx(in_flight, abs=1024)  # 1,212,428 measured, 1,212,416 derived
-    assert "DeepSpeed's estimate counts them with the activations" in move_reason("deepspeed", move)
+    assert "DeepSpeed's estimate counts them with the activations" in move.reason
 
 
 @pytest.fixture(scope="module")

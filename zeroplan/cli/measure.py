@@ -110,7 +110,7 @@ def command(**options: Any) -> None:
         estimated = estimate_to_dict(estimate_mesh(model, with_measured_imbalance(training, result.notes)).worst.estimate,
                                      training)
     measured = result.to_json_dict()
-    comparison = compare(estimated["phases"], run_peaks(measured))
+    comparison = compare(estimated["phases"], run_peaks(measured), engine=training.engine.value)
     data = report_data(estimated, measured, comparison)
     if options["output"] is not None:
         from zeroplan.measure.worker import write_json_atomic  # temp file + os.replace

@@ -104,11 +104,13 @@ class RankPeak:
 
 @dataclass(frozen=True)
 class Move:
-    """Bytes the estimate books as `estimated_as` that the run booked as `measured_as`."""
+    """Bytes the estimate books as `estimated_as` that the run booked as `measured_as`, and why where
+    it is known (`MOVE_REASONS`)."""
 
     estimated_as: str
     measured_as: str
     moved_bytes: int
+    reason: str | None = None
 
 
 MOVE_REASONS = {
@@ -134,6 +136,7 @@ class StepComparison:
     rank_peaks: tuple[RankPeak, ...]  # every rank's peak in this step
     estimated_overhead_bytes: int  # the estimate's non-tensor bytes, left out of the lines
     device_peaks: dict[str, int] | None = None  # CUDA allocator peaks (max over ranks), None on CPU
+    engine: str | None = None  # the engine run, for the reasons of moves between categories
 
     @property
     def peak(self) -> Line:
@@ -164,7 +167,7 @@ class StepComparison:
         while over and under:
             high, low = max(over, key=over.get), max(under, key=under.get)
             moved = min(over[high], under[low])
-            moves.append(Move(high, low, moved))
+            moves.append(Move(high, low, moved, MOVE_REASONS.get((self.engine, high, low))))
             over[high] -= moved
             under[low] -= moved
             over = {name: left for name, left in over.items() if left > 0}
@@ -205,11 +208,6 @@ class Comparison:
         return [(what, line) for what, line in peaks + categories if not line.ok]
 
 
-def move_reason(engine: str, move: Move) -> str | None:
-    """Why `engine`'s estimate and its run book `move`'s bytes differently, where it is known."""
-    return MOVE_REASONS.get((engine, move.estimated_as, move.measured_as))
-
-
 def device_peaks(counters: Iterable[Mapping[str, int] | None]) -> dict[str, int] | None:
     """The highest of each CUDA allocator counter over `counters`, None when there are none (CPU)."""
     found = [c for c in counters if c]
@@ -225,9 +223,9 @@ def _estimated_step_peak(phases: Sequence[Mapping[str, Any]], step: str) -> Mapp
 
 
 def compare_step(phases: Sequence[Mapping[str, Any]], peaks: Sequence[RankPeak], step: str,
-                 targets: Targets = TARGETS) -> StepComparison | None:
-    """`step` of the estimate's `phases` against each rank's measured peak of it; None when no
-    rank reached that step (a run that ran out of memory early)."""
+                 targets: Targets = TARGETS, engine: str | None = None) -> StepComparison | None:
+    """`step` of the estimate's `phases` against each rank's measured peak of it, for a run of `engine`;
+    None when no rank reached that step (a run that ran out of memory early)."""
     if not peaks:
         return None
     top = max(peaks, key=lambda p: p.peak_bytes)
@@ -244,13 +242,15 @@ def compare_step(phases: Sequence[Mapping[str, Any]], peaks: Sequence[RankPeak],
         rank_peaks=tuple(peaks),
         estimated_overhead_bytes=int(est["overhead"]),
         device_peaks=device_peaks([p.device for p in peaks]) if all(p.device for p in peaks) else None,
+        engine=engine,
     )
 
 
 def compare(phases: Sequence[Mapping[str, Any]], peaks: Mapping[str, Sequence[RankPeak]],
-            targets: Targets = TARGETS) -> Comparison:
-    """Every step of `peaks` (by step, as `run_peaks` and `summary_peaks` give them) against the estimate's `phases`."""
-    compared = {step: compare_step(phases, peaks.get(step, ()), step, targets) for step in STEPS}
+            targets: Targets = TARGETS, engine: str | None = None) -> Comparison:
+    """Every step of `peaks` (by step, as `run_peaks` and `summary_peaks` give them) against the estimate's
+    `phases`; `engine` (the engine run) gives the moves between categories their reasons."""
+    compared = {step: compare_step(phases, peaks.get(step, ()), step, targets, engine) for step in STEPS}
     return Comparison({step: c for step, c in compared.items() if c is not None})
 
 

@@ -325,7 +325,7 @@ def build_report(rows: Sequence[Row], records: dict[str, dict[str, Any]], reason
             training = with_measured_imbalance(training, record["measurement"].get("notes", ()))  # EP rows
             # the worst rank kind's estimate against the rank that peaks highest (a plain row has one kind)
             phases = [phase_to_dict(phase) for phase in estimate_mesh(model, training).worst.estimate.phases]
-            comparison = compare(phases, summary_peaks(record["measurement"]))
+            comparison = compare(phases, summary_peaks(record["measurement"]), engine=row.engine)
         stale = record is not None and record.get("fingerprint") != fingerprint(row, backend, steps)
         out.append(RowReport(row, record, comparison, reason_for(row.id, reasons), stale))
     return Report(out, backend, command, steps, wall_seconds, published=check_published())

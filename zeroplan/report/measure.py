@@ -18,8 +18,6 @@ def report_data(estimate: dict[str, Any], measured: dict[str, Any], comparison: 
     JSON), `error` (per step: each category and the peak, estimate / measured - 1, null where
     nothing was measured) and `comparison` (per step: the rank compared, both phases, the
     bytes behind each error, and the bytes booked in another category than the estimate's)."""
-    from zeroplan.measure.comparison import move_reason
-
     compared = comparison.steps
     return {
         **measured,
@@ -35,7 +33,7 @@ def report_data(estimate: dict[str, Any], measured: dict[str, Any], comparison: 
                 "estimated_overhead": c.estimated_overhead_bytes,
                 "rank_peaks": [{"rank": p.rank, "phase": p.phase, "peak": p.peak_bytes} for p in c.rank_peaks],
                 "moves": [{"estimated_as": m.estimated_as, "measured_as": m.measured_as, "bytes": m.moved_bytes,
-                           "reason": move_reason(measured.get("engine", ""), m)} for m in c.moves()],
+                           "reason": m.reason} for m in c.moves()],
                 **({"device": c.device_peaks} if c.device_peaks else {}),
             }
             for step, c in compared.items()
@@ -92,7 +90,7 @@ def render_table(data: dict[str, Any], comparison: Comparison, units: str = "GiB
             out.append(f"{_STEP_LABELS[c.step]} CUDA allocator: max allocated {_amount(allocated, units)} {units} "
                        f"(estimate {percent(c.device_errors()['allocated_peak_bytes'])}), "
                        f"max reserved {_amount(reserved, units)} {units}")
-    out += _move_lines(data, comparison, units)
+    out += _move_lines(comparison, units)
     out += _param_parts_lines(data, comparison, units)
     overhead = max((c.estimated_overhead_bytes for c in compared.values()), default=0)
     if overhead:
@@ -106,17 +104,15 @@ def render_table(data: dict[str, Any], comparison: Comparison, units: str = "GiB
     return "\n".join(out) + "\n"
 
 
-def _move_lines(data: dict[str, Any], comparison: Comparison, units: str) -> list[str]:
+def _move_lines(comparison: Comparison, units: str) -> list[str]:
     """One line per pair of categories that cancel out (StepComparison.moves), its bytes in each step."""
-    from zeroplan.measure.comparison import move_reason
-
     moved: dict[tuple[str, str], list[str]] = {}
     reasons = {}
     for c in comparison.steps.values():
         for move in c.moves():
             key = (move.estimated_as, move.measured_as)
             moved.setdefault(key, []).append(f"{_amount(move.moved_bytes, units)} {units} in the {_STEP_LABELS[c.step]}")
-            reasons[key] = move_reason(data["engine"], move)
+            reasons[key] = move.reason
     lines = []
     for (estimated_as, measured_as), amounts in moved.items():
         est, run = CATEGORY_LABELS[estimated_as], CATEGORY_LABELS[measured_as]
