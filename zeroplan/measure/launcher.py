@@ -292,11 +292,17 @@ def _raise_first_failure(codes: list[int | None], workdir: Path, pids: list[int]
     """Raise for the rank that failed first, unless a rank ran out of memory (a result).
 
     When one rank dies its peers fail too ("connection closed" in their next collective): the
-    root cause is the failure written first, or the out-of-memory that stopped a rank."""
+    root cause is a rank killed by a signal (the kernel's OOM killer: it writes nothing, and its
+    peers then write "Connection reset by peer"), else the failure written first, or the
+    out-of-memory that stopped a rank."""
     # every rank's file: a rank writes its failure before it exits (atomically, so a file is whole)
     outcomes = {rank: _read(workdir / f"rank{rank}.json") for rank in range(len(codes))}
     if any(_out_of_memory(o) for o in outcomes.values()):
         return
+    killed = [rank for rank, code in enumerate(codes) if code is not None and code < 0 and outcomes[rank] is None]
+    if killed:
+        rank = killed[0]
+        raise MeasureError(host_memory.killed_message(rank, codes[rank], pids[rank], last_line(workdir / f"rank{rank}.log")))
     written = [(o.get("time", 0.0), rank, o) for rank, o in outcomes.items() if o is not None and not o.get("ok")]
     if written:
         _, rank, outcome = min(written)
@@ -304,10 +310,8 @@ def _raise_first_failure(codes: list[int | None], workdir: Path, pids: list[int]
         error.worker_traceback = outcome.get("traceback", "")  # kept by validate (failure_detail)
         raise error
     rank = min(rank for rank, code in enumerate(codes) if code not in (None, 0))
-    detail = last_line(workdir / f"rank{rank}.log")
-    if codes[rank] < 0:  # ended by a signal: SIGKILL is most often the kernel's OOM killer
-        raise MeasureError(host_memory.killed_message(rank, codes[rank], pids[rank], detail))
-    raise MeasureError(f"rank {rank} exited with status {codes[rank]}: {detail or 'no output'}")
+    detail = last_line(workdir / f"rank{rank}.log") or "no output"
+    raise MeasureError(f"rank {rank} exited with status {codes[rank]}: {detail}")
 
 
 def load_outputs(paths: list[Path]) -> list[dict]:
