@@ -18,6 +18,8 @@ import pytest
 from zeroplan.measure import processes
 from zeroplan.measure.processes import process_start, remove_dead_run_folders, run_folder
 
+NS = str(os.stat("/proc/self/ns/pid").st_ino) if os.path.exists("/proc/self/ns/pid") else "0"  # our pid namespace
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +45,7 @@ def _dead_pid() -> int:
 def test_a_run_folder_names_its_owner(tmpdir_here):
     folder = run_folder("measure")
     assert folder.parent == tmpdir_here
-    assert folder.name.startswith(f"zeroplan-measure-{os.getpid()}.{process_start(os.getpid())}-")
+    assert folder.name.startswith(f"zeroplan-measure-{os.getpid()}.{process_start(os.getpid())}.{NS}-")
     with pytest.raises(ValueError, match="kind"):
         run_folder("other")
 
@@ -51,24 +53,25 @@ def test_a_run_folder_names_its_owner(tmpdir_here):
 def test_only_our_folders_whose_owner_is_gone_are_removed(tmpdir_here):
     live = run_folder("build")
     (live / "build.log").write_text("a build running now")
-    dead = tmpdir_here / f"zeroplan-measure-{_dead_pid()}.1234-abcd1234"
+    dead = tmpdir_here / f"zeroplan-measure-{_dead_pid()}.1234.{NS}-abcd1234"
     (dead / "tmp" / "tmpq1w2e3").mkdir(parents=True)  # what a killed build leaves: gcc's cc*.s, DeepSpeed's test.c
     (dead / "tmp" / "ccAbCdEf.s").write_text("")
-    reused = tmpdir_here / f"zeroplan-build-{os.getpid()}.1-abcd1234"  # our pid, another start: an earlier owner
+    reused = tmpdir_here / f"zeroplan-build-{os.getpid()}.1.{NS}-abcd1234"  # our pid, another start: an earlier owner
     reused.mkdir()
     kept = {
         "unnamed": tmpdir_here / "zeroplan-measure-abcd1234",  # an older version's name: no owner to ask
-        "other prefix": tmpdir_here / f"pytest-of-{_dead_pid()}.1234-abcd1234",
-        "another user's": tmpdir_here / f"zeroplan-trainer-{_dead_pid()}.1234-abcd1234",
+        "other prefix": tmpdir_here / f"pytest-of-{_dead_pid()}.1234.{NS}-abcd1234",
+        "another user's": tmpdir_here / f"zeroplan-trainer-{_dead_pid()}.1234.{NS}-abcd1234",
+        "another pid namespace's": tmpdir_here / f"zeroplan-measure-{_dead_pid()}.1234.1{NS}-abcd1234",  # a container's
     }
     for folder in kept.values():
         folder.mkdir()
     os.chown(kept["another user's"], 65534, 65534) if os.getuid() == 0 else kept.pop("another user's")
     target = tmpdir_here / "target"
     target.mkdir()
-    link = tmpdir_here / f"zeroplan-measure-{_dead_pid()}.1234-link1234"
+    link = tmpdir_here / f"zeroplan-measure-{_dead_pid()}.1234.{NS}-link1234"
     link.symlink_to(target)
-    afile = tmpdir_here / f"zeroplan-build-{_dead_pid()}.1234-file1234"
+    afile = tmpdir_here / f"zeroplan-build-{_dead_pid()}.1234.{NS}-file1234"
     afile.write_text("not a folder")
 
     removed = remove_dead_run_folders()
@@ -82,9 +85,9 @@ def test_only_our_folders_whose_owner_is_gone_are_removed(tmpdir_here):
 
 def test_without_proc_a_live_pid_keeps_its_folder(tmpdir_here, monkeypatch):
     monkeypatch.setattr(processes, "PROC", tmpdir_here / "no-proc")
-    mine = tmpdir_here / f"zeroplan-measure-{os.getpid()}.0-abcd1234"
+    mine = tmpdir_here / f"zeroplan-measure-{os.getpid()}.0.0-abcd1234"
     mine.mkdir()
-    dead = tmpdir_here / f"zeroplan-measure-{_dead_pid()}.0-abcd1234"
+    dead = tmpdir_here / f"zeroplan-measure-{_dead_pid()}.0.0-abcd1234"
     dead.mkdir()
     assert remove_dead_run_folders() == [dead]
     assert mine.is_dir()

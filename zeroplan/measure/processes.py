@@ -250,22 +250,34 @@ def remove_stale_lock(lock: Path) -> str:
 
 
 RUN_FOLDER_KINDS = ("measure", "build", "trainer")  # the launcher's, a DeepSpeed build's, the Trainer's output_dir
-_RUN_FOLDER = re.compile(r"zeroplan-(?:" + "|".join(RUN_FOLDER_KINDS) + r")-(\d+)\.(\d+)-[A-Za-z0-9_]+")
+_RUN_FOLDER = re.compile(r"zeroplan-(?:" + "|".join(RUN_FOLDER_KINDS) + r")-(\d+)\.(\d+)\.(\d+)-[A-Za-z0-9_]+")
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace (the inode of /proc/self/ns/pid), "0" where it cannot be read: a pid
+    means a process only within its namespace (a container sharing /tmp has its own)."""
+    try:
+        return str(os.stat(PROC / "self" / "ns" / "pid").st_ino)
+    except OSError:
+        return "0"
 
 
 def run_folder(kind: str) -> Path:
-    """A new folder in the temporary directory for this process's run: zeroplan-KIND-PID.START-xxxxxxxx,
-    named for its owner (pid and start time) so that a later run can tell it was left by a process that
-    is gone (killed outright: nothing ran to remove it) and remove it (`remove_dead_run_folders`)."""
+    """A new folder in the temporary directory for this process's run: zeroplan-KIND-PID.START.NS-xxxxxxxx,
+    named for its owner (pid, start time, pid namespace) so that a later run can tell it was left by a
+    process that is gone (killed outright: nothing ran to remove it) and remove it (`remove_dead_run_folders`)."""
     if kind not in RUN_FOLDER_KINDS:
         raise ValueError(f"kind: {kind!r} is not one of {', '.join(RUN_FOLDER_KINDS)}")
     pid = os.getpid()
-    return Path(tempfile.mkdtemp(prefix=f"zeroplan-{kind}-{pid}.{process_start(pid) or 0}-"))
+    return Path(tempfile.mkdtemp(prefix=f"zeroplan-{kind}-{pid}.{process_start(pid) or 0}.{_pid_namespace()}-"))
 
 
-def _owner_alive(pid: int, start: str) -> bool:
-    """Whether the process that made a run folder still runs: its pid runs and started when it did. Without
-    /proc a live pid counts as the owner (never remove what might be in use)."""
+def _owner_alive(pid: int, start: str, namespace: str) -> bool:
+    """Whether the process that made a run folder may still run: its pid runs and started when it did.
+    A folder of another pid namespace, or any folder where there is no /proc and the pid is live, counts
+    as in use (never remove what might be)."""
+    if namespace != _pid_namespace():
+        return True
     if PROC.is_dir():
         return process_start(pid) == start
     try:
@@ -280,7 +292,8 @@ def _owner_alive(pid: int, start: str) -> bool:
 def remove_dead_run_folders(parent: Path | None = None) -> list[Path]:
     """Remove the run folders (`run_folder`) in `parent` (the temporary directory) whose owner has ended,
     and return them. Only folders of this user, named as `run_folder` names them, that are not links,
-    and whose owner is not running (a reused pid has another start time) are touched."""
+    made in this pid namespace, and whose owner is not running (a reused pid has another start time)
+    are touched."""
     parent = Path(parent) if parent is not None else Path(tempfile.gettempdir())
     removed = []
     try:
@@ -295,7 +308,7 @@ def remove_dead_run_folders(parent: Path | None = None) -> list[Path]:
             info = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or _owner_alive(int(match[1]), match[2]):
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or _owner_alive(int(match[1]), match[2], match[3]):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(Path(entry.path))
