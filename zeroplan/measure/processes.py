@@ -182,7 +182,7 @@ def lock_holders(lock: Path) -> list[int] | None:
     None when that cannot be known (no /proc, or a process of the lock's owner is unreadable)."""
     try:
         target = lock.stat()
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:
         return []
     if not PROC.is_dir():
         return None
@@ -234,7 +234,7 @@ def remove_stale_lock(lock: Path) -> str:
     left in place: someone has it open, a compiler still runs in its folder, or we cannot tell)."""
     try:
         before = lock.stat()
-    except (FileNotFoundError, NotADirectoryError):  # no lock, or no such folder (ZEROPLAN_TORCH_EXTENSIONS_DIR a file)
+    except OSError:  # no lock, no such folder (ZEROPLAN_TORCH_EXTENSIONS_DIR a file), or none we may see
         return "none"
     holders = lock_holders(lock)
     if holders is None or holders or working_in(lock.parent):
