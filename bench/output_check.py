@@ -25,6 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from json_subset import restricted  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -51,6 +54,32 @@ def commands(out_dir: str) -> list[list[str]]:
         ["plan", "llama-2-13b", "--gpu", "a100-40gb", "--gpus", "8", "--engine", "fsdp2", "--emit", "fsdp", f"{out_dir}/fsdp.py"],
         ["plan", "llama-3-70b", "--gpu", "h100-80gb", "--gpus", "8-256", "--global-batch", "1024", "--format", "json"],
         ["plan", "llama-3-70b", "--gpu", "rtx4090-24gb", "--gpus", "1"],
+        # meshes, adapters and recipes (added with the ledger, issue 20; their baseline is 65b353f's too)
+        ["estimate", "llama-3-70b", "--gpus", "64", "--tp", "8", "--zero", "3", "--engine", "fsdp2", "--seq-len", "8192"],
+        ["estimate", "llama-3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--grad-accum", "8", "--zero", "3", "--engine",
+         "fsdp2", "--recipe", "torchtitan", "--format", "json"],
+        ["estimate", "llama-3-8b", "--gpus", "16", "--cp", "2", "--zero", "3", "--engine", "fsdp2", "--seq-len", "16384",
+         "--format", "json"],
+        ["estimate", "llama-3-8b", "--gpus", "32", "--pp", "4", "--pp-schedule", "interleaved-1f1b", "--pp-virtual-stages", "2",
+         "--grad-accum", "8", "--zero", "3", "--engine", "fsdp2", "--recipe", "torchtitan", "--format", "json"],
+        ["estimate", "llama-3-8b", "--gpus", "16", "--dp-replicate", "2", "--zero", "3", "--engine", "fsdp2", "--format", "json"],
+        ["estimate", "mixtral-8x7b", "--gpus", "64", "--ep", "8", "--zero", "3", "--engine", "fsdp2", "--recipe", "torchtitan",
+         "--format", "json"],
+        ["estimate", "llama-3-8b", "--gpus", "8", "--tp", "2", "--zero", "2", "--engine", "deepspeed", "--format", "json"],
+        ["estimate", "llama-3-8b", "--gpus", "8", "--cp", "2", "--zero", "3", "--engine", "deepspeed", "--seq-len", "8192"],
+        ["estimate", "llama-3-8b", "--gpus", "8", "--tp", "2", "--checkpointing", "full", "--zero", "3", "--engine", "fsdp2",
+         "--format", "json"],
+        ["estimate", "llama-2-7b", "--gpus", "1", "--engine", "torch", "--zero", "0", "--lora-rank", "16", "--base-precision",
+         "nf4", "--format", "json"],
+        ["estimate", "llama-3-8b", "--gpus", "8", "--engine", "fsdp2", "--zero", "3", "--lora-rank", "16", "--base-precision",
+         "nf4", "--quant-storage", "bf16", "--format", "json"],
+        ["estimate", "llama-3-8b", "--gpus", "8", "--engine", "deepspeed", "--zero", "3", "--lora-rank", "16", "--format", "json"],
+        ["estimate", "llama-3-8b", "--gpus", "4", "--engine", "torch", "--zero", "0", "--lora-rank", "8",
+         "--modules-to-save", "lm_head", "--base-precision", "bf16"],
+        ["estimate", "llama-3-8b", "--gpus", "8", "--engine", "fsdp2", "--zero", "3", "--recipe", "torchtitan",
+         "--checkpointing", "op", "--format", "json"],
+        ["estimate", "llama-3-8b", "--gpus", "8", "--engine", "fsdp2", "--zero", "2", "--recipe", "torchtune",
+         "--activation-offload", "cpu", "--checkpointing", "full", "--format", "json"],
         ["models"],
         ["estimate", "no-such-model"],
         ["estimate", "llama-2-7b", "--gpus", "0"],
@@ -81,10 +110,24 @@ def run_all() -> dict[str, dict]:
     return results
 
 
+def _json_subset(new: dict | None, old: dict | None) -> dict | None:
+    """`new` with a JSON standard output cut to the keys the old one had (json_subset.py), re-dumped as the
+    old one was, so that keys a newer estimate adds leave the comparison of the rest unchanged."""
+    if not new or not old:
+        return new
+    try:
+        old_doc, new_doc = json.loads(old["stdout"]), json.loads(new["stdout"])
+    except (ValueError, TypeError):
+        return new
+    if old["stdout"] != json.dumps(old_doc, indent=2) + "\n":
+        return new
+    return {**new, "stdout": json.dumps(restricted(new_doc, old_doc), indent=2) + "\n"}
+
+
 def differences(before: dict, after: dict) -> list[str]:
     lines = []
     for key in sorted(set(before) | set(after)):
-        old, new = before.get(key), after.get(key)
+        old, new = before.get(key), _json_subset(after.get(key), before.get(key))
         if old == new:
             continue
         lines.append(f"changed: zeroplan {key}")

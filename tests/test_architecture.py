@@ -60,7 +60,53 @@ def imported_names(path: Path) -> set[str]:
 
 
 MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
-GRAPH = {name: {dep for dep in imported_names(path) if dep in MODULES and dep != name} for name, path in MODULES.items()}
+
+
+def dynamic_imports(path: Path) -> set[str]:
+    """Modules a file imports by name at run time (`importlib.import_module`): every string constant that names
+    a zeroplan module, and every module an f-string prefix (`f"zeroplan.estimate.engines.{name}"`) completes
+    with one of the file's string constants. Only in files that call import_module."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    if not any(isinstance(node, ast.Attribute | ast.Name) and getattr(node, "attr", getattr(node, "id", None))
+               == "import_module" for node in ast.walk(tree)):
+        return set()
+    constants = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    found = {name for name in constants if name in MODULES}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            prefix = node.values[0].value
+            if prefix.startswith("zeroplan."):
+                found |= {prefix + suffix for suffix in constants if prefix + suffix in MODULES}
+    return found
+
+
+GRAPH = {name: {dep for dep in imported_names(path) | dynamic_imports(path) if dep in MODULES and dep != name}
+         for name, path in MODULES.items()}
+
+
+def private_uses(path: Path) -> list[str]:
+    """Another zeroplan module's private names this file uses: `from zeroplan.x import _name`, and `alias._name`
+    where `alias` is an imported zeroplan module (dunders aside)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    own = module_name(path) if path.is_relative_to(PACKAGE) else path.stem
+    aliases: dict[str, str] = {}
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zeroplan") and node.module != own:
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in MODULES:
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    uses.append(f"{own} imports {node.module}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("zeroplan") and alias.asname:
+                    aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and aliases[node.value.id] != own and node.attr.startswith("_") and not node.attr.startswith("__")):
+            uses.append(f"{own} uses {aliases[node.value.id]}.{node.attr}")
+    return uses
 
 
 def part_of(module: str) -> str:
@@ -132,3 +178,26 @@ def test_the_rules_catch_what_they_forbid(rule):
         "spec imports importers": ("zeroplan.spec.training", "zeroplan.importers.catalog"),
     }[rule]
     assert not allowed(importer, imported)
+
+
+def test_no_module_uses_another_s_private_names():
+    """A private name imported from another module is an interface nobody designed: make it public on purpose,
+    or move the code that needs it (../shared/STYLE.md)."""
+    broken = sorted(use for path in MODULES.values() for use in private_uses(path))
+    assert not broken, "\n".join(broken)
+
+
+def test_dynamic_imports_are_edges_of_the_graph(tmp_path):
+    """import_module("zeroplan...") and its f-string prefixes count as imports: a cycle behind importlib is seen."""
+    engines = dynamic_imports(MODULES["zeroplan.estimate.pipeline"])
+    assert {"zeroplan.estimate.engines.deepspeed", "zeroplan.estimate.engines.fsdp2"} <= engines
+    source = tmp_path / "probe.py"
+    source.write_text("from importlib import import_module\nimport_module('zeroplan.measure.worker')\n")
+    assert dynamic_imports(source) == {"zeroplan.measure.worker"}
+
+
+def test_private_uses_are_found(tmp_path):
+    source = tmp_path / "probe.py"
+    source.write_text("import zeroplan.estimate.activations as a\nfrom zeroplan.estimate.lora import _matches\n"
+                      "w = a._private_name\n")
+    assert len(private_uses(source)) == 2

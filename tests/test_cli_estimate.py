@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import zeroplan.estimate
+
 from zeroplan.cli import cli
 from zeroplan.estimate.result import (
     CategoryBytes,
@@ -78,8 +79,12 @@ class RecordingEstimator:
 
 @pytest.fixture
 def recorder(monkeypatch) -> RecordingEstimator:
+    """Stands in for the estimate the CLI calls (`estimate_mesh`: every estimate is a mesh, of ones without tp/cp/pp/ep)."""
+    from zeroplan.estimate.serialize import single_rank
+
     stand_in = RecordingEstimator()
-    monkeypatch.setattr(zeroplan.estimate, "estimate", stand_in, raising=False)
+    monkeypatch.setattr(zeroplan.estimate, "estimate_mesh",
+                        lambda model, training: single_rank(stand_in(model, training), training, 1), raising=False)
     return stand_in
 
 
@@ -351,12 +356,12 @@ def test_library_errors_raised_while_estimating_are_one_line_too(monkeypatch):
     def spec_error(model, training):
         raise SpecError("zero_stage 3 with engine torch:\n use fsdp2 or deepspeed")
 
-    monkeypatch.setattr(zeroplan.estimate, "estimate", validation_error, raising=False)
+    monkeypatch.setattr(zeroplan.estimate, "estimate_mesh", validation_error, raising=False)
     _assert_one_line_error(
         run("estimate", "gpt2"),
         r"^Error: 2 errors: gpus: Input should be greater than or equal to 1 \(got 0\); micro_batch: Input should be a valid integer",
     )
-    monkeypatch.setattr(zeroplan.estimate, "estimate", spec_error, raising=False)
+    monkeypatch.setattr(zeroplan.estimate, "estimate_mesh", spec_error, raising=False)
     _assert_one_line_error(run("estimate", "gpt2"), r"^Error: zero_stage 3 with engine torch: use fsdp2 or deepspeed$")
 
 
@@ -364,7 +369,7 @@ def test_a_bug_is_not_disguised_as_a_user_error(monkeypatch):
     def bug(model, training):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(zeroplan.estimate, "estimate", bug, raising=False)
+    monkeypatch.setattr(zeroplan.estimate, "estimate_mesh", bug, raising=False)
     result = run("estimate", "gpt2")
     assert result.exit_code == 1 and isinstance(result.exception, ZeroDivisionError)
 

@@ -15,7 +15,7 @@ from zeroplan.importers.catalog import resolve_model
 from zeroplan.plan.grid import compare
 from zeroplan.errors import MissingDependencyError, SpecError
 from zeroplan.estimate import estimate
-from zeroplan.estimate.serialize import estimate_to_dict
+from zeroplan.estimate.serialize import estimate_to_dict, single_rank
 from zeroplan.report.compare import render_comparison
 from zeroplan.spec.model import ParamCountSpec
 from zeroplan.spec.training import Offload, TrainingSpec
@@ -91,7 +91,7 @@ def test_formats_carry_the_same_bytes():
         assert parts == row["per_gpu"]["peak"]
     # each row's per_gpu and per_node have the shapes of `zeroplan estimate --format json`
     for row, original in zip(data["rows"], comparison.rows):
-        single = estimate_to_dict(original.estimate, original.training)
+        single = estimate_to_dict(single_rank(original.estimate, original.training, model.num_layers), original.training)
         assert (row["per_gpu"], row["per_node"]) == (single["per_gpu"], single["per_node"])
     table = list(csv.DictReader(io.StringIO(render_comparison(comparison, "csv"))))
     assert [int(row["peak_bytes"]) for row in table] == [row.estimate.peak_bytes for row in comparison.rows]

@@ -1,4 +1,4 @@
-"""DeepSpeed on a mesh (issue 14): AutoTP and Ulysses estimated against what measure/deepspeed_mesh.py measured
+"""DeepSpeed on a mesh (issue 14): AutoTP and Ulysses estimated against what measure/engines/deepspeed_mesh.py measured
 on gloo (deepspeed 0.19.8, torch 2.13.0, tiny-llama; `zeroplan validate --rows 'mesh-ds-*'`, docs/measure.md
 "DeepSpeed AutoTP and Ulysses"), written to and read from a DeepSpeed JSON, refused where not measured."""
 
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from zeroplan.cli import cli
 from zeroplan.errors import MeasureError
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.deepspeed_json import settings_from_deepspeed, write_deepspeed_config
 from zeroplan.measure.grid import _grid

@@ -26,14 +26,14 @@ def _wrapped(model_name: str, training: TrainingSpec, source: str) -> FSDP2Wrapp
     from torch.distributed.fsdp import FSDPModule
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from zeroplan.measure.engines.fsdp2_engine import _outer_modules
+    from zeroplan.measure.engines.fsdp2_engine import outer_modules
     from zeroplan.measure.workload import build_workload
 
     namespace: dict[str, object] = {}
     exec(compile(source, "<fsdp2 plan>", "exec"), namespace)
     model = build_workload(resolve_model(model_name), training, torch.device("cpu"), implementation="hf").model
     blocks = model.transformer_blocks
-    embeddings, head = _outer_modules(model)
+    embeddings, head = outer_modules(model)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=training.gpus)
     try:
         split = training.fsdp2_wrapping.units == FSDP2Units.SPLIT

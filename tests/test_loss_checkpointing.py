@@ -12,7 +12,7 @@ import pytest
 from grid_rows import assert_peaks_within_targets, measure_row_comparison
 
 from zeroplan.estimate import estimate
-from zeroplan.estimate.activations import _op_saved_per_token, _Widths, activation_bytes
+from zeroplan.estimate.activations import _op_saved_per_token, Widths, activation_bytes
 from zeroplan.estimate.result import Step
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import Attention, TrainingSpec
@@ -99,7 +99,7 @@ def test_loss_chunks_without_a_chunked_loss_is_refused():
 def test_op_policy_saves_every_other_mm_of_a_llama_block():
     """torchtitan SelectiveAC: q k v o gate up down are mm #1-7 (no biases); the odd ones, q, v,
     gate and down, are saved, with the attention kernel's output and log-sum-exp."""
-    w = _Widths(resid=2, comp=2, autocast=False)
+    w = Widths(resid=2, comp=2, autocast=False)
     q, kv, h, inner = 128, 64, 128, 352
     assert _op_saved_per_token(LLAMA, Attention.FUSED, 128, w) == 2 * (q + kv + inner + h) + 2 * q + 4 * 4
 
@@ -107,7 +107,7 @@ def test_op_policy_saves_every_other_mm_of_a_llama_block():
 def test_op_policy_saves_every_addmm_of_gpt2():
     """GPT-2's Conv1D runs addmm, which the save list holds and the mm counter does not count;
     eager attention's two bmm (scores and probs @ v) are saved too."""
-    w = _Widths(resid=4, comp=4, autocast=False)
+    w = Widths(resid=4, comp=4, autocast=False)
     h, inner, heads, seq = 128, 512, 4, 256
     assert _op_saved_per_token(GPT2, Attention.EAGER, seq, w) == 4 * (3 * h + h + inner + h) + 4 * (heads * seq + h)
 

@@ -49,7 +49,7 @@ def _training(**fields) -> TrainingSpec:
 def _ctx():
     torch = pytest.importorskip("torch")  # a RunContext holds a torch.device
 
-    from zeroplan.measure.engines import RunContext
+    from zeroplan.measure.engines.common import RunContext
 
     return RunContext(rank=0, world_size=N, local_rank=0, device=torch.device("cpu"), backend="gloo")
 
@@ -58,7 +58,7 @@ def _ctx():
 
 
 def test_missing_deepspeed_says_how_to_install(monkeypatch):
-    from zeroplan.measure.engines import deepspeed_engine
+    import zeroplan.measure.engines.deepspeed_engine as deepspeed_engine
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(MissingDependencyError, match=r"pip install 'zeroplan\[deepspeed\]'"):

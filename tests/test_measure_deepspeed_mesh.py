@@ -1,4 +1,4 @@
-"""DeepSpeed AutoTP in `zeroplan measure` on 2 real gloo ranks (measure/deepspeed_mesh.py): the run gets past
+"""DeepSpeed AutoTP in `zeroplan measure` on 2 real gloo ranks (measure/engines/deepspeed_mesh.py): the run gets past
 AutoTP's check that a TP group was fed one batch, and each rank holds the layout of Llama's tp_plan."""
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def test_deepspeed_json_leaves_to_the_trainer_what_the_trainer_fills():
 def test_what_the_trainer_cannot_run_is_one_line_naming_the_field(fields, message):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from zeroplan.measure.engines import RunContext
+    from zeroplan.measure.engines.common import RunContext
     from zeroplan.measure.programs.hf_trainer import check_supported
 
     ctx = RunContext(rank=0, world_size=N, local_rank=0, device=torch.device("cpu"), backend="gloo")
@@ -79,13 +79,13 @@ def test_what_the_trainer_cannot_run_is_one_line_naming_the_field(fields, messag
 def _measure_and_compare(training: TrainingSpec, engine_config: dict | None = None):
     pytest.importorskip("accelerate")
     from zeroplan.estimate import estimate
-    from zeroplan.estimate.serialize import estimate_to_dict
+    from zeroplan.estimate.serialize import phase_to_dict
     from zeroplan.measure.launcher import run_measurement
 
     result = run_measurement(TINY, training, nproc=N, backend="gloo", steps=2, timeout_s=300, engine_config=engine_config)
     assert result.implementation.startswith("transformers.Trainer-"), result.implementation
     measured = result.to_json_dict()
-    comparison = compare(estimate_to_dict(estimate(TINY, training), training)["phases"], run_peaks(measured))
+    comparison = compare([phase_to_dict(phase) for phase in estimate(TINY, training).phases], run_peaks(measured))
     return result, comparison
 
 

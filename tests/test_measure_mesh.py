@@ -1,4 +1,4 @@
-"""Measure on a device mesh (issue 14, zeroplan/measure/mesh.py): 4 and 2 gloo ranks on loopback,
+"""Measure on a device mesh (issue 14, zeroplan/measure/engines/mesh.py): 4 and 2 gloo ranks on loopback,
 tiny-llama, checked against what the TP plan, FSDP2 and the pipeline split must leave on each rank."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_context_parallel_ranks_shard_over_cp_and_peak_where_the_estimate_says()
     # torch's ring on the CPU kernel (measure/cp_cpu.py); FSDP2 shards over dp_shard x cp (torchtitan's "fsdp").
     # seq 128: the head's backward is the peak by a margin (at seq 64 the ring's backward comes within the few
     # hundred KiB by which gloo's frees of the ring's collectives move from run to run: docs/measure.md)
-    from zeroplan.estimate.mesh import estimate_mesh
+    from zeroplan.estimate import estimate_mesh
 
     training = TrainingSpec(engine="fsdp2", zero_stage=3, precision="fp32", micro_batch=2, seq_len=128, device="cpu",
                             gpus=2, recipe="torchtitan", loss="standard", mesh={"cp": 2})

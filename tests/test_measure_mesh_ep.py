@@ -1,4 +1,4 @@
-"""Measure expert parallelism (issue 14, zeroplan/measure/mesh_moe.py): 2 gloo ranks on loopback, ep 2,
+"""Measure expert parallelism (issue 14, zeroplan/measure/engines/mesh_moe.py): 2 gloo ranks on loopback, ep 2,
 qwen3moe-tiny; each rank holds half the experts, and the estimate taken with the imbalance the run reports
 is within 3% of the worst rank's steady peak."""
 
@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from zeroplan.estimate.mesh import estimate_mesh  # noqa: E402
+from zeroplan.estimate import estimate_mesh  # noqa: E402
 from zeroplan.importers.catalog import resolve_model  # noqa: E402
 from zeroplan.measure import launcher  # noqa: E402
 from zeroplan.measure.grid_ep import measured_imbalance, with_measured_imbalance  # noqa: E402

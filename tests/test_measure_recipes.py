@@ -107,7 +107,7 @@ def test_torchtitan_chunked_loss_measured_within_targets_of_its_estimate():
     recipe's defaults: the estimator's ChunkedLossWrapper terms against the flow run."""
     pytest.importorskip("torch")
     from zeroplan.estimate import estimate
-    from zeroplan.estimate.serialize import estimate_to_dict
+    from zeroplan.estimate.serialize import phase_to_dict
     from zeroplan.measure.comparison import compare, run_peaks
     from zeroplan.measure.launcher import run_measurement
 
@@ -115,7 +115,7 @@ def test_torchtitan_chunked_loss_measured_within_targets_of_its_estimate():
     result = run_measurement(TINY, training, nproc=2, backend="gloo", steps=2, timeout_s=300)
     assert result.implementation.startswith("zeroplan loop reproducing torchtitan 0.3.0 (model init meta, chunked loss "
                                             "(ChunkedLossWrapper, 8 chunks)")
-    comparison = compare(estimate_to_dict(estimate(TINY, training), training)["phases"], run_peaks(result.to_json_dict()))
+    comparison = compare([phase_to_dict(phase) for phase in estimate(TINY, training).phases], run_peaks(result.to_json_dict()))
     assert abs(comparison.steady.peak.error) <= 0.03
     assert abs(comparison.first.peak.error) <= 0.05
 

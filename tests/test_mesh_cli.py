@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from zeroplan.cli import cli
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.training import TrainingSpec
@@ -51,6 +51,21 @@ def test_checkpoint_every_block_but_one_under_tp_without_sequence_parallel_is_es
     assert json.loads(result.output)["per_gpu"]["peak"] > json.loads(every.output)["per_gpu"]["peak"]
 
 
+def test_checkpoint_every_under_sequence_parallel_cuts_each_kind_of_block_as_it_keeps_its_tensors():
+    """torchtitan runs every-N checkpointing with sequence parallelism (its SAC wrapper around blocks whose norms
+    are SequenceParallel); measured row mesh-tp2/.../ckpt-every2 (docs/accuracy.md). Half the blocks keep
+    everything, cut over tp as blocks without checkpointing are; the other half keep their input shard."""
+    args = ("estimate", "llama-3-8b", "--gpus", "8", "--tp", "2", "--zero", "3", "--engine", "fsdp2",
+            "--checkpointing", "full", "--format", "json")
+    every, sp_off, all_blocks = (run(*args, *extra) for extra in (("--checkpoint-every", "2"),
+                                                                   ("--checkpoint-every", "2", "--no-sequence-parallel"),
+                                                                   ()))
+    assert every.exit_code == sp_off.exit_code == all_blocks.exit_code == 0
+    peak = {name: json.loads(result.output)["per_gpu"]["peak"] for name, result in
+            (("every", every), ("sp_off", sp_off), ("all", all_blocks))}
+    assert peak["all"] < peak["every"] < peak["sp_off"]
+
+
 def test_an_all_ones_mesh_prints_todays_estimate():
     plain = run("estimate", "llama-3-8b", "--gpus", "8", "--zero", "3", "--format", "json")
     ones = run("estimate", "llama-3-8b", "--gpus", "8", "--zero", "3", "--tp", "1", "--pp", "1", "--format", "json")
@@ -64,10 +79,6 @@ def test_an_all_ones_mesh_prints_todays_estimate():
     (["--recipe", "torchtitan", "--gpus", "8", "--pp", "8", "--grad-accum", "2"], "mesh.pp: schedule 1f1b needs at least pp 8 micro-batches"),
     (["--recipe", "torchtitan", "--gpus", "8", "--ep", "2"], "mesh.ep: the model has no experts"),
     (["--gpus", "8", "--tp", "2", "--engine", "torch", "--zero", "0"], "mesh.tp: engine torch is data-parallel only"),
-    # was refused with "set checkpointing full" although it was set (the sequence-parallel terms re-validated
-    # the spec without checkpointing); the mix of two kinds of block under sequence parallel is not modelled
-    (["--gpus", "8", "--tp", "2", "--checkpointing", "full", "--checkpoint-every", "2"],
-     "checkpoint_every: 2 under tensor parallelism's sequence parallel is not modelled"),
 ])
 def test_bad_meshes_are_one_line_and_exit_2(args, message):
     result = run("estimate", "llama-3-8b", "--zero", "3", "--engine", "fsdp2", *args)

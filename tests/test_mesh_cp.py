@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.estimate.mesh_cp import ring_bytes
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec

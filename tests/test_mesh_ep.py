@@ -10,7 +10,9 @@ from click.testing import CliRunner
 from zeroplan.cli import cli
 from zeroplan.errors import SpecError
 from zeroplan.estimate.engines.fsdp2 import _units
-from zeroplan.estimate.mesh import RankKind, estimate_mesh, rank_facts
+from zeroplan.estimate import estimate_mesh
+from zeroplan.estimate.result import RankKind
+from zeroplan.estimate.mesh import rank_facts
 from zeroplan.estimate.mesh_ep import saved_per_block_delta
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.measure.grid_ep import measured_imbalance, with_measured_imbalance
@@ -89,7 +91,7 @@ def test_a_run_is_estimated_with_the_imbalance_it_measured():
 
 def test_permutation_is_torchtitans_rank_major_to_expert_major():
     torch = pytest.importorskip("torch")
-    from zeroplan.measure.mesh_moe import _permute_indices
+    from zeroplan.measure.engines.mesh_moe import _permute_indices
 
     # torchtitan models/common/moe/utils.py `_generate_permute_indices`' own example: 2 ranks x 3 local experts,
     # counts [4, 2, 1, 1, 3, 2] (rank-major); expert-major groups start at 0, 7, 4, 8, 6, 11 in the input

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from zeroplan.estimate import estimate
-from zeroplan.estimate.mesh import RankKind, estimate_mesh, in_flight, rank_activations, rank_facts, stage_layers
+from zeroplan.estimate import estimate_mesh
+from zeroplan.estimate.result import RankKind
+from zeroplan.estimate.mesh import in_flight, rank_activations, rank_facts, stage_layers
 from zeroplan.estimate.layout import param_layout
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.mesh import MeshSpec, PPSchedule

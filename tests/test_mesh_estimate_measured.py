@@ -1,4 +1,4 @@
-"""The per-rank mesh estimate against what measure/mesh.py measured on gloo (torch 2.13.0, tiny-llama;
+"""The per-rank mesh estimate against what measure/engines/mesh.py measured on gloo (torch 2.13.0, tiny-llama;
 `zeroplan validate --rows 'mesh-*'`, figures in docs/measure.md "Meshes"), and the behaviours seen there."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec
 

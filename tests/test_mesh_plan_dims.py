@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from zeroplan.cli import cli
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.gpus import get_gpu
 from zeroplan.importers.mesh_options import torchtitan_mesh

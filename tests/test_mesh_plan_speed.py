@@ -11,7 +11,7 @@ import pytest
 
 import zeroplan.plan.mesh as mesh_search
 from zeroplan.estimate import clear_caches
-from zeroplan.estimate.mesh import estimate_mesh, estimate_mesh_within
+from zeroplan.estimate import estimate_mesh, estimate_mesh_within
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.gpus import get_gpu
 from zeroplan.plan.cost import assumptions_for
@@ -106,7 +106,7 @@ def test_no_middle_pipeline_rank_left_out_is_higher_than_rank_1(schedule, pp, la
 def test_one_walk_bounds_every_middle_rank_of_an_interleaved_schedule(pp, layers, checkpointing, cp):
     # `middle_ranks_peak_bound` (docs/engines/mesh.md, "One walk for the middle ranks"): no middle rank it
     # bounds is above it; every rank is estimated here to check it
-    from zeroplan.estimate.mesh import middle_ranks_peak_bound
+    from zeroplan.estimate import middle_ranks_peak_bound
 
     model = resolve_model("llama-3-70b").model_copy(update={"num_layers": layers})
     training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=8 * pp * cp, seq_len=8192, recipe="torchtitan",
@@ -123,7 +123,7 @@ def test_one_walk_bounds_every_middle_rank_of_an_interleaved_schedule(pp, layers
 
 
 def test_no_bound_where_the_argument_does_not_hold():
-    from zeroplan.estimate.mesh import middle_ranks_peak_bound
+    from zeroplan.estimate import middle_ranks_peak_bound
 
     model = resolve_model("llama-3-8b")
     for mesh in (MeshSpec(pp=4, pp_schedule=PPSchedule.ZERO_BUBBLE, pp_virtual_stages=2), MeshSpec(pp=4)):
@@ -217,7 +217,7 @@ def test_the_cost_bound_is_never_above_the_cost_of_a_rank_kind_at_a_micro_batch(
     ("deepspeed", MeshSpec(tp=2)),
 ])
 def test_a_rank_kinds_parameters_are_those_of_its_estimate(engine, mesh):
-    from zeroplan.estimate.mesh import rank_params
+    from zeroplan.estimate import rank_params
 
     model = resolve_model("llama-3-8b")
     recipe = {"recipe": "torchtitan"} if engine == "fsdp2" else {}

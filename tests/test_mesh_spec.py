@@ -91,13 +91,22 @@ def test_ulysses_splits_heads():
         check_mesh(resolve_model("llama-3-8b"), spec)
 
 
-def test_lora_is_not_cut_by_a_mesh_yet():
+@pytest.mark.parametrize("dimension", ["tp", "cp", "pp"])
+def test_lora_is_cut_by_hsdp_only(dimension):
+    """LoRA composes with HSDP (FSDP2 over a 2-D mesh shards a PEFT model as any other: measured rows
+    lora-*/mesh-dp_replicate2/...); under tp, cp or pp no measured program runs PEFT: one line naming it."""
     from zeroplan.importers.options import training_spec_from_options
 
-    spec = training_spec_from_options({"gpus": 8, "engine": "fsdp2", "zero_stage": 3, "lora_rank": 16, "mesh_tp": 2},
-                                      None, resolve_model("llama-3-8b"))
-    with pytest.raises(SpecError, match=r"mesh: LoRA adapters and quantized bases are not modelled on a mesh yet"):
-        check_mesh(resolve_model("llama-3-8b"), spec)
+    model = resolve_model("llama-3-8b")
+    hsdp = training_spec_from_options({"gpus": 8, "engine": "fsdp2", "zero_stage": 3, "lora_rank": 16,
+                                       "mesh_dp_replicate": 2}, None, model)
+    check_mesh(model, hsdp)
+    options = {"gpus": 8, "engine": "fsdp2", "zero_stage": 3, "lora_rank": 16, f"mesh_{dimension}": 2,
+               "recipe": "torchtitan", "grad_accum": 4}
+    spec = training_spec_from_options(options, None, model)
+    with pytest.raises(SpecError, match=rf"^mesh.{dimension}: LoRA adapters and quantized bases are modelled with "
+                                        r"dp_replicate \(HSDP\) only"):
+        check_mesh(model, spec)
 
 
 @pytest.mark.parametrize("recipe, mesh, message", [

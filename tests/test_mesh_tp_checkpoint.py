@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from zeroplan.estimate.activations import activation_bytes
-from zeroplan.estimate.mesh import _sequence_parallel_saving, estimate_mesh, rank_activations, rank_kinds
+from zeroplan.estimate import estimate_mesh
+from zeroplan.estimate.mesh import _sequence_parallel_saving, rank_activations, rank_kinds
 from zeroplan.estimate.mesh_tp_checkpoint import recomputed_norm_cut
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.mesh import MeshSpec

@@ -46,7 +46,7 @@ def test_no_module_spells_the_category_list_again():
 
 def test_measure_reads_the_one_list():
     from zeroplan.measure.comparison import CATEGORIES as compared
-    from zeroplan.measure.engines import ENGINE_CATEGORIES
+    from zeroplan.measure.engines.common import ENGINE_CATEGORIES
 
     assert compared == TENSOR_CATEGORIES
     assert ENGINE_CATEGORIES == ("params", "grads", "optimizer_states", "buffers")  # issue 3: what a runner reports

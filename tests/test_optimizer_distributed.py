@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch")
 
 from zeroplan.estimate import estimate  # noqa: E402
-from zeroplan.estimate.serialize import estimate_to_dict  # noqa: E402
+from zeroplan.estimate.serialize import phase_to_dict  # noqa: E402
 from zeroplan.importers.catalog import resolve_model  # noqa: E402
 from zeroplan.measure.comparison import compare, run_peaks  # noqa: E402
 from zeroplan.measure.launcher import run_measurement  # noqa: E402
@@ -25,7 +25,7 @@ def test_estimate_matches_the_run(nproc, knobs):
     training = TrainingSpec(engine="torch", zero_stage=0, gpus=nproc, device="cpu", precision="fp32", recipe="plain",
                             micro_batch=2, seq_len=128, **knobs)
     result = run_measurement(model, training, nproc=nproc, steps=3, timeout_s=240)
-    comparison = compare(estimate_to_dict(estimate(model, training), training)["phases"], run_peaks(result.to_json_dict()))
+    comparison = compare([phase_to_dict(phase) for phase in estimate(model, training).phases], run_peaks(result.to_json_dict()))
     assert set(comparison.steps) == {"steady", "first"}
     for step in comparison.steps.values():
         assert step.peak.ok, (step.step, step.peak)

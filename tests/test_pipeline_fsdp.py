@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.estimate.pipeline_fsdp import resharded_stages
 from zeroplan.estimate.pipeline_schedule import ChunkBytes, inputs_only_backwards, looped_peak, looped_rank_actions
 from zeroplan.importers.catalog import resolve_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec
 

@@ -22,7 +22,7 @@ from zeroplan.estimate.result import (
     Step,
 )
 from zeroplan.estimate.result import CATEGORY_NAMES
-from zeroplan.estimate.serialize import estimate_to_dict, model_rows
+from zeroplan.estimate.serialize import estimate_to_dict, model_rows, single_rank
 from zeroplan.report.common import CATEGORY_LABELS
 from zeroplan.report.estimate import render_estimate, render_models
 from zeroplan.spec.training import TrainingSpec
@@ -52,7 +52,7 @@ TRAINING = TrainingSpec(engine="deepspeed", zero_stage=3, gpus=16)
 
 
 def test_json_contract_holds_every_documented_key_as_bytes():
-    data = estimate_to_dict(ESTIMATE, TRAINING)
+    data = estimate_to_dict(single_rank(ESTIMATE, TRAINING, 32), TRAINING)
     assert data["model"] == {
         "name": "llama-2-7b",
         "params": 6_738_415_616,
@@ -81,7 +81,7 @@ def test_json_contract_holds_every_documented_key_as_bytes():
 
 
 def test_json_config_reads_back_as_the_same_training_spec_with_gpus_per_node_resolved():
-    config = estimate_to_dict(ESTIMATE, TRAINING)["config"]
+    config = estimate_to_dict(single_rank(ESTIMATE, TRAINING, 32), TRAINING)["config"]
     assert config["gpus_per_node"] == 8  # min(16, 8)
     assert config["zero_stage"] == 3 and config["precision"] == "bf16"
     assert TrainingSpec.model_validate(config) == TRAINING.model_copy(update={"gpus_per_node": 8})
@@ -89,13 +89,13 @@ def test_json_config_reads_back_as_the_same_training_spec_with_gpus_per_node_res
 
 @pytest.mark.parametrize("gpu_memory, fits", [(16 * GIB, True), (15 * GIB, True), (15 * GIB - 1, False)])
 def test_fits_compares_the_peak_with_the_gpu_memory(gpu_memory, fits):
-    data = estimate_to_dict(ESTIMATE, TRAINING, gpu_memory_bytes=gpu_memory)
+    data = estimate_to_dict(single_rank(ESTIMATE, TRAINING, 32), TRAINING, gpu_memory_bytes=gpu_memory)
     assert data["fits"] is fits
     assert data["gpu_memory"] == gpu_memory
 
 
 def test_table_is_labelled_in_gib_by_default():
-    text = render_estimate(estimate_to_dict(ESTIMATE, TRAINING, gpu_memory_bytes=80 * GIB))
+    text = render_estimate(estimate_to_dict(single_rank(ESTIMATE, TRAINING, 32), TRAINING, gpu_memory_bytes=80 * GIB))
     assert "llama-2-7b: 6,738,415,616 parameters (6,738,415,616 trainable); activation model: transformers LlamaForCausalLM" in text
     assert "deepspeed ZeRO-3, 16 GPUs (2 nodes x 8), bf16 mixed, adamw" in text
     assert "Per GPU at the peak (steady step, backward)" in text
@@ -110,7 +110,7 @@ def test_table_is_labelled_in_gib_by_default():
 
 
 def test_per_phase_table_has_one_row_per_phase_and_marks_the_peak():
-    text = render_estimate(estimate_to_dict(ESTIMATE, TRAINING))
+    text = render_estimate(estimate_to_dict(single_rank(ESTIMATE, TRAINING, 32), TRAINING))
     rows = [line for line in text.splitlines() if line.startswith(("first ", "steady "))]
     assert len(rows) == len(PHASES)
     peak_rows = [row for row in rows if row.endswith("<- peak")]
@@ -120,7 +120,7 @@ def test_per_phase_table_has_one_row_per_phase_and_marks_the_peak():
 
 
 def test_gb_means_ten_to_the_ninth_and_says_so():
-    text = render_estimate(estimate_to_dict(ESTIMATE, TRAINING, gpu_memory_bytes=8 * GIB), units="GB")
+    text = render_estimate(estimate_to_dict(single_rank(ESTIMATE, TRAINING, 32), TRAINING, gpu_memory_bytes=8 * GIB), units="GB")
     peak_line = next(line for line in text.splitlines() if line.startswith("peak"))
     assert peak_line.split() == ["peak", f"{15 * GIB / 1e9:.2f}"]  # 16.11, not 15.00
     assert "GiB" not in text
@@ -128,7 +128,7 @@ def test_gb_means_ten_to_the_ninth_and_says_so():
 
 
 def test_csv_is_the_per_phase_table_in_the_chosen_units():
-    text = render_estimate(estimate_to_dict(ESTIMATE, TRAINING), output_format="csv", units="GB")
+    text = render_estimate(estimate_to_dict(single_rank(ESTIMATE, TRAINING, 32), TRAINING), output_format="csv", units="GB")
     rows = list(csv.DictReader(io.StringIO(text)))
     assert len(rows) == len(PHASES)
     assert list(rows[0]) == ["step", "phase", *(f"{key}_GB" for key in CATEGORY_LABELS), "total_GB", "is_peak"]
@@ -138,14 +138,14 @@ def test_csv_is_the_per_phase_table_in_the_chosen_units():
 
 
 def test_markdown_uses_headings_and_pipe_tables():
-    text = render_estimate(estimate_to_dict(ESTIMATE, TRAINING), output_format="markdown")
+    text = render_estimate(estimate_to_dict(single_rank(ESTIMATE, TRAINING, 32), TRAINING), output_format="markdown")
     assert "### Per GPU at the peak (steady step, backward)" in text
     peak_line = next(line for line in text.splitlines() if line.startswith("| peak"))
     assert [cell.strip() for cell in peak_line.strip("|").split("|")] == ["peak", "15.00"]
 
 
 def test_json_rendering_round_trips():
-    data = estimate_to_dict(ESTIMATE, TRAINING, gpu_memory_bytes=80 * GIB)
+    data = estimate_to_dict(single_rank(ESTIMATE, TRAINING, 32), TRAINING, gpu_memory_bytes=80 * GIB)
     assert json.loads(render_estimate(data, output_format="json")) == data
 
 

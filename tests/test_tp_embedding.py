@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.mesh import MeshSpec

@@ -56,7 +56,7 @@ def command(**options: Any) -> None:
     base = base_training(options, stages, max(gpu_counts), model)
     estimator = None
     if not base.mesh.is_trivial:  # every row is the worst rank of the mesh (issue 14)
-        from zeroplan.estimate.mesh import worst_rank_estimate as estimator
+        from zeroplan.estimate import worst_rank_estimate as estimator
     comparison = compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"], estimator)
     click.echo(render_comparison(comparison, options["output_format"], options["units"]), nl=False)
     if options["plot_file"]:

@@ -12,6 +12,8 @@ from zeroplan.cli.common import estimate_options, output_options
 @click.command("estimate")
 @estimate_options
 @output_options
+@click.option("--explain", "explain", is_flag=True, help="Also list the terms live at the peak (name, category, bytes, "
+              "source), largest first; with --format csv, the terms instead of the phases. The JSON always has them.")
 def command(**options: Any) -> None:
     """Estimate the memory per GPU of training MODEL: by category at the peak, phase by phase,
     and per node under offload.
@@ -32,6 +34,7 @@ def command(**options: Any) -> None:
       zeroplan estimate --params 7.5e9 --gpus 64 --zero 3 --engine paper --units GB
       zeroplan estimate llama-3-70b --gpus 64 --tp 8 --zero 3 --engine fsdp2 --seq-len 8192
       zeroplan estimate llama-3-70b --gpus 64 --tp 8 --pp 4 --grad-accum 8 --zero 3 --engine fsdp2
+      zeroplan estimate llama-2-7b --gpus 8 --zero 3 --explain
     """
     from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
 
@@ -40,20 +43,11 @@ def command(**options: Any) -> None:
                                config)
     training = training_spec_from_options(options, config, model)
 
-    if not training.mesh.is_trivial:  # tp, cp, pp, ep or HSDP: one estimate per rank kind (issue 14)
-        from zeroplan.estimate.mesh import estimate_mesh
-        from zeroplan.estimate.serialize_mesh import mesh_estimate_to_dict
-        from zeroplan.report.mesh import render_mesh_estimate
-
-        data = mesh_estimate_to_dict(estimate_mesh(model, training), training, gpu_memory_bytes=options["gpu_memory"],
-                                     notes=config.notes if config else ())
-        click.echo(render_mesh_estimate(data, options["output_format"], options["units"]), nl=False)
-        return
-
-    from zeroplan.estimate import estimate
+    from zeroplan.estimate import estimate_mesh
     from zeroplan.estimate.serialize import estimate_to_dict
     from zeroplan.report.estimate import render_estimate
 
-    data = estimate_to_dict(estimate(model, training), training, gpu_memory_bytes=options["gpu_memory"],
+    # one estimate per rank kind (tp, cp, pp, ep, HSDP: issue 14); plain data parallelism has one
+    data = estimate_to_dict(estimate_mesh(model, training), training, gpu_memory_bytes=options["gpu_memory"],
                             notes=config.notes if config else ())
-    click.echo(render_estimate(data, options["output_format"], options["units"]), nl=False)
+    click.echo(render_estimate(data, options["output_format"], options["units"], options["explain"]), nl=False)

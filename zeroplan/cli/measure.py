@@ -13,7 +13,7 @@ from zeroplan.cli.mesh_options import MESH_OPTIONS
 from zeroplan.errors import MissingDependencyError, SpecError
 
 def mesh_options(function):
-    """--tp, --pp, ... (cli/mesh_options.py): measure runs a mesh as zeroplan/measure/mesh.py says."""
+    """--tp, --pp, ... (cli/mesh_options.py): measure runs a mesh as zeroplan/measure/engines/mesh.py says."""
     for option in reversed(MESH_OPTIONS):
         function = option(function)
     return function
@@ -92,13 +92,13 @@ def command(**options: Any) -> None:
 
             user_config(engine_config, training, nproc)  # a stage or batch that disagrees fails here, before any rank starts
 
-    from zeroplan.estimate.mesh import estimate_mesh
+    from zeroplan.estimate import estimate_mesh
     from zeroplan.estimate.serialize import estimate_to_dict
     from zeroplan.measure.comparison import compare, run_peaks
     from zeroplan.report.measure import render_table, report_data
 
     # the worst rank kind on a mesh, set against the rank that peaks highest; before the run: its errors come first
-    estimated = estimate_to_dict(estimate_mesh(model, training).worst.estimate, training)
+    estimated = estimate_to_dict(estimate_mesh(model, training), training)
     result = run_measurement(
         model, training, nproc=nproc, backend=backend, simulate=simulate,
         steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],
@@ -107,7 +107,7 @@ def command(**options: Any) -> None:
     if training.mesh.ep > 1 and options.get("mesh_moe_imbalance") is None:  # estimated with the routing the run had
         from zeroplan.measure.grid_ep import with_measured_imbalance
 
-        estimated = estimate_to_dict(estimate_mesh(model, with_measured_imbalance(training, result.notes)).worst.estimate,
+        estimated = estimate_to_dict(estimate_mesh(model, with_measured_imbalance(training, result.notes)),
                                      training)
     measured = result.to_json_dict()
     comparison = compare(estimated["phases"], run_peaks(measured), engine=training.engine.value)

@@ -216,7 +216,7 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
         from zeroplan.importers.torchtitan_write import write_torchtitan_toml
         from zeroplan.spec.files import write_atomic
 
-        from zeroplan.estimate.mesh import estimate_mesh
+        from zeroplan.estimate import estimate_mesh
         from zeroplan.importers.options import training_spec_from_options
 
         best = result.top[0]

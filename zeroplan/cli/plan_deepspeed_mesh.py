@@ -16,7 +16,7 @@ def readback_options(training) -> dict:
 
 
 def emit_deepspeed_mesh(path: str, model, best) -> None:
-    from zeroplan.estimate.mesh import estimate_mesh
+    from zeroplan.estimate import estimate_mesh
     from zeroplan.importers.options import training_spec_from_options
     from zeroplan.importers.training_config import write_deepspeed_config
     from zeroplan.spec.files import write_atomic

@@ -49,13 +49,54 @@ from dataclasses import dataclass, field, fields, replace
 
 import zeroplan.estimate.activations_families as families
 import zeroplan.estimate.moe as moe
+from zeroplan.estimate.dtypes import FP32_BYTES
 from zeroplan.estimate.layout import param_layout
 from zeroplan.estimate.caches import memo
+from zeroplan.estimate.terms import UNNAMED, Terms, named, naming_on, parts_of, register
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.program import ActivationOffload, Loss, Recipe
 from zeroplan.spec.training import Attention, Checkpointing, Device, Engine, Precision, TrainingSpec
 
-FP32_BYTES = 4
+
+_DOC = "docs/engines/activations.md"
+# The activation terms: ActivationBytes' fields as the ledger names them (estimate/terms.py).
+TERMS = {
+    "saved_per_block": "activations saved by blocks",
+    "recompute_block": "block recomputed in backward",
+    "block_backward_transient": "block backward gradients",
+    "block_backward_freed": "saved activations freed by a block's backward",  # subtracted: ledger.py nets it
+    "block_forward_transient": "block forward intermediates",
+    "block_input_grad_bytes": "block input gradient",
+    "embedding": "token ids, labels and shared tables",
+    "final_norm": "final norm saved activations",
+    "logits": "logits",
+    "loss_saved": "loss saved activations (fp32)",
+    "loss_transient": "loss fp32 upcast",
+    "logits_grad": "loss gradients (fp32)",
+    "logits_grad_cast": "logits gradient cast",
+    "head_backward_temporary": "output head backward gradients",
+    "attention_backward_saved": "attention core backward saved",
+    "attention_backward_temporary": "attention core backward gradients",
+}
+register({
+    "activations saved by blocks": f"{_DOC} (blocks; Korthikanti et al. 2022 section 4.1)",
+    "block recomputed in backward": f"{_DOC} (checkpointing; torch/utils/checkpoint.py)",
+    "block backward gradients": f"{_DOC} (a block's backward)",
+    "block forward intermediates": f"{_DOC} (a block's forward)",
+    "block input gradient": f"{_DOC} (a block's backward: the residual stream's gradient)",
+    "saved activations freed by a block's backward": f"{_DOC} (a block's backward frees its MLP product)",
+    "token ids, labels and shared tables": f"{_DOC} (outside the blocks)",
+    "final norm saved activations": f"{_DOC} (the final norm)",
+    "logits": f"{_DOC} (logits and loss; transformers loss_utils.py ForCausalLMLoss)",
+    "loss saved activations (fp32)": f"{_DOC} (logits and loss: log_softmax's output)",
+    "loss fp32 upcast": f"{_DOC} (logits and loss: the fp32 upcast)",
+    "loss gradients (fp32)": f"{_DOC} (logits and loss: nll_loss and log_softmax backward)",
+    "logits gradient cast": f"{_DOC} (logits and loss: the gradient cast for lm_head)",
+    "output head backward gradients": f"{_DOC} (lm_head's backward)",
+    "attention core backward saved": f"{_DOC} (eager attention's backward)",
+    "attention core backward gradients": f"{_DOC} (eager attention's backward)",
+    "activations offloaded to the host": f"{_DOC} (activation offloading; torchtune training/_activation_offloading.py)",
+})
 
 
 @dataclass(frozen=True)
@@ -106,6 +147,12 @@ class ActivationBytes:
 
     def __post_init__(self) -> None:
         derived = object.__setattr__
+        if naming_on():
+            # a field changed by a transform (TP, CP, EP, LoRA) is still that quantity: its unnamed part takes its name
+            for name in _NAMED_FIELDS:
+                value = getattr(self, name)
+                if UNNAMED in parts_of(value):
+                    derived(self, name, _with_field_name(name, value))
         # A recomputed block's MLP product is counted among what backward allocates, not saved.
         mlp_temporary = self.recompute_block - (self.block_backward_freed if self.recompute_block else 0) + self.block_backward_transient
         mlp_intercept = self.blocks_left_saved(1) - self.saved_per_block + mlp_temporary
@@ -253,10 +300,20 @@ class ActivationBytes:
 
 
 _INT_FIELDS = frozenset(f.name for f in fields(ActivationBytes) if f.init and f.type in ("int", int))
+_NAMED_FIELDS = tuple(sorted(TERMS.keys() | {"host_bytes"}))
+
+
+def _with_field_name(field_name: str, value: int) -> int:
+    """`value` with its unnamed part under the field's own term name (`TERMS`)."""
+    parts = parts_of(value)
+    unnamed = parts.pop(UNNAMED)
+    name = TERMS.get(field_name, "activations offloaded to the host")
+    parts[name] = parts.get(name, 0) + unnamed
+    return Terms(parts)
 
 
 @dataclass(frozen=True)
-class _Widths:
+class Widths:
     """Element sizes of the activations: the residual stream's and the matmuls' outputs'.
 
     Equal except under torch.autocast (the torch engine's fp16/bf16, measure/engines/
@@ -270,7 +327,7 @@ class _Widths:
 
 
 @dataclass(frozen=True)
-class _Dropout:
+class Dropout:
     """Which dropout layers run (rate above 0), and where: what a dropout keeps depends on the device."""
 
     embedding: bool
@@ -286,7 +343,7 @@ class _Dropout:
 
 
 @dataclass(frozen=True)
-class _Core:
+class AttentionCore:
     """The attention core's kernel and the element sizes of the s x s tensors it keeps.
 
     fused: flash / memory-efficient SDPA (q, k, v, output and log-sum-exp; with dropout their RNG
@@ -321,15 +378,15 @@ class _Core:
         return dropout if sum(dropout) > sum(softmax) else softmax
 
 
-def _attention_core(spec: TransformerSpec, attention: Attention, dropout: _Dropout, w: "_Widths") -> _Core:
+def attention_core(spec: TransformerSpec, attention: Attention, dropout: Dropout, w: "Widths") -> AttentionCore:
     if attention == Attention.FUSED and dropout.attention and not dropout.cuda:
-        return _Core("math", FP32_BYTES, FP32_BYTES, FP32_BYTES, FP32_BYTES)
+        return AttentionCore("math", FP32_BYTES, FP32_BYTES, FP32_BYTES, FP32_BYTES)
     if attention == Attention.FUSED:
-        return _Core("fused", w.comp, 0, 0, 0)
-    return _Core("eager", w.comp, _softmax_bytes(spec, w), w.comp, dropout.mask(w.comp) if dropout.attention else 0)
+        return AttentionCore("fused", w.comp, 0, 0, 0)
+    return AttentionCore("eager", w.comp, _softmax_bytes(spec, w), w.comp, dropout.mask(w.comp) if dropout.attention else 0)
 
 
-def _input_projections(spec: TransformerSpec) -> tuple[int, int]:
+def input_projections(spec: TransformerSpec) -> tuple[int, int]:
     """Matmuls reading the attention norm's and the MLP norm's output: separate q/k/v and gate/up
     projections (Llama family), or fused ones (GPT-2's c_attn and c_fc, NeoX, Phi-3)."""
     fused = spec.position_embedding == "learned" or spec.hf_model_type in ("gpt2", "gpt_neox", "phi3")
@@ -338,7 +395,7 @@ def _input_projections(spec: TransformerSpec) -> tuple[int, int]:
     return attn_reads, mlp_reads
 
 
-def _norm_saved_per_token(spec: TransformerSpec, w: _Widths, reads: int) -> int:
+def norm_saved_per_token(spec: TransformerSpec, w: Widths, reads: int) -> int:
     """A norm and the input of the matmuls reading it.
 
     RMSNorm (LlamaRMSNorm.forward): `hidden_states.to(float32)` (kept by pow and mul: the input
@@ -354,8 +411,8 @@ def _norm_saved_per_token(spec: TransformerSpec, w: _Widths, reads: int) -> int:
     return w.resid * h + 2 * FP32_BYTES + out
 
 
-def _attention_saved_per_token(spec: TransformerSpec, core: _Core, checkpointing: Checkpointing, seq_len: int,
-                               w: _Widths) -> int:
+def attention_saved_per_token(spec: TransformerSpec, core: AttentionCore, checkpointing: Checkpointing, seq_len: int,
+                               w: Widths) -> int:
     q_width = spec.num_heads * spec.dim_per_head
     kv_width = spec.kv_heads * spec.dim_per_head
     act = w.comp
@@ -385,8 +442,8 @@ def _attention_saved_per_token(spec: TransformerSpec, core: _Core, checkpointing
     return qkv + out + probs
 
 
-def _attention_backward_per_token(spec: TransformerSpec, core: _Core, checkpointing: Checkpointing, seq_len: int,
-                                  w: _Widths, attn_reads: int) -> tuple[int, int]:
+def _attention_backward_per_token(spec: TransformerSpec, core: AttentionCore, checkpointing: Checkpointing, seq_len: int,
+                                  w: Widths, attn_reads: int) -> tuple[int, int]:
     """(saved, allocated in backward) per token at the peak of eager attention's core backward in
     the block in progress: the softmax's backward (torch/csrc/autograd/FunctionsManual.cpp,
     aten _softmax_backward_data), between the backward of probs @ v and of q @ k^T.
@@ -399,7 +456,7 @@ def _attention_backward_per_token(spec: TransformerSpec, core: _Core, checkpoint
     norm's, q and k as q @ k^T saved them (one storage of q, k and v for GPT-2's split c_attn),
     and the softmax output; v's copy and the cast probabilities were freed with the backward of
     probs @ v, the MLP's and the second norm's with theirs (measured: docs/engines/activations.md).
-    With attention dropout the dropout's backward, just before, can be higher (`_Core.backward_moment`).
+    With attention dropout the dropout's backward, just before, can be higher (`AttentionCore.backward_moment`).
     Fused kernels keep no s x s tensor: not modelled for them."""
     h = spec.hidden_size
     q_width = spec.num_heads * spec.dim_per_head
@@ -408,7 +465,7 @@ def _attention_backward_per_token(spec: TransformerSpec, core: _Core, checkpoint
     kept, grads = core.backward_moment
     scores = spec.num_heads * seq_len
     transient = grads * scores + w.resid * h + c * q_width
-    norm = _norm_saved_per_token(spec, w, attn_reads)
+    norm = norm_saved_per_token(spec, w, attn_reads)
     fused_qkv = attn_reads == 1  # q, k and v are views of one projection's output
     repeated = w.comp * q_width if kv_width < q_width else 0  # repeat_kv's copy of k (Llama-family GQA)
     saved_qk = c * 3 * q_width if fused_qkv else c * 2 * q_width
@@ -420,11 +477,11 @@ def _attention_backward_per_token(spec: TransformerSpec, core: _Core, checkpoint
         copies = (3 * core.qkv + FP32_BYTES) * q_width if core.kernel == "math" else 0
         return norm + _core_inputs_per_token(spec, w), repeated + kept * scores + transient + copies
     # full: the whole block comes back; its input is still saved (`saved_per_block`, added by the caller)
-    shared = w.resid * h if _norm_saves_block_input(spec, w) else 0
+    shared = w.resid * h if norm_saves_block_input(spec, w) else 0
     return 0, norm - shared + saved_qk + kept * scores + transient
 
 
-def _eager_mask_bytes(micro_batch: int, seq_len: int, w: _Widths) -> int:
+def _eager_mask_bytes(micro_batch: int, seq_len: int, w: Widths) -> int:
     """Eager attention reads an explicit causal mask (masking_utils `eager_mask`: batch x 1 x s x s
     in the embeddings' dtype), built once per forward. Without checkpointing no backward needs it;
     a checkpointed core (selective) or block (full) keeps it among its inputs until that block's
@@ -432,7 +489,7 @@ def _eager_mask_bytes(micro_batch: int, seq_len: int, w: _Widths) -> int:
     return micro_batch * seq_len * seq_len * w.resid
 
 
-def _core_inputs_per_token(spec: TransformerSpec, w: _Widths) -> int:
+def _core_inputs_per_token(spec: TransformerSpec, w: Widths) -> int:
     """What a checkpointed attention core keeps for its recomputation: q, and k and v before
     repeat_kv. Under autocast the rotary embedding's cos and sin are in the fp32 residual dtype,
     so q and k after it are fp32 (type promotion) until the core casts them
@@ -443,14 +500,14 @@ def _core_inputs_per_token(spec: TransformerSpec, w: _Widths) -> int:
     return qk * (q_width + kv_width) + w.comp * kv_width
 
 
-def _softmax_bytes(spec: TransformerSpec, w: _Widths) -> int:
+def _softmax_bytes(spec: TransformerSpec, w: Widths) -> int:
     """Element size of eager attention's softmax output: fp32 where it upcasts (Llama's
     softmax(..., dtype=float32); anything under autocast, softmax being on its fp32 list), else
     the scores' dtype (GPT-2)."""
     return FP32_BYTES if (w.autocast or not _softmax_in_compute_dtype(spec)) else w.comp
 
 
-def _norm_saves_block_input(spec: TransformerSpec, w: _Widths) -> bool:
+def norm_saves_block_input(spec: TransformerSpec, w: Widths) -> bool:
     """Does a block's first norm save the block's input tensor itself (LayerNorm; RMSNorm on an
     fp32 input, whose .float() is a no-op), so that full checkpointing's kept input is that one?"""
     if spec.norm_placement == "post":  # OLMo 2: q_proj keeps the input itself, or its autocast cast
@@ -463,12 +520,12 @@ def _softmax_in_compute_dtype(spec: TransformerSpec) -> bool:
     return spec.position_embedding == "learned" or spec.hf_model_type == "gpt2" or spec.attention_sinks
 
 
-def _family_saved_per_token(spec: TransformerSpec, core: _Core, checkpointing: Checkpointing, seq_len: int, w: _Widths,
+def _family_saved_per_token(spec: TransformerSpec, core: AttentionCore, checkpointing: Checkpointing, seq_len: int, w: Widths,
                             attn_reads: int, mlp_reads: int) -> int:
     """The dense families' block terms (estimate/activations_families.py); zero for a Llama block."""
     h = spec.hidden_size
     inputs = sum(families.post_norm_input_delta_per_token(
-        spec, _norm_saved_per_token(spec, w, reads), w.comp * h * reads if w.autocast else w.resid * h)
+        spec, norm_saved_per_token(spec, w, reads), w.comp * h * reads if w.autocast else w.resid * h)
         for reads in (attn_reads, mlp_reads))
     # selective checkpointing recomputes the core, soft-capping included
     eager_core = core.kernel == "eager" and checkpointing != Checkpointing.SELECTIVE
@@ -478,8 +535,8 @@ def _family_saved_per_token(spec: TransformerSpec, core: _Core, checkpointing: C
             + families.phi3_sdpa_saved_per_token(spec, core.kernel, checkpointing == Checkpointing.SELECTIVE, w.comp))
 
 
-def _family_attention_backward_per_token(spec: TransformerSpec, core: _Core, checkpointing: Checkpointing, seq_len: int,
-                                         w: _Widths, attn_reads: int) -> tuple[int, int]:
+def _family_attention_backward_per_token(spec: TransformerSpec, core: AttentionCore, checkpointing: Checkpointing, seq_len: int,
+                                         w: Widths, attn_reads: int) -> tuple[int, int]:
     """(saved, allocated) added at the softmax's backward by the dense families: the q/k norms'
     tensors and tanh's soft-capped scores are still alive (their backwards come after), OLMo 2's
     projections keep the block input instead of a norm's tensors."""
@@ -489,13 +546,13 @@ def _family_attention_backward_per_token(spec: TransformerSpec, core: _Core, che
     if checkpointing == Checkpointing.FULL:  # the block is recomputed: all of it allocated in backward
         return 0, qk + softcap
     inputs = families.post_norm_input_delta_per_token(
-        spec, _norm_saved_per_token(spec, w, attn_reads), w.comp * h * attn_reads if w.autocast else w.resid * h)
+        spec, norm_saved_per_token(spec, w, attn_reads), w.comp * h * attn_reads if w.autocast else w.resid * h)
     if checkpointing == Checkpointing.SELECTIVE:  # the core's tanh comes back with it
         return qk + inputs, softcap
     return qk + inputs + softcap, 0
 
 
-def _mlp_saved_per_token(spec: TransformerSpec, w: _Widths) -> int:
+def _mlp_saved_per_token(spec: TransformerSpec, w: Widths) -> int:
     if spec.moe is not None:  # experts narrower than the dense MLP, shared experts (estimate/moe.py)
         return moe.mlp_saved_per_token(spec, w.comp)
     h, inner, act = spec.hidden_size, spec.intermediate_size, w.comp
@@ -511,7 +568,7 @@ def _mlp_saved_per_token(spec: TransformerSpec, w: _Widths) -> int:
     return router + gathered_inputs + k * dense
 
 
-def _weight_casts(spec: TransformerSpec, w: _Widths) -> tuple[int, int]:
+def _weight_casts(spec: TransformerSpec, w: Widths) -> tuple[int, int]:
     """Under autocast, the 16-bit copies of a block's matmul weights and of the output head's,
     made at first use (autocast's weight cache) and saved by each matmul until its backward.
     Biases are cast too, but addmm's backward does not keep them."""
@@ -521,7 +578,7 @@ def _weight_casts(spec: TransformerSpec, w: _Widths) -> tuple[int, int]:
     return w.comp * block, w.comp * spec.vocab_size * spec.hidden_size
 
 
-def _block_forward_transient_per_token(spec: TransformerSpec, checkpointing: Checkpointing, w: _Widths) -> int:
+def _block_forward_transient_per_token(spec: TransformerSpec, checkpointing: Checkpointing, w: Widths) -> int:
     """Live in the last block's forward beyond the saved tensors.
 
     Without checkpointing: the residual add (x + mlp(x)) writes the block's output while
@@ -540,7 +597,7 @@ def _block_forward_transient_per_token(spec: TransformerSpec, checkpointing: Che
     return w.resid * h + w.comp * h + k * live_inner * w.comp * spec.intermediate_size
 
 
-def _block_backward_transient_per_token(spec: TransformerSpec, w: _Widths) -> int:
+def _block_backward_transient_per_token(spec: TransformerSpec, w: Widths) -> int:
     """Gradients in flight at the peak of a block's backward, beyond its saved tensors.
 
     The block's backward starts with the gradient of its output (residual width, kept until the
@@ -558,7 +615,7 @@ def _block_backward_transient_per_token(spec: TransformerSpec, w: _Widths) -> in
     return w.resid * spec.hidden_size + 3 * k * w.comp * spec.intermediate_size
 
 
-def _block_backward_freed_per_token(spec: TransformerSpec, dropout: _Dropout, w: _Widths) -> int:
+def _block_backward_freed_per_token(spec: TransformerSpec, dropout: Dropout, w: Widths) -> int:
     """The MLP's product and, with residual dropout, the MLP output's mask (its backward ran first)."""
     k = spec.experts_per_token if spec.is_moe else 1
     product = moe.mlp_backward_freed_per_token(spec, w.resid, w.comp) if spec.moe is not None else k * w.comp * spec.intermediate_size
@@ -566,7 +623,7 @@ def _block_backward_freed_per_token(spec: TransformerSpec, dropout: _Dropout, w:
             + families.output_norm_saved_per_token(spec, w.comp))  # post_feedforward_layernorm's backward ran first
 
 
-def _residual_masks_per_token(spec: TransformerSpec, dropout: _Dropout, w: _Widths) -> int:
+def _residual_masks_per_token(spec: TransformerSpec, dropout: Dropout, w: Widths) -> int:
     """Residual dropout's masks: on the attention's and the MLP's outputs, before each residual add
     (GPT2Attention.resid_dropout and GPT2MLP.dropout; GPT-NeoX post_attention_dropout and
     post_mlp_dropout; Phi-3 resid_attn_dropout and resid_mlp_dropout), in the projections' dtype."""
@@ -577,43 +634,43 @@ def memory_checkpointing(training: TrainingSpec, model: object = None) -> Checkp
     """The checkpointing mode whose activations `training`'s equal. Selective recomputation
     (Korthikanti et al. 2022, section 4.2) keeps the attention core's inputs instead of what the
     core saves: under fused attention (Dao et al. 2022, section 3.1) that is q, k and v either way
-    (`_attention_saved_per_token`, with the kernel's log-sum-exp counted in both), so selective
+    (`attention_saved_per_token`, with the kernel's log-sum-exp counted in both), so selective
     keeps exactly what no checkpointing keeps, unless autocast makes the kept inputs wider than
     the casts the kernel saves. The engine profiles see checkpointing only through these
     activations, so the two estimates are equal (the planner shares them; tests/test_plan.py
     checks it), while the step cost still differs. Not so where `model`'s attention dropout sends
     fused attention down SDPA's math path (on CPU), whose s x s tensors selective recomputes."""
-    math = isinstance(model, TransformerSpec) and _dropout(model, training).attention and training.device == Device.CPU
+    math = isinstance(model, TransformerSpec) and dropout_of(model, training).attention and training.device == Device.CPU
     if (training.checkpointing == Checkpointing.SELECTIVE and training.attention == Attention.FUSED
-            and not _autocast(training) and not math):
+            and not runs_autocast(training) and not math):
         return Checkpointing.NONE
     return training.checkpointing
 
 
-def _autocast(training: TrainingSpec) -> bool:
-    """Does the run keep fp32 parameters and compute under torch.autocast (`_Widths`)?"""
+def runs_autocast(training: TrainingSpec) -> bool:
+    """Does the run keep fp32 parameters and compute under torch.autocast (`Widths`)?"""
     return training.engine == Engine.TORCH and training.precision in (Precision.BF16, Precision.FP16)
 
 
-def _dropout(spec: TransformerSpec, training: TrainingSpec) -> _Dropout:
+def dropout_of(spec: TransformerSpec, training: TrainingSpec) -> Dropout:
     key = (training.dropout, training.device)
     last_spec, last_key, last = _LAST_DROPOUT
     if spec is last_spec and key == last_key:  # a plan asks for one model's, several times per configuration
         return last
     rates = spec.dropout_rates(training.dropout)
-    found = _Dropout(rates.embedding > 0, rates.attention > 0, rates.residual > 0, training.device == Device.CUDA)
+    found = Dropout(rates.embedding > 0, rates.attention > 0, rates.residual > 0, training.device == Device.CUDA)
     _LAST_DROPOUT[:] = (spec, key, found)  # holds the (frozen) spec: its id is never reused while kept
     return found
 
 
-_LAST_DROPOUT: list = [None, None, None]  # `_dropout`'s last (spec, (dropout, device), result)
+_LAST_DROPOUT: list = [None, None, None]  # `dropout_of`'s last (spec, (dropout, device), result)
 
 
 def attention_kernel(spec: TransformerSpec, training: TrainingSpec) -> str:
     """The attention core that runs: fused, eager, or math (SDPA's fallback, fused attention with
     dropout on CPU)."""
-    w = _Widths(resid=0, comp=0, autocast=_autocast(training))
-    return _attention_core(spec, training.attention, _dropout(spec, training), w).kernel
+    w = Widths(resid=0, comp=0, autocast=runs_autocast(training))
+    return attention_core(spec, training.attention, dropout_of(spec, training), w).kernel
 
 
 def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
@@ -626,7 +683,7 @@ def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: i
     # to_accumulated_grad_if_needed); the profile counts the 16-bit one.
     fp32_head_grad = (titan and training.engine == Engine.FSDP2
                       and training.precision in (Precision.BF16, Precision.FP16))
-    rest = (training.attention, _autocast(training), act_bytes, _dropout(spec, training), program.loss, program.loss_chunks,
+    rest = (training.attention, runs_autocast(training), act_bytes, dropout_of(spec, training), program.loss, program.loss_chunks,
             "torchtitan" if titan else "torchtune", fp32_head_grad)
     acts = _checkpointed_bytes(args, training.checkpointing, training.checkpoint_every, rest)
     if program.activation_offload == ActivationOffload.CPU:
@@ -652,10 +709,10 @@ def _offloaded(acts: ActivationBytes, spec: TransformerSpec, training: TrainingS
     so the blocks and the final norm's input and rstd leave the device; the loss is outside the
     hooks and stays. Under full checkpointing what a block saves is its input. Tensors under 1024
     bytes (per-token scalars of fewer than 256 tokens) are counted as offloaded too."""
-    autocast = _autocast(training)
-    w = _Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
+    autocast = runs_autocast(training)
+    w = Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
     tokens = training.micro_batch * training.seq_len
-    final_norm_input = tokens * (_norm_saved_per_token(spec, w, 1) - w.comp * spec.hidden_size)
+    final_norm_input = tokens * (norm_saved_per_token(spec, w, 1) - w.comp * spec.hidden_size)
     int64_bytes = 8  # the token ids the embedding saves (the batch keeps the device copy)
     host = acts._saved_through(acts.num_blocks) + final_norm_input + tokens * int64_bytes
     # The forward stash (its 5 latest packs) still holds the final norm's saved tensors when the
@@ -665,7 +722,7 @@ def _offloaded(acts: ActivationBytes, spec: TransformerSpec, training: TrainingS
     in_flight = acts.saved_per_block
     if training.checkpointing not in (Checkpointing.FULL, Checkpointing.OP):
         in_flight = min(in_flight, tokens * _mlp_saved_per_token(spec, w))
-    return replace(acts, offloaded=True, host_bytes=host, saved_per_block=in_flight)
+    return replace(acts, offloaded=True, host_bytes=named("activations offloaded to the host", host), saved_per_block=in_flight)
 
 
 def _block_matmuls(spec: TransformerSpec) -> list[tuple[int, bool]]:
@@ -692,7 +749,7 @@ def _block_matmuls(spec: TransformerSpec) -> list[tuple[int, bool]]:
     return attention + mlp
 
 
-def _op_saved_per_token(spec: TransformerSpec, attention: Attention, seq_len: int, w: _Widths) -> int:
+def _op_saved_per_token(spec: TransformerSpec, attention: Attention, seq_len: int, w: Widths) -> int:
     """What torchtitan's per-op policy saves of a block besides its input (torchtitan 0.3.0
     distributed/activation_checkpoint.py `SelectiveAC`): the outputs of the ops in its save list
     (torch's compute_intensive_ops: mm, addmm, bmm, the SDPA kernels), except every second mm or
@@ -715,7 +772,7 @@ def _op_saved_per_token(spec: TransformerSpec, attention: Attention, seq_len: in
     return w.comp * saved + core
 
 
-def _loss_terms(spec: TransformerSpec, micro_batch: int, seq_len: int, loss: Loss, chunks: int, w: _Widths,
+def _loss_terms(spec: TransformerSpec, micro_batch: int, seq_len: int, loss: Loss, chunks: int, w: Widths,
                 act_bytes: int, head_cast: int, chunking: str, fp32_head_grad: bool) -> dict[str, int]:
     """The ActivationBytes terms of the output projection and the loss (docs/engines/activations.md,
     "Losses"), and what the final norm's saved tensors change by (`final_norm`)."""
@@ -802,18 +859,18 @@ def _loss_terms(spec: TransformerSpec, micro_batch: int, seq_len: int, loss: Los
 
 @memo(maxsize=4096)  # the same for every stage, offload and GPU count: warm plans take 16-22% longer without it
 def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, checkpointing: Checkpointing,
-                      attention: Attention, autocast: bool, act_bytes: int, dropout: _Dropout, loss: Loss = Loss.STANDARD,
+                      attention: Attention, autocast: bool, act_bytes: int, dropout: Dropout, loss: Loss = Loss.STANDARD,
                       loss_chunks: int = 1, chunking: str = "torchtune", fp32_head_grad: bool = False) -> ActivationBytes:
-    w = _Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
-    core = _attention_core(spec, attention, dropout, w)
+    w = Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
+    core = attention_core(spec, attention, dropout, w)
     tokens = micro_batch * seq_len
     h = spec.hidden_size
-    attn_reads, mlp_reads = _input_projections(spec)
+    attn_reads, mlp_reads = input_projections(spec)
     block_casts, head_cast = _weight_casts(spec, w)
     block_per_token = (
-        _norm_saved_per_token(spec, w, attn_reads)
-        + _attention_saved_per_token(spec, core, checkpointing, seq_len, w)
-        + _norm_saved_per_token(spec, w, mlp_reads)
+        norm_saved_per_token(spec, w, attn_reads)
+        + attention_saved_per_token(spec, core, checkpointing, seq_len, w)
+        + norm_saved_per_token(spec, w, mlp_reads)
         + _mlp_saved_per_token(spec, w)
         + _residual_masks_per_token(spec, dropout, w)
         + _family_saved_per_token(spec, core, checkpointing, seq_len, w, attn_reads, mlp_reads)
@@ -834,7 +891,7 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         # and rebuilds the block's saved tensors in its backward, except the input when the first
         # norm saves that very tensor (LayerNorm; RMSNorm on an fp32 input, whose .float() is a no-op).
         saved_block = tokens * w.resid * h
-        shared = saved_block if _norm_saves_block_input(spec, w) else 0
+        shared = saved_block if norm_saves_block_input(spec, w) else 0
         recompute = full_block - shared
         attention_saved += saved_block
         if checkpointing == Checkpointing.OP:
@@ -871,10 +928,10 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
     if loss == Loss.STANDARD:  # the model's own forward soft-caps its logits (Gemma 2)
         head["loss_saved"] += tokens * families.final_softcap_per_token(spec, act_bytes)
     # The final norm keeps what a block's norm keeps, its output read by lm_head alone.
-    final_norm = (tokens * _norm_saved_per_token(spec, w, 1) + head_cast + head.pop("final_norm")
+    final_norm = (tokens * norm_saved_per_token(spec, w, 1) + head_cast + head.pop("final_norm")
                   + families.offset_weights_bytes(spec, final=True))
     head["loss_transient"] += forward_casts
-    return ActivationBytes(
+    terms = dict(
         saved_per_block=saved_block,
         recompute_block=recompute,
         block_backward_transient=tokens * _block_backward_transient_per_token(spec, w),
@@ -883,8 +940,8 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         block_input_grad_bytes=tokens * w.resid * h,
         embedding=embedding,
         final_norm=final_norm,
-        num_blocks=spec.num_layers,
         attention_backward_saved=attention_saved,
         attention_backward_temporary=attention_temporary,
         **head,
     )
+    return ActivationBytes(num_blocks=spec.num_layers, **{field: named(TERMS[field], value) for field, value in terms.items()})

@@ -31,9 +31,9 @@ fields at their defaults, so the Llama, GPT-2 and Mixtral terms are untouched.
 
 from __future__ import annotations
 
+from zeroplan.estimate.dtypes import FP32_BYTES
 from zeroplan.spec.model import TransformerSpec
 
-FP32_BYTES = 4
 
 
 def _rmsnorm_saved(spec: TransformerSpec, width: int, rows: int, input_bytes: int) -> int:

@@ -10,8 +10,10 @@ a fresh one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import Any, TypeVar
+
+from zeroplan.estimate.terms import naming_on
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -19,12 +21,20 @@ _REGISTERED: list[Any] = []  # lru_cache wrappers
 
 
 def memo(maxsize: int | None) -> Callable[[F], F]:
-    """functools.lru_cache(maxsize), registered for `clear_all`."""
+    """functools.lru_cache(maxsize), registered for `clear_all`, with the naming mode in the key
+    (estimate/terms.py: a result computed with named terms is not the planner's int, nor the reverse)."""
 
     def decorate(function: F) -> F:
-        cached = lru_cache(maxsize=maxsize)(function)
+        cached = lru_cache(maxsize=maxsize)(lambda naming, *args, **kwargs: function(*args, **kwargs))
         _REGISTERED.append(cached)
-        return cached  # type: ignore[return-value]
+
+        @wraps(function)
+        def keyed(*args: Any, **kwargs: Any) -> Any:
+            return cached(naming_on(), *args, **kwargs)
+
+        keyed.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        keyed.cache_info = cached.cache_info  # type: ignore[attr-defined]
+        return keyed  # type: ignore[return-value]
 
     return decorate
 

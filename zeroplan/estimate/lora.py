@@ -22,11 +22,18 @@ from typing import NamedTuple
 
 from zeroplan.errors import FieldError, SpecError
 from zeroplan.estimate.caches import memo
+from zeroplan.estimate.dtypes import FP32_BYTES
+from zeroplan.estimate.engines.rules import param_element_bytes
 from zeroplan.estimate.layout import ParamTensor, param_layout
 from zeroplan.spec.lora import LoraSpec, QuantSpec
+from zeroplan.estimate.terms import named, register
 from zeroplan.spec.model import TransformerSpec
 
-FP32_BYTES = 4
+register({
+    "frozen base as stored (bitsandbytes)": "bitsandbytes nn/modules.py Params4bit, Int8Params (docs/engines/lora.md, "
+                                            "The base's storage)",
+    "frozen base at the engine's element size": "estimate/lora.py base_params_delta (taken off the engine's parameters)",
+})
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "uint8": 1}
 DOUBLE_QUANT_BLOCK = 256  # functional.py quantize_4bit: quantize_blockwise(_absmax - offset, blocksize=256)
 FOUR_BIT_CODE_VALUES = 16  # functional.py get_4bit_type: the nf4 / fp4 code
@@ -417,7 +424,7 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
     own_copy = autocast or lora.dropout > 0 or adapter_element != comp
     copy_element = comp if autocast else adapter_element
     delta = 0
-    # what the base linears kept of their inputs (activations.py `_norm_saved_per_token`, `_mlp_saved_per_token`)
+    # what the base linears kept of their inputs (activations.py `norm_saved_per_token`, `_mlp_saved_per_token`)
     readers = {"attn": attn_reads, "mlp": mlp_reads}
     for side, reads in readers.items():
         inputs = [linear for linear in block if linear.module.startswith(f"{side}.") and linear.in_features == h
@@ -468,7 +475,7 @@ def _layer_norm_narrowing(spec: TransformerSpec, quant: QuantSpec | None, autoca
 
 def _normalized_bytes(spec: TransformerSpec, autocast: bool, comp: int) -> int:
     """Per token, the RMSNorm's normalized tensor its weight multiply keeps (activations.py
-    `_norm_saved_per_token`: fp32 for the families that multiply before the cast)."""
+    `norm_saved_per_token`: fp32 for the families that multiply before the cast)."""
     resid = FP32_BYTES if autocast else comp
     return (FP32_BYTES if spec.norm_weight_in_fp32 else resid) * spec.hidden_size
 
@@ -584,18 +591,18 @@ def kbit_activation_bytes(training, comp: int) -> int:
     without autocast, whose model is built in the compute dtype (measure/programs/peft_model.py
     `base_dtype`, as `from_pretrained(dtype=...)` loads it) and runs in it: bitsandbytes returns its
     layers' outputs in their input's dtype (autograd/_functions.py `MatMul4Bit`, `MatMul8bitFp`)."""
-    from zeroplan.estimate.activations import _autocast
+    from zeroplan.estimate.activations import runs_autocast
 
     quant = training.quant
     if (quant is None or not quant.base_precision.is_quantized or quant.upcast_non_quantized
-            or training.engine.value != "torch" or _autocast(training)):
+            or training.engine.value != "torch" or runs_autocast(training)):
         return comp
     return DTYPE_BYTES[quant.compute_dtype]
 
 
 def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     """`acts` with what the adapted blocks keep instead of what whole blocks keep (docs/engines/lora.md)."""
-    from zeroplan.estimate.activations import _autocast, _input_projections, attention_kernel
+    from zeroplan.estimate.activations import runs_autocast, input_projections, attention_kernel
     from zeroplan.estimate.lora_experts import merged_weight_bytes
     from zeroplan.estimate.lora_int8 import int8_inputs, with_int8_inputs
     from zeroplan.estimate.lora_recompute import recompute_dtypes, recompute_moment_bytes, with_recompute_moment
@@ -604,12 +611,12 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     from zeroplan.spec.program import Loss, Recipe
 
     lora, quant = training.lora, training.quant
-    autocast = _autocast(training)
+    autocast = runs_autocast(training)
     adapter_element = adapter_element_bytes(training.engine.value, training.precision.value, comp,
                                             training.recipe.value)
     if adapters_stay_fp32(training):  # the Trainer's adapters under ZeRO-3 (estimate/lora_trainer.py)
         adapter_element = FP32_BYTES
-    attn_reads, mlp_reads = _input_projections(spec)
+    attn_reads, mlp_reads = input_projections(spec)
     cuda = training.device.value == "cuda"
     extra = adapter_activations(spec, lora, autocast, comp, adapter_element, cuda, attn_reads, mlp_reads)
     program = training.program
@@ -688,15 +695,6 @@ def with_dequantized_weight(acts, spec: TransformerSpec, quant: QuantSpec | None
     return replace(acts, block_forward_transient=forward, block_backward_transient=backward)
 
 
-def _engine_param_element(engine: str, precision: str, param: int) -> int:
-    """The element size the engine profile gives every parameter it holds (engines/*.py)."""
-    if engine in ("torch", "fsdp2"):
-        return 2 if precision == "pure-bf16" else FP32_BYTES
-    if engine == "deepspeed":
-        return FP32_BYTES if precision == "fp32" else 2
-    return param
-
-
 def _sharded(training) -> bool:
     return training.engine.value == "fsdp2" or (training.engine.value in ("deepspeed", "paper") and training.zero_stage == 3)
 
@@ -745,31 +743,34 @@ def packed_layout(spec: TransformerSpec, layout: LoraLayout, packed: PackedStora
                            runs=tuple((storage(tensors), count) for tensors, count in layout.runs))
 
 
-def base_params_delta(spec: TransformerSpec, training, param: int) -> int:
+def base_params_delta(spec: TransformerSpec, training, param: int, shard_ranks: int) -> int:
     """Bytes per rank the base really takes minus what the engine profile counted for it (every
     parameter in the engine's dtype; a 4-bit weight under a sharding engine as its packed storage,
     `packed_layout`): zero without `quant`."""
     quant = training.quant
     if quant is None or training.offload_params.value != "none":
         return 0
-    element = _engine_param_element(training.engine.value, training.precision.value, param)
-    n = training.gpus if _sharded(training) else 1
+    element = param_element_bytes(training.engine.value, training.precision.value, param)
+    n = shard_ranks if _sharded(training) else 1
     packed = packed_storage(training)
-    delta = 0
+    stored = counted = 0
     for t in base_tensors(spec, quant):
         if packed is not None and t.packed:
             # the shards of the packed storage, and the QuantState whole on every rank (Params4bit.__torch_function__)
-            stored = _ceil(packed_elements(t.numel, quant), n) * DTYPE_BYTES[quant.quant_storage] + quant_state_bytes(t.numel, quant)
-            delta += t.count * (stored - _ceil(_packed_units(t.numel, packed), n) * element)
+            stored += t.count * (_ceil(packed_elements(t.numel, quant), n) * DTYPE_BYTES[quant.quant_storage]
+                                 + quant_state_bytes(t.numel, quant))
+            counted += t.count * _ceil(_packed_units(t.numel, packed), n) * element
         else:
-            delta += t.count * (_ceil(t.stored_bytes, n) - _ceil(t.numel, n) * element)
-    return delta
+            stored += t.count * _ceil(t.stored_bytes, n)
+            counted += t.count * _ceil(t.numel, n) * element
+    # the base as stored replaces the engine's count of it (the fold takes that off the engine's parameters)
+    return named("frozen base as stored (bitsandbytes)", stored) - named("frozen base at the engine's element size", counted)
 
 
-def adapter_param_bytes(facts, training, param: int, steady: bool) -> int:
+def adapter_param_bytes(facts, training, param: int, steady: bool, shard_ranks: int) -> int:
     """The trained tensors' share of the params category per rank (engines/*.py: the engine's dtype,
     sharded as the engine shards; ZeRO-3 keeps tensors under the persistence threshold whole once traced)."""
-    element = _engine_param_element(training.engine.value, training.precision.value, param)
+    element = param_element_bytes(training.engine.value, training.precision.value, param)
     tensors = [(t.numel, g.count) for g in facts.groups for t in g.trainable_tensors]
     copy_element = saved_copy_element(training)
     if copy_element is not None:  # the torch engine: modules_to_save copies in the base's dtype
@@ -777,7 +778,7 @@ def adapter_param_bytes(facts, training, param: int, steady: bool) -> int:
                    for g in facts.groups for t in g.trainable_tensors)
     if not _sharded(training):
         return element * sum(numel * count for numel, count in tensors)
-    n = training.gpus
+    n = shard_ranks
     threshold = training.deepspeed.stage3_param_persistence_threshold if training.engine.value == "deepspeed" else 0
     whole = sum(numel * count for numel, count in tensors if numel <= threshold) if steady else 0
     return element * (sum(_ceil(numel, n) * count for numel, count in tensors) + whole)
@@ -798,7 +799,7 @@ def saved_copy_element(training) -> int | None:
     if quant is None or training.engine.value != "torch" or not training.lora.modules_to_save:
         return None
     element = unquantized_element_bytes(quant)
-    return None if element == _engine_param_element("torch", training.precision.value, 0) else element
+    return None if element == param_element_bytes("torch", training.precision.value, 0) else element
 
 
 def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:

@@ -9,9 +9,15 @@ from typing import NamedTuple
 
 from zeroplan.estimate.dtypes import optimizer_state_bytes
 from zeroplan.estimate.engines.common import step_temporary_bytes
-from zeroplan.estimate.engines.torch_ddp import _largest_local_shard
-from zeroplan.estimate.lora import _engine_param_element, is_saved_copy
+from zeroplan.estimate.engines.torch_ddp import largest_local_shard
+from zeroplan.estimate.engines.rules import param_element_bytes
+from zeroplan.estimate.lora import is_saved_copy
 from zeroplan.estimate.result import Phase
+from zeroplan.estimate.terms import named, register
+
+register({f"modules_to_save copies in the base's dtype ({part})": "peft utils/other.py ModulesToSaveWrapper (a deep copy "
+          "in the base's dtype, counted against the torch engine's element size: estimate/lora_saved.py)"
+          for part in ("parameters", "DDP buckets", "gradients", "optimizer states", "step temporaries")})
 
 
 class SavedCopyBytes(NamedTuple):
@@ -28,10 +34,10 @@ class SavedCopyBytes(NamedTuple):
 
 def saved_copy_bytes(facts, training, setup, element: int) -> SavedCopyBytes:
     """The corrections `SavedCopyBytes` names, for copies of `element` bytes against the engine's."""
-    engine_element = _engine_param_element("torch", training.precision.value, 0)
+    engine_element = param_element_bytes("torch", training.precision.value, 0)
     copies = [t.numel * g.count for g in facts.groups for t in g.trainable_tensors if is_saved_copy(t)]
     head = sum(t.numel for g in facts.groups if g.role == "final" for t in g.trainable_tensors if is_saved_copy(t))
-    local = list(_largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1))
+    local = list(largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1))
     local_copies = [numel for numel in copies if numel in local]
     narrower = element - engine_element
     optimizer, impl = setup.optimizer, setup.program.optimizer_impl
@@ -43,8 +49,13 @@ def saved_copy_bytes(facts, training, setup, element: int) -> SavedCopyBytes:
                    - step_temporary_bytes(max(local, default=0), sum(local), engine_element, optimizer, impl))
     states = sum(optimizer_state_bytes(numel, optimizer, element) - optimizer_state_bytes(numel, optimizer, engine_element)
                  for numel in local_copies)
-    return SavedCopyBytes(sum(copies) * narrower, sum(copies) * narrower if setup.program.ddp else 0,
-                          sum(copies) * narrower, head * narrower, states, temporaries)
+    def copy(name: str, value: int) -> int:
+        return named(f"modules_to_save copies in the base's dtype ({name})", value)
+
+    return SavedCopyBytes(copy("parameters", sum(copies) * narrower),
+                          copy("DDP buckets", sum(copies) * narrower if setup.program.ddp else 0),
+                          copy("gradients", sum(copies) * narrower), copy("gradients", head * narrower),
+                          copy("optimizer states", states), copy("step temporaries", temporaries))
 
 
 def with_saved_copies(categories, phase, copy: SavedCopyBytes, full_grads: int):

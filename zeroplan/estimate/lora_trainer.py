@@ -24,8 +24,11 @@ and the adapters already are.
 
 from __future__ import annotations
 
-FP32_BYTES = 4
-HALF_BYTES = 2  # bf16 and fp16, what DeepSpeed's profile gives every parameter (estimate/lora.py `_engine_param_element`)
+from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES  # HALF_BYTES: DeepSpeed's 16-bit parameters (engines/rules.py)
+from zeroplan.estimate.terms import named, register
+
+register({"adapters kept fp32 (bytes beyond 16-bit)": "peft get_peft_model autocast_adapter_dtype; deepspeed "
+                                                     "runtime/engine.py _cast_module_mixed_precision (estimate/lora_trainer.py)"})
 
 
 def adapters_stay_fp32(training) -> bool:
@@ -43,4 +46,4 @@ def adapter_params_delta(held_16bit_bytes: int, training) -> int:
     tensors, held as DeepSpeed holds them (`held_16bit_bytes`: estimate/lora.py `adapter_param_bytes`)."""
     if not adapters_stay_fp32(training):
         return 0
-    return held_16bit_bytes * (FP32_BYTES - HALF_BYTES) // HALF_BYTES
+    return named("adapters kept fp32 (bytes beyond 16-bit)", held_16bit_bytes * (FP32_BYTES - HALF_BYTES) // HALF_BYTES)

@@ -17,11 +17,10 @@ An all-ones mesh is today's estimate, unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
-from zeroplan.estimate import IMPLEMENTATION, _engine_profile, estimate
 from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, activation_bytes
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import state_bytes
@@ -29,55 +28,31 @@ from zeroplan.estimate.engines.common import Setup, ceil_div, setup_of
 from zeroplan.estimate.engines.deepspeed_mesh import autotp_facts, autotp_training
 from zeroplan.estimate.facts import ModelFacts, ModuleGroup, model_facts
 from zeroplan.estimate.layout import ParamTensor, param_layout
+from zeroplan.estimate.ledger import fold
 from zeroplan.estimate.mesh_ep import (backward_transient_delta, first_block_gradient, placed_experts, recompute_end_transient,
                                       saved_per_block_delta)
 from zeroplan.estimate.overhead import overhead_bytes
-from zeroplan.estimate.result import CategoryBytes, Estimate, ModelSummary, Phase, PhaseBytes
+from zeroplan.estimate.result import (CategoryBytes, Estimate, MeshEstimate, ModelSummary, Phase, PhaseBytes, RankEstimate,
+                                      RankKind)
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.program import GradSync
 from zeroplan.spec.training import Checkpointing, Engine, TrainingSpec
+from zeroplan.estimate.terms import named, naming, register
+
+register({
+    "zero bubble: output gradients kept from I to W": "torch/distributed/pipelining/_backward.py stage_backward_input "
+                                                      "(docs/engines/mesh.md)",
+    "pipeline sends pending": "torch/distributed/pipelining/schedules.py _step_microbatches (sends waited at the step's end)",
+    "pipeline receive buffers": "torch/distributed/pipelining/stage.py _prepare_forward_infra, _create_grad_recv_info",
+    "Ulysses all-to-all buffers": "deepspeed/sequence/layer.py _SeqAllToAll",
+})
 
 # Tensor-parallel plans (torchtitan v0.2.2 models/llama3/infra/parallelize.py `apply_tp`; 0.3.0
 # models/common/decoder_sharding.py): layer names, by how their weight is cut over tp.
 _COLWISE = ("q_proj", "k_proj", "v_proj", "qkv_proj", "c_attn", "gate_proj", "up_proj", "gate_up_proj", "c_fc",
             "fc_in", "lm_head", "experts")
 _ROWWISE = ("o_proj", "c_proj", "down_proj", "fc_out", "embed_tokens")
-
-
-class RankKind(NamedTuple):
-    """Ranks that hold the same things: one pipeline rank's stages and what flows through them."""
-
-    pp_rank: int  # 0 .. pp - 1
-    stages: tuple[int, ...]  # the pipeline stages this rank runs (several under looped schedules)
-    layers: int  # transformer blocks it holds
-    embedding: bool  # holds the token embedding (stage 0)
-    head: bool  # holds the final norm and the output head, and computes the loss (the last stage)
-    in_flight: int  # micro-batches whose activations its schedule keeps at once (stage-sized chunks)
-
-    @property
-    def label(self) -> str:
-        parts = ["embedding"] * self.embedding + [f"{self.layers} layers"] + ["head, loss"] * self.head
-        return f"pp rank {self.pp_rank} ({', '.join(parts)})"
-
-
-class RankEstimate(NamedTuple):
-    kind: RankKind
-    ranks: int  # GPUs of this kind in the world
-    params: int  # parameters the rank holds before data-parallel sharding (its stage, cut by tp and ep)
-    estimate: Estimate
-
-
-@dataclass(frozen=True)
-class MeshEstimate:
-    """Every distinct rank kind's estimate; `worst` is the one with the highest peak."""
-
-    mesh: MeshSpec
-    ranks: tuple[RankEstimate, ...]
-
-    @cached_property
-    def worst(self) -> RankEstimate:
-        return max(self.ranks, key=lambda rank: rank.estimate.peak_bytes)
 
 
 def stage_layers(num_layers: int, stages: int) -> list[int]:
@@ -218,23 +193,38 @@ def _sequence_parallel_saving(model: TransformerSpec, training: TrainingSpec, to
     return tokens * per_token * (tp - 1) // tp
 
 
-def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankKind, act_bytes: int) -> ActivationBytes:
-    mesh = training.mesh
-    local_seq = training.seq_len // mesh.cp
-    local = _local_training(training, local_seq)
-    acts = activation_bytes(_local_view(model, mesh, kind), local, act_bytes)
-    tokens = training.micro_batch * local_seq
-    changes: dict[str, int] = {}
-    checkpointed = training.checkpointing in (Checkpointing.FULL, Checkpointing.OP)
-    if mesh.tp > 1 and mesh.sequence_parallel:
-        saved = acts.saved_per_block - _sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed)
-        changes.update(saved_per_block=saved, block_input_grad_bytes=acts.block_input_grad_bytes // mesh.tp)
-    if mesh.tp > 1 and mesh.sequence_parallel and checkpointed:
+def _sequence_parallel_changes(model: TransformerSpec, training: TrainingSpec, acts: ActivationBytes, tokens: int,
+                               act_bytes: int, checkpointed: bool) -> dict[str, int]:
+    """What sequence parallelism changes in one kind of block (`checkpointed`: it keeps its input alone)."""
+    saved = acts.saved_per_block - _sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed)
+    changes = dict(saved_per_block=saved, block_input_grad_bytes=acts.block_input_grad_bytes // training.mesh.tp)
+    if checkpointed:
         from zeroplan.estimate.mesh_tp_checkpoint import checkpointed_under_sequence_parallel
 
         # the norms' own tensors, as a block without checkpointing keeps them, for the recomputation's
         norms_cut = _sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed=False)
         changes.update(checkpointed_under_sequence_parallel(model, training, acts, tokens, act_bytes, norms_cut))
+    return changes
+
+
+def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankKind, act_bytes: int,
+                     adapted: Callable[[ActivationBytes, TransformerSpec, TrainingSpec], ActivationBytes] | None = None
+                     ) -> ActivationBytes:
+    """One micro-batch of the rank's tokens through its blocks, heads and MLP cut by tp; `adapted` (LoRA's,
+    estimate/lora.py) changes them as the adapters do, before the mesh's own changes."""
+    mesh = training.mesh
+    local_seq = training.seq_len // mesh.cp
+    local = _local_training(training, local_seq)
+    view = _local_view(model, mesh, kind)
+    acts = activation_bytes(view, local, act_bytes)
+    if adapted is not None:
+        acts = adapted(acts, view, local)
+    tokens = training.micro_batch * local_seq
+    changes: dict[str, int] = {}
+    # under checkpoint_every N the blocks N, 2N, ... are acts.checkpointed's and the others keep everything
+    checkpointed = training.checkpointing in (Checkpointing.FULL, Checkpointing.OP) and not acts.checkpoint_every
+    if mesh.tp > 1 and mesh.sequence_parallel:
+        changes.update(_sequence_parallel_changes(model, training, acts, tokens, act_bytes, checkpointed))
     if mesh.tp > 1 and mesh.sequence_parallel and kind.head:
         # the final norm is SequenceParallel too (torchtitan apply_tp "norm"): its input, normalised output
         # and rstd are cut over tp; its output, all-gathered for the head, is not
@@ -260,6 +250,10 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         changes.update(saved_per_block=0, recompute_block=0, block_backward_transient=0, block_backward_freed=0,
                        block_forward_transient=0)
     acts = acts.replaced(**changes) if changes else acts
+    if mesh.tp > 1 and mesh.sequence_parallel and acts.checkpointed is not None:
+        every = acts.checkpointed
+        acts = replace(acts, checkpointed=every.replaced(**_sequence_parallel_changes(model, training, every, tokens,
+                                                                                       act_bytes, checkpointed=True)))
     if mesh.cp > 1 and kind.layers and training.engine != Engine.DEEPSPEED:
         from zeroplan.estimate.mesh_cp import core_saved_bytes, with_ring_attention
 
@@ -304,7 +298,7 @@ def _weight_op_output_width(model: TransformerSpec, mesh: MeshSpec) -> int:
     return q_width + 2 * kv_width + h + mlp_inputs * model.intermediate_size // tp + h + 2 * h
 
 
-def _looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, facts: ModelFacts,
+def looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, facts: ModelFacts,
                             acts: ActivationBytes, phases: tuple[PhaseBytes, ...], act_bytes: int,
                             micro_batches: int, bounded: tuple[RankKind, ...] = ()) -> tuple[tuple[PhaseBytes, ...], int] | None:
     """The profile's forward and backward phases raised (or lowered) to the peak found by walking the
@@ -369,10 +363,11 @@ class _ChunkMaker:
             saved=counts[stage] * acts.saved_per_block + (acts.embedding if stage == 0 else 0)
             + (acts.final_norm + acts.loss_saved if stage == last else 0),
             # stage 0 skips its I and runs a full backward at W (stage.py `backward_one_chunk`): it keeps nothing from I to W
-            weight_grad_inputs=zero_bubble * (stage != 0) * self.tokens * self.act_bytes
-            * (counts[stage] * _weight_op_output_width(model, mesh) + (head_width if stage == last else 0)),
-            sent=self.boundary if stage != last else 0,
-            sent_grad=self.boundary if stage != 0 else 0,
+            weight_grad_inputs=named("zero bubble: output gradients kept from I to W", zero_bubble * (stage != 0)
+                                     * self.tokens * self.act_bytes
+                                     * (counts[stage] * _weight_op_output_width(model, mesh) + (head_width if stage == last else 0))),
+            sent=named("pipeline sends pending", self.boundary if stage != last else 0),
+            sent_grad=named("pipeline sends pending", self.boundary if stage != 0 else 0),
             kept_output=acts.logits if stage == last else 0,
             grads=self.profiled_grads * params // self.total_params)
 
@@ -418,8 +413,8 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
     # ring attention's tensors (FSDP2) are moments of a block's attention core: rank_activations, estimate/mesh_cp.py
     if mesh.cp > 1 and kind.layers and training.engine.value == "deepspeed":
         # Ulysses (deepspeed/sequence/layer.py _SeqAllToAll): q, k, v and the output re-laid out by all-to-all
-        forward += tokens * (2 * q_width + 2 * kv_width) * act_bytes
-        backward += tokens * (2 * q_width + 2 * kv_width) * act_bytes
+        forward += named("Ulysses all-to-all buffers", tokens * (2 * q_width + 2 * kv_width) * act_bytes)
+        backward += named("Ulysses all-to-all buffers", tokens * (2 * q_width + 2 * kv_width) * act_bytes)
     if mesh.pp > 1:
         # torch/distributed/pipelining/stage.py `_prepare_forward_infra` / `_create_grad_recv_info`: a receive
         # buffer per micro-batch for the stage input (all but stage 0) and for its gradient (all but the last)
@@ -427,13 +422,13 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
         stage_count = len(kind.stages)
         receives = stage_count - (1 if kind.embedding else 0)
         grad_receives = stage_count - (1 if kind.head else 0)
-        steady += micro_batches * boundary * (receives + grad_receives)
+        steady += named("pipeline receive buffers", micro_batches * boundary * (receives + grad_receives))
     # EP's dispatch and combine outputs are activations, none in flight at the peaks (estimate/mesh_ep.py)
     return MeshBuffers(forward, backward, steady)
 
 
-def _with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers, overhead: int) -> tuple[PhaseBytes, ...]:
-    """`phases` with the mesh's buffers, and `overhead` in every phase (`estimate._with_overhead`, in the same pass)."""
+def with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers, overhead: int) -> tuple[PhaseBytes, ...]:
+    """`phases` with the mesh's buffers, and `overhead` in every phase."""
     extra = {Phase.FORWARD: buffers.forward + buffers.steady, Phase.BACKWARD: buffers.backward + buffers.steady,
              Phase.OPTIMIZER_STEP: buffers.steady}
     raised = []
@@ -450,13 +445,13 @@ def _with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers, overhead
 
 # every rank kind of one mesh estimate asks for the same one
 @memo(maxsize=64)
-def _rank_setup(training: TrainingSpec) -> tuple[Engine, Setup]:
+def rank_setup(training: TrainingSpec) -> tuple[Engine, Setup]:
     """The engine a rank of `training`'s mesh runs and its set-up (every rank kind's: read from `training` alone)."""
     mesh = training.mesh
     setup = setup_of(training)._replace(gpus=mesh.fsdp_degree(training.gpus),
                                         expert_gpus=mesh.expert_fsdp_degree(training.gpus) if mesh.ep > 1 else 0)
     engine = training.engine
-    if engine == Engine.FSDP2 and setup.gpus == 1:
+    if engine == Engine.FSDP2 and setup.gpus == 1:  # (a mesh rank's: plain data parallelism runs the engine asked for)
         # torchtitan applies fully_shard only when dp_shard > 1 or cp > 1 (distributed/parallel_dims.py
         # `fsdp_enabled`): a rank with nothing to shard steps its TP/PP-local parameters as one plain module
         engine, setup = Engine.TORCH, setup._replace(zero_stage=0, program=setup.program._replace(ddp=False))
@@ -472,123 +467,7 @@ def _rank_setup(training: TrainingSpec) -> tuple[Engine, Setup]:
     return engine, setup
 
 
-def _rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int) -> RankEstimate:
-    training, kind, facts, result, phases = _rank_phases(model, training, kind, micro_batches)
-    implementation = f"{IMPLEMENTATION}/{training.attention.value}"
-    whole = model_facts(model, training)
-    summary = ModelSummary(model.name, whole.total_params, whole.trainable_params, implementation)
-    rank = Estimate(summary, training.engine.value, phases, result.per_node, result.notes)
-    return RankEstimate(kind, training.gpus // training.mesh.pp, facts.total_params, rank)
-
-
-def _rank_phases(model: TransformerSpec, training: TrainingSpec, kind: RankKind, micro_batches: int,
-                 bounded: tuple[RankKind, ...] = ()):
-    """The training the rank runs, its kind (micro-batches in flight from its walk), facts, engine profile and
-    phases; with `bounded`, phases no lower than any of theirs (`middle_ranks_peak_bound`), or None."""
-    if training.engine == Engine.DEEPSPEED:  # AutoTP's plan is not torchtitan's (estimate/engines/deepspeed_mesh.py)
-        training = autotp_training(training)
-    mesh = training.mesh
-    dtypes = state_bytes(training.precision, training.optimizer)
-    # the profile reads the kind's ends, layers, stage count and (one stage per rank) micro-batches in flight only:
-    # the middle ranks of a looped schedule share it and differ in their walk alone
-    shape = kind._replace(pp_rank=0, stages=tuple(range(len(kind.stages))),
-                          in_flight=0 if mesh.pp_schedule.looped and mesh.pp > 1 else kind.in_flight)
-    facts, acts, engine, result = _rank_profile(model, training, shape)
-    if kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2 and engine == Engine.TORCH:
-        # without FSDP2 (_rank_profile) the rowwise embedding's Replicate gradient stays whole until
-        # zero_grad (estimate/tp_embedding.py)
-        from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
-
-        extra = replicated_embedding_grad_bytes(model, mesh, dtypes.grad)
-        result = result._replace(phases=with_replicated_embedding_grad(result.phases, extra, facts.trainable_params * dtypes.grad))
-    if mesh.pp > 1 and mesh.pp_schedule.looped:
-        looped = _looped_schedule_phases(model, training, kind, facts, acts, result.phases, dtypes.activation,
-                                         micro_batches, bounded)
-        if looped is None:
-            return None
-        result, kind = result._replace(phases=looped[0]), kind._replace(in_flight=looped[1])  # the walk's count at its peak
-    phases = _with_buffers(result.phases, mesh_buffers(model, training, kind, dtypes.activation, micro_batches),
-                           overhead_bytes(training))
-    return training, kind, facts, result, phases
-
-
-def middle_ranks_peak_bound(model: TransformerSpec, training: TrainingSpec, kinds: tuple[RankKind, ...]) -> int | None:
-    """A peak no rank of `kinds` is above, from one walk of the schedule for them all (`_envelope_walk`): `kinds`
-    are middle ranks (neither embedding nor head) of one ScheduleInterleaved1F1B mesh with the same layers and
-    stages, so that they share one engine profile and differ in their walks alone (`_rank_phases`). None where
-    that does not hold, or a chunk's bytes are negative (the envelope's argument needs them not to be)."""
-    mesh = training.mesh
-    if (mesh.pp < 2 or mesh.pp_schedule != PPSchedule.INTERLEAVED_1F1B or not kinds
-            or any(kind.embedding or kind.head or (kind.layers, len(kind.stages)) != (kinds[0].layers, len(kinds[0].stages))
-                   for kind in kinds)):
-        return None
-    found = _rank_phases(model, training, kinds[0], training.grad_accum, bounded=kinds)
-    return None if found is None else max(phase.total_bytes for phase in found[-1])
-
-
-def rank_params(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> int:
-    """`RankEstimate.params` of a rank of `kind`, without its profile (the planner's cost bound)."""
-    if training.engine == Engine.DEEPSPEED:
-        training = autotp_training(training)
-    return _held(model, training, kind).total_params
-
-
-def _held(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> ModelFacts:
-    """What a rank of `kind` holds (`training` as `_rank_phases` runs it)."""
+def held(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> ModelFacts:
+    """What a rank of `kind` holds (`training` as the pipeline runs it: DeepSpeed's AutoTP keeps the embedding whole)."""
     facts = rank_facts(model, training, kind)
     return autotp_facts(model, facts) if training.engine == Engine.DEEPSPEED else facts
-
-
-@memo(maxsize=64)
-def _rank_profile(model: TransformerSpec, training: TrainingSpec, kind: RankKind):
-    """What a rank of `kind` holds, the engine that runs it and the engine profile over it, before a looped
-    schedule's walk."""
-    dtypes = state_bytes(training.precision, training.optimizer)
-    facts = _held(model, training, kind)
-    acts = rank_activations(model, training, kind, dtypes.activation)
-    engine, setup = _rank_setup(training)
-    return facts, acts, engine, _engine_profile(engine)(facts, setup, acts)
-
-
-def estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
-    """Each distinct rank kind of `training.mesh`, estimated; an all-ones mesh is `estimate(model, training)`."""
-    mesh = training.mesh
-    if mesh.is_trivial:
-        kind = RankKind(0, (0,), getattr(model, "num_layers", 0), True, True, 1)
-        single = estimate(model, training)
-        return MeshEstimate(mesh, (RankEstimate(kind, training.gpus, single.model.params, single),))
-    check_mesh(model, training)
-    micro_batches = training.grad_accum if mesh.pp > 1 else 1
-    ranks = tuple(_rank_estimate(model, training, kind, micro_batches) for kind in rank_kinds(model, mesh, micro_batches))
-    return MeshEstimate(mesh, ranks)
-
-
-def estimate_mesh_within(model: ModelSpec, training: TrainingSpec, budget_bytes: int) -> MeshEstimate | None:
-    """`estimate_mesh(model, training)` if its worst rank fits `budget_bytes`, else None. The worst rank's peak
-    is the largest, so the first rank over the budget decides: the ends of the pipeline (the most micro-batches
-    in flight, the logits) are estimated first and the rest only when those fit."""
-    mesh = training.mesh
-    if mesh.is_trivial:
-        whole = estimate_mesh(model, training)
-        return whole if whole.worst.estimate.peak_bytes <= budget_bytes else None
-    check_mesh(model, training)
-    micro_batches = training.grad_accum if mesh.pp > 1 else 1
-    kinds = rank_kinds(model, mesh, micro_batches)
-    ends_first = [0, len(kinds) - 1] + list(range(1, len(kinds) - 1))
-    ranks: dict[int, RankEstimate] = {}
-    for index in ends_first:
-        if index not in ranks:
-            ranks[index] = _rank_estimate(model, training, kinds[index], micro_batches)
-            if ranks[index].estimate.peak_bytes > budget_bytes:
-                return None
-    return MeshEstimate(mesh, tuple(ranks[index] for index in range(len(kinds))))
-
-
-def rank_estimate(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> RankEstimate:
-    """One rank kind of a mesh `check_mesh` passed (the planner estimates only the kinds that can be the worst)."""
-    return _rank_estimate(model, training, kind, training.grad_accum if training.mesh.pp > 1 else 1)
-
-
-def worst_rank_estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
-    """The estimate of the rank with the highest peak: what decides whether a mesh fits (`zeroplan compare`)."""
-    return estimate_mesh(model, training).worst.estimate

@@ -52,14 +52,14 @@ def core_saved_bytes(local: TransformerSpec, training: TrainingSpec, tokens: int
     o_proj's input were freed by their backward before); `local` is the rank's view (heads / tp),
     `norm_cut` what sequence parallelism takes off one norm. Under full checkpointing they are the
     recomputed ones, beside the block input the checkpoint keeps (counted already)."""
-    from zeroplan.estimate import activations as a
+    import zeroplan.estimate.activations as a
 
-    w = a._Widths(resid=act_bytes, comp=act_bytes, autocast=False)  # torchtitan: no autocast (FSDP2 casts)
-    core = a._attention_core(local, training.attention, a._dropout(local, training), w)
-    attn_reads, _ = a._input_projections(local)
+    w = a.Widths(resid=act_bytes, comp=act_bytes, autocast=False)  # torchtitan: no autocast (FSDP2 casts)
+    core = a.attention_core(local, training.attention, a.dropout_of(local, training), w)
+    attn_reads, _ = a.input_projections(local)
     checkpointing = Checkpointing.NONE if training.checkpointing == Checkpointing.FULL else training.checkpointing
-    per_token = (a._norm_saved_per_token(local, w, attn_reads)
-                 + a._attention_saved_per_token(local, core, checkpointing, training.seq_len, w))
+    per_token = (a.norm_saved_per_token(local, w, attn_reads)
+                 + a.attention_saved_per_token(local, core, checkpointing, training.seq_len, w))
     return tokens * per_token - norm_cut
 
 

@@ -81,11 +81,11 @@ def saved_per_block_delta(model: TransformerSpec, mesh: MeshSpec, tokens: int, c
     the gate's intermediate tensors) moe_imbalance - 1 times over on the busiest rank."""
     if mesh.ep == 1 or model.moe is None:
         return 0
-    from zeroplan.estimate.moe import _gate_saved
+    from zeroplan.estimate.moe import gate_saved
 
     sent = tokens * _routed_pairs(model)
     received = round(sent * mesh.moe_imbalance)
-    per_received = comp * (model.hidden_size + _gate_saved(model) * model.moe.expert_intermediate_size)
+    per_received = comp * (model.hidden_size + gate_saved(model) * model.moe.expert_intermediate_size)
     return received * INT64_BYTES + (received - sent) * per_received
 
 
@@ -103,7 +103,7 @@ def recompute_end_transient(model: TransformerSpec, mesh: MeshSpec, tokens: int,
     """Beyond the recomputed block's saved tensors, live where full checkpointing's recomputation of a sparse
     block stops under EP: at the combine's last saved tensor (the un-permute index, torch/utils/checkpoint.py
     `_StopRecomputationError` once every saved tensor is rebuilt), the forward's locals are still alive
-    (measure/mesh_moe.py `ExpertParallelExperts.forward`: the down output and its un-permuted copy, R x h each,
+    (measure/engines/mesh_moe.py `ExpertParallelExperts.forward`: the down output and its un-permuted copy, R x h each,
     the weighted pairs S x h, the sort's values and the arange, S int64 each) and its callers' (the decoder layer's
     `residual`, tokens x h; Qwen3MoeSparseMoeBlock's discarded router logits, tokens x experts, and the 16-bit
     routing weights, tokens x k), beside the block output's gradient and the sum's expanded gradient made

@@ -11,7 +11,7 @@ sequence parallelism".
 
 from __future__ import annotations
 
-from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, _autocast, _norm_saves_block_input, _Widths
+from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, runs_autocast, norm_saves_block_input, Widths
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Checkpointing, TrainingSpec
 
@@ -19,11 +19,11 @@ from zeroplan.spec.training import Checkpointing, TrainingSpec
 def recomputed_norm_cut(model: TransformerSpec, training: TrainingSpec, tokens: int, act_bytes: int, norms_cut: int) -> int:
     """What sequence parallelism takes off one recomputed block: the two norms' saved tensors (`norms_cut`, the
     non-checkpointed cut of mesh.py `_sequence_parallel_saving`) but for the first norm's input when it is the kept
-    block input itself, which the checkpoint already holds cut (activations.py `_norm_saves_block_input`)."""
+    block input itself, which the checkpoint already holds cut (activations.py `norm_saves_block_input`)."""
     tp, h = training.mesh.tp, model.hidden_size
-    autocast = _autocast(training)
-    widths = _Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
-    shared = widths.resid * h if _norm_saves_block_input(model, widths) else 0
+    autocast = runs_autocast(training)
+    widths = Widths(resid=FP32_BYTES if autocast else act_bytes, comp=act_bytes, autocast=autocast)
+    shared = widths.resid * h if norm_saves_block_input(model, widths) else 0
     return norms_cut - tokens * shared * (tp - 1) // tp
 
 

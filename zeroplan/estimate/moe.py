@@ -11,13 +11,13 @@ tokens spread over the experts: a load imbalance changes no activation byte on o
 
 from __future__ import annotations
 
+from zeroplan.estimate.dtypes import FP32_BYTES
 from zeroplan.spec.model import TransformerSpec
 
-FP32_BYTES = 4
 INT64_BYTES = 8
 
 
-def _gate_saved(spec: TransformerSpec) -> int:
+def gate_saved(spec: TransformerSpec) -> int:
     """Intermediate-width tensors a routed expert's activation keeps per token-expert pair.
 
     Default gate (integrations/moe.py `_default_apply_gate`): the gate_up output (2i, kept through
@@ -51,7 +51,7 @@ def _pair_saved(spec: TransformerSpec, comp: int) -> int:
     weights' gather by perm, the un-permute by inv_perm); GPT-OSS's two bias gathers share a fourth."""
     h, inner = spec.hidden_size, spec.moe.expert_intermediate_size
     indices = 3 + (1 if spec.moe.expert_bias else 0)
-    return comp * (2 * h + _gate_saved(spec) * inner + 1) + INT64_BYTES * indices
+    return comp * (2 * h + gate_saved(spec) * inner + 1) + INT64_BYTES * indices
 
 
 def sparse_mlp_saved_per_token(spec: TransformerSpec, comp: int) -> int:
@@ -158,7 +158,7 @@ def mlp_forward_transient_per_token(spec: TransformerSpec, resid: int, comp: int
     moe = spec.moe
     pairs = 2 * moe.experts_per_token * comp * h
     if checkpointed:
-        pairs += moe.experts_per_token * comp * (h + _gate_saved(spec) * moe.expert_intermediate_size)
+        pairs += moe.experts_per_token * comp * (h + gate_saved(spec) * moe.expert_intermediate_size)
     return resid * h + comp * h + pairs
 
 

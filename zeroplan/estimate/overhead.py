@@ -12,10 +12,12 @@ c10/cuda/CUDACachingAllocator.cpp kMinBlockSize) is below 0.1% for these tensor 
 added; fragmentation (reserved beyond allocated) is reported by measure, not guessed here.
 """
 
+from zeroplan.estimate.terms import named, register
 from zeroplan.spec.training import Device, TrainingSpec
 
 CUDA_CONTEXT_BYTES = 512 * 2**20
+register({"CUDA context and communication buffers": "estimate/overhead.py (a stated 512 MiB, not measured)"})
 
 
 def overhead_bytes(training: TrainingSpec) -> int:
-    return CUDA_CONTEXT_BYTES if training.device == Device.CUDA else 0
+    return named("CUDA context and communication buffers", CUDA_CONTEXT_BYTES if training.device == Device.CUDA else 0)

@@ -118,6 +118,8 @@ class Estimate:
     per_node: NodeBytes
     notes: tuple[str, ...] = field(default=())
     param_parts: ParamParts | None = None  # with LoRA only: the peak's params as base + adapter bytes
+    # every phase's terms (estimate/ledger.py Moment, aligned with `phases`); None from the planner's fast fit
+    ledger: tuple | None = field(default=None, compare=False)
 
     @cached_property
     def peak(self) -> PhaseBytes:
@@ -131,3 +133,38 @@ class Estimate:
 
     def peak_of(self, step: Step) -> PhaseBytes:
         return max((p for p in self.phases if p.step == step), key=lambda p: p.total_bytes)
+
+
+class RankKind(NamedTuple):
+    """Ranks that hold the same things: one pipeline rank's stages and what flows through them."""
+
+    pp_rank: int  # 0 .. pp - 1
+    stages: tuple[int, ...]  # the pipeline stages this rank runs (several under looped schedules)
+    layers: int  # transformer blocks it holds
+    embedding: bool  # holds the token embedding (stage 0)
+    head: bool  # holds the final norm and the output head, and computes the loss (the last stage)
+    in_flight: int  # micro-batches whose activations its schedule keeps at once (stage-sized chunks)
+
+    @property
+    def label(self) -> str:
+        parts = ["embedding"] * self.embedding + [f"{self.layers} layers"] + ["head, loss"] * self.head
+        return f"pp rank {self.pp_rank} ({', '.join(parts)})"
+
+
+class RankEstimate(NamedTuple):
+    kind: RankKind
+    ranks: int  # GPUs of this kind in the world
+    params: int  # parameters the rank holds before data-parallel sharding (its stage, cut by tp and ep)
+    estimate: Estimate
+
+
+@dataclass(frozen=True)
+class MeshEstimate:
+    """Every distinct rank kind's estimate; `worst` is the one with the highest peak."""
+
+    mesh: "MeshSpec"  # spec/mesh.py
+    ranks: tuple[RankEstimate, ...]
+
+    @cached_property
+    def worst(self) -> RankEstimate:
+        return max(self.ranks, key=lambda rank: rank.estimate.peak_bytes)

@@ -13,7 +13,13 @@ All sizes are ints in bytes. Keys:
   `TrainingSpec.model_validate`;
 - `param_parts` (with LoRA only): the peak's params as `base` and `adapter` bytes;
 - `gpu_memory` and `fits` (peak <= gpu_memory) only when a GPU memory size was given;
-- `notes`.
+- `notes`;
+- `terms`: the named allocations live at the peak (estimate/ledger.py): name, category, bytes,
+  source, largest first; they add up to each category of `per_gpu` and to its `peak`;
+- `mesh`: the degrees (all 1 on plain data parallelism) and the data-parallel sharding they leave;
+- `ranks`: one entry per distinct rank kind (one without pipelining), each with its GPU count,
+  what it holds, its own `per_gpu`, `phases` and `terms`; `worst_rank` indexes the one whose
+  peak is highest, which the top-level figures describe.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from zeroplan.estimate.result import Estimate, NodeBytes, PhaseBytes
+from zeroplan.estimate.result import Estimate, MeshEstimate, NodeBytes, PhaseBytes, RankEstimate, RankKind
 from zeroplan.spec.optimizer_step import training_optimizer_step
 
 if TYPE_CHECKING:
@@ -46,10 +52,66 @@ def per_node_to_dict(node: NodeBytes) -> dict[str, int]:
     return {"cpu": node.cpu_bytes, "pinned": node.pinned_bytes, "nvme": node.nvme_bytes}
 
 
-def estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_bytes: int | None = None,
+def terms_to_list(estimate: Estimate) -> list[dict[str, Any]]:
+    """The terms live at the estimate's peak, largest first (empty without a ledger: the planner's fast fit)."""
+    if estimate.ledger is None:
+        return []
+    moment = estimate.ledger[estimate.phases.index(estimate.peak)]
+    ordered = sorted(moment.terms, key=lambda term: -term.bytes)
+    return [{"name": term.name, "category": term.category, "bytes": term.bytes, "source": term.source} for term in ordered]
+
+
+def mesh_to_dict(training: TrainingSpec) -> dict[str, Any]:
+    """The degrees, the schedule, and what data parallelism is left: dp_shard, and the FSDP/ZeRO sharding degrees."""
+    mesh, gpus = training.mesh, training.gpus
+    dumped = mesh.model_dump(mode="json")  # every knob, moe_imbalance's assumed 1.0 (balanced routing) included
+    return {**dumped, "dp_shard": mesh.dp_shard(gpus), "fsdp_degree": mesh.fsdp_degree(gpus),
+            "expert_fsdp_degree": mesh.expert_fsdp_degree(gpus)}
+
+
+def rank_to_dict(rank: RankEstimate, gpu_memory_bytes: int | None) -> dict[str, Any]:
+    """One rank kind: what it holds and its own per-GPU peak, phases and terms."""
+    data = {
+        "kind": rank.kind.label,
+        "pp_rank": rank.kind.pp_rank,
+        "stages": list(rank.kind.stages),
+        "layers": rank.kind.layers,
+        "embedding": rank.kind.embedding,
+        "head": rank.kind.head,
+        "micro_batches_in_flight": rank.kind.in_flight,
+        "ranks": rank.ranks,
+        "params": rank.params,
+        "per_gpu": per_gpu_to_dict(rank.estimate),
+        "phases": [phase_to_dict(phase) for phase in rank.estimate.phases],
+        "terms": terms_to_list(rank.estimate),
+    }
+    if gpu_memory_bytes is not None:
+        data["fits"] = data["per_gpu"]["peak"] <= gpu_memory_bytes
+    return data
+
+
+def single_rank(estimate: Estimate, training: TrainingSpec, layers: int) -> MeshEstimate:
+    """An estimate of plain data parallelism as the one rank kind of a mesh of ones."""
+    return MeshEstimate(training.mesh, (RankEstimate(RankKind(0, (0,), layers, True, True, 1), training.gpus,
+                                                     estimate.model.params, estimate),))
+
+
+def estimate_to_dict(result: MeshEstimate, training: TrainingSpec, gpu_memory_bytes: int | None = None,
                      notes: Iterable[str] = ()) -> dict[str, Any]:
-    """The JSON contract for one estimate of `training` (see the module docstring); `notes` are added to
-    the estimate's own (those of the --config file: what the run does that is not modelled)."""
+    """The JSON contract for one estimate of `training` (see the module docstring): the worst rank kind's
+    figures at the top level, every rank kind under `ranks`; `notes` are added to the estimate's own
+    (those of the --config file: what the run does that is not modelled)."""
+    worst = result.worst
+    data = _rank_estimate_to_dict(worst.estimate, training, gpu_memory_bytes, notes)
+    data["terms"] = terms_to_list(worst.estimate)
+    data["mesh"] = mesh_to_dict(training)
+    data["ranks"] = [rank_to_dict(rank, gpu_memory_bytes) for rank in result.ranks]
+    data["worst_rank"] = result.ranks.index(worst)
+    return data
+
+
+def _rank_estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memory_bytes: int | None,
+                           notes: Iterable[str]) -> dict[str, Any]:
     peak = estimate.peak
     excluded = {name for name in ("lora", "quant") if getattr(training, name) is None}
     config = training.model_dump(mode="json", exclude=excluded | ({"mesh"} if training.mesh.is_trivial else set()))

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from zeroplan.estimate.engines.common import ceil_div
 from zeroplan.estimate.result import PhaseBytes
+from zeroplan.estimate.terms import named, register
+
+register({"replicated embedding gradient (TP)": "torch/distributed/tensor/_ops (the rowwise embedding's backward takes "
+                                                "the all-Replicate strategy; docs/engines/mesh.md)"})
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.mesh import MeshSpec
 
@@ -24,7 +28,8 @@ def replicated_embedding_grad_bytes(model: TransformerSpec, mesh: MeshSpec, grad
     """What the whole gradient holds beyond the rank's vocabulary rows: (vocab - ceil(vocab / tp)) x hidden."""
     if mesh.tp == 1 or model.tie_word_embeddings:
         return 0  # a tied embedding's gradient meets the colwise head's: not this rule alone
-    return (model.vocab_size - ceil_div(model.vocab_size, mesh.tp)) * model.hidden_size * grad_bytes
+    return named("replicated embedding gradient (TP)",
+                 (model.vocab_size - ceil_div(model.vocab_size, mesh.tp)) * model.hidden_size * grad_bytes)
 
 
 def with_replicated_embedding_grad(phases: tuple[PhaseBytes, ...], extra_bytes: int,

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from zeroplan.estimate.result import TENSOR_CATEGORIES
-from zeroplan.measure.engines import ENGINE_CATEGORIES
+from zeroplan.measure.engines.common import ENGINE_CATEGORIES
 
 Classifier = Callable[[], dict[str, list[torch.Tensor]]]
 
@@ -71,6 +71,11 @@ def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 _ACTIVE: list["TensorAccounting"] = []  # the accountings entered, innermost last
+
+
+def active_accounting() -> "TensorAccounting | None":
+    """The innermost accounting entered (its dispatch mode), or None outside any."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 @contextlib.contextmanager

@@ -84,12 +84,13 @@ def _counted():
     it handles an op, so the DTensor handler below it runs unseen)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
-    from zeroplan.measure.accounting import _ACTIVE
+    from zeroplan.measure.accounting import active_accounting
 
-    if not _ACTIVE or any(mode is _ACTIVE[-1] for mode in _get_current_dispatch_mode_stack()):
+    accounting = active_accounting()
+    if accounting is None or any(mode is accounting for mode in _get_current_dispatch_mode_stack()):
         yield
         return
-    _push_mode(_ACTIVE[-1])
+    _push_mode(accounting)
     try:
         yield
     finally:

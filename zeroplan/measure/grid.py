@@ -328,7 +328,7 @@ def _grid() -> tuple[Row, ...]:
                             small_buckets=engine == "deepspeed"))  # buffers the size of the model, not of 5e8 elements
     rows.extend(mesh_rows())
     rows.extend(deepspeed_mesh_rows())
-    rows.extend(ep_rows(Row))  # expert parallelism (measure/mesh_moe.py)
+    rows.extend(ep_rows(Row))  # expert parallelism (measure/engines/mesh_moe.py)
     rows += _dense_family_rows()
     rows.extend(_lora_rows())
     return tuple(rows)
@@ -368,7 +368,7 @@ def missing_files(rows: Sequence[Row]) -> dict[Path, list[str]]:
 
 
 def mesh_rows() -> list[Row]:
-    """Tensor, sequence and pipeline parallelism with FSDP2 (issue 14, measure/mesh.py): torchtitan's
+    """Tensor, sequence and pipeline parallelism with FSDP2 (issue 14, measure/engines/mesh.py): torchtitan's
     loop with its standard loss, tiny-llama (2 KV heads: tp 2 at most), real gloo ranks and one
     simulated world. Context parallelism runs torch's ring attention with the CPU kernel added
     (measure/cp_cpu.py; docs/measure.md, "Context parallelism on CPU")."""
@@ -396,11 +396,13 @@ def mesh_rows() -> list[Row]:
             grad_accum=4, world=4, **titan),
         # a 16k vocabulary: the rowwise embedding's gradient arrives whole on each TP rank (estimate/tp_embedding.py)
         Row(_TINY_LLAMA_16K, "fsdp2", 3, "fp32", mesh=(("tp", 2),), **titan),
+        # every other block checkpointed under sequence parallelism: two kinds of block, each cut by SP as it keeps
+        Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", checkpointing="full", checkpoint_every=2, mesh=(("tp", 2),), **titan),
     ]
 
 
 def deepspeed_mesh_rows() -> list[Row]:
-    """DeepSpeed AutoTP (ZeRO 1-2) and Ulysses (issue 14, measure/deepspeed_mesh.py) on the Hugging Face
+    """DeepSpeed AutoTP (ZeRO 1-2) and Ulysses (issue 14, measure/engines/deepspeed_mesh.py) on the Hugging Face
     tiny-llama in zeroplan's loop, with small buckets so that the buckets are not one 5e8-element buffer."""
     tp2, ulysses2 = (("tp", 2),), (("cp", 2),)
     return [
@@ -486,6 +488,12 @@ def _lora_rows() -> list[Row]:
         rows.append(Row("tiny-llama", engine, stage, precision, checkpointing=ckpt, lora=lora, recipe="hf-trainer"))
     # adapted experts: peft's ParamWrapper merges each expert stack in every forward (estimate/lora_experts.py)
     rows.append(Row("qwen3moe-tiny", "torch", 0, "fp32", checkpointing="none", lora=LoraRow(4), world=1, ddp=False))
+    # HSDP: fully_shard over a 2-D (dp_replicate, dp_shard) mesh shards the PEFT model as it shards any other
+    hsdp = (("dp_replicate", 2),)
+    rows.append(Row("tiny-llama", "fsdp2", 3, "fp32", lora=LoraRow(8, "all-linear"), mesh=hsdp, world=4))
+    rows.append(Row("tiny-llama", "fsdp2", 2, "bf16", checkpointing="full", lora=LoraRow(8), mesh=hsdp, world=4))
+    rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", lora=LoraRow(8, base_precision="nf4", quant_storage="bf16"), mesh=hsdp,
+                    world=4, model_init="host"))
     return rows
 
 

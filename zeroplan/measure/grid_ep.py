@@ -1,4 +1,4 @@
-"""The expert-parallel rows of the accuracy grid (issue 14, measure/mesh_moe.py): qwen3moe-tiny
+"""The expert-parallel rows of the accuracy grid (issue 14, measure/engines/mesh_moe.py): qwen3moe-tiny
 (8 experts, top-2) in torchtitan's loop with its standard loss, on 2 and 4 real gloo ranks: ep alone
 (each expert unsharded within its efsdp group of one), ep 2 x efsdp 2, ep 4, and ep with full
 checkpointing in bf16. Each row's estimate takes the load imbalance its run measured
@@ -12,7 +12,7 @@ from typing import Any
 
 from zeroplan.spec.training import TrainingSpec
 
-IMBALANCE_NOTE = "moe imbalance measured: "  # measure/mesh_moe.py writes it, the busiest rank's received pairs over the mean
+IMBALANCE_NOTE = "moe imbalance measured: "  # measure/engines/mesh_moe.py writes it, the busiest rank's received pairs over the mean
 
 
 def ep_rows(Row: type) -> list[Any]:
@@ -28,7 +28,7 @@ def ep_rows(Row: type) -> list[Any]:
 
 
 def measured_imbalance(notes: Iterable[str]) -> float | None:
-    """The factor a run's note reports (measure/mesh_moe.py), or None."""
+    """The factor a run's note reports (measure/engines/mesh_moe.py), or None."""
     for note in notes:
         if note.startswith(IMBALANCE_NOTE):
             return float(note[len(IMBALANCE_NOTE):].split()[0])

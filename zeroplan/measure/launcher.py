@@ -164,7 +164,7 @@ def run_measurement(
         # an FSDP2 unit of its own the gloo workers of torch 2.13 crash (SIGSEGV) in it (docs/measure.md)
         raise MeasureError("fsdp2.units: measure runs torchtitan's chunked loss with the head in the root unit only "
                            "(fsdp2 units root); the estimate of units split is not measured on CPU")
-    refuse_unmeasurable(model, training, simulate)  # a mesh run measure/mesh.py cannot run
+    refuse_unmeasurable(model, training, simulate)  # a mesh run measure/engines/mesh.py cannot run
     refuse_unmeasurable_quant(training, simulate)  # a bitsandbytes base that could not be quantized
     if model.attention_softcap and training.attention.value == "fused":
         # transformers 5.23.0 Gemma2PreTrainedModel._supports_sdpa is False (docs/measure.md)

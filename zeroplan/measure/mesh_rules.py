@@ -1,11 +1,11 @@
 """What `zeroplan measure` runs on a device mesh, checked before any worker starts (no torch here).
 
-measure/mesh.py runs tensor parallelism (with sequence and loss parallelism), FSDP2 over the
+measure/engines/mesh.py runs tensor parallelism (with sequence and loss parallelism), FSDP2 over the
 data-parallel dimensions (HSDP with dp_replicate) and torch.distributed.pipelining stages on
 zeroplan's reference Llama model, in zeroplan's own loop. What it does not run is refused here,
 one line naming the field: context parallelism with pipelining, under --simulate or with eager
 attention (it runs torch's ring attention over SDPA with the CPU kernel added: measure/cp_cpu.py),
-expert parallelism beside other dimensions (ep alone runs in measure/mesh_moe.py), the Hugging Face
+expert parallelism beside other dimensions (ep alone runs in measure/engines/mesh_moe.py), the Hugging Face
 Trainer, engines other than fsdp2, offload, losses other than standard, learned positions.
 """
 
@@ -18,17 +18,25 @@ from zeroplan.spec.training import TrainingSpec
 MESH_RECIPES = ("torchtitan", "plain")  # zeroplan's loop; the Trainer owns its own and has no mesh
 
 
+def is_adapted_hsdp(training: TrainingSpec) -> bool:
+    """LoRA on HSDP alone: the FSDP2 engine runs it over a 2-D (dp_replicate, dp_shard) mesh with the Hugging Face
+    model and PEFT (engines/fsdp2_engine.py), not measure/engines/mesh.py, whose reference model has no adapters."""
+    mesh = training.mesh
+    return training.lora is not None and mesh.dp_replicate > 1 and (mesh.tp, mesh.cp, mesh.pp, mesh.ep) == (1, 1, 1, 1)
+
+
 def is_mesh_run(training: TrainingSpec) -> bool:
-    """Whether `training` cuts the GPUs beyond data-parallel sharding (spec/mesh.py)."""
-    return not training.mesh.is_trivial
+    """Whether measure/engines/mesh.py (or DeepSpeed's, or expert parallelism's runner) runs `training`: a mesh beyond
+    data-parallel sharding (spec/mesh.py), adapted HSDP aside."""
+    return not training.mesh.is_trivial and not is_adapted_hsdp(training)
 
 
 def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate: bool = False) -> None:
-    """Raise MeasureError for a mesh run that measure/mesh.py cannot run."""
+    """Raise MeasureError for a mesh run that measure/engines/mesh.py cannot run."""
     if not is_mesh_run(training):
         return
-    if training.engine.value == "deepspeed":  # AutoTP and Ulysses (measure/deepspeed_mesh.py)
-        from zeroplan.measure.deepspeed_mesh import refuse_unmeasurable as refuse_deepspeed
+    if training.engine.value == "deepspeed":  # AutoTP and Ulysses (measure/engines/deepspeed_mesh.py)
+        from zeroplan.measure.engines.deepspeed_mesh import refuse_unmeasurable as refuse_deepspeed
 
         return refuse_deepspeed(model, training)
     mesh = training.mesh
@@ -38,7 +46,7 @@ def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate
     if mesh.cp > 1:
         _refuse_context_parallel(training, simulate)
     if mesh.ep > 1 and (mesh.tp, mesh.cp, mesh.pp, mesh.dp_replicate) != (1, 1, 1, 1):
-        raise MeasureError("mesh.ep: expert parallelism is measured alone with FSDP2 (measure/mesh_moe.py); "
+        raise MeasureError("mesh.ep: expert parallelism is measured alone with FSDP2 (measure/engines/mesh_moe.py); "
                            "set tp, cp, pp and dp_replicate to 1")
     if mesh.ep > 1 and simulate:
         raise MeasureError("mesh.ep: expert parallelism does not run under --simulate (its all-to-all splits are "

@@ -312,7 +312,7 @@ class Report:
 def build_report(rows: Sequence[Row], records: dict[str, dict[str, Any]], reasons: dict[str, str], *,
                  backend: str, steps: int, command: str, wall_seconds: float | None = None) -> Report:
     """Estimate every row now and set it against its cached measurement."""
-    from zeroplan.estimate.mesh import estimate_mesh
+    from zeroplan.estimate import estimate_mesh
     from zeroplan.estimate.serialize import phase_to_dict
     from zeroplan.measure.grid_ep import with_measured_imbalance
 

@@ -67,9 +67,11 @@ def _inject_fault(rank: int) -> None:
 
 
 def _implementation(job: dict, training) -> str:
-    """The job's model implementation; a mesh run's is the reference model (measure/mesh.py says why)."""
+    """The job's model implementation; a mesh run's is the reference model (measure/engines/mesh.py says why)."""
     # expert parallelism runs the transformers MoE model; DeepSpeed's mesh runs the HF model
-    if not training.mesh.is_trivial and training.mesh.ep == 1 and training.engine.value != "deepspeed":
+    from zeroplan.measure.mesh_rules import is_mesh_run
+
+    if is_mesh_run(training) and training.mesh.ep == 1 and training.engine.value != "deepspeed":
         return "reference"
     return job.get("implementation", "auto")
 
@@ -80,7 +82,8 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
 
     from zeroplan.measure.accounting import TensorAccounting
     from zeroplan.measure.context import device_for, init_process_group, make_probe
-    from zeroplan.measure.engines import RunContext, build_runner, model_context, model_device, module_buffers
+    from zeroplan.measure.engines.common import RunContext, module_buffers
+    from zeroplan.measure.engines import build_runner, model_context, model_device
     from zeroplan.measure.programs.reproduction import REPRODUCED, reproduction_name
     from zeroplan.measure.result import RankResult
     from zeroplan.measure.workload import build_workload, make_batch

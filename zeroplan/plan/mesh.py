@@ -17,8 +17,9 @@ from typing import Any
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate.activations import memory_checkpointing
-from zeroplan.estimate.mesh import (MeshEstimate, RankEstimate, RankKind, estimate_mesh, estimate_mesh_within,
-                                    middle_ranks_peak_bound, rank_estimate, rank_kinds, rank_params)
+from zeroplan.estimate import estimate_mesh, estimate_mesh_within, middle_ranks_peak_bound, rank_estimate, rank_params
+from zeroplan.estimate.result import MeshEstimate, RankEstimate, RankKind
+from zeroplan.estimate.mesh import rank_kinds
 from zeroplan.plan.cost import Assumptions, model_flops
 from zeroplan.plan.mesh_cost import MeshStepCost, mesh_step_cost
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh, routed_experts
@@ -370,7 +371,7 @@ def _accumulation(mesh: MeshSpec, gpus: int, micro: int, global_batch: int | Non
 def mesh_plan_to_dict(plan: MeshPlan) -> dict[str, Any]:
     """`zeroplan plan --mesh` as plain data: every shown mesh, its worst rank's peak, its cost terms and reason."""
     from zeroplan.estimate.serialize import per_gpu_to_dict
-    from zeroplan.estimate.serialize_mesh import mesh_to_dict
+    from zeroplan.estimate.serialize import mesh_to_dict
 
     return {
         "model": plan.model_name, "gpus": plan.gpus, "budget": plan.budget_bytes, "evaluated": plan.evaluated,

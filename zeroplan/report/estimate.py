@@ -64,7 +64,43 @@ def _optimizer_step(data: dict[str, Any]) -> str:
     return f"{step['impl']} {data['config']['optimizer']}" + (f" ({step['via']})" if step["via"] else "")
 
 
-def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
+def describe_mesh(mesh: dict[str, Any]) -> str:
+    """One line: every degree, the schedule, and the data-parallel sharding left."""
+    parts = [f"tp {mesh['tp']}" + (" (sequence parallel)" if mesh["tp"] > 1 and mesh["sequence_parallel"] else ""),
+             f"cp {mesh['cp']}",
+             f"pp {mesh['pp']}" + (f" ({mesh['pp_schedule']}" + (f", {mesh['pp_virtual_stages']} stages per rank"
+                                    if mesh["pp_virtual_stages"] > 1 else "") + ")" if mesh["pp"] > 1 else ""),
+             f"dp_replicate {mesh['dp_replicate']}", f"dp_shard {mesh['dp_shard']}"]
+    if mesh["ep"] > 1:
+        parts.append(f"ep {mesh['ep']} (experts sharded over {mesh['expert_fsdp_degree']})")
+    return f"Mesh: {' x '.join(parts)}; parameters sharded over dp_shard x cp = {mesh['fsdp_degree']} ranks"
+
+
+def _is_mesh(data: dict[str, Any]) -> bool:
+    """Whether the estimate has a mesh dimension beyond plain data parallelism (its ranks table is shown)."""
+    mesh = data["mesh"]
+    return any(mesh[name] > 1 for name in ("tp", "cp", "pp", "ep", "dp_replicate"))
+
+
+def _ranks_table(data: dict[str, Any], units: str, markdown: bool) -> str:
+    rows = []
+    for index, rank in enumerate(data["ranks"]):
+        per_gpu = rank["per_gpu"]
+        rows.append([rank["kind"], rank["ranks"], rank["micro_batches_in_flight"]]
+                    + [amount(per_gpu[key], units) for key in CATEGORY_LABELS]
+                    + [amount(per_gpu["peak"], units), f"{per_gpu['peak_step']} {per_gpu['peak_phase']}",
+                       "<- worst" if index == data["worst_rank"] else ""])
+    return table(rows, ["rank kind", "GPUs", "in flight", *CATEGORY_LABELS.values(), "peak", "at", ""], markdown)
+
+
+def _terms_table(data: dict[str, Any], units: str, markdown: bool) -> str:
+    """The terms live at the peak, largest first: what `--explain` adds."""
+    rows = [[term["name"], CATEGORY_LABELS[term["category"]], amount(term["bytes"], units), term["source"]]
+            for term in data["terms"]]
+    return table(rows, ["term", "category", units, "source"], markdown, colalign=("left", "left", "right", "left"))
+
+
+def _estimate_text(data: dict[str, Any], units: str, markdown: bool, explain: bool = False) -> str:
     model, per_gpu, per_node = data["model"], data["per_gpu"], data["per_node"]
 
     def heading(text: str) -> str:
@@ -80,6 +116,12 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
         _describe_config(data),
         _describe_program(data),
         "",
+    ]
+    if _is_mesh(data):
+        worst = data["ranks"][data["worst_rank"]]["kind"]
+        out += [describe_mesh(data["mesh"]), "", heading(f"Per GPU at the peak, by rank kind ({units})"),
+                _ranks_table(data, units, markdown), "", heading(f"Worst rank: {worst}"), ""]
+    out += [
         heading(f"Per GPU at the peak ({per_gpu['peak_step']} step, {per_gpu['peak_phase']})"),
         table(
             [[label, amount(per_gpu[key], units)] for key, label in CATEGORY_LABELS.items()]
@@ -88,6 +130,10 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
             markdown,
         ),
         "",
+    ]
+    if explain:
+        out += [heading(f"Where the bytes go at the peak ({units}, largest first)"), _terms_table(data, units, markdown), ""]
+    out += [
         heading(f"Per GPU by phase ({units})"),
         table(
             [
@@ -141,15 +187,29 @@ def _estimate_csv(data: dict[str, Any], units: str) -> str:
     return buffer.getvalue()
 
 
-def render_estimate(data: dict[str, Any], output_format: str = "table", units: str = "GiB") -> str:
-    """`data` from `estimate_to_dict`, as text in `output_format` (one of FORMATS)."""
+def _terms_csv(data: dict[str, Any], units: str) -> str:
+    """The terms live at the peak, one row each, sizes in `units` (named in the header)."""
+    import csv
+    import io
+
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["term", "category", f"size_{units}", "source"])
+    for term in data["terms"]:
+        writer.writerow([term["name"], term["category"], f"{bytes_in_unit(term['bytes'], units):.4f}", term["source"]])
+    return buffer.getvalue()
+
+
+def render_estimate(data: dict[str, Any], output_format: str = "table", units: str = "GiB", explain: bool = False) -> str:
+    """`data` from `estimate_to_dict`, as text in `output_format` (one of FORMATS); with `explain`, the terms
+    live at the peak too (as CSV: the terms instead of the phases). JSON always carries them."""
     if output_format == "json":
         import json
 
         return json.dumps(data, indent=2) + "\n"
     if output_format == "csv":
-        return _estimate_csv(data, units)
-    return _estimate_text(data, units, markdown=output_format == "markdown")
+        return _terms_csv(data, units) if explain else _estimate_csv(data, units)
+    return _estimate_text(data, units, markdown=output_format == "markdown", explain=explain)
 
 
 def render_models(rows: Sequence[dict[str, Any]], output_format: str = "table") -> str:

@@ -159,8 +159,13 @@ def check_mesh(model: ModelSpec, training: TrainingSpec) -> None:
     mesh = training.mesh
     if mesh.is_trivial:
         return
-    if getattr(training, "lora", None) is not None or getattr(training, "quant", None) is not None:
-        raise SpecError("mesh: LoRA adapters and quantized bases are not modelled on a mesh yet; use tp/cp/pp/ep 1")
+    adapted = getattr(training, "lora", None) is not None or getattr(training, "quant", None) is not None
+    cut = [name for name in ("tp", "cp", "pp", "ep") if getattr(mesh, name) > 1]
+    if adapted and cut:
+        # HSDP composes: FSDP2 over (dp_replicate, dp_shard) shards a PEFT model as it shards any other
+        raise SpecError(f"mesh.{cut[0]}: LoRA adapters and quantized bases are modelled with dp_replicate (HSDP) only; "
+                        f"no program zeroplan measures runs PEFT under {cut[0]} (torchtitan has no adapters; "
+                        "transformers' tp_plan with PEFT is not modelled yet): set tp, cp, pp and ep to 1")
     if getattr(model, "kind", None) != "transformer":
         raise SpecError("mesh: a model given by parameter count cannot be cut by tp/cp/pp/ep; give its config")
     deepspeed = training.engine.value == "deepspeed"
@@ -184,12 +189,6 @@ def check_mesh(model: ModelSpec, training: TrainingSpec) -> None:
     if mesh.tp > 1 and mesh.sequence_parallel and (seq // mesh.cp) % mesh.tp:
         raise SpecError(f"mesh.tp: sequence parallelism shards the {seq // mesh.cp} tokens of each rank over tp "
                         f"{mesh.tp}; it does not divide (or set sequence_parallel false)")
-    if mesh.tp > 1 and mesh.sequence_parallel and training.checkpoint_every:
-        # estimate/mesh.py takes sequence parallelism's savings off every block as one kind; with
-        # checkpoint_every two kinds of block keep different tensors, and that mix is not derived yet
-        raise SpecError(f"checkpoint_every: {training.checkpoint_every} under tensor parallelism's sequence parallel "
-                        "is not modelled (its blocks keep two kinds of tensors); checkpoint every block (no "
-                        "checkpoint_every) or turn sequence parallel off (--no-sequence-parallel)")
     if model.num_layers < mesh.stages:
         raise SpecError(f"mesh.pp: {model.num_layers} layers cannot fill pp {mesh.pp} x pp_virtual_stages "
                         f"{mesh.pp_virtual_stages} = {mesh.stages} stages")

@@ -8,8 +8,18 @@ from typing import NamedTuple
 from zeroplan.estimate.activations import ActivationBytes
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.estimate.terms import register
 from zeroplan.spec.program import OptimizerImpl, Program
 from zeroplan.spec.training import DeepSpeedKnobs, Device, Offload, Optimizer, Precision, TrainingSpec
+
+
+# Terms every engine names alike (estimate/terms.py).
+register({
+    "gradients (.grad)": "torch/csrc/autograd/functions/accumulate_grad.h (one .grad per trainable parameter)",
+    "optimizer states": "torch/optim/adam.py _init_group (exp_avg, exp_avg_sq; SGD momentum_buffer)",
+    "optimizer step temporaries": "torch/optim/adam.py _single_tensor_adam / _multi_tensor_adam (docs/engines/torch.md)",
+    "tied head gradient pending in autograd": "torch/csrc/autograd/input_buffer.cpp accumulate",
+})
 
 
 class DeepSpeedSizes(NamedTuple):

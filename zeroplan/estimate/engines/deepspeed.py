@@ -47,6 +47,7 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.estimate.terms import named, register
 from zeroplan.spec.optimizer_step import deepspeed_optimizer_step
 from zeroplan.spec.program import ModelInit, OptimizerImpl, Recipe
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision
@@ -61,6 +62,111 @@ MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
 NORM_BYTES = 8
 # zero/offload_config.py: offload_optimizer.buffer_count default (NVMe swap buffers).
 OPTIMIZER_SWAP_BUFFERS = 4
+
+# The ledger's names for what DeepSpeed allocates (estimate/terms.py), each with the DeepSpeed
+# source it comes from (paths under deepspeed/runtime/ unless said); the tensor-by-tensor table is
+# docs/engines/deepspeed.md. The first three are torch's own allocations, named (with the same
+# source) as the torch engine names them (engines/torch_ddp.py).
+register({
+    "module parameters":
+        "engine.py `_configure_distributed_model` (the module's parameters, cast to the model dtype)",
+    "optimizer states (basic optimizer)":
+        "engine.py `_configure_basic_optimizer`: torch AdamW, deepspeed/ops/adam FusedAdam or DeepSpeedCPUAdam "
+        "(exp_avg, exp_avg_sq; SGD momentum_buffer)",
+    # stage 0
+    "all-reduce flat gradient copy (allreduce_no_retain)":
+        "engine.py `allreduce_gradients` -> `buffered_allreduce_fallback` -> `allreduce_no_retain`",
+    "fp32 master copies (fp32_groups)":
+        "fp16/unfused_optimizer.py `FP16_UnfusedOptimizer.__init__`",
+    "fp32 master gradients (fp32_groups .grad)":
+        "fp16/unfused_optimizer.py `step` (`fp16.grad.to(fp32)`), `initialize_optimizer_states` (zeros)",
+    "16-bit flat parameters (fp16_groups_flat)":
+        "fp16/fused_optimizer.py `FP16_Optimizer.__init__`",
+    "fp32 flat master (fp32_groups_flat)":
+        "fp16/fused_optimizer.py `FP16_Optimizer.__init__`",
+    "fp32 flat gradient (fp32_groups_flat .grad)":
+        "fp16/fused_optimizer.py `step` (`_flatten_dense_tensors`), `initialize_optimizer_states` (zeros)",
+    "fp32 gradient copies being flattened":
+        "fp16/fused_optimizer.py `step` (`p.grad.to(fp32)` per parameter)",
+    # stages 1-2 (the bucket and the step's flat gradient partition: stage 3 too)
+    "flat parameters (bit16_groups_flat)":
+        "zero/stage_1_and_2.py `__init__` (`flatten_dense_tensors_aligned`, padded to 2N; the parameters view it)",
+    "parameters before flattening":
+        "zero/stage_1_and_2.py `__init__` (the per-parameter storages, alive while `flatten_dense_tensors_aligned` "
+        "copies them)",
+    "fp32 master partition (single_partition_of_fp32_groups)":
+        "zero/stage_1_and_2.py `__init__`",
+    "reduce bucket (ipg buffer)":
+        "zero/stage_1_and_2.py `setup_buckets` (stages 1-2: at the first gradient hook of every backward); "
+        "zero/stage3.py `_setup_for_real_optimizer` (stage 3: at init)",
+    "second reduce bucket (overlap_comm)":
+        "zero/stage_1_and_2.py `setup_buckets` (the ipg buffer's second half)",
+    "gradient partition (grads_in_partition)":
+        "zero/stage_1_and_2.py `copy_grads_in_partition`",
+    "accumulated gradient partition (all_grad_tensors)":
+        "zero/stage_1_and_2.py `independent_gradient_partition_epilogue` (kept between micro-batches)",
+    "flattened bucket contents (average_tensor)":
+        "zero/stage_1_and_2.py `average_tensor` -> `allreduce_no_retain` / `allreduce_and_scatter` (a flat copy of "
+        "the slices reduced)",
+    "fp32 gradient partition (single_partition_of_fp32_groups .grad)":
+        "zero/stage_1_and_2.py `step` (`flatten(averaged_gradients).to(fp32)`); with cpu_offload "
+        "`initialize_optimizer_states`, kept",
+    "flat gradient partition (flatten(averaged_gradients))":
+        "zero/stage_1_and_2.py `step`; zero/stage3.py `_prepare_fp32_grad_for_sub_group` (freed after `.to(fp32)`)",
+    "bit16 partition for CPU offload (param_buffer_of_bit16_for_cpu_offload_groups)":
+        "zero/stage_1_and_2.py `__init__`",
+    "temp_grad_buffer_for_cpu_offload":
+        "zero/stage_1_and_2.py `__init__` (the largest parameter, on the host)",
+    "temp_grad_buffer_for_gpu_offload":
+        "zero/stage_1_and_2.py `__init__` (the largest parameter, on the device)",
+    "accumulated gradients on the host (accumulated_grads_in_cpu)":
+        "zero/stage_1_and_2.py `async_accumulate_grad_in_cpu_via_gpu`",
+    "gradient norm copy (fp64)":
+        "zero/stage_1_and_2.py `set_norm_for_param_grad_in_gpu` (zero/utils.py `get_norm_dtype`)",
+    # stage 3
+    "fp16 parameter partition (lp_param_buffer)":
+        "zero/stage3.py `_create_fp16_partitions_with_defragmentation`; with offload_param "
+        "`_create_param_groups_fp16_flat_cpu_memory` (host)",
+    "frozen parameter partitions (ds_tensor)":
+        "zero/partition_parameters.py `_partition_param` (parameters outside the optimizer's groups keep their own)",
+    "parameter partitions before defragmentation (ds_tensor)":
+        "zero/stage3.py `_create_fp16_partitions_with_defragmentation` (runtime/utils.py `defragment` copies them)",
+    "persistent parameters (ds_persist)":
+        "zero/parameter_offload.py `mark_persistent_parameters` (gathered once, never released)",
+    "fp32 master partition (fp32_partitioned_groups_flat)":
+        "zero/stage3.py `_create_fp32_partitions`",
+    "gradient partitions (grad_partitions_flat_buffer)":
+        "zero/stage3.py `_setup_for_real_optimizer`",
+    "fp32 gradient partition (fp32_partitioned_groups_flat .grad)":
+        "zero/stage3.py `_prepare_fp32_grad_for_sub_group`",
+    "CPU Adam gradient partition (subgroup_gradient_buffer)":
+        "zero/stage3.py `initialize_optimizer_states` (with offload_optimizer, kept as the fp32 master's .grad)",
+    "initial step zero gradient (initialize_optimizer_states)":
+        "zero/stage3.py `initialize_optimizer_states` (`gradient_buffer`)",
+    "ZeRO-3 gathered parameters":
+        "zero/partitioned_param_coordinator.py `fetch_sub_module`, `__params_to_release` (kept while reused within "
+        "stage3_max_reuse_distance); zero/partition_parameters.py `AllGatherCoalescedHandle.wait`",
+    "ZeRO-3 gathered parameters (prefetch)":
+        "zero/partitioned_param_coordinator.py `fetch_sub_module` (up to stage3_prefetch_bucket_size elements "
+        "ahead, under stage3_max_live_parameters)",
+    "all-gather flat buffer (coalesced fetch)":
+        "zero/partition_parameters.py `_all_gather_dtype`, held until `AllGatherCoalescedHandle.wait` "
+        "(docs/engines/deepspeed.md, \"Stage 3: the coalesced fetch, the first step, the epilogue\")",
+    "reduce-scatter flat copy (reduce_scatter_coalesced)":
+        "zero/stage3.py `__avg_scatter_grads` -> comm/coalesced_collectives.py `reduce_scatter_coalesced`",
+    "whole module parameters before partitioning":
+        "engine.py `_configure_distributed_model`, partitioned by zero/parameter_offload.py "
+        "`_convert_to_zero_parameters`",
+    "parameter being cast (p.data.to(dtype))":
+        "engine.py `_cast_module_mixed_precision`",
+    "tensor being partitioned (zero.Init)":
+        "zero/partition_parameters.py `_post_init_method`",
+    "optimizer swap buffers (NVMe)":
+        "swap_tensor/optimizer_utils.py `OptimizerSwapper` (buffer_count pinned fp32 buffers of the largest sub-group)",
+    "parameter swap buffers (NVMe)":
+        "swap_tensor/partitioned_param_swapper.py `AsyncPartitionedParameterSwapper` (buffer_count x buffer_size, "
+        "pinned)",
+})
 
 def _plus(base: Point, **more: int) -> Point:
     out = dict(base)
@@ -156,12 +262,13 @@ def _step_temporaries(run: _Run, largest: int, total: int) -> int:
     of one optimizer call (common.py `step_temporary_bytes`). Only Adam/AdamW allocate any."""
     if run.setup.optimizer not in (Optimizer.ADAM, Optimizer.ADAMW):
         return 0
-    return step_temporary_bytes(largest, total, FP32_BYTES, run.setup.optimizer, run.step_impl)
+    return named("optimizer step temporaries",
+                 step_temporary_bytes(largest, total, FP32_BYTES, run.setup.optimizer, run.step_impl))
 
 
 def _states(run: _Run, numel: int) -> int:
     """Adam moments (fp32, lazily at the first step) or SGD momentum of `numel` master elements."""
-    return optimizer_state_bytes(numel, run.setup.optimizer, FP32_BYTES)
+    return named("optimizer states (basic optimizer)", optimizer_state_bytes(numel, run.setup.optimizer, FP32_BYTES))
 
 
 # -- activations along backward ----------------------------------------------------------------
@@ -180,7 +287,7 @@ def _activation_along(run: _Run, acts: ActivationBytes | None, index: int) -> in
         return acts.embedding
     # the head (index 0) runs with every block's saved tensors, as the last block (index 1) does
     left = acts.num_blocks + 1 - max(index, 1)
-    return acts.block_backward_peak(left) + run.layout.tied_head * run.b
+    return acts.block_backward_peak(left) + _tied_head(run)
 
 
 def _hook_along(run: _Run, acts: ActivationBytes | None, index: int) -> int:
@@ -193,8 +300,12 @@ def _hook_along(run: _Run, acts: ActivationBytes | None, index: int) -> int:
         # the hooks fire as the weights' gradients come: at the MLP's moment of the block, also
         # where its attention core peaks later (eager attention)
         left = acts.num_blocks + 1 - index
-        return max(acts.block_mlp_peak(left) + run.layout.tied_head * run.b - acts.block_backward_transient, 0)
+        return max(acts.block_mlp_peak(left) + _tied_head(run) - acts.block_backward_transient, 0)
     return along
+
+
+def _tied_head(run: _Run) -> int:
+    return named("tied head gradient pending in autograd", run.layout.tied_head * run.b)
 
 
 def _contenders(entries: tuple[tuple[int, ...], ...], last: int) -> tuple[tuple[int, ...], ...]:
@@ -253,11 +364,12 @@ def _forward_activations(acts: ActivationBytes | None) -> int:
 
 def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
     b, psi = run.b, run.trainable
-    params = run.total * b
-    grads = psi * b
+    params = named("module parameters", run.total * b)
+    grads = named("gradients (.grad)", psi * b)
     # engine.py `allreduce_gradients` -> `buffered_allreduce_fallback` -> `allreduce_no_retain`:
     # a flat copy of the gradients (chunks of MEMORY_OPT_ALLREDUCE_SIZE) at the end of backward.
-    flat_allreduce = min(psi, MEMORY_OPT_ALLREDUCE_SIZE + run.layout.largest) * b
+    flat_allreduce = named("all-reduce flat gradient copy (allreduce_no_retain)",
+                           min(psi, MEMORY_OPT_ALLREDUCE_SIZE + run.layout.largest) * b)
     states = _states(run, psi)
     fwd = _forward_activations(acts)
     bwd = _backward_start(acts)
@@ -280,20 +392,25 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
     # bf16/fp16: fp32 master of every parameter and the states exist from init:
     # `initialize_optimizer_states` steps the optimizer on zero gradients (fp16/unfused_optimizer.py,
     # fp16/fused_optimizer.py).
-    master = psi * FP32_BYTES
     if run.setup.device == Device.CPU or run.setup.deepspeed.client_optimizer:
         # FP16_UnfusedOptimizer (engine.py `_configure_fp16_optimizer`: any optimizer but FusedAdam):
         # per-parameter fp32 clones; step: `fp32.grad = fp16.grad.to(fp32)` per parameter, the 16-bit
         # gradients still alive; torch AdamW over the per-parameter masters.
-        step_grads = grads + psi * FP32_BYTES
+        master = named("fp32 master copies (fp32_groups)", psi * FP32_BYTES)
+        step_grads = grads + named("fp32 master gradients (fp32_groups .grad)", psi * FP32_BYTES)
         step_temps = _step_temporaries(run, run.layout.largest, psi)
-        init_extra = {"grads": grads + psi * FP32_BYTES, "temporaries": step_temps}  # the zero-gradient step
+        init_extra = {"grads": step_grads, "temporaries": step_temps}  # the zero-gradient step, 16-bit and fp32
     else:
         # FP16_Optimizer.step: `p.grad.to(fp32)` per parameter, then `_flatten_dense_tensors` of
-        # them (both Ψ x 4 alive while flattening), the 16-bit grads freed after.
-        step_grads = grads + psi * FP32_BYTES
-        step_temps = psi * FP32_BYTES
-        init_extra = {"grads": psi * FP32_BYTES}  # zero fp32 flat gradient for the init step
+        # them (both Ψ x 4 alive while flattening), the 16-bit grads freed after. The module's
+        # trainable parameters are views of the flat 16-bit group.
+        params = (named("16-bit flat parameters (fp16_groups_flat)", psi * b)
+                  + named("module parameters", (run.total - psi) * b))
+        master = named("fp32 flat master (fp32_groups_flat)", psi * FP32_BYTES)
+        flat_grad = named("fp32 flat gradient (fp32_groups_flat .grad)", psi * FP32_BYTES)
+        step_grads = grads + flat_grad
+        step_temps = named("fp32 gradient copies being flattened", psi * FP32_BYTES)
+        init_extra = {"grads": flat_grad}  # zero fp32 flat gradient for the init step
     base = {"params": params, "optimizer_states": master + states}
     for step in (Step.FIRST, Step.STEADY):
         if step == Step.FIRST:
@@ -476,8 +593,9 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             # `set_norm_for_param_grad_in_gpu` takes its norm in `get_norm_dtype()` (fp64
             # where supported: a copy of the tensor), while the next gradient waits in .grad.
             hook = _hook_along(run, acts, first_index) if first_index < groups else 0
-            points.append({"activations": hook, "buffers": bucket_now, "grads": run.layout.largest * run.b,
-                           "temporaries": run.layout.largest * NORM_BYTES})
+            points.append({"activations": hook, "buffers": bucket_now,
+                           "grads": named("gradients (.grad)", run.layout.largest * run.b),
+                           "temporaries": named("gradient norm copy (fp64)", run.layout.largest * NORM_BYTES)})
     else:
         # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
         # boundary's `reduce_gradients` walks them through the bucket (`_stage12_fixed`).
@@ -489,7 +607,8 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
             if best is None or along + grads_now > best[0] + best[1]:
                 best = (along, grads_now)
         if best is not None:
-            points.append({"activations": best[0], "buffers": bucket_now, "grads": best[1]})
+            grads = named("gradients (.grad)", best[1])
+            points.append({"activations": best[0], "buffers": bucket_now, "grads": grads})
     moment = largest_point(*points)
     phases = [fixed.init]
     for step, during, settled, optimizer_step in fixed.steps:
@@ -512,18 +631,23 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     alignment = NCCL_START_ALIGNMENT_FACTOR * n
     flat = ceil_div(run.trainable, alignment) * alignment
     partition = flat // n  # P12: `partition_size`, the padding sits in the last rank's slice
-    params = (flat + run.total - run.trainable) * b  # `bit16_groups_flat` + frozen module params
-    master = partition * FP32_BYTES  # `single_partition_of_fp32_groups`, also in an fp32 run
+    params = (named("flat parameters (bit16_groups_flat)", flat * b)
+              + named("module parameters", (run.total - run.trainable) * b))  # the frozen ones
+    # also in an fp32 run
+    master = named("fp32 master partition (single_partition_of_fp32_groups)", partition * FP32_BYTES)
     states = _states(run, partition)
     layout, buckets = run.layout, knobs.reduce_bucket_size
     # (The walks over every tensor below are cached by the few integers they depend on, so that
     # the stages and offload targets of one model share them.)
     owned_runs = _owned_runs(layout, partition, n)
-    owned = max(elements for _, elements in owned_runs) * b
+    owned_elements = max(elements for _, elements in owned_runs)
+    owned = named("gradient partition (grads_in_partition)", owned_elements * b)
     # `setup_buckets`: `reduce_bucket_size` elements, always (not capped by the model), two with
     # overlap_comm; at the first gradient hook of every backward, freed by
     # `independent_gradient_partition_epilogue` -> `_release_ipg_buffers`.
-    bucket = knobs.reduce_bucket_size * b * (2 if overlap else 1)
+    one_bucket = knobs.reduce_bucket_size * b
+    bucket = (named("reduce bucket (ipg buffer)", one_bucket)
+              + (named("second reduce bucket (overlap_comm)", one_bucket) if overlap else 0))
     first_index, last_fill, last_fill_forward, first_after_peak = _bucket_walks(layout, buckets)
     groups = len(run.layout.groups_backward)
 
@@ -535,11 +659,13 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     host_grads = host_buffers = 0
     device_buffers = 0
     if run.offload_opt:
-        host_grads = partition * FP32_BYTES
-        host_buffers = partition * b + run.layout.largest * b
-        device_buffers = run.layout.largest * b
+        host_grads = named("fp32 gradient partition (single_partition_of_fp32_groups .grad)", partition * FP32_BYTES)
+        host_buffers = (named("bit16 partition for CPU offload (param_buffer_of_bit16_for_cpu_offload_groups)",
+                              partition * b)
+                        + named("temp_grad_buffer_for_cpu_offload", run.layout.largest * b))
+        device_buffers = named("temp_grad_buffer_for_gpu_offload", run.layout.largest * b)
         if setup.accumulating:  # `accumulated_grads_in_cpu`: owned slices, model dtype
-            host_grads += partition * b
+            host_grads += named("accumulated gradients on the host (accumulated_grads_in_cpu)", partition * b)
     on_device = not run.offload_opt or run.cpu_run  # a CPU run has one memory
 
     def host(value: int) -> int:
@@ -553,7 +679,7 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
     # reaches the GPU cast (model_init host) needs no room for both: `__init__` flattens on the host
     # when the accelerator lacks it (`flatten_on_accelerator`), so only the flat copy is required.
     from_host = setup.program.model_init == ModelInit.HOST and not run.cpu_run
-    flatten = {"params": params if from_host else params + run.trainable * b}
+    flatten = {"params": params if from_host else params + named("parameters before flattening", run.trainable * b)}
     after = {"params": params, "optimizer_states": host(master), "grads": host(host_grads),
              "buffers": host(host_buffers) + device_buffers}
     init = phase(Step.FIRST, Phase.INIT, **largest_point(flatten, after))
@@ -568,9 +694,9 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
         # or, offloaded, `accumulated_grads_in_cpu` (in host_grads).
         carried: Point = {}
         if accumulating and stage == 1:
-            carried = {"grads": run.trainable * b, "buffers": bucket}
+            carried = {"grads": named("gradients (.grad)", run.trainable * b), "buffers": bucket}
         elif accumulating and not run.offload_opt:
-            carried = {"grads": owned}
+            carried = {"grads": named("accumulated gradient partition (all_grad_tensors)", owned_elements * b)}
         during = _plus(base, **carried)
 
         # backward's moments without activations, in backward order after those with them
@@ -580,19 +706,22 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
             # `allreduce_no_retain` / `allreduce_and_scatter` flatten the slices they reduce:
             # a copy of the bucket's contents), before those gradients reach the partition.
             earlier = kept if first_index < groups else 0
-            settled.append(_plus(during, buffers=bucket_now + last_fill * b, grads=earlier))
+            settled.append(_plus(during, buffers=bucket_now + _flattened(last_fill * b), grads=earlier))
         else:
             # Stage 1, at the boundary: `reduce_gradients` walks the parameters in their order,
             # freeing each .grad as it is copied into the bucket and filling the owned partition
             # (the last micro-batch accumulates into the kept .grad); the first rank allocates its
             # partition at the first overflow, with the rest still in .grad.
             filled = _bucket_fill(run.layout.numels, buckets)
-            first_rank = 0 if run.offload_opt else owned_runs[0][1] * b
-            settled = [_plus(base, buffers=bucket, grads=(run.trainable - filled) * b + first_rank)]
+            first_rank = 0
+            if not run.offload_opt:
+                first_rank = named("gradient partition (grads_in_partition)", owned_runs[0][1] * b)
+            left = named("gradients (.grad)", (run.trainable - filled) * b)
+            settled = [_plus(base, buffers=bucket, grads=left + first_rank)]
             # Each reduction flattens the bucket's contents (`average_tensor`): at the first one
             # every gradient is still a .grad or in the bucket; at the last, the partition is full.
-            settled.append(_plus(base, buffers=bucket + filled * b, grads=(run.trainable - filled) * b))
-            settled.append(_plus(base, buffers=bucket + last_fill_forward * b, grads=kept))
+            settled.append(_plus(base, buffers=bucket + _flattened(filled * b), grads=left))
+            settled.append(_plus(base, buffers=bucket + _flattened(last_fill_forward * b), grads=kept))
 
         # `step`, one param group after the other: `flatten(averaged_gradients)` (P x b) then
         # `.to(fp32)` becomes the group's master .grad (P x 4, a second copy only when b != 4) while
@@ -604,9 +733,11 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
         else:
             several = run.first_group < run.trainable
             first = ceil_div(run.first_group, alignment) * alignment // n if several else partition
-            convert = dict(base, grads=owned + first * FP32_BYTES, temporaries=first * b if b != FP32_BYTES else 0)
+            fp32_grad = named("fp32 gradient partition (single_partition_of_fp32_groups .grad)", first * FP32_BYTES)
+            flat_grad = named("flat gradient partition (flatten(averaged_gradients))", first * b)
+            convert = dict(base, grads=owned + fp32_grad, temporaries=flat_grad if b != FP32_BYTES else 0)
             stepping = dict(base, optimizer_states=master + max(held, _states(run, first)),
-                            grads=(owned if several else 0) + first * FP32_BYTES,
+                            grads=(owned if several else 0) + fp32_grad,
                             temporaries=_step_temporaries(run, first, first))
             step_point = largest_point(convert, stepping)
         steps.append(_StepMoments(step, during, largest_point(*settled), phase(step, Phase.OPTIMIZER_STEP, **step_point)))
@@ -617,11 +748,16 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
         init, tuple(steps), host_bytes, moving, first_index, first_after_peak, groups, bucket_now,
         # The last rank owns the head, whose gradients come first in backward: it allocates its
         # partition at the first reduction during backward, the others later.
-        owned_early=owned_runs[-1][1] * b,
+        owned_early=named("gradient partition (grads_in_partition)", owned_runs[-1][1] * b),
         before=_contenders(tuple((i, 0) for i in range(first_index)), groups - 1),
         after=_contenders(tuple((i, 0) for i in range(first_index + 1, groups)), groups - 1),
         grads_along=_stage1_grads(layout, grads_b),
     )
+
+
+def _flattened(value: int) -> int:
+    """A flat copy of the bucket's contents made by a reduction (`average_tensor`)."""
+    return named("flattened bucket contents (average_tensor)", value)
 
 
 # -- stage 3 --------------------------------------------------------------------------------------
@@ -659,7 +795,8 @@ def _stage3_sizes(facts: ModelFacts, n: int, threshold: int) -> tuple[int, int, 
 @dataclass(frozen=True)
 class _Walk3:
     """What stage 3 holds along a step apart from activations (elements, or bytes where named):
-    the same for every micro-batch, so cached per (model, N, b, knobs)."""
+    the same for every micro-batch, so cached per (model, N, b, knobs). Plain ints: the terms are
+    named when a moment is chosen (`_backward_extra`), so that the walks compare ints."""
 
     p3_all: int
     p3: int
@@ -668,11 +805,13 @@ class _Walk3:
     prefetch: int
     largest_leaf: int  # bytes: the largest tensor gathered alone (first micro-batch, no trace)
     # `_contenders` of (backward index, gathered bytes) without a trace (`cold`) and with one,
-    # and of (backward index, bytes, buffers bytes, grads bytes) at each bucket reduction
+    # and of (backward index, bytes, gathered bytes, flat copy bytes, gradient bytes) at each
+    # bucket reduction
     cold: tuple[tuple[int, ...], ...]
     cold_reductions: tuple[tuple[int, ...], ...]
     warm: tuple[tuple[int, ...], ...]
     warm_reductions: tuple[tuple[int, ...], ...]
+    prefetched: tuple[int, ...]  # bytes of `warm`'s gathered bytes that were prefetched, by backward index
 
 
 @memo(maxsize=4096)  # shared by offloads: cold plans take 20-78% longer without it
@@ -696,32 +835,49 @@ def _stage3_walk(facts: ModelFacts, n: int, b: int, knobs: DeepSpeedSizes, recom
 
         cold = recomputed_block_gathered(cold, layout.gathered_backward, layout.groups_backward, n, b, threshold,
                                          recompute_held_element)
-    warm = [(i, g * b) for i, g in enumerate(gathered_in_backward)]
-    cold_reductions = [(i, module_all[i] + (flat + trigger) * b, module_all[i] + flat * b, trigger * b)
+    warm = [(i, (held + ahead) * b) for i, (held, ahead) in enumerate(gathered_in_backward)]
+    cold_reductions = [(i, module_all[i] + (flat + trigger) * b, module_all[i], flat * b, trigger * b)
                        for i, flat, trigger in reductions]
-    warm_reductions = [(i, (gathered_in_backward[i] + flat + trigger) * b, (gathered_in_backward[i] + flat) * b,
-                        trigger * b) for i, flat, trigger in reductions]
+    warm_reductions = [(i, warm[i][1] + (flat + trigger) * b, warm[i][1], flat * b, trigger * b)
+                       for i, flat, trigger in reductions]
     return _Walk3(p3_all, p3, persistent, gathered_at_head, prefetch, max(module_all, default=0),
-                  *(_contenders(tuple(entries), last) for entries in (cold, cold_reductions, warm, warm_reductions)))
+                  *(_contenders(tuple(entries), last) for entries in (cold, cold_reductions, warm, warm_reductions)),
+                  tuple(ahead * b for _, ahead in gathered_in_backward))
+
+
+def _gathered(buffers: int, prefetched: int) -> int:
+    """`buffers` bytes of gathered parameters, `prefetched` of them fetched ahead of their module."""
+    return (named("ZeRO-3 gathered parameters", buffers - prefetched)
+            + named("ZeRO-3 gathered parameters (prefetch)", prefetched))
 
 
 def _backward_extra(run: _Run, acts: ActivationBytes | None, start: Point, gathered: tuple[tuple[int, ...], ...],
-                    reductions: tuple[tuple[int, ...], ...]) -> Point:
+                    reductions: tuple[tuple[int, ...], ...], prefetched: tuple[int, ...] | None) -> Point:
     """What backward adds to the base at its peak, the first largest of: the loss's backward
     (`start`), the module group with the most gathered parameters and activations, and each bucket
-    reduction (its flat copy beside the gathered parameters, the triggering gradient waiting)."""
+    reduction (its flat copy beside the gathered parameters, the triggering gradient waiting).
+    `prefetched`: the bytes of the gathered ones fetched ahead, by backward index (None: none)."""
     most: Point = {}
+    most_index = 0
     for index, buffers in gathered:
         along = _activation_along(run, acts, index)
         if not most or buffers + along > most["buffers"] + most["activations"]:
-            most = {"buffers": buffers, "activations": along}
+            most, most_index = {"buffers": buffers, "activations": along}, index
+    if most:
+        most["buffers"] = _gathered(most["buffers"], prefetched[most_index] if prefetched else 0)
     best = start if point_total(start) >= point_total(most) else most
     best_total = point_total(best)
-    for index, total, buffers, grads in reductions:
-        hook = _hook_along(run, acts, index)
-        if total + hook > best_total:
-            best, best_total = {"buffers": buffers, "grads": grads, "activations": hook}, total + hook
-    return best
+    reduction = None
+    for entry in reductions:
+        hook = _hook_along(run, acts, entry[0])
+        if entry[1] + hook > best_total:
+            reduction, best_total = (entry, hook), entry[1] + hook
+    if reduction is None:
+        return best
+    (index, _, held, flat, trigger), hook = reduction
+    return {"buffers": _gathered(held, prefetched[index] if prefetched else 0)
+            + named("reduce-scatter flat copy (reduce_scatter_coalesced)", flat),
+            "grads": named("gradients (.grad)", trigger), "activations": hook}
 
 
 @dataclass(frozen=True)
@@ -740,18 +896,20 @@ def _stage3(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes], 
     fwd = _forward_activations(acts)
     # The trace is complete from the second micro-batch of the first step on: the steady step's
     # moments, also the first step's when it accumulates.
-    head = walk.gathered_at_head * b
-    warm = (largest_point({"buffers": head + walk.prefetch * b, "activations": _activations_before_head(acts)},
+    head = named("ZeRO-3 gathered parameters", walk.gathered_at_head * b)
+    coalesced = named("all-gather flat buffer (coalesced fetch)", walk.prefetch * b)
+    warm = (largest_point({"buffers": head + coalesced, "activations": _activations_before_head(acts)},
                           {"buffers": head, "activations": fwd}),
             _backward_extra(run, acts, {"buffers": head, "activations": _backward_start(acts)}, walk.warm,
-                            walk.warm_reductions))
+                            walk.warm_reductions, walk.prefetched))
     phases = [fixed.init]
     for step, base, _, optimizer_step in fixed.steps:
         if step == Step.FIRST and not run.setup.accumulating:  # no trace yet
             # `release_sub_module` frees each leaf module's parameters after its hook, persistent
             # ones too: one tensor gathered at a time (docs/engines/deepspeed.md, "The first step").
-            forward = largest_point({"activations": fwd}, {"buffers": walk.largest_leaf})
-            extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions)
+            forward = largest_point({"activations": fwd}, {"buffers": _gathered(walk.largest_leaf, 0)})
+            extra = _backward_extra(run, acts, {"activations": _backward_start(acts)}, walk.cold, walk.cold_reductions,
+                                    None)
         else:
             forward, extra = warm
         # (the moments of a phase share `base`: the largest is the one that adds the most)
@@ -767,13 +925,18 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
     b = run.b
     walk = _stage3_walk(run.facts, run.n, b, knobs, run.setup.recompute_held_element)
     p3_all, p3, persistent = walk.p3_all, walk.p3, walk.persistent
-    partitions = p3_all * b  # `lp_param_buffer` (or the offload_param host buffer)
-    master = p3 * FP32_BYTES  # `fp32_partitioned_groups_flat`, a separate copy even in fp32
+    # `lp_param_buffer` (or the offload_param host buffer) and the frozen parameters' own partitions
+    partitions = (named("fp16 parameter partition (lp_param_buffer)", p3 * b)
+                  + named("frozen parameter partitions (ds_tensor)", (p3_all - p3) * b))
+    # `fp32_partitioned_groups_flat`, a separate copy even in fp32
+    master = named("fp32 master partition (fp32_partitioned_groups_flat)", p3 * FP32_BYTES)
     states = _states(run, p3)
-    grad_partitions = p3 * b  # `grad_partitions_flat_buffer`, init (host with optimizer offload)
+    # `grad_partitions_flat_buffer`, init (host with optimizer offload)
+    grad_partitions = named("gradient partitions (grad_partitions_flat_buffer)", p3 * b)
     # `_setup_for_real_optimizer`: one bucket in the communication dtype, not doubled by overlap.
-    bucket = knobs.reduce_bucket_size * b
-    fp32_grad = p3 * FP32_BYTES  # offload: `subgroup_gradient_buffer` from init; else at step
+    bucket = named("reduce bucket (ipg buffer)", knobs.reduce_bucket_size * b)
+    # the step's `.to(fp32)` (optimizer offload keeps its own from init: `offload_grads`)
+    fp32_grad = named("fp32 gradient partition (fp32_partitioned_groups_flat .grad)", p3 * FP32_BYTES)
 
     on_device_opt = not run.offload_opt or run.cpu_run
     on_device_par = not run.offload_par or run.cpu_run
@@ -782,12 +945,16 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
         return value if on_device_opt else 0
 
     partitions_dev = partitions if on_device_par else 0
-    offload_grads = fp32_grad if run.offload_opt else 0
+    offload_grads = 0
+    if run.offload_opt:  # `subgroup_gradient_buffer`, from init
+        offload_grads = named("CPU Adam gradient partition (subgroup_gradient_buffer)", p3 * FP32_BYTES)
     steps = []
     for step in (Step.FIRST, Step.STEADY):
         held = states if step == Step.STEADY else 0
         # persistent parameters stay gathered once the trace is complete (after the first micro-batch)
-        persist = persistent * b if step == Step.STEADY or run.setup.accumulating else 0
+        persist = 0
+        if step == Step.STEADY or run.setup.accumulating:
+            persist = named("persistent parameters (ds_persist)", persistent * b)
         base = {"params": partitions_dev + persist, "optimizer_states": opt(master + held),
                 "grads": opt(grad_partitions + offload_grads), "buffers": bucket}
         # `step`: all parameters are released, persistent ones included, and re-gathered after
@@ -799,11 +966,13 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
         if run.offload_opt:
             stepping = dict(stepping_base, optimizer_states=opt(master + states))
         else:
-            convert = dict(stepping_base, grads=grad_partitions + fp32_grad, temporaries=p3 * b if b != FP32_BYTES else 0)
+            flat_grad = named("flat gradient partition (flatten(averaged_gradients))", p3 * b) if b != FP32_BYTES else 0
+            convert = dict(stepping_base, grads=grad_partitions + fp32_grad, temporaries=flat_grad)
             update = dict(stepping_base, optimizer_states=master + states, grads=grad_partitions + fp32_grad,
                           temporaries=_step_temporaries(run, sub_group, sub_group))
             stepping = largest_point(convert, update)
-        after = dict(base, params=partitions_dev + persistent * b, optimizer_states=opt(master + states))
+        after = dict(base, params=partitions_dev + named("persistent parameters (ds_persist)", persistent * b),
+                     optimizer_states=opt(master + states))
         steps.append(_StepMoments(step, base, None, phase(step, Phase.OPTIMIZER_STEP, **largest_point(stepping, after))))
     # Under `deepspeed.zero.Init` (partition_parameters.py `_post_init_method`) each module's
     # parameters are partitioned as the module is built, onto the host with offload_param
@@ -814,15 +983,18 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
     # `initialize_optimizer_states` makes a P3 x 4 zero gradient (temporary without offload) before
     # the bucket and gradient partitions.
     if run.setup.program.model_init == ModelInit.ZERO_INIT:
-        built = {"params": partitions_dev + run.layout.largest * b}
+        built = {"params": partitions_dev + named("tensor being partitioned (zero.Init)", run.layout.largest * b)}
     else:
         built = {"params": _built_whole(run)}
-    defrag = {"params": 2 * partitions_dev}
+    # the partitions, and their copy into one buffer
+    defrag = {"params": partitions_dev + (named("parameter partitions before defragmentation (ds_tensor)", p3_all * b)
+                                          if on_device_par else 0)}
+    zero_grad = named("initial step zero gradient (initialize_optimizer_states)", p3 * FP32_BYTES)
     opt_init = {"params": partitions_dev, "optimizer_states": opt(master),
-                "temporaries": 0 if run.offload_opt else opt(fp32_grad), "grads": opt(offload_grads)}
+                "temporaries": 0 if run.offload_opt else opt(zero_grad), "grads": opt(offload_grads)}
     first_base = steps[0].during
     init = phase(Step.FIRST, Phase.INIT, **largest_point(built, defrag, opt_init, dict(first_base, params=partitions_dev)))
-    host = _stage3_host(run, p3, partitions, master + states, grad_partitions + fp32_grad)
+    host = _stage3_host(run, p3, partitions, master + states, grad_partitions + offload_grads)
     return _Fixed3(init, tuple(steps), host, walk)
 
 
@@ -832,10 +1004,11 @@ def _built_whole(run: _Run) -> int:
     `module.to(device)`), or built there in fp32 and cast one parameter at a time (device; on a CPU
     run the host is the same memory)."""
     if run.setup.program.model_init == ModelInit.HOST and not run.cpu_run:
-        return run.total * run.b
+        return named("whole module parameters before partitioning", run.total * run.b)
     built = HALF_BYTES if run.setup.precision == Precision.PURE_BF16 else FP32_BYTES
-    cast = run.layout.largest * run.b if run.b != built else 0  # `p.data = p.data.to(dtype)`, the largest
-    return run.total * built + cast
+    # `p.data = p.data.to(dtype)`, the largest
+    cast = named("parameter being cast (p.data.to(dtype))", run.layout.largest * run.b) if run.b != built else 0
+    return named("whole module parameters before partitioning", run.total * built) + cast
 
 
 def _largest_sub_group(run: _Run, p3: int) -> int:
@@ -862,12 +1035,14 @@ def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int
         host += optimizer + grads
     elif run.setup.offload_optimizer == Offload.NVME:
         nvme += optimizer
-        host += grads + OPTIMIZER_SWAP_BUFFERS * _largest_sub_group(run, p3) * FP32_BYTES
+        swap = OPTIMIZER_SWAP_BUFFERS * _largest_sub_group(run, p3) * FP32_BYTES
+        host += grads + named("optimizer swap buffers (NVMe)", swap)
     if run.setup.offload_params == Offload.CPU:
         host += partitions
     elif run.setup.offload_params == Offload.NVME:
         nvme += partitions
-        host += knobs.offload_buffer_count * knobs.offload_buffer_size * run.b
+        swap = knobs.offload_buffer_count * knobs.offload_buffer_size * run.b
+        host += named("parameter swap buffers (NVMe)", swap)
     return host, nvme
 
 
@@ -902,9 +1077,9 @@ def _stage3_reductions(groups_backward: tuple[tuple[int, ...], ...], n: int, buc
 
 
 def _steady_gathering(gathered_backward: tuple[tuple[int, ...], ...], n: int, threshold: int, reuse: int, live: int,
-                      prefetch_bucket: int) -> tuple[int, tuple[int, ...]]:
+                      prefetch_bucket: int) -> tuple[int, tuple[tuple[int, int], ...]]:
     """Gathered non-persistent elements once the trace is recorded: at the head's forward, and
-    while each module group (backward order) runs its backward.
+    while each module group (backward order) runs its backward, as (held, prefetched).
 
     partitioned_param_coordinator.py `__params_to_release`: after a module runs, its parameters
     are kept if they reappear within `stage3_max_reuse_distance` elements of the upcoming trace.
@@ -935,7 +1110,7 @@ def _steady_gathering(gathered_backward: tuple[tuple[int, ...], ...], n: int, th
             done += kept_backward[index - 1]
         ahead = after - not_reached
         prefetch = min(prefetch_bucket, ahead) if not_reached + done + size < live else 0
-        in_backward.append(min(not_reached + done, live) + size + prefetch)
+        in_backward.append((min(not_reached + done, live) + size, prefetch))
     return at_head, tuple(in_backward)
 
 

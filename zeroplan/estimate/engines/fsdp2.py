@@ -46,8 +46,28 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.estimate.terms import named, register, relabel
 from zeroplan.spec.program import FSDP2Units, GradSync, ModelInit, Recipe, fsdp2_reduces_in_param_dtype
 from zeroplan.spec.training import Device, Offload, Precision
+
+_FSDP = "torch/distributed/fsdp/_fully_shard/"
+register({
+    "sharded parameters": f"{_FSDP}_fsdp_param.py FSDPParam._sharded_param_data",
+    "unsharded parameters": f"{_FSDP}_fsdp_collectives.py foreach_all_gather_copy_out",
+    "all-gather output": f"{_FSDP}_fsdp_collectives.py foreach_all_gather; _fsdp_param_group.py wait_for_unshard",
+    "sharded gradients": f"{_FSDP}_fsdp_collectives.py foreach_reduce (the reduce-scatter output)",
+    "unsharded gradients": "torch/csrc/autograd (the gradients of unsharded parameters, before their post-backward)",
+    "accumulated unsharded gradients": f"{_FSDP}_fsdp_param.py to_accumulated_grad_if_needed",
+    "reduce-scatter input": f"{_FSDP}_fsdp_collectives.py foreach_reduce (reduce_scatter_input)",
+    "shards copied to the device (CPU offload)": f"{_FSDP}_fsdp_param.py CPUOffloadPolicy (each all-gather copies the shards in)",
+    "parameters before sharding": f"{_FSDP}_fully_shard.py _move_states_to_device (docs/engines/fsdp2.md, Set-up)",
+    "offloaded shards, gradients and states": f"{_FSDP}_fsdp_api.py CPUOffloadPolicy",
+})
+
+
+def _output(gathered: int) -> int:
+    """A unit's flat all-gather output, the size of its unsharded parameters (`_sizes` names those)."""
+    return relabel("all-gather output", gathered)
 
 
 def _padded_shard(numel: int, rows: int, world: int) -> int:
@@ -175,16 +195,16 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     head_numel, tied_numel, first_numel = early_gradients(facts)
     num_blocks = sum(g.count for g in facts.groups if g.role == "block")
 
-    sharded_params = u.total * storage if on_device else 0
+    sharded_params = named("sharded parameters", u.total * storage if on_device else 0)
     # foreach_reduce: the reduce-scatter output (padded shard, reduce dtype, cast to the
     # parameter dtype) is the storage of the sharded .grad views.
-    sharded_grads = u.trainable * storage if on_device else 0
-    block_shard_grads = u.block_trainable * storage if on_device else 0
-    tail_shard_grads = u.tail_trainable * storage if on_device else 0
-    states = optimizer_state_bytes(u.trainable, optimizer, storage) if on_device else 0
-    temporaries = (step_temporary_bytes(u.largest, u.trainable, storage, optimizer, setup.program.optimizer_impl)
-                   if on_device else 0)
-    h2d_copy = 0 if on_device else max(u.lead, u.tail, u.block) * storage
+    sharded_grads = named("sharded gradients", u.trainable * storage if on_device else 0)
+    block_shard_grads = named("sharded gradients", u.block_trainable * storage if on_device else 0)
+    tail_shard_grads = named("sharded gradients", u.tail_trainable * storage if on_device else 0)
+    states = named("optimizer states", optimizer_state_bytes(u.trainable, optimizer, storage) if on_device else 0)
+    temporaries = named("optimizer step temporaries", step_temporary_bytes(
+        u.largest, u.trainable, storage, optimizer, setup.program.optimizer_impl) if on_device else 0)
+    h2d_copy = named("shards copied to the device (CPU offload)", 0 if on_device else max(u.lead, u.tail, u.block) * storage)
 
     reshard = setup.zero_stage == 3
     # The lead keeps its parameters through forward and backward when it is the root (its
@@ -204,9 +224,9 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     # so the last micro-batch starts with the whole model's unsharded gradients; its
     # post-backwards reduce-scatter and free them unit by unit.
     holding = setup.accumulating and setup.program.grad_sync == GradSync.LAST
-    accum_lead = u.lead_trainable * n * reduce if holding else 0
-    accum_tail = u.tail_trainable * n * reduce if holding else 0
-    accum_block = u.block_trainable_unsharded * reduce if holding else 0
+    accum_lead = named("accumulated unsharded gradients", u.lead_trainable * n * reduce if holding else 0)
+    accum_tail = named("accumulated unsharded gradients", u.tail_trainable * n * reduce if holding else 0)
+    accum_block = named("accumulated unsharded gradients", u.block_trainable_unsharded * reduce if holding else 0)
     # Reducing every micro-batch (torchtitan, torchtune): foreach_reduce adds each new reduce-scatter
     # output into the existing sharded .grad (`_fsdp_collectives.py`, to_accumulate_grad), so the last
     # micro-batch starts with every sharded gradient and adds none.
@@ -215,20 +235,26 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     host_bytes = 0
     if offloaded:
         # foreach_reduce casts the reduced shard to the parameters' dtype before it goes to the host
-        host_bytes = u.total * storage + u.trainable * storage + optimizer_state_bytes(u.trainable, optimizer, storage)
+        host_bytes = named("offloaded shards, gradients and states", u.total * storage + u.trainable * storage
+                           + optimizer_state_bytes(u.trainable, optimizer, storage))
     # Autograd writes unsharded gradients in the unsharded parameters' dtype (param_dtype);
     # foreach_reduce's reduce_scatter_input is in the reduce dtype.
     return _Sizes(
         num_blocks, offloaded, sharded_params, sharded_grads, states, temporaries,
-        lead_gathered=u.lead * n * gathered, tail_gathered=u.tail * n * gathered, block_gathered=u.block_unsharded * gathered,
-        block_prefetched=(u.block_unsharded - u.block_experts_unsharded) * gathered,
-        block_experts_grads=u.block_experts_trainable_unsharded * gathered,
-        block_experts_reduce_in=u.block_experts_trainable_unsharded * reduce,
-        head_grads=head_numel * gathered, tied_grad=tied_numel * gathered, first_grads=first_numel * gathered,
-        lead_grads=u.lead_trainable * n * gathered, tail_shard_grads=tail_shard_grads,
-        block_grads=u.block_trainable_unsharded * gathered, block_shard_grads=block_shard_grads,
-        block_reduce_in=u.block_trainable_unsharded * reduce, lead_reduce_in=u.lead_trainable * n * reduce,
-        tail_reduce_in=u.tail_trainable * n * reduce, h2d_copy=h2d_copy, reshard=reshard, split=split,
+        lead_gathered=named("unsharded parameters", u.lead * n * gathered),
+        tail_gathered=named("unsharded parameters", u.tail * n * gathered),
+        block_gathered=named("unsharded parameters", u.block_unsharded * gathered),
+        block_prefetched=named("unsharded parameters", (u.block_unsharded - u.block_experts_unsharded) * gathered),
+        block_experts_grads=named("unsharded gradients", u.block_experts_trainable_unsharded * gathered),
+        block_experts_reduce_in=named("reduce-scatter input", u.block_experts_trainable_unsharded * reduce),
+        head_grads=named("unsharded gradients", head_numel * gathered),
+        tied_grad=named("tied head gradient pending in autograd", tied_numel * gathered),
+        first_grads=named("unsharded gradients", first_numel * gathered),
+        lead_grads=named("unsharded gradients", u.lead_trainable * n * gathered), tail_shard_grads=tail_shard_grads,
+        block_grads=named("unsharded gradients", u.block_trainable_unsharded * gathered), block_shard_grads=block_shard_grads,
+        block_reduce_in=named("reduce-scatter input", u.block_trainable_unsharded * reduce),
+        lead_reduce_in=named("reduce-scatter input", u.lead_trainable * n * reduce),
+        tail_reduce_in=named("reduce-scatter input", u.tail_trainable * n * reduce), h2d_copy=h2d_copy, reshard=reshard, split=split,
         lead_kept=lead_kept, lead_regathered=lead_regathered, tail_reshards=split and wrapping.reshard_head,
         last_reshards=reshard and wrapping.reshard_last_block, held_after_blocks=held_after_blocks,
         held_blocks=held_blocks, held_grads=held_grads, accum_lead=accum_lead, accum_tail=accum_tail,
@@ -261,14 +287,18 @@ def _init_params(facts: ModelFacts, setup: Setup, u: _Units, storage: int, on_de
     shard = storage if on_device else 0  # offloaded shards go to the host (CPUOffloadPolicy)
     if init == ModelInit.META:
         return sharded_params
-    block_whole = max((g.params for g in facts.groups if g.role == "block"), default=0) * storage
+    block_whole = named("parameters before sharding", max((g.params for g in facts.groups if g.role == "block"), default=0)
+                        * storage)
     num_blocks = sum(g.count for g in facts.groups if g.role == "block")
-    outside = [(u.lead_params * storage, u.lead * shard)] + ([(u.tail_params * storage, u.tail * shard)] if u.tail else [])
-    blocks_done = num_blocks * u.block * shard
+    outside = ([(named("parameters before sharding", u.lead_params * storage), named("sharded parameters", u.lead * shard))]
+               + ([(named("parameters before sharding", u.tail_params * storage), named("sharded parameters", u.tail * shard))]
+                  if u.tail else []))
+    block_shard = named("sharded parameters", u.block * shard)
+    blocks_done = num_blocks * block_shard
     whole_model = block_whole * num_blocks + sum(whole for whole, _ in outside)
     built = init == ModelInit.DEVICE or setup.device == Device.CPU
-    moments = [whole_model + u.block * shard if built else
-               (num_blocks - 1) * u.block * shard + block_whole + u.block * shard]
+    moments = [whole_model + block_shard if built else
+               (num_blocks - 1) * block_shard + block_whole + block_shard]
     for k, (whole, unit_shard) in enumerate(outside):
         done = blocks_done + sum(s for _, s in outside[:k])
         # built: the units not yet sharded are still whole; host: only the unit being moved is
@@ -331,24 +361,24 @@ def _forward(acts: ActivationBytes | None, z: _Sizes) -> Point:
     earlier = 0 if reshard else max(num_blocks - 1, 0)  # unsharded blocks before the last
     acts_before_last = acts.embedding + max(num_blocks - 1, 0) * acts.saved_per_block if acts else 0
     points = [
-        dict(buffers=2 * lead + h2d_copy, grads=held_grads, activations=acts.embedding if acts else 0),
-        dict(buffers=lead + kept + 2 * block_gathered + h2d_copy, grads=held_grads,
+        dict(buffers=_output(lead) + lead + h2d_copy, grads=held_grads, activations=acts.embedding if acts else 0),
+        dict(buffers=_output(lead) + kept + _output(block_gathered) + block_gathered + h2d_copy, grads=held_grads,
              activations=acts.embedding if acts else 0),
     ]
-    if num_blocks > 1:
-        points.append(dict(buffers=kept + (earlier + 3) * block_gathered + h2d_copy, grads=held_grads,
-                           activations=acts_before_last))
+    if num_blocks > 1:  # the previous block's output, this one's and its copy-out, and under ZeRO-2 the earlier ones
+        points.append(dict(buffers=kept + (earlier + 1) * block_gathered + 2 * _output(block_gathered) + h2d_copy,
+                           grads=held_grads, activations=acts_before_last))
     if acts is not None:
         held_at_end = num_blocks if not reshard else 1
-        points.append(dict(buffers=kept + (held_at_end + 1) * block_gathered, grads=held_grads,
+        points.append(dict(buffers=kept + held_at_end * block_gathered + _output(block_gathered), grads=held_grads,
                            activations=acts.blocks_end_peak))
         # Units split: the [final norm, head] unit copies out next to the last block's all-gather
         # output; its own is then held until the root's post-forward, after the loss.
-        last_gather = block_gathered
+        last_gather = _output(block_gathered)
         if tail:
-            points.append(dict(buffers=kept + (after + 1) * block_gathered + 2 * tail + h2d_copy, grads=held_grads,
-                               activations=acts.blocks_saved))
-            last_gather = 2 * tail
+            points.append(dict(buffers=kept + after * block_gathered + _output(block_gathered) + _output(tail) + tail
+                               + h2d_copy, grads=held_grads, activations=acts.blocks_saved))
+            last_gather = _output(tail) + tail
         points.append(dict(buffers=kept + after * block_gathered + last_gather, grads=held_grads,
                            activations=acts.forward_peak))
     return largest_point(*points)
@@ -375,10 +405,10 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
     points = []
     acts_start = acts.forward_end if acts else 0
     if z.lead_regathered:
-        points.append(dict(buffers=2 * lead + h2d_copy, grads=held_grads, activations=acts_start))
+        points.append(dict(buffers=_output(lead) + lead + h2d_copy, grads=held_grads, activations=acts_start))
     # The last block's all-gather output once prefetched (by the root's pre-backward under units
     # root, by the head's under split), unless it kept its parameters.
-    last_prefetch = z.block_prefetched if z.last_reshards else 0
+    last_prefetch = _output(z.block_prefetched) if z.last_reshards else 0
     if acts is not None:
         # Saved tensors are activations; what backward allocates (the logits' gradients, the
         # recomputed block, gradients in flight, a tied head's pending gradient) is temporaries.
@@ -390,7 +420,7 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         points.append(dict(buffers=loss_buffers, grads=held_grads, activations=acts.forward_end,
                            temporaries=acts.logits_grad))
         if z.tail_reshards:  # the head's pre-backward gathers it again
-            points.append(dict(buffers=loss_buffers + 2 * tail, grads=held_grads, activations=acts.head_backward_saved,
+            points.append(dict(buffers=loss_buffers + _output(tail) + tail, grads=held_grads, activations=acts.head_backward_saved,
                                temporaries=acts.logits_grad))
         # lm_head's backward: the logits' gradient, the head weight's unsharded gradient (a tied
         # one still pending in autograd), the gradient of the final norm's output.
@@ -408,16 +438,16 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
         blocks_held = 1 if reshard else num_blocks - j
         # FSDP2 prefetches the next unit in reverse post-forward order: the previous block, whose experts
         # (EP: a unit of their own, post-forward before their block) come after it
-        prefetch = z.block_prefetched if reshard and j < num_blocks - 1 else 0
+        prefetch = _output(z.block_prefetched) if reshard and j < num_blocks - 1 else 0
         if z.split and reshard and j == num_blocks - 1:
-            prefetch = lead  # block 0's pre-backward prefetches the embeddings
+            prefetch = _output(lead)  # block 0's pre-backward prefetches the embeddings
         # EP: the experts reduce before the rest of their block (a unit of their own), so at the MLP's backward
         # the previous block's dense part's reduce-scatter input is held, at the block's end its experts' is
         experts_grads, experts_reduce_in = z.block_experts_grads, z.block_experts_reduce_in
         dense_reduce_in = block_reduce_in - experts_reduce_in
         held_reduce_in = dense_reduce_in if j else (z.tail_reduce_in if z.split else 0)
         buffers = lead_kept + blocks_held * block_gathered + prefetch + held_reduce_in + h2d_copy
-        experts_resharded = (block_gathered - z.block_prefetched) if reshard else 0
+        experts_resharded = (block_gathered - z.block_prefetched) if reshard else 0  # the experts' unsharded parameters
         end_buffers = buffers - held_reduce_in + experts_reduce_in - experts_resharded if experts_grads else buffers
         points.append(dict(
             buffers=buffers,
@@ -451,7 +481,7 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
     last_reduce_in = block_reduce_in if num_blocks else (z.tail_reduce_in if z.split else 0)
     if z.split and reshard:
         # The embeddings' pre-backward copies out their prefetched all-gather output.
-        points.append(dict(buffers=2 * lead + last_reduce_in, grads=accum_left + blocks_done,
+        points.append(dict(buffers=_output(lead) + lead + last_reduce_in, grads=accum_left + blocks_done,
                            temporaries=(acts.block_input_grad if acts else 0)))
     # The embedding's backward, the last before the lead's post-backward: its weight gradient
     # (aten embedding_dense_backward). A tied weight's two gradients meet in autograd's input

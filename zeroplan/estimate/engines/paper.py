@@ -16,7 +16,14 @@ from zeroplan.estimate.dtypes import StateBytes
 from zeroplan.estimate.engines.common import EngineEstimate, Setup, phase
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, Step
+from zeroplan.estimate.terms import named, register
 from zeroplan.spec.training import Offload
+
+register({
+    "parameters (ZeRO paper)": "Rajbhandari et al. 2020 section 5, Table 1 (2Psi, /N_d at stage 3)",
+    "gradients (ZeRO paper)": "Rajbhandari et al. 2020 section 5, Table 1 (2Psi, /N_d from stage 2)",
+    "optimizer states (ZeRO paper)": "Rajbhandari et al. 2020 section 5, Table 1 (K Psi, /N_d from stage 1)",
+})
 
 
 def estimate_paper(facts: ModelFacts, setup: Setup, dtypes: StateBytes) -> EngineEstimate:
@@ -42,7 +49,9 @@ def estimate_paper(facts: ModelFacts, setup: Setup, dtypes: StateBytes) -> Engin
             nvme += params
         params = 0
     gpus_per_node = setup.node_gpus
-    only = phase(Step.STEADY, Phase.OPTIMIZER_STEP, params=int(params), grads=int(grads), optimizer_states=int(states))
+    only = phase(Step.STEADY, Phase.OPTIMIZER_STEP, params=named("parameters (ZeRO paper)", int(params)),
+                 grads=named("gradients (ZeRO paper)", int(grads)),
+                 optimizer_states=named("optimizer states (ZeRO paper)", int(states)))
     per_node = NodeBytes(cpu_bytes=int(host * gpus_per_node), pinned_bytes=0, nvme_bytes=int(nvme * gpus_per_node))
     note = "paper engine: model states only (ZeRO paper Table 1 accounting); no activations, buffers or overhead"
     return EngineEstimate((only,), per_node, (note,))

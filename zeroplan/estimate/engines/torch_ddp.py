@@ -31,8 +31,15 @@ from zeroplan.estimate.engines.common import (
 )
 from zeroplan.estimate.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
+from zeroplan.estimate.terms import named, register
 from zeroplan.spec.program import Recipe
 from zeroplan.spec.training import Precision
+
+register({
+    "parameters": "torch/nn/modules/module.py (the model's parameters, on every rank under DDP)",
+    "DDP reducer buckets": "torch/csrc/distributed/c10d/reducer.cpp Reducer::initialize_buckets",
+    "DDP output clones": "torch/nn/parallel/distributed.py _DDPSink (docs/engines/torch.md)",
+})
 
 
 def zero_redundancy_shards(numels: list[int], world_size: int) -> list[list[int]]:
@@ -47,7 +54,7 @@ def zero_redundancy_shards(numels: list[int], world_size: int) -> list[list[int]
 
 
 @memo(maxsize=1024)  # a greedy walk over every tensor: torch-engine plans take 3-20x longer without it
-def _largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[int, ...]:
+def largest_local_shard(facts: ModelFacts, world_size: int) -> tuple[int, ...]:
     """The trainable tensors of the rank with the most elements (all of them without sharding)."""
     numels = facts.trainable_numels() or [facts.trainable_params]
     if world_size == 1:
@@ -66,19 +73,19 @@ def _trainer_output_clones(setup: Setup, acts: ActivationBytes) -> int:
     if program.recipe != Recipe.HF_TRAINER or not program.ddp or acts.recompute_block:
         return 0
     fp32_logits = acts.loss_saved  # log_softmax's saved output: the logits' shape in fp32
-    return acts.forward_end + 2 * fp32_logits
+    return acts.forward_end + named("DDP output clones", 2 * int(fp32_logits))
 
 
 def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None) -> EngineEstimate:
     element = HALF_BYTES if setup.precision == Precision.PURE_BF16 else FP32_BYTES
-    local = _largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1)
-    params = facts.total_params * element
-    grads = facts.trainable_params * element
+    local = largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1)
+    params = named("parameters", facts.total_params * element)
+    grads = named("gradients (.grad)", facts.trainable_params * element)
     # DDP reducer buckets, allocated at wrap time; a single rank without the wrapper has none
-    buckets = facts.trainable_params * element if setup.program.ddp else 0
-    states = optimizer_state_bytes(sum(local), setup.optimizer, element)
-    temporaries = step_temporary_bytes(max(local, default=0), sum(local), element, setup.optimizer,
-                                       setup.program.optimizer_impl)
+    buckets = named("DDP reducer buckets", facts.trainable_params * element if setup.program.ddp else 0)
+    states = named("optimizer states", optimizer_state_bytes(sum(local), setup.optimizer, element))
+    temporaries = named("optimizer step temporaries", step_temporary_bytes(
+        max(local, default=0), sum(local), element, setup.optimizer, setup.program.optimizer_impl))
     if setup.program.optimizer_in_backward:
         notes = [] if setup.zero_stage == 0 else ["ZeroRedundancyOptimizer on one rank holds every state"]
         return EngineEstimate(tuple(_in_backward_phases(facts, setup, acts, element, params, buckets)), NodeBytes(),
@@ -101,15 +108,16 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
         phases.append(phase(step, Phase.FORWARD, **base, grads=grads_before, activations=forward))
         # Backward's moments: the loss's, each block's (linear in the blocks done between the
         # ends), the end with every .grad present (docs/engines/torch.md).
-        points = [dict(grads=grads, temporaries=2 * tied_numel * element)]
+        tied = named("tied head gradient pending in autograd", tied_numel * element)
+        points = [dict(grads=grads, temporaries=2 * tied)]
         if acts is not None:
             points.append(dict(grads=grads_before, activations=acts.forward_end, temporaries=acts.logits_grad))
-            points.append(dict(grads=max(grads_before, head_numel * element), activations=acts.head_backward_saved,
-                               temporaries=acts.head_backward_temporary + tied_numel * element))
+            points.append(dict(grads=max(grads_before, named("gradients (.grad)", head_numel * element)),
+                               activations=acts.head_backward_saved, temporaries=acts.head_backward_temporary + tied))
             for j in acts.backward_blocks():
-                done = (head_numel + first_numel + j * block_numel) * element
+                done = named("gradients (.grad)", (head_numel + first_numel + j * block_numel) * element)
                 points.append(dict(grads=max(grads_before, done), activations=acts.block_backward_saved(num_blocks - j),
-                                   temporaries=acts.block_backward_temporary_at(num_blocks - j) + tied_numel * element))
+                                   temporaries=acts.block_backward_temporary_at(num_blocks - j) + tied))
         worst = largest_point(*points)
         phases.append(phase(step, Phase.BACKWARD, **base, **worst))
         phases.append(
@@ -136,16 +144,17 @@ def _in_backward_phases(facts: ModelFacts, setup: Setup, acts: ActivationBytes |
 
     def stepping(numel: int) -> tuple[int, int]:
         """(.grad, step temporaries) of one parameter of `numel` elements in its hook."""
-        return numel * element, step_temporary_bytes(numel, numel, element, setup.optimizer, impl)
+        return (named("gradients (.grad)", numel * element),
+                named("optimizer step temporaries", step_temporary_bytes(numel, numel, element, setup.optimizer, impl)))
 
     def states_of(numel: int) -> int:
-        return optimizer_state_bytes(numel, setup.optimizer, element)
+        return named("optimizer states", optimizer_state_bytes(numel, setup.optimizer, element))
 
     all_states = states_of(facts.trainable_params)
     head_params = sum(g.trainable_params for g in trainable if g.role == "final")
     block_params = max((g.trainable_params for g in trainable if g.role == "block"), default=0)
     _, tied_numel, _ = early_gradients(facts)
-    tied = tied_numel * element
+    tied = named("tied head gradient pending in autograd", tied_numel * element)
     num_blocks = acts.num_blocks if acts else 0
     phases = []
     for step in (Step.FIRST, Step.STEADY):

@@ -31,12 +31,7 @@ from typing import TYPE_CHECKING, Any
 from zeroplan.importers.deepspeed_json import write_deepspeed_config
 from zeroplan.errors import MeasureError, MissingDependencyError
 from zeroplan.measure.deepspeed_build import EXTENSIONS_ENV, extensions_dir, ops_dir, torch_env  # noqa: F401 - re-exported
-from zeroplan.measure.engines import (
-    RunContext,
-    make_optimizer,
-    module_buffers,
-    optimizer_class_and_kwargs,
-)
+from zeroplan.measure.engines.common import RunContext, make_optimizer, module_buffers, optimizer_class_and_kwargs
 from zeroplan.spec.training import Offload, Optimizer, Precision, TrainingSpec
 
 if TYPE_CHECKING:  # imported where used: the launcher checks a --config with `user_config`, without torch

@@ -22,21 +22,14 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from zeroplan.measure.engines import (
-    RunContext,
-    TorchOptimizerSteps,
-    make_optimizer,
-    module_buffers,
-    optimizer_state_tensors,
-    transformer_blocks,
-)
+from zeroplan.measure.engines.common import RunContext, TorchOptimizerSteps, make_optimizer, module_buffers, optimizer_state_tensors, transformer_blocks
 from zeroplan.spec.program import FSDP2Units, GradSync
 from zeroplan.spec.training import Offload, Precision, TrainingSpec
 
 _PARAM_DTYPE = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
-def _policies(training: TrainingSpec, ctx: RunContext) -> dict:
+def policies(training: TrainingSpec, ctx: RunContext) -> dict:
     dtype = _PARAM_DTYPE.get(training.precision)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     offload = training.offload_optimizer == Offload.CPU or training.offload_params == Offload.CPU
@@ -44,15 +37,21 @@ def _policies(training: TrainingSpec, ctx: RunContext) -> dict:
     return {"mp_policy": mp_policy, "offload_policy": offload_policy}
 
 
-def _device_mesh(ctx: RunContext):
+def _device_mesh(training: TrainingSpec, ctx: RunContext):
+    """The ranks fully_shard shards over: all of them, or under HSDP (dp_replicate > 1: measure/mesh_rules.py
+    `is_adapted_hsdp`) a 2-D (dp_replicate, dp_shard) mesh, which fully_shard replicates over its first dimension
+    and shards over its second (torch/distributed/fsdp/_fully_shard/_fully_shard.py, HSDP)."""
+    replicas = training.mesh.dp_replicate
+    shape, names = ((ctx.world_size,), None) if replicas == 1 else ((replicas, ctx.world_size // replicas),
+                                                                     ("dp_replicate", "dp_shard"))
     if not ctx.is_fake:
-        return init_device_mesh(ctx.device.type, (ctx.world_size,))
+        return init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
     # DeviceMesh reads its rank layout back from a tensor (.tolist()), which a fake tensor
     # cannot give: build the mesh from real tensors.
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return init_device_mesh(ctx.device.type, (ctx.world_size,))
+        return init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
 
 
 class FSDP2Runner(TorchOptimizerSteps):
@@ -61,16 +60,16 @@ class FSDP2Runner(TorchOptimizerSteps):
         self.grad_accum = training.grad_accum
         self._micro = 0
         self.sync_every = training.program.grad_sync == GradSync.EVERY
-        mesh = _device_mesh(ctx)
+        mesh = _device_mesh(training, ctx)
         reshard = training.zero_stage == 3
         wrapping = training.fsdp2_wrapping
-        policies = _policies(training, ctx)
+        policies = policies(training, ctx)
         blocks = transformer_blocks(model)
         for i, block in enumerate(blocks):
             last = i == len(blocks) - 1
             fully_shard(block, mesh=mesh, reshard_after_forward=wrapping.reshard_last_block if last else reshard, **policies)
         if wrapping.units == FSDP2Units.SPLIT:
-            embeddings, head = _outer_modules(model)
+            embeddings, head = outer_modules(model)
             if any(p is q for p in head[-1].parameters() for q in embeddings[0].parameters()):  # tied
                 fully_shard(embeddings + head, mesh=mesh, reshard_after_forward=wrapping.reshard_head, **policies)
             else:
@@ -101,7 +100,7 @@ class FSDP2Runner(TorchOptimizerSteps):
         return fsdp2_tensors(self.model, self.optimizer)
 
 
-def _outer_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+def outer_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
     """The embeddings (tokens, then learned positions) and [final norm, output head] of a workload
     model, Hugging Face or reference (`zeroplan.measure.workload`)."""
     lm = model.lm

@@ -18,17 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure.accounting import births_as
-from zeroplan.measure.engines import (
-    OptimizerInBackward,
-    RunContext,
-    TorchOptimizerSteps,
-    gradients,
-    make_optimizer,
-    materialize,
-    module_buffers,
-    optimizer_class_and_kwargs,
-    optimizer_state_tensors,
-)
+from zeroplan.measure.engines.common import materialize, OptimizerInBackward, RunContext, TorchOptimizerSteps, gradients, make_optimizer, module_buffers, optimizer_class_and_kwargs, optimizer_state_tensors
 from zeroplan.spec.program import GradSync
 from zeroplan.spec.training import Precision, TrainingSpec
 

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 
 from zeroplan.errors import MeasureError
-from zeroplan.measure.engines import RunContext, module_buffers, optimizer_class_and_kwargs
+from zeroplan.measure.engines.common import RunContext, module_buffers, optimizer_class_and_kwargs
 from zeroplan.measure.processes import run_folder
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.program import ModelInit, OptimizerImpl

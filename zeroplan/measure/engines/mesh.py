@@ -40,14 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeroplan.errors import MeasureError
-from zeroplan.measure.engines import (
-    RunContext,
-    TorchOptimizerSteps,
-    gradients,
-    make_optimizer,
-    module_buffers,
-    optimizer_state_tensors,
-)
+from zeroplan.measure.engines.common import RunContext, TorchOptimizerSteps, gradients, make_optimizer, module_buffers, optimizer_state_tensors
 from zeroplan.measure.mesh_rules import MESH_DIMS
 from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.training import Precision, TrainingSpec

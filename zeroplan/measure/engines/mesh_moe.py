@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroplan.errors import MeasureError
-from zeroplan.measure.engines import RunContext, TorchOptimizerSteps, make_optimizer, transformer_blocks
+from zeroplan.measure.engines.common import RunContext, TorchOptimizerSteps, make_optimizer, transformer_blocks
 from zeroplan.measure.grid_ep import IMBALANCE_NOTE
 from zeroplan.spec.training import TrainingSpec
 
@@ -123,14 +123,14 @@ def _shard_outer_units(model: nn.Module, mesh, training: TrainingSpec, policies:
     torchtitan's split units, or the root holding all three)."""
     from torch.distributed.fsdp import fully_shard
 
-    from zeroplan.measure.engines.fsdp2_engine import _outer_modules
+    from zeroplan.measure.engines.fsdp2_engine import outer_modules
     from zeroplan.spec.program import FSDP2Units
 
     wrapping = training.fsdp2_wrapping
     if wrapping.units != FSDP2Units.SPLIT:
         fully_shard(model, mesh=mesh, reshard_after_forward=wrapping.reshard_root, **policies)
         return
-    embeddings, head = _outer_modules(model)
+    embeddings, head = outer_modules(model)
     if any(p is q for p in head[-1].parameters() for q in embeddings[0].parameters()):  # tied: one unit
         fully_shard(embeddings + head, mesh=mesh, reshard_after_forward=wrapping.reshard_head, **policies)
     else:
@@ -151,7 +151,7 @@ class ExpertParallelRunner(TorchOptimizerSteps):
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import Shard
 
-        from zeroplan.measure.engines.fsdp2_engine import _policies
+        from zeroplan.measure.engines.fsdp2_engine import policies
 
         if not getattr(model, "hf", False):
             raise MeasureError("implementation: expert parallelism is measured on the transformers MoE model; "
@@ -160,7 +160,7 @@ class ExpertParallelRunner(TorchOptimizerSteps):
         self.grad_accum, self._micro = training.grad_accum, 0
         dense, sparse = ep_meshes(training, ctx)
         self.counters: list[list[int]] = []
-        policies = _policies(training, ctx)
+        policies = policies(training, ctx)
         reshard, wrapping = training.zero_stage == 3, training.fsdp2_wrapping
         blocks = transformer_blocks(model)
         efsdp_mesh = sparse["efsdp"]

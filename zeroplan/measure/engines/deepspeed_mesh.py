@@ -30,11 +30,11 @@ from zeroplan.spec.training import TrainingSpec
 if TYPE_CHECKING:
     import torch
 
-    from zeroplan.measure.engines import RunContext
+    from zeroplan.measure.engines.common import RunContext
 
 
 def is_deepspeed_mesh(training: TrainingSpec) -> bool:
-    """A DeepSpeed run with tp or cp above one: this module runs it, not measure/mesh.py."""
+    """A DeepSpeed run with tp or cp above one: this module runs it, not measure/engines/mesh.py."""
     return training.engine.value == "deepspeed" and not training.mesh.is_trivial
 
 
@@ -66,7 +66,7 @@ class DeepSpeedMeshRunner:
     """`deepspeed.initialize` over the Hugging Face module with AutoTP or Ulysses switched on."""
 
     def __init__(self, model: torch.nn.Module, training: TrainingSpec, ctx: RunContext):
-        from zeroplan.measure.engines import deepspeed_engine
+        import zeroplan.measure.engines.deepspeed_engine as deepspeed_engine
 
         if ctx.is_fake:
             raise MeasureError("engine deepspeed cannot run under --simulate (it needs real tensors); use --engine fsdp2")

@@ -1,0 +1,63 @@
+"""The adapters in a rank's profile (issue 12): the frozen base as bitsandbytes stores it in place of the
+engine's count of it, the Trainer's fp32 adapters under ZeRO-3, modules_to_save copies in the base's
+dtype, and the peak's params split into base and adapter bytes. The engine profile counts every
+parameter in its own dtype; these terms say what the adapted program holds instead (estimate/lora.py,
+docs/engines/lora.md). `setup` is the rank's: its `gpus` are the ranks that shard (HSDP shards over
+dp_shard only)."""
+
+from __future__ import annotations
+
+import zeroplan.estimate.lora as lora
+from zeroplan.estimate.engines.common import EngineEstimate, Setup
+from zeroplan.estimate.dtypes import state_bytes
+from zeroplan.estimate.facts import ModelFacts
+from zeroplan.estimate.result import ParamParts, PhaseBytes, Step
+from zeroplan.spec.model import TransformerSpec
+from zeroplan.spec.training import TrainingSpec
+
+
+def with_adapters(result: EngineEstimate, facts: ModelFacts, model: TransformerSpec, training: TrainingSpec,
+                  setup: Setup) -> EngineEstimate:
+    """The engine's phases with the base stored as `training.quant` says, the fp32 adapters and the copies."""
+    param = state_bytes(training.precision, training.optimizer).param
+    delta = lora.base_params_delta(model, training, param, setup.gpus)
+    copies = None
+    copy_element = lora.saved_copy_element(training)
+    if copy_element is not None:
+        import zeroplan.estimate.lora_saved as lora_saved
+
+        copies = lora_saved.saved_copy_bytes(facts, training, setup, copy_element)
+    full_grads = max(p.categories.grads for p in result.phases)
+    phases = []
+    for p in result.phases:
+        categories = p.categories._replace(params=max(0, p.categories.params + delta
+                                                      + _fp32_adapters(facts, training, param, p.step, setup.gpus)))
+        if copies is not None:
+            categories = lora_saved.with_saved_copies(categories, p.phase, copies, full_grads)
+        phases.append(PhaseBytes(p.step, p.phase, categories))
+    return result._replace(phases=tuple(phases))
+
+
+def adapter_param_parts(phases: tuple[PhaseBytes, ...], facts: ModelFacts, training: TrainingSpec,
+                        setup: Setup) -> ParamParts:
+    """The peak's params as the frozen base's bytes and what trains (adapters, DoRA magnitudes, copies)."""
+    param = state_bytes(training.precision, training.optimizer).param
+    peak = max(phases, key=lambda p: p.total_bytes)
+    adapter = min(peak.categories.params, lora.adapter_param_bytes(facts, training, param, peak.step == Step.STEADY,
+                                                                   setup.gpus)
+                  + _fp32_adapters(facts, training, param, peak.step, setup.gpus))
+    return ParamParts(peak.categories.params - adapter, adapter)
+
+
+def lora_notes(model: TransformerSpec, training: TrainingSpec, facts: ModelFacts) -> tuple[str, ...]:
+    return lora.lora_notes(model, training, facts)
+
+
+def _fp32_adapters(facts: ModelFacts, training: TrainingSpec, param: int, step: Step, shard_ranks: int) -> int:
+    """The Trainer's adapters kept fp32 under DeepSpeed ZeRO-3 (estimate/lora_trainer.py)."""
+    import zeroplan.estimate.lora_trainer as lora_trainer
+
+    if not lora_trainer.adapters_stay_fp32(training):
+        return 0
+    return lora_trainer.adapter_params_delta(lora.adapter_param_bytes(facts, training, param, step == Step.STEADY,
+                                                                      shard_ranks), training)

@@ -1,0 +1,299 @@
+"""The one estimate pipeline: every estimate is a mesh, of ones on plain data parallelism, and each of its
+rank kinds goes through the same steps, in this order:
+
+1. what the rank holds (`ModelFacts`): the model's layout with adapters (estimate/facts.py), cut by the
+   mesh's tp, ep and pipeline stage (estimate/mesh.py `held`);
+2. its activations: one micro-batch of its tokens through its blocks (estimate/activations.py), as the
+   adapters (estimate/lora.py) and the mesh (sequence, context and expert parallelism, the pipeline's
+   micro-batches in flight: estimate/mesh.py `rank_activations`) change them;
+3. the engine's profile over those (estimate/engines/), with the data-parallel world the mesh leaves it;
+4. what the program adds around the engine: the adapters' storage, the TP embedding's gradient, a looped
+   pipeline schedule's walk, the mesh's communication buffers, the CUDA context, host bytes.
+Each step names its bytes (estimate/terms.py); the phases are folds of those terms (estimate/ledger.py).
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any, NamedTuple
+
+from zeroplan.estimate.activations import ActivationBytes, activation_bytes, attention_kernel, memory_checkpointing
+from zeroplan.estimate.caches import memo
+from zeroplan.estimate.dtypes import state_bytes
+from zeroplan.estimate.engines.common import EngineEstimate, Setup, setup_of
+from zeroplan.estimate.engines.deepspeed_mesh import autotp_training
+from zeroplan.estimate.facts import ModelFacts, model_facts
+from zeroplan.estimate.ledger import fold
+from zeroplan.estimate.lora import kbit_activation_bytes, lora_activations
+from zeroplan.estimate.mesh import (MeshBuffers, held, looped_schedule_phases, mesh_buffers, rank_activations, rank_kinds,
+                                    rank_setup, with_buffers)
+from zeroplan.estimate.overhead import overhead_bytes
+from zeroplan.estimate.result import (Estimate, MeshEstimate, ModelSummary, NodeBytes, ParamParts, PhaseBytes,
+                                      RankEstimate, RankKind)
+from zeroplan.estimate.terms import naming
+from zeroplan.spec.mesh import PPSchedule, check_mesh
+from zeroplan.spec.model import ModelSpec, TransformerSpec
+from zeroplan.spec.training import Attention, Device, Engine, TrainingSpec
+
+IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, with the model's dropout rates
+_IMPLEMENTATIONS = {attention: f"{IMPLEMENTATION}/{attention.value}" for attention in Attention}
+# engine -> (module under zeroplan.estimate.engines, its profile function). A module is imported
+# when its engine is first estimated: a command estimates one engine, and importing the others
+# cost a tenth of `zeroplan estimate`'s start-up (bench/results/estimate_speed.md).
+_PROFILES = {Engine.DEEPSPEED: ("deepspeed", "estimate_deepspeed"), Engine.FSDP2: ("fsdp2", "estimate_fsdp2"),
+             Engine.TORCH: ("torch_ddp", "estimate_torch"), Engine.PAPER: ("paper", "estimate_paper")}
+_LOADED: dict[Engine, Any] = {}
+_NO_BUFFERS = MeshBuffers(0, 0, 0)
+
+
+def engine_profile(engine: Engine) -> Any:
+    """The profile function of `engine` (estimate/engines/), imported at its first use."""
+    profile = _LOADED.get(engine)
+    if profile is None:
+        module, function = _PROFILES[engine]
+        profile = _LOADED[engine] = getattr(import_module(f"zeroplan.estimate.engines.{module}"), function)
+    return profile
+
+
+class EngineRun(NamedTuple):
+    """Steps 1-3 for one rank kind: what it holds, its activations, and the engine's profile over them."""
+
+    facts: ModelFacts
+    acts: ActivationBytes | None
+    engine: Engine  # the engine the rank runs (a mesh rank with nothing to shard steps as plain torch)
+    setup: Setup
+    result: EngineEstimate
+    notes: tuple[str, ...]
+
+
+class Profile(NamedTuple):
+    """One rank kind's phases (its ledger's folds once `fold`ed), per-node bytes and notes."""
+
+    facts: ModelFacts
+    kind: RankKind  # with the micro-batches in flight at a looped schedule's peak
+    phases: tuple[PhaseBytes, ...]  # every step's phases, overhead and mesh buffers included
+    per_node: NodeBytes
+    notes: tuple[str, ...]
+    param_parts: ParamParts | None  # with LoRA: the peak's params as base + adapter bytes
+
+
+def single_kind(model: ModelSpec) -> RankKind:
+    """The one rank kind of plain data parallelism: every block, the embedding and the head."""
+    return RankKind(0, (0,), getattr(model, "num_layers", 0), True, True, 1)
+
+
+def _program_notes(model: ModelSpec, training: TrainingSpec) -> tuple[str, ...]:
+    """What the estimate says of the program: a model known by its count, checkpointing that changes no
+    byte (issue 11), the CPU math path of attention dropout."""
+    if not isinstance(model, TransformerSpec):
+        return ("model given by parameter count: activations are not estimated",)
+    notes: tuple[str, ...] = ()
+    if memory_checkpointing(training, model) != training.checkpointing:
+        notes = ("checkpointing selective keeps what none keeps here: the fused attention kernel saves no attention "
+                 "scores for the recomputation to spare; op (torchtitan's per-op policy) or full keep less",)
+    elif training.checkpoint_every and training.checkpoint_every > model.num_layers:
+        notes = (f"checkpoint_every {training.checkpoint_every} exceeds the {model.num_layers} blocks: no block is "
+                 "checkpointed",)
+    if attention_kernel(model, training) == "math":
+        notes += ("attention dropout on cpu: SDPA has no fused kernel with dropout there, so its math path "
+                  "runs and keeps the attention matrices (fp32)",)
+    return notes
+
+
+def _adapted(training: TrainingSpec) -> Any:
+    """The adapters' change to a rank's activations (estimate/lora.py), or None without LoRA."""
+    if training.lora is None:
+        return None
+    return lambda acts, local_model, local_training: lora_activations(
+        acts, local_model, local_training, kbit_activation_bytes(local_training, state_bytes(
+            local_training.precision, local_training.optimizer).activation))
+
+
+def _single_run(model: ModelSpec, training: TrainingSpec) -> EngineRun:
+    """Steps 1-3 on plain data parallelism: the whole model, every rank alike."""
+    facts = model_facts(model, training)
+    dtypes = state_bytes(training.precision, training.optimizer)
+    acts = None
+    if isinstance(model, TransformerSpec):
+        activation = kbit_activation_bytes(training, dtypes.activation)  # estimate/lora.py
+        acts = activation_bytes(model, training, activation)
+        if training.lora is not None:
+            acts = lora_activations(acts, model, training, activation)  # estimate/lora.py
+    setup = setup_of(training)
+    if training.engine == Engine.PAPER:
+        result = engine_profile(Engine.PAPER)(facts, setup, dtypes)
+    else:
+        result = engine_profile(training.engine)(facts, setup, acts)
+    return EngineRun(facts, acts, training.engine, setup, result, _program_notes(model, training))
+
+
+@memo(maxsize=64)  # every micro-batch and checkpointing choice of a mesh plan asks for the same rank kinds
+def _mesh_run(model: TransformerSpec, training: TrainingSpec, shape: RankKind) -> EngineRun:
+    """Steps 1-3 for one rank kind of a mesh (`shape`: the kind as its profile reads it)."""
+    dtypes = state_bytes(training.precision, training.optimizer)
+    adapted = _adapted(training)
+    facts = model_facts(model, training) if adapted else held(model, training, shape)
+    activation = kbit_activation_bytes(training, dtypes.activation)
+    acts = rank_activations(model, training, shape, activation, adapted)
+    engine, setup = rank_setup(training)
+    return EngineRun(facts, acts, engine, setup, engine_profile(engine)(facts, setup, acts),
+                     _program_notes(model, training))
+
+
+def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro_batches: int,
+                 bounded: tuple[RankKind, ...] = ()) -> Profile | None:
+    """One rank kind's profile (the module docstring's steps); with `bounded`, phases no lower than any of
+    theirs (middle ranks of a looped schedule, `middle_ranks_peak_bound`), or None where that does not apply."""
+    trivial = training.mesh.is_trivial
+    if not trivial and training.engine == Engine.DEEPSPEED:  # AutoTP's plan is not torchtitan's (engines/deepspeed_mesh.py)
+        training = autotp_training(training)
+    mesh = training.mesh
+    if trivial:
+        run = _single_run(model, training)
+    else:
+        # the profile reads the kind's ends, layers, stage count and (one stage per rank) micro-batches in flight
+        # only: the middle ranks of a looped schedule share it and differ in their walk alone
+        shape = kind._replace(pp_rank=0, stages=tuple(range(len(kind.stages))),
+                              in_flight=0 if mesh.pp_schedule.looped and mesh.pp > 1 else kind.in_flight)
+        run = _mesh_run(model, training, shape)
+    facts, result = run.facts, run.result
+    notes = run.notes
+    if training.lora is not None and isinstance(model, TransformerSpec):
+        from zeroplan.estimate.lora_program import lora_notes, with_adapters
+
+        result = with_adapters(result, facts, model, training, run.setup)
+        notes += lora_notes(model, training, facts)
+    dtypes = state_bytes(training.precision, training.optimizer)
+    if (not trivial and kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2
+            and run.engine == Engine.TORCH):
+        # without FSDP2 (mesh.py `rank_setup`) the rowwise embedding's Replicate gradient stays whole until
+        # zero_grad (estimate/tp_embedding.py)
+        from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
+
+        extra = replicated_embedding_grad_bytes(model, mesh, dtypes.grad)
+        result = result._replace(phases=with_replicated_embedding_grad(result.phases, extra,
+                                                                       facts.trainable_params * dtypes.grad))
+    if mesh.pp > 1 and mesh.pp_schedule.looped:
+        looped = looped_schedule_phases(model, training, kind, facts, run.acts, result.phases, dtypes.activation,
+                                        micro_batches, bounded)
+        if looped is None:
+            return None
+        result, kind = result._replace(phases=looped[0]), kind._replace(in_flight=looped[1])  # the walk's count at its peak
+    buffers = _NO_BUFFERS if trivial else mesh_buffers(model, training, kind, dtypes.activation, micro_batches)
+    overhead = 0 if training.engine == Engine.PAPER else overhead_bytes(training)
+    phases = with_buffers(result.phases, buffers, overhead)
+    per_node = result.per_node
+    if run.acts is not None and run.acts.offloaded:
+        per_node, offload_notes = _with_offloaded_activations(per_node, run.acts.host_bytes, training)
+        notes += offload_notes
+    notes += result.notes
+    parts = None
+    if training.lora is not None and isinstance(model, TransformerSpec):
+        from zeroplan.estimate.lora_program import adapter_param_parts
+
+        parts = adapter_param_parts(phases, facts, training, run.setup)
+    return Profile(facts, kind, phases, per_node, notes, parts)
+
+
+def _with_offloaded_activations(per_node: NodeBytes, host_bytes: int, training: TrainingSpec) -> tuple[NodeBytes, tuple[str, ...]]:
+    """Add the activations offloaded to the host (pinned: torchtune OffloadActivations(use_pin_memory=True))
+    to the engine's per-node host bytes."""
+    node = host_bytes * training.node_gpus
+    cpu_run = training.device == Device.CPU
+    per_node = per_node._replace(cpu_bytes=per_node.cpu_bytes + node,
+                                 pinned_bytes=per_node.pinned_bytes + (0 if cpu_run else node))
+    notes: tuple[str, ...] = ()
+    if cpu_run:
+        notes = (f"CPU run: the {host_bytes:,} bytes of activations offloaded per rank are host copies, counted apart "
+                 "from the device as on GPUs (zeroplan measure counts them apart too)",)
+    return per_node, notes
+
+
+def estimate_of(model: ModelSpec, training: TrainingSpec, profile: Profile) -> Estimate:
+    """The rank's `Estimate`: its phases folded from their terms (and its ledger, in naming mode)."""
+    whole = model_facts(model, training)
+    summary = ModelSummary(whole.name, whole.total_params, whole.trainable_params,
+                           _IMPLEMENTATIONS[training.attention] if isinstance(model, TransformerSpec)
+                           else "parameter count only")
+    folded = fold(profile.phases, profile.per_node)
+    parts = profile.param_parts
+    if parts is not None:
+        parts = ParamParts(int(parts.base_bytes), int(parts.adapter_bytes))
+    return Estimate(summary, training.engine.value, folded.phases, folded.per_node, profile.notes, parts, folded.ledger)
+
+
+def rank_estimate(model: ModelSpec, training: TrainingSpec, kind: RankKind) -> RankEstimate:
+    """One rank kind of a mesh `check_mesh` passed (the planner estimates only the kinds that can be the worst)."""
+    return _rank_estimate(model, training, kind, training.grad_accum if training.mesh.pp > 1 else 1)
+
+
+def _rank_estimate(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro_batches: int) -> RankEstimate:
+    profile = profile_rank(model, training, kind, micro_batches)
+    return RankEstimate(profile.kind, training.gpus // training.mesh.pp, int(profile.facts.total_params),
+                        estimate_of(model, training, profile))
+
+
+def _micro_batches(training: TrainingSpec) -> int:
+    return training.grad_accum if training.mesh.pp > 1 else 1
+
+
+def _kinds(model: ModelSpec, training: TrainingSpec) -> list[RankKind]:
+    if training.mesh.is_trivial:
+        return [single_kind(model)]
+    check_mesh(model, training)
+    return rank_kinds(model, training.mesh, _micro_batches(training))
+
+
+def estimate_mesh(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
+    """Each distinct rank kind of `training.mesh` (one on plain data parallelism), estimated with its ledger."""
+    with naming():
+        return estimate_mesh_unnamed(model, training)
+
+
+def estimate_mesh_unnamed(model: ModelSpec, training: TrainingSpec) -> MeshEstimate:
+    """`estimate_mesh` in the current naming mode: without ledgers in the planner's fast mode, the same bytes."""
+    micro_batches = _micro_batches(training)
+    return MeshEstimate(training.mesh, tuple(_rank_estimate(model, training, kind, micro_batches)
+                                             for kind in _kinds(model, training)))
+
+
+def estimate_mesh_within(model: ModelSpec, training: TrainingSpec, budget_bytes: int) -> MeshEstimate | None:
+    """`estimate_mesh(model, training)` (without ledgers) if its worst rank fits `budget_bytes`, else None. The worst
+    rank's peak is the largest, so the first rank over the budget decides: the ends of the pipeline (the most
+    micro-batches in flight, the logits) are estimated first and the rest only when those fit."""
+    kinds = _kinds(model, training)
+    micro_batches = _micro_batches(training)
+    ends_first = [0, len(kinds) - 1] + list(range(1, len(kinds) - 1))
+    ranks: dict[int, RankEstimate] = {}
+    for index in ends_first:
+        if index not in ranks:
+            ranks[index] = _rank_estimate(model, training, kinds[index], micro_batches)
+            if ranks[index].estimate.peak_bytes > budget_bytes:
+                return None
+    return MeshEstimate(training.mesh, tuple(ranks[index] for index in range(len(kinds))))
+
+
+def worst_rank_estimate(model: ModelSpec, training: TrainingSpec) -> Estimate:
+    """The estimate of the rank with the highest peak: what decides whether a mesh fits (`zeroplan compare`)."""
+    return estimate_mesh(model, training).worst.estimate
+
+
+def middle_ranks_peak_bound(model: TransformerSpec, training: TrainingSpec, kinds: tuple[RankKind, ...]) -> int | None:
+    """A peak no rank of `kinds` is above, from one walk of the schedule for them all (mesh.py `envelope_walk`):
+    `kinds` are middle ranks (neither embedding nor head) of one ScheduleInterleaved1F1B mesh with the same layers
+    and stages, so that they share one engine profile and differ in their walks alone (`profile_rank`). None where
+    that does not hold, or a chunk's bytes are negative (the envelope's argument needs them not to be)."""
+    mesh = training.mesh
+    if (mesh.pp < 2 or mesh.pp_schedule != PPSchedule.INTERLEAVED_1F1B or not kinds
+            or any(kind.embedding or kind.head or (kind.layers, len(kind.stages)) != (kinds[0].layers, len(kinds[0].stages))
+                   for kind in kinds)):
+        return None
+    found = profile_rank(model, training, kinds[0], training.grad_accum, bounded=kinds)
+    return None if found is None else max(phase.total_bytes for phase in found.phases)
+
+
+def rank_params(model: TransformerSpec, training: TrainingSpec, kind: RankKind) -> int:
+    """`RankEstimate.params` of a rank of `kind`, without its profile (the planner's cost bound)."""
+    if training.engine == Engine.DEEPSPEED:
+        training = autotp_training(training)
+    return held(model, training, kind).total_params
