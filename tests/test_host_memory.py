@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from zeroplan.cli import cli
 from zeroplan.errors import MeasureError
-from zeroplan.estimate.mesh import estimate_mesh
+from zeroplan.estimate import estimate_mesh
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.measure import host_memory
 from zeroplan.measure.host_memory import HostAvailable, HostNeed, check_fits, killed_message, oom_kill_record, run_need

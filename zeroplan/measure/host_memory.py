@@ -5,7 +5,7 @@ Before issue 21, `measure --config <torchtitan 8B TOML>` on a 23 GiB machine sta
 that the estimate put at 73 GiB each; the kernel's OOM killer ended rank 0 after 58 s and the run
 said "rank 0 exited with status -9: no output".
 
-What a run holds on the host, by the estimate (zeroplan.estimate.mesh.estimate_mesh):
+What a run holds on the host, by the estimate (zeroplan.estimate.estimate_mesh):
 - gloo (device cpu): every rank's peak, summed over the ranks (the device is the host), plus the
   per-node host bytes of offload (zero on a CPU run, where offloaded bytes are in the peaks);
 - nccl: the per-node host bytes of offload (the peaks are on the GPUs);
@@ -49,7 +49,7 @@ class HostAvailable:
 
 def run_need(model: TransformerSpec, training: TrainingSpec, nproc: int, backend: str) -> HostNeed:
     """The host bytes of `nproc` local ranks of `training` on `backend` (module docstring)."""
-    from zeroplan.estimate.mesh import estimate_mesh
+    from zeroplan.estimate import estimate_mesh
 
     if backend == "fake":
         return HostNeed(0, nproc, 0)
