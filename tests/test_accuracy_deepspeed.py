@@ -147,7 +147,7 @@ def test_stage0_fp32_has_no_master_copy_and_states_appear_at_the_first_step():
 
 
 def _tensors(model: TransformerSpec):
-    from zeroplan.estimate.layout import param_layout
+    from zeroplan.estimate.model.layout import param_layout
 
     layout = param_layout(model)
     return list(layout.embedding) + list(layout.block) * layout.num_blocks + list(layout.final)
@@ -178,7 +178,7 @@ def _tiny_gpt2_hooks() -> list[tuple[int, str]]:
 @pytest.mark.parametrize("bucket", [50_000, 65_000, 65_919, 65_920, 66_432, 100_000, 131_968, 150_000, 300_000])
 def test_first_reduction_after_peak_follows_the_hook_order(bucket):
     from zeroplan.estimate.engines import deepspeed
-    from zeroplan.estimate.facts import model_facts
+    from zeroplan.estimate.model.facts import model_facts
 
     model = resolve_model("tiny-gpt2")
     layout = deepspeed._layout(model_facts(model, _training(zero_stage=2, precision="fp32")))

@@ -7,7 +7,7 @@ from dataclasses import fields, replace
 
 import pytest
 
-from zeroplan.estimate.activations import activation_bytes
+from zeroplan.estimate.activations.transformer import activation_bytes
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec
 

@@ -6,7 +6,7 @@ import pytest
 from grid_rows import assert_peaks_within_targets, measure_row_comparison
 
 from zeroplan.estimate import estimate
-from zeroplan.estimate.activations import activation_bytes
+from zeroplan.estimate.activations.transformer import activation_bytes
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec
 

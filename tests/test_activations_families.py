@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import zeroplan.estimate.activations_families as families
-from zeroplan.estimate.activations import activation_bytes
+import zeroplan.estimate.activations.families as families
+from zeroplan.estimate.activations.transformer import activation_bytes
 from zeroplan.importers.catalog import list_models, resolve_model
 from zeroplan.measure.grid import Row, row_specs
 

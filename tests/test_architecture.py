@@ -173,8 +173,8 @@ def test_no_import_cycles():
 @pytest.mark.parametrize("rule", ["estimate imports measure", "report imports the estimator", "spec imports importers"])
 def test_the_rules_catch_what_they_forbid(rule):
     importer, imported = {
-        "estimate imports measure": ("zeroplan.estimate.facts", "zeroplan.measure.worker"),
-        "report imports the estimator": ("zeroplan.report.estimate", "zeroplan.estimate.activations"),
+        "estimate imports measure": ("zeroplan.estimate.model.facts", "zeroplan.measure.worker"),
+        "report imports the estimator": ("zeroplan.report.estimate", "zeroplan.estimate.activations.transformer"),
         "spec imports importers": ("zeroplan.spec.training", "zeroplan.importers.catalog"),
     }[rule]
     assert not allowed(importer, imported)
@@ -198,6 +198,6 @@ def test_dynamic_imports_are_edges_of_the_graph(tmp_path):
 
 def test_private_uses_are_found(tmp_path):
     source = tmp_path / "probe.py"
-    source.write_text("import zeroplan.estimate.activations as a\nfrom zeroplan.estimate.lora import _matches\n"
+    source.write_text("import zeroplan.estimate.activations.transformer as a\nfrom zeroplan.estimate.adapters.lora import _matches\n"
                       "w = a._private_name\n")
     assert len(private_uses(source)) == 2

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroplan.estimate.layout import param_layout
+from zeroplan.estimate.model.layout import param_layout
 from zeroplan.importers.catalog import list_models, params_model, resolve_model
 from zeroplan.errors import SpecError, UnknownModelError
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec

@@ -15,7 +15,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from zeroplan.estimate.layout import param_layout
+from zeroplan.estimate.model.layout import param_layout
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.cli import cli
 from worker_processes import SPAWNED, alive, recording

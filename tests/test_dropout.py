@@ -11,7 +11,7 @@ math path (docs/engines/activations.md, "Dropout").
 import pytest
 
 from zeroplan.estimate import estimate
-from zeroplan.estimate.activations import activation_bytes, memory_checkpointing
+from zeroplan.estimate.activations.transformer import activation_bytes, memory_checkpointing
 from zeroplan.estimate.result import Step
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import Checkpointing, TrainingSpec

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.estimate import estimate
-from zeroplan.estimate.activations import activation_bytes
+from zeroplan.estimate.activations.transformer import activation_bytes
 from zeroplan.estimate.engines.common import ceil_div
 from zeroplan.estimate.engines.torch_ddp import zero_redundancy_shards
 from zeroplan.estimate.result import Phase, Step

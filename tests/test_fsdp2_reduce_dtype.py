@@ -8,7 +8,7 @@ from grid_rows import assert_peaks_within_targets, measure_row_comparison
 
 from zeroplan.estimate import estimate
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES
-from zeroplan.estimate.facts import model_facts
+from zeroplan.estimate.model.facts import model_facts
 from zeroplan.estimate.result import Phase, Step
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.fsdp2_snippet import write_fsdp2_snippet

@@ -9,7 +9,7 @@ from grid_rows import assert_peaks_within_targets, measure_row_comparison
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate import estimate
-from zeroplan.estimate.facts import model_facts
+from zeroplan.estimate.model.facts import model_facts
 from zeroplan.estimate.result import Phase, Step
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.program import FSDP2Units

@@ -23,7 +23,7 @@ def _phase(result, step: Step, name: Phase):
 
 def _padded_shard(model, gpus: int) -> int:
     """Elements of one rank's FSDP2 shards: every tensor padded on dim 0 to a multiple of the ranks."""
-    from zeroplan.estimate.facts import model_facts
+    from zeroplan.estimate.model.facts import model_facts
 
     facts = model_facts(model, TrainingSpec(engine="fsdp2", zero_stage=3, gpus=gpus))
     return sum(-(-t.rows // gpus) * (t.numel // t.rows) * g.count for g in facts.groups for t in g.tensors)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from zeroplan.estimate.layout import param_layout
+from zeroplan.estimate.model.layout import param_layout
 from zeroplan.errors import SpecError
 from zeroplan.importers.hf_config import SUPPORTED_MODEL_TYPES, spec_from_hf_config
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from zeroplan.errors import SpecError
-from zeroplan.estimate.layout import param_layout
-from zeroplan.estimate.lora import adapter_params, lora_layout, quantized_weight_bytes
+from zeroplan.estimate.model.layout import param_layout
+from zeroplan.estimate.adapters.lora import adapter_params, lora_layout, quantized_weight_bytes
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.hf_config import spec_from_hf_config
 from zeroplan.spec.lora import LoraSpec, QuantSpec
@@ -155,7 +155,7 @@ def test_dora_on_the_router_is_refused():
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-30b-a3b", "gpt-oss-20b", "llama-2-7b"])
 def test_the_quantized_base_covers_every_block_kind(name):
-    from zeroplan.estimate.lora import base_tensors
+    from zeroplan.estimate.adapters.lora import base_tensors
 
     spec = resolve_model(name)
     tensors = base_tensors(spec, QuantSpec(base_precision="nf4"))

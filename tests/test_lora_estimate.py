@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from zeroplan.estimate import estimate
-from zeroplan.estimate.layout import param_layout
-from zeroplan.estimate.lora import adapter_params, quantized_weight_bytes
+from zeroplan.estimate.model.layout import param_layout
+from zeroplan.estimate.adapters.lora import adapter_params, quantized_weight_bytes
 from zeroplan.estimate.result import Phase, Step
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.lora import LoraSpec, QuantSpec
@@ -48,8 +48,8 @@ def test_nf4_base_is_stored_as_bitsandbytes_packs_it():
 
 
 def test_a_quantized_layer_holds_its_dequantized_weight_only_inside_its_own_op():
-    from zeroplan.estimate.activations import activation_bytes
-    from zeroplan.estimate.lora import lora_activations
+    from zeroplan.estimate.activations.transformer import activation_bytes
+    from zeroplan.estimate.adapters.lora import lora_activations
 
     def acts(base: str, micro_batch: int, seq_len: int):
         training = TrainingSpec(engine="torch", lora=ALL, quant=QuantSpec(base_precision=base),
@@ -103,7 +103,7 @@ def test_frozen_base_keeps_fewer_activations_than_full_training():
 
 @pytest.mark.parametrize("recipe, element", [
     ("plain", 2),  # adapters made inside zero.Init: bf16 like the base
-    ("hf-trainer", 4),  # get_peft_model after the zero.Init build: DeepSpeed leaves them fp32 (estimate/lora_trainer.py)
+    ("hf-trainer", 4),  # get_peft_model after the zero.Init build: DeepSpeed leaves them fp32 (estimate/adapters/trainer.py)
 ])
 def test_zero3_keeps_adapters_whole_under_the_persistence_threshold(recipe, element):
     training = TrainingSpec(engine="deepspeed", zero_stage=3, gpus=4, lora=ALL, recipe=recipe)
@@ -115,14 +115,14 @@ def test_zero3_keeps_adapters_whole_under_the_persistence_threshold(recipe, elem
 
 
 def _lora_tensors():
-    from zeroplan.estimate.lora import lora_layout
+    from zeroplan.estimate.adapters.lora import lora_layout
 
     return [t for t in lora_layout(LLAMA, ALL).block if not t.frozen]
 
 
 def test_full_checkpointing_keeps_block_inputs_only_whatever_trains():
-    from zeroplan.estimate.activations import activation_bytes
-    from zeroplan.estimate.lora import lora_activations
+    from zeroplan.estimate.activations.transformer import activation_bytes
+    from zeroplan.estimate.adapters.lora import lora_activations
 
     training = TrainingSpec(engine="torch", precision="fp32", checkpointing="full", lora=ALL)
     whole = activation_bytes(LLAMA, training, 4)

@@ -1,6 +1,6 @@
 """LoRA on fused expert stacks: the merged weight W + s*BA that peft 0.21.2's `ParamWrapper` builds
 in every forward (tuners/lora/layer.py `_activate_lora`, `_LoraFactorsProxy`) and the experts'
-matmuls save for backward (estimate/lora_experts.py). Checked against its definition (E x out x in
+matmuls save for backward (estimate/adapters/experts.py). Checked against its definition (E x out x in
 per adapted stack, out x in per router) and against the tensors autograd saves in one Mixtral MoE
 block built with transformers and peft on CPU."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from zeroplan.estimate.lora import lora_layout
-from zeroplan.estimate.lora_experts import merged_weight_elements
+from zeroplan.estimate.adapters.lora import lora_layout
+from zeroplan.estimate.adapters.experts import merged_weight_elements
 from zeroplan.importers.hf_config import spec_from_hf_config
 from zeroplan.spec.lora import LoraSpec
 

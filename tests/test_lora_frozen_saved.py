@@ -1,12 +1,12 @@
 """What a frozen base stops autograd from keeping, and what bitsandbytes' quantization state holds,
 counted on the libraries themselves (saved-tensor hooks; the QuantState's tensors) against the
-estimate's terms (estimate/lora.py `outside_blocks`, `adapter_activations`, `quant_state_bytes`)."""
+estimate's terms (estimate/adapters/lora.py `outside_blocks`, `adapter_activations`, `quant_state_bytes`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from zeroplan.estimate.lora import quant_state_bytes
+from zeroplan.estimate.adapters.lora import quant_state_bytes
 from zeroplan.spec.lora import QuantSpec
 
 

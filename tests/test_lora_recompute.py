@@ -6,9 +6,9 @@ reading the live set at the steady peak (docs/measure.md "Checkpointed LoRA rows
 
 from __future__ import annotations
 
-from zeroplan.estimate.lora import _linears, kbit_activation_bytes, lora_layout, model_element_bytes
-from zeroplan.estimate.lora_int8 import int8_inputs
-from zeroplan.estimate.lora_recompute import recompute_dtypes, recompute_moment_bytes
+from zeroplan.estimate.adapters.lora import _linears, kbit_activation_bytes, lora_layout, model_element_bytes
+from zeroplan.estimate.adapters.int8 import int8_inputs
+from zeroplan.estimate.adapters.recompute import recompute_dtypes, recompute_moment_bytes
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.lora import LoraSpec, QuantSpec
 from zeroplan.spec.training import TrainingSpec

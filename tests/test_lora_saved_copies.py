@@ -7,7 +7,7 @@ that dtype too, with no fp32 master."""
 from __future__ import annotations
 
 from zeroplan.estimate import estimate
-from zeroplan.estimate.lora import adapter_params
+from zeroplan.estimate.adapters.lora import adapter_params
 from zeroplan.estimate.result import Phase, Step
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.lora import LoraSpec, QuantSpec

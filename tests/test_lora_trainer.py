@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from zeroplan.estimate import estimate
-from zeroplan.estimate.lora_trainer import adapters_stay_fp32
+from zeroplan.estimate.adapters.trainer import adapters_stay_fp32
 from zeroplan.estimate.result import Phase, Step
 from zeroplan.measure.grid import GRID, row_specs
 from zeroplan.spec.training import TrainingSpec

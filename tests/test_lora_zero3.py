@@ -1,4 +1,4 @@
-"""Frozen linears under DeepSpeed ZeRO-3 keep their inputs (issue 12, estimate/lora_zero3.py): DeepSpeed's
+"""Frozen linears under DeepSpeed ZeRO-3 keep their inputs (issue 12, estimate/adapters/zero3.py): DeepSpeed's
 `LinearFunctionForZeroStage3` saves every linear's input, frozen or not. Held to the tensors a per-op
 trace of the 2-rank runs found live at the backward peak and to the grid's measured rows."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from zeroplan.estimate import estimate
-from zeroplan.estimate.lora import _linears, lora_layout
-from zeroplan.estimate.lora_zero3 import kept_inputs
+from zeroplan.estimate.adapters.lora import _linears, lora_layout
+from zeroplan.estimate.adapters.zero3 import kept_inputs
 from zeroplan.estimate.result import Phase, Step
 from zeroplan.measure.grid import GRID, row_specs
 

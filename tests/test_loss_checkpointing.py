@@ -12,7 +12,7 @@ import pytest
 from grid_rows import assert_peaks_within_targets, measure_row_comparison
 
 from zeroplan.estimate import estimate
-from zeroplan.estimate.activations import _op_saved_per_token, Widths, activation_bytes
+from zeroplan.estimate.activations.transformer import _op_saved_per_token, Widths, activation_bytes
 from zeroplan.estimate.result import Step
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import Attention, TrainingSpec

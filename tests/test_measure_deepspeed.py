@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from zeroplan.estimate.layout import param_layout
+from zeroplan.estimate.model.layout import param_layout
 from zeroplan.estimate.result import Step
 from zeroplan.errors import MeasureError, MissingDependencyError
 from zeroplan.spec.model import TransformerSpec

@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zeroplan.estimate.layout import param_layout  # noqa: E402
+from zeroplan.estimate.model.layout import param_layout  # noqa: E402
 from zeroplan.importers.catalog import resolve_model  # noqa: E402
 from zeroplan.errors import MeasureError  # noqa: E402
 from zeroplan.measure import launcher, worker_server  # noqa: E402

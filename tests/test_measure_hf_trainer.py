@@ -130,7 +130,7 @@ def test_trainer_ddp_forward_ends_with_the_fp32_logits_and_their_clone():
     clone the outputs (docs/engines/torch.md): at the end of the forward the fp32 logits and their
     clone, 2 x tokens x vocab x 4 bytes, are alive beside what the loss left."""
     from zeroplan.estimate import estimate
-    from zeroplan.estimate.activations import activation_bytes
+    from zeroplan.estimate.activations.transformer import activation_bytes
     from zeroplan.estimate.result import Phase, Step
 
     def steady_forward(training):

@@ -8,10 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zeroplan.estimate.layout import param_layout  # noqa: E402
+from zeroplan.estimate.model.layout import param_layout  # noqa: E402
 from zeroplan.importers.catalog import params_model, resolve_model  # noqa: E402
 from zeroplan.errors import MeasureError  # noqa: E402
-from zeroplan.estimate.activations import activation_bytes  # noqa: E402
+from zeroplan.estimate.activations.transformer import activation_bytes  # noqa: E402
 from zeroplan.measure.accounting import TensorAccounting  # noqa: E402
 from zeroplan.measure.workload import build_workload, hf_available, make_batch  # noqa: E402
 from zeroplan.spec.training import TrainingSpec  # noqa: E402

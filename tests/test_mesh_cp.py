@@ -1,4 +1,4 @@
-"""Context parallelism's ring attention in the estimate (estimate/mesh_cp.py) against torch 2.13's ring run on
+"""Context parallelism's ring attention in the estimate (estimate/parallel/context.py) against torch 2.13's ring run on
 gloo through measure/cp_cpu.py: the ring's own allocations, and the worst rank of the grid rows `mesh-cp2*`
 (`zeroplan validate --rows 'mesh-cp2*'`, figures in docs/measure.md, "Context parallelism on CPU")."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from zeroplan.estimate import estimate_mesh
-from zeroplan.estimate.mesh_cp import ring_bytes
+from zeroplan.estimate.parallel.context import ring_bytes
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec
 

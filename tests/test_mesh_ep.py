@@ -12,8 +12,8 @@ from zeroplan.errors import SpecError
 from zeroplan.estimate.engines.fsdp2 import _units
 from zeroplan.estimate import estimate_mesh
 from zeroplan.estimate.result import RankKind
-from zeroplan.estimate.mesh import rank_facts
-from zeroplan.estimate.mesh_ep import saved_per_block_delta
+from zeroplan.estimate.parallel.mesh import rank_facts
+from zeroplan.estimate.parallel.experts import saved_per_block_delta
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.measure.grid_ep import measured_imbalance, with_measured_imbalance
 from zeroplan.spec.mesh import MeshSpec
@@ -122,7 +122,7 @@ def test_recomputed_sparse_block_peaks_where_its_recomputation_stops():
     # (65,536), the sum's contiguous gradient (131,072), the down output and its un-permuted copy (137,984
     # each), the weighted pairs (131,072), the sort's values and the arange (4,096 each), the decoder layer's
     # residual (65,536), the router's discarded logits (4,096) and 16-bit routing weights (1,024): 682,496 bytes
-    from zeroplan.estimate.mesh_ep import recompute_end_transient
+    from zeroplan.estimate.parallel.experts import recompute_end_transient
 
     mesh = MeshSpec(ep=2, moe_imbalance=539 / 512)
     measured = 65_536 + 131_072 + 2 * 137_984 + 131_072 + 2 * 4_096 + 65_536 + 4_096 + 1_024

@@ -10,8 +10,8 @@ import pytest
 from zeroplan.estimate import estimate
 from zeroplan.estimate import estimate_mesh
 from zeroplan.estimate.result import RankKind
-from zeroplan.estimate.mesh import in_flight, rank_activations, rank_facts, stage_layers
-from zeroplan.estimate.layout import param_layout
+from zeroplan.estimate.parallel.mesh import in_flight, rank_activations, rank_facts, stage_layers
+from zeroplan.estimate.model.layout import param_layout
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.mesh import MeshSpec, PPSchedule
 from zeroplan.spec.model import TransformerSpec
@@ -153,7 +153,7 @@ def test_micro_batches_in_flight_keep_their_stage_chunks():
 
 def test_looped_schedules_leave_the_chunks_in_flight_to_the_walk_of_their_actions():
     # interleaved schedules: one micro-batch through the rank's stages; the chunks alive at each moment come
-    # from the schedule's action list (estimate/pipeline_schedule.py), not from a count
+    # from the schedule's action list (estimate/parallel/pipeline_schedule.py), not from a count
     model = resolve_model("llama-3-8b")
     training = fsdp(gpus=8, pp=4, pp_schedule="interleaved-1f1b", pp_virtual_stages=2)
     kind = RankKind(0, (0, 4), 8, True, False, 1)

@@ -56,7 +56,7 @@ _TINY_LLAMA_4L = str(Path(__file__).parent / "data" / "tiny-llama-4l.toml")
 ], ids=["pp2x2-interleaved-1f1b", "pp2x2-zero-bubble", "pp2x2-interleaved-1f1b-dp2"])
 def test_looped_schedules_are_within_three_percent_of_each_measured_rank(gpus, schedule, measured):
     # tiny-llama with 4 layers, pp 2 x 2 virtual stages, 4 micro-batches (grid rows mesh-pp2-<schedule>-v2/...);
-    # zero bubble's rank 1 holds four chunks of its 2-block stage and their W inputs (estimate/pipeline_schedule.py)
+    # zero bubble's rank 1 holds four chunks of its 2-block stage and their W inputs (estimate/parallel/pipeline_schedule.py)
     training = _training(gpus, 4, pp=2, pp_schedule=schedule, pp_virtual_stages=2)
     ranks = estimate_mesh(resolve_model(_TINY_LLAMA_4L), training).ranks
     estimated = {rank.kind.pp_rank: max(sum(p.categories[:6]) for p in rank.estimate.phases if p.step.value == "steady")

@@ -77,7 +77,7 @@ def test_expert_parallelism_gathers_each_ranks_share_of_the_experts_and_pays_an_
 
 def test_an_moe_spec_model_pays_its_all_to_all_and_gathers_only_its_share_of_the_experts():
     # Qwen3-MoE's experts live in its MoE spec (128 routed, top 8): the rank already holds E/ep experts
-    # (estimate/mesh_ep.py), so no cost term may go below zero and data-parallel traffic falls with ep
+    # (estimate/parallel/experts.py), so no cost term may go below zero and data-parallel traffic falls with ep
     model = resolve_model("qwen3-30b-a3b")
     base = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=64, seq_len=4096, recipe="torchtitan")
     costs = {ep: _cost(model, base.varied(mesh=MeshSpec(ep=ep)))[0] for ep in (1, 8, 32)}

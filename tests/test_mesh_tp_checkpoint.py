@@ -1,4 +1,4 @@
-"""Full checkpointing under tensor and sequence parallelism (estimate/mesh_tp_checkpoint.py) against the tensors
+"""Full checkpointing under tensor and sequence parallelism (estimate/parallel/tp_checkpoint.py) against the tensors
 live at the measured peak of tiny-llama tp 2 x dp 2 (`zeroplan validate --rows 'mesh-tp2/*/ckpt/*'`; the
 tensor-by-tensor list is in docs/engines/mesh.md, "Full checkpointing under sequence parallelism")."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from zeroplan.estimate.activations import activation_bytes
+from zeroplan.estimate.activations.transformer import activation_bytes
 from zeroplan.estimate import estimate_mesh
-from zeroplan.estimate.mesh import _sequence_parallel_saving, rank_activations, rank_kinds
-from zeroplan.estimate.mesh_tp_checkpoint import recomputed_norm_cut
+from zeroplan.estimate.parallel.mesh import _sequence_parallel_saving, rank_activations, rank_kinds
+from zeroplan.estimate.parallel.tp_checkpoint import recomputed_norm_cut
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.training import TrainingSpec

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from zeroplan.cli import cli
 from zeroplan.errors import SpecError
-from zeroplan.estimate.facts import model_facts
+from zeroplan.estimate.model.facts import model_facts
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.hf_config import spec_from_hf_config
 from zeroplan.spec.training import TrainingSpec

@@ -11,7 +11,7 @@ import pytest
 from zeroplan.estimate import estimate
 from zeroplan.estimate.dtypes import FP32_BYTES
 from zeroplan.estimate.engines.common import step_temporary_bytes
-from zeroplan.estimate.facts import model_facts
+from zeroplan.estimate.model.facts import model_facts
 from zeroplan.estimate.result import Phase, Step
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.training_config import read_training_config

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from zeroplan.estimate.layout import param_layout
+from zeroplan.estimate.model.layout import param_layout
 from zeroplan.importers.catalog import list_models, resolve_model
 from zeroplan.importers.hf_config import SUPPORTED_MODEL_TYPES, spec_from_hf_config
 

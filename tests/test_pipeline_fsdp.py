@@ -1,4 +1,4 @@
-"""Zero bubble under FSDP2 sharding (estimate/pipeline_fsdp.py, pipeline_schedule.py `inputs_only_backwards`)
+"""Zero bubble under FSDP2 sharding (estimate/parallel/pipeline_fsdp.py, pipeline_schedule.py `inputs_only_backwards`)
 against what torch 2.13.0 did on 4 gloo ranks (pp 2 x 2 virtual stages x dp_shard 2, ZeRO-3, tiny-llama with
 4 layers, 4 micro-batches; grid row mesh-pp2-zero-bubble-v2/.../w4/...; docs/measure.md "Zero bubble under FSDP2")."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from zeroplan.estimate import estimate_mesh
-from zeroplan.estimate.pipeline_fsdp import resharded_stages
-from zeroplan.estimate.pipeline_schedule import ChunkBytes, inputs_only_backwards, looped_peak, looped_rank_actions
+from zeroplan.estimate.parallel.pipeline_fsdp import resharded_stages
+from zeroplan.estimate.parallel.pipeline_schedule import ChunkBytes, inputs_only_backwards, looped_peak, looped_rank_actions
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec
 

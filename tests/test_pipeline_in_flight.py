@@ -1,4 +1,4 @@
-"""The "in flight" column of a looped schedule is the walk's count at its peak (estimate/pipeline_schedule.py
+"""The "in flight" column of a looped schedule is the walk's count at its peak (estimate/parallel/pipeline_schedule.py
 `looped_peak`), against what torch 2.13.0 kept on 2 gloo ranks (docs/measure.md, "Looped pipeline schedules")."""
 
 from __future__ import annotations

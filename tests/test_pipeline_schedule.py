@@ -1,11 +1,11 @@
-"""estimate/pipeline_schedule.py against torch's own looped schedules (torch 2.13.0
+"""estimate/parallel/pipeline_schedule.py against torch's own looped schedules (torch 2.13.0
 torch/distributed/pipelining/schedules.py): the action order each rank runs, and what the walk keeps."""
 
 from __future__ import annotations
 
 import pytest
 
-from zeroplan.estimate.pipeline_schedule import ChunkBytes, looped_peak, looped_rank_actions
+from zeroplan.estimate.parallel.pipeline_schedule import ChunkBytes, looped_peak, looped_rank_actions
 
 
 def _torch_actions(schedule: str, pp: int, virtual: int, micro_batches: int, rank: int) -> list[str]:

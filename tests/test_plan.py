@@ -14,7 +14,7 @@ from zeroplan.importers.catalog import resolve_model
 from zeroplan.plan.cost import assumptions_for, model_flops, step_cost_model
 from zeroplan.errors import SpecError
 from zeroplan.estimate import estimate, fit
-from zeroplan.estimate.activations import memory_checkpointing
+from zeroplan.estimate.activations.transformer import memory_checkpointing
 from zeroplan.importers.gpus import get_gpu
 from zeroplan.importers.options import training_spec_from_options
 from zeroplan.plan.search import Limits, Planner, SearchSpace, parse_gpu_counts, plan

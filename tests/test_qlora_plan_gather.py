@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from zeroplan.estimate.facts import model_facts
-from zeroplan.estimate.layout import param_layout
-from zeroplan.estimate.lora import adapter_params
+from zeroplan.estimate.model.facts import model_facts
+from zeroplan.estimate.model.layout import param_layout
+from zeroplan.estimate.adapters.lora import adapter_params
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.gpus import get_gpu
 from zeroplan.plan.cost import assumptions_for, gathered_params, model_flops, step_cost_model

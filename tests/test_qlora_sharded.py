@@ -11,9 +11,9 @@ from __future__ import annotations
 from zeroplan.estimate import estimate
 from zeroplan.estimate.engines import fsdp2
 from zeroplan.estimate.engines.common import setup_of
-from zeroplan.estimate.facts import model_facts
-from zeroplan.estimate.layout import param_layout
-from zeroplan.estimate.lora import adapter_params
+from zeroplan.estimate.model.facts import model_facts
+from zeroplan.estimate.model.layout import param_layout
+from zeroplan.estimate.adapters.lora import adapter_params
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.lora import LoraSpec, QuantSpec
 from zeroplan.spec.training import TrainingSpec

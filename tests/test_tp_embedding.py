@@ -1,4 +1,4 @@
-"""The rowwise embedding's whole gradient under tensor parallelism (estimate/tp_embedding.py) against the
+"""The rowwise embedding's whole gradient under tensor parallelism (estimate/parallel/tp_embedding.py) against the
 2-rank gloo run of torch 2.13.0 (grid row mesh-tp2/tests/data/tiny-llama-16k.toml/...; docs/measure.md
 "Embedding gradient under TP")."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from zeroplan.estimate import estimate_mesh
-from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes
+from zeroplan.estimate.model.facts import model_facts
+from zeroplan.estimate.parallel.tp_embedding import with_replicated_embedding_grad
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.training import TrainingSpec
@@ -22,10 +23,24 @@ def _training(tp: int = 2) -> TrainingSpec:
 
 def test_the_whole_gradient_adds_the_other_ranks_vocabulary_rows():
     model = resolve_model(_TINY_LLAMA_16K)
-    assert replicated_embedding_grad_bytes(model, MeshSpec(tp=2), 4) == 8192 * 128 * 4
-    assert replicated_embedding_grad_bytes(model, MeshSpec(), 4) == 0
+    facts = model_facts(model, _training(1))
+
+    def extra(spec, mesh):
+        return with_replicated_embedding_grad(facts, spec, mesh).replicated_grad_params
+
+    assert extra(model, MeshSpec(tp=2)) == 8192 * 128
+    assert extra(model, MeshSpec()) == 0
     tied = model.model_copy(update={"tie_word_embeddings": True})
-    assert replicated_embedding_grad_bytes(tied, MeshSpec(tp=2), 4) == 0
+    assert extra(tied, MeshSpec(tp=2)) == 0
+
+
+def test_the_whole_gradient_is_a_term_of_the_layout_not_a_guess_from_totals():
+    """The replicated gradient is in the rank's layout (its gradient elements beyond its parameters'), so the
+    engine counts it wherever every gradient is present, and the ledger names it."""
+    estimate = estimate_mesh(resolve_model(_TINY_LLAMA_16K), _training(2)).worst.estimate
+    step = next(i for i, p in enumerate(estimate.phases) if p.step.value == "first" and p.phase.value == "optimizer_step")
+    names = {term.name: term.bytes for term in estimate.ledger[step].terms}
+    assert names["gradients whole beyond their parameter shards"] == 8192 * 128 * 4
 
 
 def test_the_optimizer_step_holds_the_measured_gradients():

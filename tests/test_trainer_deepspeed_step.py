@@ -12,7 +12,7 @@ from zeroplan.estimate import estimate
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES
 from zeroplan.estimate.engines.deepspeed import _first_param_group
 from zeroplan.estimate.engines.common import setup_of
-from zeroplan.estimate.facts import model_facts
+from zeroplan.estimate.model.facts import model_facts
 from zeroplan.estimate.result import Phase, Step
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.measure.grid import GRID, row_specs

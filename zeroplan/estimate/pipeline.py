@@ -1,11 +1,11 @@
 """The one estimate pipeline: every estimate is a mesh, of ones on plain data parallelism, and each of its
 rank kinds goes through the same steps, in this order:
 
-1. what the rank holds (`ModelFacts`): the model's layout with adapters (estimate/facts.py), cut by the
-   mesh's tp, ep and pipeline stage (estimate/mesh.py `held`);
-2. its activations: one micro-batch of its tokens through its blocks (estimate/activations.py), as the
-   adapters (estimate/lora.py) and the mesh (sequence, context and expert parallelism, the pipeline's
-   micro-batches in flight: estimate/mesh.py `rank_activations`) change them;
+1. what the rank holds (`ModelFacts`): the model's layout with adapters (estimate/model/facts.py), cut by the
+   mesh's tp, ep and pipeline stage (estimate/parallel/mesh.py `held`);
+2. its activations: one micro-batch of its tokens through its blocks (estimate/activations/transformer.py), as the
+   adapters (estimate/adapters/lora.py) and the mesh (sequence, context and expert parallelism, the pipeline's
+   micro-batches in flight: estimate/parallel/mesh.py `rank_activations`) change them;
 3. the engine's profile over those (estimate/engines/), with the data-parallel world the mesh leaves it;
 4. what the program adds around the engine: the adapters' storage, the TP embedding's gradient, a looped
    pipeline schedule's walk, the mesh's communication buffers, the CUDA context, host bytes.
@@ -17,15 +17,15 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any, NamedTuple
 
-from zeroplan.estimate.activations import ActivationBytes, activation_bytes, attention_kernel, memory_checkpointing
+from zeroplan.estimate.activations.transformer import ActivationBytes, activation_bytes, attention_kernel, memory_checkpointing
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, Setup, setup_of
 from zeroplan.estimate.engines.deepspeed_mesh import autotp_training
-from zeroplan.estimate.facts import ModelFacts, model_facts
+from zeroplan.estimate.model.facts import ModelFacts, model_facts
 from zeroplan.estimate.ledger import fold
-from zeroplan.estimate.lora import kbit_activation_bytes, lora_activations
-from zeroplan.estimate.mesh import (MeshBuffers, held, looped_schedule_phases, mesh_buffers, rank_activations, rank_kinds,
+from zeroplan.estimate.adapters.lora import kbit_activation_bytes, lora_activations
+from zeroplan.estimate.parallel.mesh import (MeshBuffers, held, looped_schedule_phases, mesh_buffers, rank_activations, rank_kinds,
                                     rank_setup, with_buffers)
 from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import (Estimate, MeshEstimate, ModelSummary, NodeBytes, ParamParts, PhaseBytes,
@@ -101,7 +101,7 @@ def _program_notes(model: ModelSpec, training: TrainingSpec) -> tuple[str, ...]:
 
 
 def _adapted(training: TrainingSpec) -> Any:
-    """The adapters' change to a rank's activations (estimate/lora.py), or None without LoRA."""
+    """The adapters' change to a rank's activations (estimate/adapters/lora.py), or None without LoRA."""
     if training.lora is None:
         return None
     return lambda acts, local_model, local_training: lora_activations(
@@ -115,10 +115,10 @@ def _single_run(model: ModelSpec, training: TrainingSpec) -> EngineRun:
     dtypes = state_bytes(training.precision, training.optimizer)
     acts = None
     if isinstance(model, TransformerSpec):
-        activation = kbit_activation_bytes(training, dtypes.activation)  # estimate/lora.py
+        activation = kbit_activation_bytes(training, dtypes.activation)  # estimate/adapters/lora.py
         acts = activation_bytes(model, training, activation)
         if training.lora is not None:
-            acts = lora_activations(acts, model, training, activation)  # estimate/lora.py
+            acts = lora_activations(acts, model, training, activation)  # estimate/adapters/lora.py
     setup = setup_of(training)
     if training.engine == Engine.PAPER:
         result = engine_profile(Engine.PAPER)(facts, setup, dtypes)
@@ -136,6 +136,11 @@ def _mesh_run(model: TransformerSpec, training: TrainingSpec, shape: RankKind) -
     activation = kbit_activation_bytes(training, dtypes.activation)
     acts = rank_activations(model, training, shape, activation, adapted)
     engine, setup = rank_setup(training)
+    if shape.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2 and engine == Engine.TORCH:
+        # without FSDP2 (mesh.py `rank_setup`) the rowwise embedding's Replicate gradient stays whole until zero_grad
+        from zeroplan.estimate.parallel.tp_embedding import with_replicated_embedding_grad
+
+        facts = with_replicated_embedding_grad(facts, model, training.mesh)
     return EngineRun(facts, acts, engine, setup, engine_profile(engine)(facts, setup, acts),
                      _program_notes(model, training))
 
@@ -159,20 +164,11 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
     facts, result = run.facts, run.result
     notes = run.notes
     if training.lora is not None and isinstance(model, TransformerSpec):
-        from zeroplan.estimate.lora_program import lora_notes, with_adapters
+        from zeroplan.estimate.adapters.program import lora_notes, with_adapters
 
         result = with_adapters(result, facts, model, training, run.setup)
         notes += lora_notes(model, training, facts)
     dtypes = state_bytes(training.precision, training.optimizer)
-    if (not trivial and kind.embedding and "embeddings" not in training.freeze and training.engine == Engine.FSDP2
-            and run.engine == Engine.TORCH):
-        # without FSDP2 (mesh.py `rank_setup`) the rowwise embedding's Replicate gradient stays whole until
-        # zero_grad (estimate/tp_embedding.py)
-        from zeroplan.estimate.tp_embedding import replicated_embedding_grad_bytes, with_replicated_embedding_grad
-
-        extra = replicated_embedding_grad_bytes(model, mesh, dtypes.grad)
-        result = result._replace(phases=with_replicated_embedding_grad(result.phases, extra,
-                                                                       facts.trainable_params * dtypes.grad))
     if mesh.pp > 1 and mesh.pp_schedule.looped:
         looped = looped_schedule_phases(model, training, kind, facts, run.acts, result.phases, dtypes.activation,
                                         micro_batches, bounded)
@@ -189,7 +185,7 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
     notes += result.notes
     parts = None
     if training.lora is not None and isinstance(model, TransformerSpec):
-        from zeroplan.estimate.lora_program import adapter_param_parts
+        from zeroplan.estimate.adapters.program import adapter_param_parts
 
         parts = adapter_param_parts(phases, facts, training, run.setup)
     return Profile(facts, kind, phases, per_node, notes, parts)

@@ -162,7 +162,7 @@ MODEL_COLUMNS = ("name", "params", "family", "layers", "hidden", "heads", "kv_he
 def model_rows(specs: Iterable[Any]) -> list[dict[str, Any]]:
     """One row per catalogue model: its exact parameter count and shape (None where a model is
     known only by its count), by family, then by size."""
-    from zeroplan.estimate.layout import param_layout
+    from zeroplan.estimate.model.layout import param_layout
 
     rows = []
     for spec in specs:

@@ -391,10 +391,10 @@ def mesh_rows() -> list[Row]:
         Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "interleaved-1f1b"), ("pp_virtual_stages", 2)),
             grad_accum=4, world=4, **titan),
         *_context_parallel_rows(titan),
-        # zero bubble with FSDP2 sharding: I after a resharding forward keeps nothing for W (estimate/pipeline_fsdp.py)
+        # zero bubble with FSDP2 sharding: I after a resharding forward keeps nothing for W (estimate/parallel/pipeline_fsdp.py)
         Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", mesh=(("pp", 2), ("pp_schedule", "zero-bubble"), ("pp_virtual_stages", 2)),
             grad_accum=4, world=4, **titan),
-        # a 16k vocabulary: the rowwise embedding's gradient arrives whole on each TP rank (estimate/tp_embedding.py)
+        # a 16k vocabulary: the rowwise embedding's gradient arrives whole on each TP rank (estimate/parallel/tp_embedding.py)
         Row(_TINY_LLAMA_16K, "fsdp2", 3, "fp32", mesh=(("tp", 2),), **titan),
         # every other block checkpointed under sequence parallelism: two kinds of block, each cut by SP as it keeps
         Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", checkpointing="full", checkpoint_every=2, mesh=(("tp", 2),), **titan),
@@ -486,7 +486,7 @@ def _lora_rows() -> list[Row]:
         rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, lora=lora, **extra))
     for engine, stage, precision, ckpt, lora in TRAINER_LORA_ROWS:
         rows.append(Row("tiny-llama", engine, stage, precision, checkpointing=ckpt, lora=lora, recipe="hf-trainer"))
-    # adapted experts: peft's ParamWrapper merges each expert stack in every forward (estimate/lora_experts.py)
+    # adapted experts: peft's ParamWrapper merges each expert stack in every forward (estimate/adapters/experts.py)
     rows.append(Row("qwen3moe-tiny", "torch", 0, "fp32", checkpointing="none", lora=LoraRow(4), world=1, ddp=False))
     # HSDP: fully_shard over a 2-D (dp_replicate, dp_shard) mesh shards the PEFT model as it shards any other
     hsdp = (("dp_replicate", 2),)

@@ -5,7 +5,7 @@ Two families from one code path, chosen by the spec's flags:
   transformers/models/gpt2/modeling_gpt2.py, with dropout 0;
 - Llama (rotary positions, RMSNorm, gated SiLU MLP, grouped-query attention, optional qkv bias,
   tied or untied head): as transformers/models/llama/modeling_llama.py.
-Parameter shapes match `zeroplan.estimate.layout.param_layout` tensor for tensor. Attention is
+Parameter shapes match `zeroplan.estimate.model.layout.param_layout` tensor for tensor. Attention is
 `F.scaled_dot_product_attention(is_causal=True)` ("sdpa") or written out with the a x s x s
 score and probability matrices ("eager"). Selective checkpointing recomputes the attention core
 only (Korthikanti et al. 2022, section 4.2): the block keeps q, k, v and the core's output.

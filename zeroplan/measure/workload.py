@@ -11,7 +11,7 @@ Checkpointing (the same for both implementations):
 - full: each block's forward runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False)`,
   so a block keeps its input only and is recomputed in backward;
 - selective: the attention core only (softmax(qk^T)v, or the fused kernel) is recomputed
-  (Korthikanti et al. 2022, section 4.2), as zeroplan.estimate.activations models it: the
+  (Korthikanti et al. 2022, section 4.2), as zeroplan.estimate.activations.transformer models it: the
   reference model checkpoints its core; a Hugging Face model's core is the function its attention
   module calls through transformers' AttentionInterface, which runs under checkpoint here
   (`_checkpoint_attention_core`). The core's inputs (q, k, v) stay alive for the recomputation;

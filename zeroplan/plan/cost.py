@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from zeroplan.estimate.dtypes import StateBytes, state_bytes
-from zeroplan.estimate.moe import idle_expert_params
+from zeroplan.estimate.activations.moe import idle_expert_params
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Checkpointing, Engine, Offload
 
@@ -153,7 +153,7 @@ class ModelFlops:
 
 def gathered_params(facts) -> int:
     """Elements one all-gather of the whole model moves, as the estimate's facts hold them: a 4-bit
-    base under FSDP2 or ZeRO-3 as its packed storage in the gathered dtype (estimate/lora.py
+    base under FSDP2 or ZeRO-3 as its packed storage in the gathered dtype (estimate/adapters/lora.py
     `packed_layout`); its QuantState stays whole on every rank and is not gathered."""
     return sum(g.params * g.count for g in facts.groups)
 

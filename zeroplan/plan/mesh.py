@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from zeroplan.errors import SpecError
-from zeroplan.estimate.activations import memory_checkpointing
+from zeroplan.estimate.activations.transformer import memory_checkpointing
 from zeroplan.estimate import estimate_mesh, estimate_mesh_within, middle_ranks_peak_bound, rank_estimate, rank_params
 from zeroplan.estimate.result import MeshEstimate, RankEstimate, RankKind
-from zeroplan.estimate.mesh import rank_kinds
+from zeroplan.estimate.parallel.mesh import rank_kinds
 from zeroplan.plan.cost import Assumptions, model_flops
 from zeroplan.plan.mesh_cost import MeshStepCost, mesh_step_cost
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh, routed_experts
@@ -275,7 +275,7 @@ def _memory_twin(model: TransformerSpec, training: TrainingSpec) -> TrainingSpec
     """The spec whose fit check `training`'s is: under selective checkpointing that `memory_checkpointing` finds
     keeping what none keeps, the spec without checkpointing, where no FSDP2 ring runs (cp 1). The engine profiles see
     checkpointing through the activations alone, the mesh's own terms (sequence and expert parallelism, the
-    pipeline) only as full or op or neither; the ring's tell selective apart (estimate/mesh_cp.py). The fit check
+    pipeline) only as full or op or neither; the ring's tell selective apart (estimate/parallel/context.py). The fit check
     reads the worst rank's peak, parameters and layers only, which the twins share (tests/test_mesh_plan_speed.py)."""
     if (training.checkpointing != Checkpointing.SELECTIVE or training.mesh.cp > 1
             or memory_checkpointing(training, model) != Checkpointing.NONE):
@@ -352,7 +352,7 @@ def _world_runs(mesh: MeshSpec, base: TrainingSpec) -> bool:
 
 
 def _params(model: TransformerSpec, base: TrainingSpec) -> tuple[int, int]:
-    from zeroplan.estimate.facts import model_facts
+    from zeroplan.estimate.model.facts import model_facts
 
     facts = model_facts(model, base)
     return facts.total_params, facts.trainable_params

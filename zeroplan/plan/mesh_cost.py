@@ -6,7 +6,7 @@ on one GPU of the worst rank's pipeline rank, term by term, no overlap assumed (
 - data parallelism: `cost.step_cost_model` over the parameters one rank holds (its stage, cut by tp), sharded
   over fsdp = dp_shard x cp ranks; with ep, the experts a rank gathers and reduces are its ep shard (1/ep of each
   layer's experts, over efsdp ranks: torchtitan parallel_dims.py `build_mesh`), not the 1/tp the estimate scales
-  them to (estimate/mesh.py `_experts_resharded`).
+  them to (estimate/parallel/mesh.py `_experts_resharded`).
 - hsdp all-reduce: with dp_replicate r > 1, FSDP2 all-reduces each reduce-scattered gradient shard across the r
   replicas (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce`: the all-reduce over the
   replicate group follows the reduce-scatter), a ring moving 2 (r - 1)/r of the shard (Patarasuk and Yuan 2009,
@@ -92,7 +92,7 @@ def mesh_step_cost(model: TransformerSpec, flops: ModelFlops, rank_params: int, 
     share = ModelFlops(rank_params, rank_params, forward_backward / (tp * pp), 0.0)
     base = step_cost_model(share, dense, assumptions).step_cost(micro, accum)
     # the cost model's data-parallel collectives over fsdp ranks run on the links of their span; under ep the
-    # rank's parameters already hold E/ep whole experts (estimate/mesh_ep.py), which its efsdp unit gathers
+    # rank's parameters already hold E/ep whole experts (estimate/parallel/experts.py), which its efsdp unit gathers
     span = tp * cp * mesh.dp_shard(gpus)
     data_parallel = base.communication_s * assumptions.intra_node_bytes_per_s / _link(span, training, assumptions)
     replicate = 0.0

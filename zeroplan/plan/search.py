@@ -23,8 +23,8 @@ from typing import Literal, NamedTuple
 
 from zeroplan.errors import FieldError, SpecError
 from zeroplan.estimate import Fit
-from zeroplan.estimate.activations import memory_checkpointing
-from zeroplan.estimate.facts import model_facts
+from zeroplan.estimate.activations.transformer import memory_checkpointing
+from zeroplan.estimate.model.facts import model_facts
 from zeroplan.estimate.result import Estimate
 from zeroplan.plan.cost import (Assumptions, ModelFlops, StepCost, StepCostModel, gathered_params, model_flops,
                                 step_cost_model)

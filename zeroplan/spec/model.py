@@ -9,7 +9,7 @@ Two kinds:
 - `ParamCountSpec`: a model known only by its parameter count, for model-states-only estimates
   (what DeepSpeed's `estimate_zero*_model_states_mem_needs` take).
 
-Parameter tensors are enumerated from a spec in `zeroplan.estimate.layout`. A transformer's dropout
+Parameter tensors are enumerated from a spec in `zeroplan.estimate.model.layout`. A transformer's dropout
 rates change its activations, not its parameters; `TransformerSpec.dropout_rates` gives the rates a
 run trains with.
 """

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from zeroplan.estimate.activations import ActivationBytes
-from zeroplan.estimate.facts import ModelFacts
+from zeroplan.estimate.activations.transformer import ActivationBytes
+from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.result import CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.terms import register
 from zeroplan.spec.program import OptimizerImpl, Program
@@ -54,8 +54,8 @@ class Setup(NamedTuple):
     deepspeed: DeepSpeedSizes
     fsdp2: FSDP2Wrapping  # FSDP2's units and which reshard after forward
     program: Program  # the training program around the engine, every knob resolved (spec/program.py)
-    expert_gpus: int = 0  # FSDP2 under EP: ranks sharding the expert tensors (efsdp; estimate/mesh_ep.py); 0: gpus
-    recompute_held_element: int = 0  # ZeRO-3 keeps a rebuilt LoRA block gathered: its adapters' bytes (estimate/lora_zero3.py)
+    expert_gpus: int = 0  # FSDP2 under EP: ranks sharding the expert tensors (efsdp; estimate/parallel/experts.py); 0: gpus
+    recompute_held_element: int = 0  # ZeRO-3 keeps a rebuilt LoRA block gathered: its adapters' bytes (estimate/adapters/zero3.py)
 
 
 def deepspeed_sizes(knobs: DeepSpeedKnobs) -> DeepSpeedSizes:
@@ -75,7 +75,7 @@ def setup_of(training: TrainingSpec) -> Setup:
 
 
 def _recompute_held_element(training: TrainingSpec) -> int:
-    from zeroplan.estimate.lora_zero3 import recompute_trainable_element
+    from zeroplan.estimate.adapters.zero3 import recompute_trainable_element
 
     return recompute_trainable_element(training)
 
@@ -134,7 +134,7 @@ def early_gradients(facts: ModelFacts) -> tuple[int, int, int]:
         last = ([name for name in matmuls if name.startswith("mlp.")] or matmuls)[-1]
         module = last.rsplit(".", 1)[0] + "."
         first = sum(t.numel for t in blocks[0].trainable_tensors if t.name.startswith(module))
-    if facts.first_block_gradient is not None:  # a sparse MLP's (estimate/moe.py)
+    if facts.first_block_gradient is not None:  # a sparse MLP's (estimate/activations/moe.py)
         first = facts.first_block_gradient
     return head, tied, first
 

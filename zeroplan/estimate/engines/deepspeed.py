@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import NamedTuple
 
-from zeroplan.estimate.activations import ActivationBytes
+from zeroplan.estimate.activations.transformer import ActivationBytes
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
@@ -45,7 +45,7 @@ from zeroplan.estimate.engines.common import (
     point_total,
     step_temporary_bytes,
 )
-from zeroplan.estimate.facts import ModelFacts
+from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.terms import named, register
 from zeroplan.spec.optimizer_step import deepspeed_optimizer_step
@@ -830,8 +830,8 @@ def _stage3_walk(facts: ModelFacts, n: int, b: int, knobs: DeepSpeedSizes, recom
     module_all = [x * b for x in _leaf_gathered(layout.gathered_backward, n)]
     last = len(layout.groups_backward) - 1
     cold = [(i, g) for i, g in enumerate(module_all)]
-    if recompute_held_element:  # a rebuilt LoRA block stays gathered (estimate/lora_zero3.py)
-        from zeroplan.estimate.lora_zero3 import recomputed_block_gathered
+    if recompute_held_element:  # a rebuilt LoRA block stays gathered (estimate/adapters/zero3.py)
+        from zeroplan.estimate.adapters.zero3 import recomputed_block_gathered
 
         cold = recomputed_block_gathered(cold, layout.gathered_backward, layout.groups_backward, n, b, threshold,
                                          recompute_held_element)

@@ -1,5 +1,5 @@
 """DeepSpeed's mesh (issue 14): what AutoTP training and Ulysses change in a rank's bytes, beside
-torchtitan's plan that estimate/mesh.py models. Derivations: docs/engines/deepspeed.md, "AutoTP and Ulysses".
+torchtitan's plan that estimate/parallel/mesh.py models. Derivations: docs/engines/deepspeed.md, "AutoTP and Ulysses".
 
 AutoTP (deepspeed 0.19.8, runtime/engine.py `_apply_autotp_partitioning`) follows the Hugging Face
 model's tp_plan: for Llama `base_model_tp_plan` (q/k/v and gate/up "colwise", o and down "rowwise")
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from zeroplan.estimate.facts import ModelFacts, ModuleGroup
-from zeroplan.estimate.layout import param_layout
+from zeroplan.estimate.model.facts import ModelFacts, ModuleGroup
+from zeroplan.estimate.model.layout import param_layout
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import TrainingSpec
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from zeroplan.estimate.activations import ActivationBytes
+from zeroplan.estimate.activations.transformer import ActivationBytes
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
@@ -44,7 +44,7 @@ from zeroplan.estimate.engines.common import (
     phase,
     step_temporary_bytes,
 )
-from zeroplan.estimate.facts import ModelFacts
+from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.terms import named, register, relabel
 from zeroplan.spec.program import FSDP2Units, GradSync, ModelInit, Recipe, fsdp2_reduces_in_param_dtype
@@ -95,7 +95,7 @@ class _Units(NamedTuple):
 
 
 def _units(facts: ModelFacts, n: int, split: bool, expert_n: int = 0) -> _Units:
-    from zeroplan.estimate.mesh_ep import is_expert, shard_degree  # expert tensors under EP shard over efsdp ranks
+    from zeroplan.estimate.parallel.experts import is_expert, shard_degree  # expert tensors under EP shard over efsdp ranks
 
     def shard_elems(group) -> int:
         return sum(_padded_shard(t.numel, t.rows, shard_degree(t, n, expert_n)) for t in group.tensors)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from zeroplan.estimate.dtypes import StateBytes
 from zeroplan.estimate.engines.common import EngineEstimate, Setup, phase
-from zeroplan.estimate.facts import ModelFacts
+from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, Step
 from zeroplan.estimate.terms import named, register
 from zeroplan.spec.training import Offload

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 
-from zeroplan.estimate.activations import ActivationBytes
+from zeroplan.estimate.activations.transformer import ActivationBytes
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
@@ -29,7 +29,7 @@ from zeroplan.estimate.engines.common import (
     phase,
     step_temporary_bytes,
 )
-from zeroplan.estimate.facts import ModelFacts
+from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.terms import named, register
 from zeroplan.spec.program import Recipe
@@ -39,6 +39,8 @@ register({
     "parameters": "torch/nn/modules/module.py (the model's parameters, on every rank under DDP)",
     "DDP reducer buckets": "torch/csrc/distributed/c10d/reducer.cpp Reducer::initialize_buckets",
     "DDP output clones": "torch/nn/parallel/distributed.py _DDPSink (docs/engines/torch.md)",
+    "gradients whole beyond their parameter shards": "torch/distributed/tensor/_ops/_embedding_ops.py (a TP rowwise "
+                                                     "embedding's Replicate gradient: estimate/parallel/tp_embedding.py)",
 })
 
 
@@ -80,7 +82,8 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
     element = HALF_BYTES if setup.precision == Precision.PURE_BF16 else FP32_BYTES
     local = largest_local_shard(facts, setup.gpus if setup.zero_stage == 1 else 1)
     params = named("parameters", facts.total_params * element)
-    grads = named("gradients (.grad)", facts.trainable_params * element)
+    grads = (named("gradients (.grad)", facts.trainable_params * element)
+             + named("gradients whole beyond their parameter shards", facts.replicated_grad_params * element))
     # DDP reducer buckets, allocated at wrap time; a single rank without the wrapper has none
     buckets = named("DDP reducer buckets", facts.trainable_params * element if setup.program.ddp else 0)
     states = named("optimizer states", optimizer_state_bytes(sum(local), setup.optimizer, element))

@@ -188,9 +188,9 @@ def stage_ids(shape: MeshShape, pp_rank: int) -> list[int]:
 
 
 def split_stages(lm: nn.Module, shape: MeshShape, pp_rank: int) -> list[StageModule]:
-    """The rank's stages, blocks split as torchtitan splits them (zeroplan.estimate.mesh.stage_layers:
+    """The rank's stages, blocks split as torchtitan splits them (zeroplan.estimate.parallel.mesh.stage_layers:
     the embedding and the head count as a layer each, distributed/pipeline_parallel.py)."""
-    from zeroplan.estimate.mesh import stage_layers
+    from zeroplan.estimate.parallel.mesh import stage_layers
 
     counts = stage_layers(len(lm.layers), shape.stages)
     starts = [sum(counts[:s]) for s in range(shape.stages + 1)]

@@ -2,7 +2,7 @@
 them and back by all-to-all, composed with FSDP2 as torchtitan 0.3.0 composes them.
 
 The model is the Hugging Face one of the MoE spec (Qwen3-MoE: transformers 5.23.0
-modeling_qwen3_moe.py, whose grouped-matmul experts estimate/moe.py models). Its experts' forward
+modeling_qwen3_moe.py, whose grouped-matmul experts estimate/activations/moe.py models). Its experts' forward
 gets torchtitan's `ExpertParallel` parallel style (torchtitan/distributed/expert_parallel.py) around
 transformers' own expert computation (integrations/moe.py `grouped_mm_experts_forward`):
 - the token-expert pairs are sorted by expert and gathered, as transformers does;

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes
+from zeroplan.estimate.activations.transformer import FP32_BYTES, ActivationBytes
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Checkpointing, TrainingSpec
 
@@ -52,7 +52,7 @@ def core_saved_bytes(local: TransformerSpec, training: TrainingSpec, tokens: int
     o_proj's input were freed by their backward before); `local` is the rank's view (heads / tp),
     `norm_cut` what sequence parallelism takes off one norm. Under full checkpointing they are the
     recomputed ones, beside the block input the checkpoint keeps (counted already)."""
-    import zeroplan.estimate.activations as a
+    import zeroplan.estimate.activations.transformer as a
 
     w = a.Widths(resid=act_bytes, comp=act_bytes, autocast=False)  # torchtitan: no autocast (FSDP2 casts)
     core = a.attention_core(local, training.attention, a.dropout_of(local, training), w)

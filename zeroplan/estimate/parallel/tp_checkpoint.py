@@ -11,7 +11,7 @@ sequence parallelism".
 
 from __future__ import annotations
 
-from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, runs_autocast, norm_saves_block_input, Widths
+from zeroplan.estimate.activations.transformer import FP32_BYTES, ActivationBytes, runs_autocast, norm_saves_block_input, Widths
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import Checkpointing, TrainingSpec
 

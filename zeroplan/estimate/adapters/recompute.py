@@ -5,7 +5,7 @@ Under full checkpointing a block's backward starts by recomputing its forward, a
 temporaries are alive again while it runs. Without adapters that moment is smaller than the MLP's
 backward (activations.py `_block_backward_transient_per_token`); with adapters, PEFT's LoRA path holds
 more of them: the input cast to the adapters' dtype (peft tuners_utils.py `_cast_input_dtype`), the
-base layer's output, and B's output with its scaled copy. Kept apart from estimate/lora.py, which
+base layer's output, and B's output with its scaled copy. Kept apart from estimate/adapters/lora.py, which
 counts what the blocks save; this module counts what is alive beside it while they are rebuilt.
 """
 
@@ -31,7 +31,7 @@ class RecomputeDtypes(NamedTuple):
 
 def recompute_dtypes(quant: QuantSpec | None, autocast: bool, comp: int, adapter: int, cuda: bool,
                      resid: int) -> RecomputeDtypes:
-    """`RecomputeDtypes` of a run whose model is built in `resid` bytes (estimate/lora.py `model_element_bytes`):
+    """`RecomputeDtypes` of a run whose model is built in `resid` bytes (estimate/adapters/lora.py `model_element_bytes`):
     autocast's ops return `comp`; without it, a layer returns its model's dtype."""
     act = comp if autocast else resid
     kbit = quant is not None and quant.base_precision.is_quantized
@@ -62,8 +62,8 @@ def recompute_moment_bytes(spec: TransformerSpec, lora: LoraSpec, layout, d: Rec
       output, B's output and its scaled copy, before up's output, the product and down_proj's saved
       tensors exist.
     An int8 base's rebuilt graph also holds its layers' inputs (`rebuilt_int8` per token beyond the MLP's
-    input and product: estimate/lora_int8.py) until the rebuild stops. Under ZeRO-3 the frozen linears
-    save the MLP's input and product themselves (`linears_save_inputs`, estimate/lora_zero3.py): they are
+    input and product: estimate/adapters/int8.py) until the rebuild stops. Under ZeRO-3 the frozen linears
+    save the MLP's input and product themselves (`linears_save_inputs`, estimate/adapters/zero3.py): they are
     among the rebuilt saved tensors, and the product exists only after up's mul."""
     if spec.is_moe or spec.moe is not None:
         return 0  # experts follow moe.py
@@ -100,7 +100,7 @@ def recompute_moment_bytes(spec: TransformerSpec, lora: LoraSpec, layout, d: Rec
 def _dora_moment(last, lora: LoraSpec, d: RecomputeDtypes, tokens: int, held: int, copy_element: int) -> int:
     """DoRA (peft tuners/lora/dora.py `DoraLinearLayer.forward`) computes the weight norm before lora_A runs:
     at the MLP's last linear the rebuild holds, besides `held`, its base output and the weight norm's
-    temporaries (estimate/lora.py `adapter_activations`: identity, A on it, the LoRA weight, its scaled copy
+    temporaries (estimate/adapters/lora.py `adapter_activations`: identity, A on it, the LoRA weight, its scaled copy
     and the sum), while what the layer saves afterwards (autocast's or dropout's copy of the input, A's and
     B's outputs, `base_result - bias`) does not exist yet."""
     n, out, r = last.in_features, last.out_features, lora.rank

@@ -28,7 +28,7 @@ from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES  # HALF_BYTES: DeepS
 from zeroplan.estimate.terms import named, register
 
 register({"adapters kept fp32 (bytes beyond 16-bit)": "peft get_peft_model autocast_adapter_dtype; deepspeed "
-                                                     "runtime/engine.py _cast_module_mixed_precision (estimate/lora_trainer.py)"})
+                                                     "runtime/engine.py _cast_module_mixed_precision (estimate/adapters/trainer.py)"})
 
 
 def adapters_stay_fp32(training) -> bool:
@@ -43,7 +43,7 @@ def adapters_stay_fp32(training) -> bool:
 
 def adapter_params_delta(held_16bit_bytes: int, training) -> int:
     """Bytes per rank the fp32 adapters take beyond the engine profile's 16-bit count of the same
-    tensors, held as DeepSpeed holds them (`held_16bit_bytes`: estimate/lora.py `adapter_param_bytes`)."""
+    tensors, held as DeepSpeed holds them (`held_16bit_bytes`: estimate/adapters/lora.py `adapter_param_bytes`)."""
     if not adapters_stay_fp32(training):
         return 0
     return named("adapters kept fp32 (bytes beyond 16-bit)", held_16bit_bytes * (FP32_BYTES - HALF_BYTES) // HALF_BYTES)

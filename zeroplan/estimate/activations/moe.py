@@ -1,5 +1,5 @@
 """Activation terms of the mixture-of-experts and latent-attention blocks (Qwen3-MoE, DeepSeek-V3,
-GPT-OSS), per token, as transformers 5.23.0 runs them; `zeroplan.estimate.activations` calls
+GPT-OSS), per token, as transformers 5.23.0 runs them; `zeroplan.estimate.activations.transformer` calls
 these for a spec with `moe`, `mla` or attention sinks. Derivations: docs/engines/moe.md.
 
 Experts run through transformers' grouped kernel (integrations/moe.py

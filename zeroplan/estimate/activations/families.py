@@ -1,5 +1,5 @@
 """Activation terms of the dense families' blocks (issue 13), added to the Llama block's of
-`zeroplan.estimate.activations`; each is what the transformers 5.23.0 module that runs saves
+`zeroplan.estimate.activations.transformer`; each is what the transformers 5.23.0 module that runs saves
 (docs/engines/activations.md, "Dense families"). Zero for every model whose spec leaves the family
 fields at their defaults, so the Llama, GPT-2 and Mixtral terms are untouched.
 

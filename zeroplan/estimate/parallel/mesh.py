@@ -21,15 +21,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
-from zeroplan.estimate.activations import FP32_BYTES, ActivationBytes, activation_bytes
+from zeroplan.estimate.activations.transformer import FP32_BYTES, ActivationBytes, activation_bytes
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.engines.common import Setup, ceil_div, setup_of
 from zeroplan.estimate.engines.deepspeed_mesh import autotp_facts, autotp_training
-from zeroplan.estimate.facts import ModelFacts, ModuleGroup, model_facts
-from zeroplan.estimate.layout import ParamTensor, param_layout
+from zeroplan.estimate.model.facts import ModelFacts, ModuleGroup, model_facts
+from zeroplan.estimate.model.layout import ParamTensor, param_layout
 from zeroplan.estimate.ledger import fold
-from zeroplan.estimate.mesh_ep import (backward_transient_delta, first_block_gradient, placed_experts, recompute_end_transient,
+from zeroplan.estimate.parallel.experts import (backward_transient_delta, first_block_gradient, placed_experts, recompute_end_transient,
                                       saved_per_block_delta)
 from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import (CategoryBytes, Estimate, MeshEstimate, ModelSummary, Phase, PhaseBytes, RankEstimate,
@@ -199,7 +199,7 @@ def _sequence_parallel_changes(model: TransformerSpec, training: TrainingSpec, a
     saved = acts.saved_per_block - _sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed)
     changes = dict(saved_per_block=saved, block_input_grad_bytes=acts.block_input_grad_bytes // training.mesh.tp)
     if checkpointed:
-        from zeroplan.estimate.mesh_tp_checkpoint import checkpointed_under_sequence_parallel
+        from zeroplan.estimate.parallel.tp_checkpoint import checkpointed_under_sequence_parallel
 
         # the norms' own tensors, as a block without checkpointing keeps them, for the recomputation's
         norms_cut = _sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed=False)
@@ -211,7 +211,7 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
                      adapted: Callable[[ActivationBytes, TransformerSpec, TrainingSpec], ActivationBytes] | None = None
                      ) -> ActivationBytes:
     """One micro-batch of the rank's tokens through its blocks, heads and MLP cut by tp; `adapted` (LoRA's,
-    estimate/lora.py) changes them as the adapters do, before the mesh's own changes."""
+    estimate/adapters/lora.py) changes them as the adapters do, before the mesh's own changes."""
     mesh = training.mesh
     local_seq = training.seq_len // mesh.cp
     local = _local_training(training, local_seq)
@@ -235,12 +235,12 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         # loss_parallel fuses nll_loss's and log_softmax's backward into one gradient; the log_softmax handler
         # returns it as it is (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`)
         changes.update(logits_grad=acts.logits_grad // 2)
-    if mesh.ep > 1 and kind.layers:  # the busiest EP rank's received pairs (estimate/mesh_ep.py)
+    if mesh.ep > 1 and kind.layers:  # the busiest EP rank's received pairs (estimate/parallel/experts.py)
         kept = "recompute_block" if training.checkpointing in (Checkpointing.FULL, Checkpointing.OP) else "saved_per_block"
         changes.update({kept: changes.get(kept, getattr(acts, kept)) + saved_per_block_delta(model, mesh, tokens, act_bytes)},
                        block_backward_transient=acts.block_backward_transient
                        + backward_transient_delta(model, mesh, tokens, act_bytes))
-        if training.checkpointing == Checkpointing.FULL:  # the recomputation's own end can peak higher (estimate/mesh_ep.py)
+        if training.checkpointing == Checkpointing.FULL:  # the recomputation's own end can peak higher (estimate/parallel/experts.py)
             changes.update(block_backward_transient=max(changes["block_backward_transient"], recompute_end_transient(
                 model, mesh, tokens, act_bytes, changes.get("block_input_grad_bytes", acts.block_input_grad_bytes))))
     if not kind.head:  # the loss and logits live on the last stage; a stage's backward starts from a received gradient
@@ -255,7 +255,7 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         acts = replace(acts, checkpointed=every.replaced(**_sequence_parallel_changes(model, training, every, tokens,
                                                                                        act_bytes, checkpointed=True)))
     if mesh.cp > 1 and kind.layers and training.engine != Engine.DEEPSPEED:
-        from zeroplan.estimate.mesh_cp import core_saved_bytes, with_ring_attention
+        from zeroplan.estimate.parallel.context import core_saved_bytes, with_ring_attention
 
         norm_cut = (_sequence_parallel_saving(model, training, tokens, act_bytes, checkpointed) // 2
                     if mesh.tp > 1 and mesh.sequence_parallel else 0)
@@ -302,13 +302,13 @@ def looped_schedule_phases(model: TransformerSpec, training: TrainingSpec, kind:
                             acts: ActivationBytes, phases: tuple[PhaseBytes, ...], act_bytes: int,
                             micro_batches: int, bounded: tuple[RankKind, ...] = ()) -> tuple[tuple[PhaseBytes, ...], int] | None:
     """The profile's forward and backward phases raised (or lowered) to the peak found by walking the
-    rank's actions of ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (estimate/pipeline_schedule.py):
+    rank's actions of ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (estimate/parallel/pipeline_schedule.py):
     each stage chunk's own saved tensors until its backward (its W under zero bubble), the pending sends and
     the last stage's logits until the step ends, each stage's gradients once its first backward ran; and the
     stage chunks alive at that peak (the rank's micro-batches in flight). With `bounded` (ranks of `kind`'s
     profile), the walk is `_envelope_walk`'s and every phase is no lower than any of theirs (None if it does not apply)."""
-    from zeroplan.estimate.pipeline_fsdp import resharded_stages
-    from zeroplan.estimate.pipeline_schedule import inputs_only_backwards, looped_peak, looped_rank_actions
+    from zeroplan.estimate.parallel.pipeline_fsdp import resharded_stages
+    from zeroplan.estimate.parallel.pipeline_schedule import inputs_only_backwards, looped_peak, looped_rank_actions
 
     mesh = training.mesh
     steady = [p for p in phases if p.step.value == "steady" and p.phase in (Phase.FORWARD, Phase.BACKWARD)]
@@ -352,7 +352,7 @@ class _ChunkMaker:
         self.profiled_grads, self.total_params = profiled_grads, max(facts.total_params, 1)
 
     def __call__(self, stage: int) -> ChunkBytes:
-        from zeroplan.estimate.pipeline_schedule import ChunkBytes
+        from zeroplan.estimate.parallel.pipeline_schedule import ChunkBytes
 
         model, mesh, acts, counts, last = self.model, self.mesh, self.acts, self.counts, self.mesh.stages - 1
         zero_bubble = mesh.pp_schedule == PPSchedule.ZERO_BUBBLE
@@ -379,7 +379,7 @@ def _envelope_walk(mesh: MeshSpec, kinds: tuple[RankKind, ...], chunk: _ChunkMak
     largest of theirs, the backward moments' transient no lower than the forward's; its gradients are every
     stage's and its sends every one of the step. The argument is in docs/engines/mesh.md ("One walk for the
     middle ranks"); `middle_ranks_peak_bound` says where it applies. None if a chunk's bytes are negative."""
-    from zeroplan.estimate.pipeline_schedule import ChunkBytes, LoopedPeak, looped_peak, looped_rank_actions
+    from zeroplan.estimate.parallel.pipeline_schedule import ChunkBytes, LoopedPeak, looped_peak, looped_rank_actions
 
     first = min(kinds, key=lambda kind: kind.pp_rank)
     local = [ChunkBytes(*map(max, zip(*(chunk(kind.stages[index]) for kind in kinds))))
@@ -410,7 +410,7 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
     q_width = model.num_heads * model.dim_per_head // mesh.tp
     kv_width = model.kv_heads * model.dim_per_head // mesh.tp
     forward = backward = steady = 0
-    # ring attention's tensors (FSDP2) are moments of a block's attention core: rank_activations, estimate/mesh_cp.py
+    # ring attention's tensors (FSDP2) are moments of a block's attention core: rank_activations, estimate/parallel/context.py
     if mesh.cp > 1 and kind.layers and training.engine.value == "deepspeed":
         # Ulysses (deepspeed/sequence/layer.py _SeqAllToAll): q, k, v and the output re-laid out by all-to-all
         forward += named("Ulysses all-to-all buffers", tokens * (2 * q_width + 2 * kv_width) * act_bytes)
@@ -423,7 +423,7 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
         receives = stage_count - (1 if kind.embedding else 0)
         grad_receives = stage_count - (1 if kind.head else 0)
         steady += named("pipeline receive buffers", micro_batches * boundary * (receives + grad_receives))
-    # EP's dispatch and combine outputs are activations, none in flight at the peaks (estimate/mesh_ep.py)
+    # EP's dispatch and combine outputs are activations, none in flight at the peaks (estimate/parallel/experts.py)
     return MeshBuffers(forward, backward, steady)
 
 

@@ -1,7 +1,7 @@
 """modules_to_save copies under the torch engine (issue 12): PEFT's `ModulesToSaveWrapper`
 (peft/utils/other.py) deep-copies the module, so the copy trains in the base's dtype, where the
 torch engine's profile counts every trainable tensor in its own fp32 (docs/engines/lora.md
-"Adapter dtype"). Apart from estimate/lora.py because it reads the torch engine's partition."""
+"Adapter dtype"). Apart from estimate/adapters/lora.py because it reads the torch engine's partition."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from zeroplan.estimate.dtypes import optimizer_state_bytes
 from zeroplan.estimate.engines.common import step_temporary_bytes
 from zeroplan.estimate.engines.torch_ddp import largest_local_shard
 from zeroplan.estimate.engines.rules import param_element_bytes
-from zeroplan.estimate.lora import is_saved_copy
+from zeroplan.estimate.adapters.lora import is_saved_copy
 from zeroplan.estimate.result import Phase
 from zeroplan.estimate.terms import named, register
 
 register({f"modules_to_save copies in the base's dtype ({part})": "peft utils/other.py ModulesToSaveWrapper (a deep copy "
-          "in the base's dtype, counted against the torch engine's element size: estimate/lora_saved.py)"
+          "in the base's dtype, counted against the torch engine's element size: estimate/adapters/saved_copies.py)"
           for part in ("parameters", "DDP buckets", "gradients", "optimizer states", "step temporaries")})
 
 

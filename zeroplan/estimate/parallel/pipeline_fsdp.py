@@ -1,7 +1,7 @@
 """Which pipeline stages FSDP2 leaves sharded after their forward (issue 14, zero bubble under FSDP2).
 
 Under `ScheduleInterleavedZeroBubble`, an I that finds a stage's parameters sharded keeps nothing for
-its W (estimate/pipeline_schedule.py `inputs_only_backwards`). A stage's parameters are sharded after
+its W (estimate/parallel/pipeline_schedule.py `inputs_only_backwards`). A stage's parameters are sharded after
 its forward when FSDP2 shards at all and every unit holding them reshards after forward
 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py `post_forward`: `reshard()` then
 `FSDPParam.to_sharded` sets the sharded DTensors back on the module). Derivation: docs/engines/mesh.md.

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
-from zeroplan.estimate.moe_layout import moe_param_layout
+from zeroplan.estimate.model.moe_layout import moe_param_layout
 from zeroplan.spec.model import TransformerSpec
 
 
@@ -33,7 +33,7 @@ class ParamLayout(NamedTuple):
     block: tuple[ParamTensor, ...]  # one transformer block; every block is identical
     num_blocks: int
     final: tuple[ParamTensor, ...]  # final norm and, when untied, the output head
-    # Blocks of more than one kind (dense and sparse MLPs: estimate/moe_layout.py), as runs of
+    # Blocks of more than one kind (dense and sparse MLPs: estimate/model/moe_layout.py), as runs of
     # (tensors, count) in forward order; `block` is then the largest kind. Empty: `block` x num_blocks.
     block_runs: tuple[tuple[tuple[ParamTensor, ...], int], ...] = ()
 
@@ -197,7 +197,7 @@ def param_layout(spec: TransformerSpec) -> ParamLayout:
 
 
 def _moe_layout(spec: TransformerSpec) -> ParamLayout:
-    """Qwen3-MoE, DeepSeek-V3, GPT-OSS (estimate/moe_layout.py): `block` is the largest kind."""
+    """Qwen3-MoE, DeepSeek-V3, GPT-OSS (estimate/model/moe_layout.py): `block` is the largest kind."""
     moe = moe_param_layout(spec)
     runs = tuple((tuple(ParamTensor(*t) for t in tensors), count) for tensors, count in moe.runs)
     largest = max((tensors for tensors, _ in runs), key=lambda tensors: sum(t.numel for t in tensors))

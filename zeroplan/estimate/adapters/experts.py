@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 def merged_weight_elements(adapted: Iterable) -> int:
     """Elements of the merged weights one adapted block saves for backward: each adapted expert stack
-    (E x out x in) and router (out x in) among `adapted` (estimate/lora.py `Linear`s), as
+    (E x out x in) and router (out x in) among `adapted` (estimate/adapters/lora.py `Linear`s), as
     `ParamWrapper` builds them (module docstring)."""
     return sum(linear.experts * linear.in_features * linear.out_features for linear in adapted
                if linear.role == "block" and linear.kind in ("experts", "router"))

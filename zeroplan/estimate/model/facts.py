@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-import zeroplan.estimate.moe as moe
+import zeroplan.estimate.activations.moe as moe
 from zeroplan.errors import SpecError
 from zeroplan.estimate.caches import memo
-from zeroplan.estimate.layout import ParamTensor, param_layout
-from zeroplan.estimate.lora import PackedStorage, lora_layout, packed_layout, packed_storage
+from zeroplan.estimate.model.layout import ParamTensor, param_layout
+from zeroplan.estimate.adapters.lora import PackedStorage, lora_layout, packed_layout, packed_storage
 from zeroplan.spec.lora import LoraSpec
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
@@ -51,8 +51,11 @@ class ModelFacts:
     groups: tuple[ModuleGroup, ...]  # in forward order
     largest_group_params: int
     largest_tensor_numel: int
-    # a sparse MLP's gradients alive at its backward peak, in place of `early_gradients`' rule (estimate/moe.py)
+    # a sparse MLP's gradients alive at its backward peak, in place of `early_gradients`' rule (estimate/activations/moe.py)
     first_block_gradient: int | None = None
+    # gradient elements beyond the parameters': a gradient whole where its parameter is a shard (a TP rowwise
+    # embedding without FSDP2, estimate/parallel/tp_embedding.py); it arrives with the embedding's, the last
+    replicated_grad_params: int = 0
 
     def trainable_numels(self) -> list[int]:
         """Every trainable tensor's element count, in `model.parameters()` order (block after block)."""
@@ -78,7 +81,7 @@ def _transformer_facts(spec: TransformerSpec, freeze: tuple[str, ...]) -> ModelF
     layout = param_layout(spec)
     groups = (
         _group("embedding", layout.embedding, 1, "embeddings" in freeze),
-        # one group per run of like blocks, in forward order (dense and sparse MLPs: estimate/moe_layout.py)
+        # one group per run of like blocks, in forward order (dense and sparse MLPs: estimate/model/moe_layout.py)
         *(_group("block", tensors, count, "blocks" in freeze) for tensors, count in layout.runs),
         _group("final", layout.final, 1, "final" in freeze),
     )
@@ -90,7 +93,7 @@ def _transformer_facts(spec: TransformerSpec, freeze: tuple[str, ...]) -> ModelF
 
 @memo(maxsize=256)  # one object per model, as `_transformer_facts`
 def _lora_facts(spec: TransformerSpec, lora: LoraSpec, packed: PackedStorage | None = None) -> ModelFacts:
-    """The model with PEFT's adapters: base tensors frozen, adapters trained (estimate/lora.py); with
+    """The model with PEFT's adapters: base tensors frozen, adapters trained (estimate/adapters/lora.py); with
     `packed`, the 4-bit weights as the storage a sharding engine gathers (the parameter count stays)."""
     layout = lora_layout(spec, lora)
     if packed is not None:

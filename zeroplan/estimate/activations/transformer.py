@@ -47,10 +47,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-import zeroplan.estimate.activations_families as families
-import zeroplan.estimate.moe as moe
+import zeroplan.estimate.activations.families as families
+import zeroplan.estimate.activations.moe as moe
 from zeroplan.estimate.dtypes import FP32_BYTES
-from zeroplan.estimate.layout import param_layout
+from zeroplan.estimate.model.layout import param_layout
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.terms import UNNAMED, Terms, named, naming_on, parts_of, register
 from zeroplan.spec.model import TransformerSpec
@@ -522,7 +522,7 @@ def _softmax_in_compute_dtype(spec: TransformerSpec) -> bool:
 
 def _family_saved_per_token(spec: TransformerSpec, core: AttentionCore, checkpointing: Checkpointing, seq_len: int, w: Widths,
                             attn_reads: int, mlp_reads: int) -> int:
-    """The dense families' block terms (estimate/activations_families.py); zero for a Llama block."""
+    """The dense families' block terms (estimate/activations/families.py); zero for a Llama block."""
     h = spec.hidden_size
     inputs = sum(families.post_norm_input_delta_per_token(
         spec, norm_saved_per_token(spec, w, reads), w.comp * h * reads if w.autocast else w.resid * h)
@@ -553,7 +553,7 @@ def _family_attention_backward_per_token(spec: TransformerSpec, core: AttentionC
 
 
 def _mlp_saved_per_token(spec: TransformerSpec, w: Widths) -> int:
-    if spec.moe is not None:  # experts narrower than the dense MLP, shared experts (estimate/moe.py)
+    if spec.moe is not None:  # experts narrower than the dense MLP, shared experts (estimate/activations/moe.py)
         return moe.mlp_saved_per_token(spec, w.comp)
     h, inner, act = spec.hidden_size, spec.intermediate_size, w.comp
     if spec.mlp == "gated":

@@ -24,7 +24,7 @@ from zeroplan.errors import FieldError, SpecError
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES
 from zeroplan.estimate.engines.rules import param_element_bytes
-from zeroplan.estimate.layout import ParamTensor, param_layout
+from zeroplan.estimate.model.layout import ParamTensor, param_layout
 from zeroplan.spec.lora import LoraSpec, QuantSpec
 from zeroplan.estimate.terms import named, register
 from zeroplan.spec.model import TransformerSpec
@@ -32,7 +32,7 @@ from zeroplan.spec.model import TransformerSpec
 register({
     "frozen base as stored (bitsandbytes)": "bitsandbytes nn/modules.py Params4bit, Int8Params (docs/engines/lora.md, "
                                             "The base's storage)",
-    "frozen base at the engine's element size": "estimate/lora.py base_params_delta (taken off the engine's parameters)",
+    "frozen base at the engine's element size": "estimate/adapters/lora.py base_params_delta (taken off the engine's parameters)",
 })
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "uint8": 1}
 DOUBLE_QUANT_BLOCK = 256  # functional.py quantize_4bit: quantize_blockwise(_absmax - offset, blocksize=256)
@@ -122,7 +122,7 @@ def _moe_linear(spec: TransformerSpec, t: ParamTensor) -> list[Linear]:
 
 
 def _moe_family_linear(spec: TransformerSpec, t: ParamTensor) -> list[Linear]:
-    """Qwen3-MoE, DeepSeek-V3, GPT-OSS (estimate/moe_layout.py): the shared experts' nn.Linear layers;
+    """Qwen3-MoE, DeepSeek-V3, GPT-OSS (estimate/model/moe_layout.py): the shared experts' nn.Linear layers;
     the router and the fused experts as peft's ParamWrapper sees them (A (r x E, in), B (out, r x E),
     tuners/lora/layer.py ParamWrapper.update_layer), in the converted families only."""
     h, moe = spec.hidden_size, spec.moe
@@ -527,9 +527,9 @@ def _first_input_needs_grad(layout: LoraLayout, lora: LoraSpec, input_grads: boo
 
 def with_zero3_kept_inputs(extra: AdapterActivations, spec: TransformerSpec, training, comp: int, adapter_element: int,
                            autocast: bool, head_input_kept: bool) -> AdapterActivations:
-    """`extra` with the inputs the frozen linears keep under ZeRO-3 (estimate/lora_zero3.py), under
+    """`extra` with the inputs the frozen linears keep under ZeRO-3 (estimate/adapters/zero3.py), under
     `outside_blocks`' conditions for the first block's input and the head's."""
-    from zeroplan.estimate.lora_zero3 import kept_inputs
+    from zeroplan.estimate.adapters.zero3 import kept_inputs
 
     lora = training.lora
     layout = lora_layout(spec, lora)
@@ -591,7 +591,7 @@ def kbit_activation_bytes(training, comp: int) -> int:
     without autocast, whose model is built in the compute dtype (measure/programs/peft_model.py
     `base_dtype`, as `from_pretrained(dtype=...)` loads it) and runs in it: bitsandbytes returns its
     layers' outputs in their input's dtype (autograd/_functions.py `MatMul4Bit`, `MatMul8bitFp`)."""
-    from zeroplan.estimate.activations import runs_autocast
+    from zeroplan.estimate.activations.transformer import runs_autocast
 
     quant = training.quant
     if (quant is None or not quant.base_precision.is_quantized or quant.upcast_non_quantized
@@ -602,19 +602,19 @@ def kbit_activation_bytes(training, comp: int) -> int:
 
 def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     """`acts` with what the adapted blocks keep instead of what whole blocks keep (docs/engines/lora.md)."""
-    from zeroplan.estimate.activations import runs_autocast, input_projections, attention_kernel
-    from zeroplan.estimate.lora_experts import merged_weight_bytes
-    from zeroplan.estimate.lora_int8 import int8_inputs, with_int8_inputs
-    from zeroplan.estimate.lora_recompute import recompute_dtypes, recompute_moment_bytes, with_recompute_moment
-    from zeroplan.estimate.lora_trainer import adapters_stay_fp32
-    from zeroplan.estimate.lora_zero3 import block_linears_keep_inputs
+    from zeroplan.estimate.activations.transformer import runs_autocast, input_projections, attention_kernel
+    from zeroplan.estimate.adapters.experts import merged_weight_bytes
+    from zeroplan.estimate.adapters.int8 import int8_inputs, with_int8_inputs
+    from zeroplan.estimate.adapters.recompute import recompute_dtypes, recompute_moment_bytes, with_recompute_moment
+    from zeroplan.estimate.adapters.trainer import adapters_stay_fp32
+    from zeroplan.estimate.adapters.zero3 import block_linears_keep_inputs
     from zeroplan.spec.program import Loss, Recipe
 
     lora, quant = training.lora, training.quant
     autocast = runs_autocast(training)
     adapter_element = adapter_element_bytes(training.engine.value, training.precision.value, comp,
                                             training.recipe.value)
-    if adapters_stay_fp32(training):  # the Trainer's adapters under ZeRO-3 (estimate/lora_trainer.py)
+    if adapters_stay_fp32(training):  # the Trainer's adapters under ZeRO-3 (estimate/adapters/trainer.py)
         adapter_element = FP32_BYTES
     attn_reads, mlp_reads = input_projections(spec)
     cuda = training.device.value == "cuda"
@@ -632,12 +632,12 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     acts = with_dora_weight_norm(acts, extra.forward_temporary)
     dtypes = recompute_dtypes(quant, autocast, comp, adapter_element, cuda, model_element_bytes(quant, autocast, comp))
     tokens = training.micro_batch * training.seq_len
-    int8 = int8_inputs(spec, _linears(spec), quant, dtypes.resid)  # estimate/lora_int8.py
+    int8 = int8_inputs(spec, _linears(spec), quant, dtypes.resid)  # estimate/adapters/int8.py
     # a fused SDPA kernel saves its output itself (flash backward reads `out`): o_proj's input then is no extra
     core_saved = int8.core_out if attention_kernel(spec, training) == "fused" else 0
     checkpointed = training.checkpointing.value == "full"
     acts = with_int8_inputs(acts, tokens * (int8.kept - (0 if checkpointed else core_saved)))
-    if checkpointed:  # the recomputation's own moment (estimate/lora_recompute.py)
+    if checkpointed:  # the recomputation's own moment (estimate/adapters/recompute.py)
         # the rebuilt graph's int8 inputs beyond what the rebuilt block saves and the moment holds (the MLP's input, product)
         rebuilt = int8.attention_in + int8.core_out - core_saved
         moment = recompute_moment_bytes(spec, lora, lora_layout(spec, lora), dtypes, tokens, rebuilt,
@@ -652,7 +652,7 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
         adapters = sum(t.numel for t in layout.block if not t.frozen and "lora_" in t.name and "magnitude" not in t.name)
         stored_16bit = quant is not None and quant.base_precision.value != "fp32"
         casts = (comp * base if stored_16bit else 0) - comp * adapters
-    # adapted experts and routers save their merged weight W + s*BA per block (estimate/lora_experts.py)
+    # adapted experts and routers save their merged weight W + s*BA per block (estimate/adapters/experts.py)
     merged_element = comp if autocast else model_element_bytes(quant, autocast, comp)
     casts -= merged_weight_bytes(lora_layout(spec, lora).adapted, merged_element)
     return with_adapter_activations(acts, training.micro_batch * training.seq_len, extra, casts)

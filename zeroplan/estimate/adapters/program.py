@@ -1,16 +1,16 @@
 """The adapters in a rank's profile (issue 12): the frozen base as bitsandbytes stores it in place of the
 engine's count of it, the Trainer's fp32 adapters under ZeRO-3, modules_to_save copies in the base's
 dtype, and the peak's params split into base and adapter bytes. The engine profile counts every
-parameter in its own dtype; these terms say what the adapted program holds instead (estimate/lora.py,
+parameter in its own dtype; these terms say what the adapted program holds instead (estimate/adapters/lora.py,
 docs/engines/lora.md). `setup` is the rank's: its `gpus` are the ranks that shard (HSDP shards over
 dp_shard only)."""
 
 from __future__ import annotations
 
-import zeroplan.estimate.lora as lora
+import zeroplan.estimate.adapters.lora as lora
 from zeroplan.estimate.engines.common import EngineEstimate, Setup
 from zeroplan.estimate.dtypes import state_bytes
-from zeroplan.estimate.facts import ModelFacts
+from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.result import ParamParts, PhaseBytes, Step
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import TrainingSpec
@@ -24,7 +24,7 @@ def with_adapters(result: EngineEstimate, facts: ModelFacts, model: TransformerS
     copies = None
     copy_element = lora.saved_copy_element(training)
     if copy_element is not None:
-        import zeroplan.estimate.lora_saved as lora_saved
+        import zeroplan.estimate.adapters.saved_copies as lora_saved
 
         copies = lora_saved.saved_copy_bytes(facts, training, setup, copy_element)
     full_grads = max(p.categories.grads for p in result.phases)
@@ -54,8 +54,8 @@ def lora_notes(model: TransformerSpec, training: TrainingSpec, facts: ModelFacts
 
 
 def _fp32_adapters(facts: ModelFacts, training: TrainingSpec, param: int, step: Step, shard_ranks: int) -> int:
-    """The Trainer's adapters kept fp32 under DeepSpeed ZeRO-3 (estimate/lora_trainer.py)."""
-    import zeroplan.estimate.lora_trainer as lora_trainer
+    """The Trainer's adapters kept fp32 under DeepSpeed ZeRO-3 (estimate/adapters/trainer.py)."""
+    import zeroplan.estimate.adapters.trainer as lora_trainer
 
     if not lora_trainer.adapters_stay_fp32(training):
         return 0

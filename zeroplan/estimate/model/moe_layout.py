@@ -17,7 +17,7 @@ from zeroplan.spec.model import TransformerSpec
 
 
 class Tensor(NamedTuple):
-    """A parameter tensor as `zeroplan.estimate.layout.ParamTensor` holds it (that module builds
+    """A parameter tensor as `zeroplan.estimate.model.layout.ParamTensor` holds it (that module builds
     its layout from these: it imports this one, not the other way)."""
 
     name: str

@@ -10,7 +10,7 @@ ZeRO-3 runs it for a model built outside zero.Init too: the engine converts the 
 Its `LinearFunctionForZeroStage3.setup_context` calls `ctx.save_for_backward(input, weight, bias)`
 whatever needs a gradient (runtime/zero/linear.py), where autograd's own linear keeps the input only
 for the weight's gradient. So under ZeRO-3 every `nn.Linear` keeps its input once
-any of its inputs needs a gradient, frozen or not: the tensors `adapter_activations` (estimate/lora.py)
+any of its inputs needs a gradient, frozen or not: the tensors `adapter_activations` (estimate/adapters/lora.py)
 takes out for a frozen base are kept again. Conv1D (GPT-2's blocks: `torch.addmm`) and bitsandbytes'
 layers (`matmul_4bit`) do not call `F.linear` and keep nothing more; the head is an `nn.Linear`.
 The saved tensors go through `save_for_backward`, so checkpointing drops and recomputes them.
@@ -26,7 +26,7 @@ _OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "down_proj", "fc_out")
 
 
 class KeptInputs(NamedTuple):
-    """Per token, bytes the frozen linears keep under ZeRO-3 beyond what estimate/lora.py counts."""
+    """Per token, bytes the frozen linears keep under ZeRO-3 beyond what estimate/adapters/lora.py counts."""
 
     block: int  # per adapted block: the norms' outputs read by frozen q/k/v and gate/up, down_proj's input
     first_block: int  # negative: the first block's attention input, when nothing before it needs a gradient
@@ -50,7 +50,7 @@ def block_linears_keep_inputs(spec: TransformerSpec, quant, training, autocast: 
 
 def kept_inputs(spec: TransformerSpec, lora, quant, training, comp: int, adapter_element: int, autocast: bool,
                 first_input_needs_grad: bool, head_input_removed: bool, block_linears, adapted) -> KeptInputs:
-    """`KeptInputs` of a dense model's blocks (`block_linears`: estimate/lora.py `_linears`, role "block";
+    """`KeptInputs` of a dense model's blocks (`block_linears`: estimate/adapters/lora.py `_linears`, role "block";
     `adapted`: the adapted ones). Where an adapter's A keeps the same tensor itself (no cast, dropout or
     autocast copy: `own_copy` in `adapter_activations`) the input was never taken out.
     `first_input_needs_grad` and `head_input_removed` are `outside_blocks`' conditions."""
@@ -86,7 +86,7 @@ def recompute_trainable_element(training) -> int:
     (`update_recompute_parameters`), which frees them only at its backward's end
     (`release_sub_module(forward=False)`); the trainable ones wait for their own backward hook
     ("trainable ones release via their backward hook"). So the whole rebuilt block stays gathered."""
-    from zeroplan.estimate.lora_trainer import FP32_BYTES, HALF_BYTES, adapters_stay_fp32
+    from zeroplan.estimate.adapters.trainer import FP32_BYTES, HALF_BYTES, adapters_stay_fp32
 
     if training.lora is None or not linear_keeps_input(training) or training.checkpointing.value != "full":
         return 0

@@ -1,4 +1,4 @@
-"""Expert parallelism on one rank (issue 14): what estimate/mesh.py asks of the experts when ep > 1.
+"""Expert parallelism on one rank (issue 14): what estimate/parallel/mesh.py asks of the experts when ep > 1.
 Derivations: docs/engines/mesh.md, "Expert parallelism".
 
 - Parameters: each rank holds num_experts / ep experts (torchtitan distributed/expert_parallel.py
@@ -21,7 +21,7 @@ Derivations: docs/engines/mesh.md, "Expert parallelism".
 
 from __future__ import annotations
 
-from zeroplan.estimate.layout import ParamTensor
+from zeroplan.estimate.model.layout import ParamTensor
 from zeroplan.spec.mesh import MeshSpec, routed_experts
 from zeroplan.spec.model import TransformerSpec
 
@@ -41,7 +41,7 @@ def shard_degree(tensor: ParamTensor, n: int, expert_n: int) -> int:
 
 def _dim1(tensor: ParamTensor, model: TransformerSpec) -> int:
     """Dim 1 of a fused expert tensor: gate_up (E, 2i, h), down (E, h, i), their biases (E, 2i), (E, h);
-    GPT-OSS stores the weights transposed (E, h, 2i) and (E, i, h) (estimate/moe_layout.py)."""
+    GPT-OSS stores the weights transposed (E, h, 2i) and (E, i, h) (estimate/model/moe_layout.py)."""
     inner = model.moe.expert_intermediate_size if model.moe is not None else model.intermediate_size
     h = model.hidden_size
     leaf = tensor.name.rsplit(".", 1)[-1]
@@ -61,9 +61,9 @@ def placed_experts(tensors: tuple[ParamTensor, ...], model: TransformerSpec, mes
 
 
 def first_block_gradient(model: TransformerSpec, mesh: MeshSpec) -> int | None:
-    """The sparse last block's expert gradients alive at its backward peak (estimate/moe.py
+    """The sparse last block's expert gradients alive at its backward peak (estimate/activations/moe.py
     `first_block_gradient`), for the rank's num_experts / ep experts; None where EP is off."""
-    from zeroplan.estimate.moe import first_block_gradient as whole
+    from zeroplan.estimate.activations.moe import first_block_gradient as whole
 
     if mesh.ep == 1 or model.moe is None:
         return None
@@ -81,7 +81,7 @@ def saved_per_block_delta(model: TransformerSpec, mesh: MeshSpec, tokens: int, c
     the gate's intermediate tensors) moe_imbalance - 1 times over on the busiest rank."""
     if mesh.ep == 1 or model.moe is None:
         return 0
-    from zeroplan.estimate.moe import gate_saved
+    from zeroplan.estimate.activations.moe import gate_saved
 
     sent = tokens * _routed_pairs(model)
     received = round(sent * mesh.moe_imbalance)
@@ -90,7 +90,7 @@ def saved_per_block_delta(model: TransformerSpec, mesh: MeshSpec, tokens: int, c
 
 
 def backward_transient_delta(model: TransformerSpec, mesh: MeshSpec, tokens: int, comp: int) -> int:
-    """The busiest rank's extra gradients at the gate activation's backward (estimate/moe.py
+    """The busiest rank's extra gradients at the gate activation's backward (estimate/activations/moe.py
     `_backward_moment`): its per-pair intermediate-width gradients over the received pairs."""
     if mesh.ep == 1 or model.moe is None or mesh.moe_imbalance == 1.0:
         return 0
