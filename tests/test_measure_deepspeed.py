@@ -168,7 +168,7 @@ def test_stage2_gradients_of_activations_are_temporaries_in_the_run_and_activati
     peak of +0.0%, without a word. The bytes are the last block's gradients of activations in flight at
     the backward peak: the comparison names the move, and its size is that term of the estimate."""
     deepspeed_ops("deepspeed_shm_comm")
-    from zeroplan.estimate.activations import activation_bytes
+    from zeroplan.estimate.activations.transformer import activation_bytes
     from zeroplan.estimate import estimate_mesh
     from zeroplan.estimate.serialize import estimate_to_dict
     from zeroplan.importers.catalog import resolve_model

@@ -118,7 +118,8 @@ MOVE_REASONS = {
         "gradients of activations in flight at the backward peak (a block's, or the loss's): the run counts what "
         "backward allocates as temporaries (measure/accounting.py), DeepSpeed's estimate counts them with the "
         "activations (estimate/engines/deepspeed.py `_activation_along`, `_backward_start`), where the torch and "
-        "fsdp2 estimates book them as temporaries (activations.py `block_backward_temporary_at`, `logits_grad`)"),
+        "fsdp2 estimates book them as temporaries (activations/transformer.py `block_backward_temporary_at`, "
+        "`logits_grad`)"),
 }
 """Why an engine's estimate and its run book the same bytes in different categories, by (engine,
 the estimate's category, the run's category)."""
