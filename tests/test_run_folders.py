@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from worker_processes import alive
 from zeroplan.measure import processes
 from zeroplan.measure.processes import process_start, remove_dead_run_folders, run_folder
 
@@ -34,6 +35,24 @@ def tmpdir_here(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(folder))
     monkeypatch.setenv("TMPDIR", str(folder))
     return folder
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            ppid = int(open(f"/proc/{entry}/stat").read().rpartition(")")[2].split()[1]) if entry.isdigit() else None
+        except OSError:
+            continue
+        if ppid is not None:
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _dead_pid() -> int:
@@ -105,8 +124,13 @@ def test_a_killed_measure_leaves_its_folder_and_the_next_run_removes_it(tmpdir_h
             time.sleep(0.05)
         left = list(tmpdir_here.glob(f"zeroplan-measure-{command.pid}.*"))
         assert len(left) == 1, list(tmpdir_here.iterdir())
+        started = _descendants(command.pid)  # its worker server and the workers
         command.send_signal(signal.SIGKILL)
         command.wait(timeout=BOUND_S)
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in started) and time.monotonic() < deadline:  # they die with it (PDEATHSIG)
+            time.sleep(0.05)
+        assert started and not any(alive(pid) for pid in started)
     finally:
         command.kill()
         command.wait()
