@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,7 @@ from zeroplan.importers.catalog import resolve_model  # noqa: E402
 from zeroplan.errors import MeasureError  # noqa: E402
 from zeroplan.measure import launcher, worker_server  # noqa: E402
 from zeroplan.measure.worker import FAULT_ENV  # noqa: E402
+from zeroplan.measure.processes import remove_dead_run_folders  # noqa: E402
 from zeroplan.spec.training import TrainingSpec  # noqa: E402
 from worker_processes import SPAWNED, alive, workers_recorded  # noqa: E402
 
@@ -405,3 +407,8 @@ def test_killing_the_launcher_leaves_no_worker_running(signum, fork):
     finally:
         parent.kill()
         parent.wait()
+    # its run folder: removed by the launcher on SIGTERM; after SIGKILL, by the next run (issue 21)
+    left = list(Path(tempfile.gettempdir()).glob(f"zeroplan-measure-{parent.pid}.*"))
+    assert len(left) == (1 if signum == signal.SIGKILL else 0)
+    remove_dead_run_folders()
+    assert not any(folder.exists() for folder in left)
