@@ -176,6 +176,36 @@ def test_bad_options_are_one_line_with_status_2(args, message, tmp_path):
     assert not path.exists()
 
 
+def _never(*args, **kwargs):
+    pytest.fail("a worker was started")
+
+
+@NEEDS_TORCH
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # issue 21: ran silently towards its 600 s timeout (about 6 ms per simulated rank of tiny-llama)
+        (["--engine", "fsdp2", "--zero", "3", "--nproc", "1000000", "--simulate"],
+         r"^Error: nproc: --simulate stands for at most 16,384 ranks \(the largest published training world\), got "
+         r"1,000,000; its time grows with the world \(.*\), so give a large world a longer --timeout$"),
+        (["--engine", "torch", "--nproc", "1000"],
+         r"^Error: nproc: a gloo run starts one process per rank on this machine, 64 at most; measure a larger world "
+         r"with --simulate \(engine fsdp2\), got 1,000$"),
+        (["--engine", "torch", "--nproc", "2", "--steps", "1000000"],
+         r"^Error: steps: must be 1 to 1,000 \(the steady state repeats from step 2\), got 1,000,000$"),
+    ],
+)
+def test_every_count_is_bounded_before_any_worker_starts(args, message, monkeypatch):
+    from zeroplan.measure import launcher
+
+    monkeypatch.setattr(launcher, "start_worker", _never)
+    monkeypatch.setattr(launcher, "spawn", _never)
+    result = measure(*args, *RUN[:6])  # --precision, --micro-batch, --seq-len
+    assert result.exit_code == 2, result.output
+    assert re.search(message, result.stderr.strip()), result.stderr
+    assert len(result.stderr.splitlines()) == 1
+
+
 def test_a_deepspeed_json_that_disagrees_fails_before_any_rank_starts(monkeypatch, tmp_path):
     pytest.importorskip("deepspeed")
     import zeroplan.measure.launcher as launcher

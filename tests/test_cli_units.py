@@ -28,7 +28,7 @@ def _in(size_bytes: int, unit: str) -> str:
 
 def test_every_command_offers_the_same_units():
     context = click.Context(cli)
-    for name in ("estimate", "compare", "plan", "measure"):
+    for name in ("estimate", "compare", "plan", "measure", "validate"):
         (units,) = [p for p in cli.get_command(context, name).params if p.name == "units"]
         assert tuple(units.type.choices) == REPORT_UNITS == tuple(UNIT_BYTES), name
 

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,14 +131,157 @@ def _no_build(*args, **kwargs):
     raise AssertionError("a build process was started")
 
 
+def _fake_build(op_folder: Path, name: str, finished: bool = True) -> Path:
+    """What ninja leaves in `op_folder`: objects, the .so, and its log, which records the .so only once
+    the link finished (start, end, mtime in ns, output, command hash)."""
+    op_folder.mkdir(parents=True, exist_ok=True)
+    (op_folder / f"{name}.o").write_bytes(b"object")
+    library = op_folder / f"{name}.so"
+    library.write_bytes(b"library")
+    lines = ["# ninja log v5", f"0\t10\t{(op_folder / f'{name}.o').stat().st_mtime_ns}\t{name}.o\t1234abcd"]
+    if finished:
+        lines.append(f"10\t20\t{library.stat().st_mtime_ns}\t{name}.so\tabcd1234")
+    (op_folder / ".ninja_log").write_text("\n".join(lines) + "\n")
+    return library
+
+
 def test_built_ops_start_no_build(tmp_path, monkeypatch):
     monkeypatch.setenv(deepspeed_build.EXTENSIONS_ENV, str(tmp_path))
     monkeypatch.setattr(deepspeed_build, "spawn", _no_build)
-    (deepspeed_build.ops_dir() / "cpu_adam").mkdir(parents=True)
-    (deepspeed_build.ops_dir() / "cpu_adam" / "cpu_adam.so").touch()
+    _fake_build(deepspeed_build.ops_dir() / "cpu_adam", "cpu_adam")
     messages = []
     deepspeed_build.build_ahead(("cpu_adam",), env=_env(), announce=messages.append)
     assert messages == []
+
+
+def test_an_op_is_built_when_its_so_is_the_one_ninja_recorded(tmp_path):
+    """A build killed before or during its link leaves objects and maybe a partial .so: before issue 21
+    a .so counted as built, and the workers imported what was there."""
+    op_folder = tmp_path / "cpu_adam"
+    library = _fake_build(op_folder, "cpu_adam")
+    assert deepspeed_build.built("cpu_adam", tmp_path)
+    library.write_bytes(b"a link killed half-way")  # rewritten after ninja logged it
+    os.utime(library, ns=(library.stat().st_atime_ns, library.stat().st_mtime_ns + 1))
+    assert not deepspeed_build.built("cpu_adam", tmp_path)
+    _fake_build(op_folder, "cpu_adam", finished=False)  # killed before the link finished
+    assert not deepspeed_build.built("cpu_adam", tmp_path)
+    (op_folder / ".ninja_log").unlink()
+    assert not deepspeed_build.built("cpu_adam", tmp_path)
+
+    (op_folder / "lock").touch()
+    (op_folder / deepspeed_build.BUILD_LOCK).touch()
+    assert deepspeed_build.clean_half_built(op_folder)
+    assert sorted(p.name for p in op_folder.iterdir()) == sorted(["lock", deepspeed_build.BUILD_LOCK])
+    assert not deepspeed_build.clean_half_built(op_folder)
+
+
+@pytest.mark.parametrize("where", ["a file", "/proc/zp"])
+def test_an_extensions_folder_that_cannot_be_used_is_one_line_naming_the_variable(tmp_path, monkeypatch, where):
+    """Before issue 21: a NotADirectoryError traceback (set to a file), or a bare FileNotFoundError (/proc/zp)."""
+    path = tmp_path / "a-file" if where == "a file" else Path(where)
+    if where == "a file":
+        path.write_text("")
+    monkeypatch.setenv(deepspeed_build.EXTENSIONS_ENV, str(path))
+    monkeypatch.setattr(deepspeed_build, "spawn", _no_build)
+    message = rf"^{deepspeed_build.EXTENSIONS_ENV}: {path} cannot hold DeepSpeed's built ops \(.+\); set it to a folder"
+    with pytest.raises(MeasureError, match=message):
+        deepspeed_build.build_ahead(("deepspeed_shm_comm",), env=_env(), announce=print)
+    with pytest.raises(MeasureError, match=message):  # with nothing to build too: the workers write there
+        deepspeed_build.build_ahead((), env=_env(), announce=print)
+    monkeypatch.delenv(deepspeed_build.EXTENSIONS_ENV)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(path))
+    with pytest.raises(MeasureError, match="^TORCH_EXTENSIONS_DIR: "):
+        deepspeed_build.build_ahead(("deepspeed_shm_comm",), env=_env(), announce=print)
+
+
+def test_an_unusable_extensions_folder_stops_measure_with_one_line(tmp_path):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs deepspeed")
+    (tmp_path / "a-file").write_text("")
+    env = _env() | {deepspeed_build.EXTENSIONS_ENV: str(tmp_path / "a-file")}
+    argv = [sys.executable, "-m", "zeroplan", "measure", "tiny-llama", "--engine", "deepspeed", "--zero", "1",
+            "--nproc", "2", "--precision", "fp32", "--seq-len", "32"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=BOUND_S, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"Error: {deepspeed_build.EXTENSIONS_ENV}: {tmp_path / 'a-file'} cannot hold "
+                                  "DeepSpeed's built ops (Not a directory: "), done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+HOLD_BUILD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_build_that_waits_for_another_says_so_and_nothing_false(tmp_path, monkeypatch):
+    """Two first builds at once: before issue 21 the waiting one also said "compiling ..., about 35 s"
+    although the other build had finished the op by then. Here another zeroplan's build holds the op's
+    lock, finishes it while this one waits, and releases the lock."""
+    monkeypatch.setenv(deepspeed_build.EXTENSIONS_ENV, str(tmp_path))
+    op_folder = deepspeed_build.ops_dir() / "deepspeed_shm_comm"
+    op_folder.mkdir(parents=True)
+    other = spawn([sys.executable, "-c", HOLD_BUILD_LOCK, str(op_folder / deepspeed_build.BUILD_LOCK)], env=_env(),
+                  stdout=subprocess.PIPE, stdin=subprocess.PIPE)
+    try:
+        assert other.stdout.readline() == b"holding\n"
+        messages = []
+
+        def announce(message: str) -> None:
+            messages.append(message)
+            if message.startswith("waiting"):  # the other build finishes and lets go
+                _fake_build(op_folder, "deepspeed_shm_comm")
+                other.stdin.write(b"done\n")
+                other.stdin.flush()
+
+        deepspeed_build.build_ahead(("deepspeed_shm_comm",), env=_env(), announce=announce, timeout_s=BOUND_S)
+    finally:
+        kill_sessions([other])
+        other.stdout.close()
+        other.stdin.close()
+    assert messages == [f"waiting for another zeroplan's build of DeepSpeed's shared-memory comm op (in {op_folder})"]
+
+
+# A build child as deepspeed_build starts it: its death signal SIGTERM, ended by processes.end_session;
+# it starts a "compiler" in a process group of its own, as ninja does, and prints its pid.
+FAKE_BUILD = """
+import signal, subprocess, sys, time
+from zeroplan.measure.processes import end_session
+end_session(signal.SIGTERM)
+compiler = subprocess.Popen(["sleep", "300"], process_group=0)
+print(compiler.pid, flush=True)
+time.sleep(300)
+"""
+
+# The command: starts the build child as build_ahead does, prints its pid and the compiler's, and waits.
+FAKE_COMMAND = """
+import signal, subprocess, sys, time
+from zeroplan.measure.processes import spawn
+child = spawn([sys.executable, "-c", sys.argv[1]], env=None, stdout=subprocess.PIPE, death_signal=signal.SIGTERM)
+print(child.pid, child.stdout.readline().decode().strip(), flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_command_killed_outright_takes_its_build_and_compilers_with_it():
+    """Before issue 21: SIGKILL of the command killed the build child (PR_SET_PDEATHSIG) but not ninja and
+    the compilers, which the death signal does not reach; they ran on, in the build folder."""
+    command = subprocess.Popen([sys.executable, "-c", FAKE_COMMAND, FAKE_BUILD], env=_env(), stdout=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL)
+    child, compiler = map(int, command.stdout.readline().split())
+    try:
+        assert alive(child) and alive(compiler)
+        command.kill()
+        command.wait(timeout=BOUND_S)
+        _wait_for(lambda: not alive(compiler) and not alive(child), "the build and its compiler to end", 10)
+    finally:
+        command.stdout.close()
+        for pid in (child, compiler):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_failed_build_is_one_line_naming_the_op(tmp_path, monkeypatch):
@@ -165,12 +309,13 @@ def test_ctrl_c_during_a_build_ends_the_command_its_compilers_and_their_lock(tmp
     run waited on it until its timeout."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs deepspeed")
-    folder = tmp_path / "ext"
+    folder, tmpdir = tmp_path / "ext", tmp_path / "tmp"
+    tmpdir.mkdir()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(deepspeed_build.EXTENSIONS_ENV, str(folder))
         build = deepspeed_build.ops_dir() / "deepspeed_shm_comm"
     stderr = tmp_path / "stderr"
-    env = _env() | {deepspeed_build.EXTENSIONS_ENV: str(folder)}
+    env = _env() | {deepspeed_build.EXTENSIONS_ENV: str(folder), "TMPDIR": str(tmpdir)}
     argv = [sys.executable, "-m", "zeroplan", "measure", "tiny-llama", "--engine", "deepspeed", "--zero", "1",
             "--nproc", "2", "--precision", "fp32", "--seq-len", "64", "--timeout", "30"]
     with open(stderr, "wb") as err:
@@ -189,11 +334,61 @@ def test_ctrl_c_during_a_build_ends_the_command_its_compilers_and_their_lock(tmp
         assert time.monotonic() - started < 30  # within seconds; a hang or a finished build exceeds this
         assert working_in(build) == []  # no compiler outlives the command
         assert not (build / "lock").exists()
+        # nor its temporary files (before issue 21: gcc's cc*.s and DeepSpeed's tmp*/test.c stayed in $TMPDIR)
+        assert list(tmpdir.iterdir()) == []
     finally:
         command.kill()
         command.wait()
         for pid in working_in(build):  # only if the test failed: leave nothing behind
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.distributed
+def test_sigkill_during_a_build_ends_its_compilers_and_the_next_run_cleans_up_and_builds(tmp_path, monkeypatch):
+    """Issue 21: SIGKILL of `measure` during its first DeepSpeed build left ninja, c++ and cc1plus running
+    and their lock in place; the next run waited on the lock, then imported a .so nobody had linked
+    (ImportError ... deepspeed_shm_comm.so: cannot open shared object file), and the build's run folder
+    and temporary files stayed in $TMPDIR."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs deepspeed")
+    folder, tmpdir = tmp_path / "ext", tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setenv(deepspeed_build.EXTENSIONS_ENV, str(folder))
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    build = deepspeed_build.ops_dir() / "deepspeed_shm_comm"
+    argv = [sys.executable, "-m", "zeroplan", "measure", "tiny-llama", "--engine", "deepspeed", "--zero", "1",
+            "--nproc", "2", "--precision", "fp32", "--seq-len", "32", "--timeout", "120"]
+    command = subprocess.Popen(argv, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: build.is_dir() and working_in(build), "a compiler in the build folder", 300)
+        command.kill()
+        command.wait(timeout=BOUND_S)
+        _wait_for(lambda: working_in(build) == [], "the compilers to end", 10)
+        _wait_for(lambda: not (build / "lock").exists(), "the build to free its lock", 10)
+        assert list(tmpdir.glob(f"zeroplan-build-{command.pid}.*"))  # nothing ran to remove it
+    finally:
+        command.kill()
+        command.wait()
+        for pid in working_in(build):  # only if the test failed: leave nothing behind
+            os.kill(pid, signal.SIGKILL)
+
+    from zeroplan.importers.catalog import resolve_model
+    from zeroplan.measure.launcher import run_measurement
+
+    messages = []
+    training = _training(zero_stage=1, micro_batch=1, seq_len=32, recipe="plain",
+                         deepspeed={"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000})
+    result = run_measurement(resolve_model("tiny-llama"), training, nproc=2,
+                             steps=2, timeout_s=300, announce=messages.append)  # the workers import the op
+    assert result.fits
+    assert messages[0] == (f"removed the unfinished build of DeepSpeed's shared-memory comm op that a stopped run "
+                           f"left in {build}")
+    assert messages[1].startswith("compiling DeepSpeed's shared-memory comm op")
+    assert deepspeed_build.built("deepspeed_shm_comm", deepspeed_build.ops_dir())
+    # the killed run's folder with its cc*.s, and this run's own (torchinductor_USER: torch's compile cache, kept by design)
+    assert [path.name for path in tmpdir.iterdir() if not path.name.startswith("torchinductor_")] == []
 
 
 @pytest.mark.distributed

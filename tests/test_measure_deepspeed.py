@@ -162,6 +162,31 @@ def test_stage12_adam_reads_a_one_nth_fp32_gradient_partition(stage12):
         assert _phase(rank, 1, "optimizer_step").categories["grads"] == P12 * FP32
 
 
+@pytest.mark.distributed
+def test_stage2_gradients_of_activations_are_temporaries_in_the_run_and_activations_in_the_estimate(deepspeed_ops):
+    """Issue 21: `measure --engine deepspeed --zero 2` showed activations +24.6% and temporaries -100% at a
+    peak of +0.0%, without a word. The bytes are the last block's gradients of activations in flight at
+    the backward peak: the comparison names the move, and its size is that term of the estimate."""
+    deepspeed_ops("deepspeed_shm_comm")
+    from zeroplan.estimate.activations.transformer import activation_bytes
+    from zeroplan.estimate import estimate_mesh
+    from zeroplan.estimate.serialize import estimate_to_dict
+    from zeroplan.importers.catalog import resolve_model
+    from zeroplan.measure.comparison import compare, run_peaks
+    from zeroplan.measure.launcher import run_measurement
+
+    model, training = resolve_model("tiny-llama"), _training(zero_stage=2).varied(seq_len=128)
+    result = run_measurement(model, training, nproc=N, backend="gloo", steps=2, timeout_s=400)
+    estimated = estimate_to_dict(estimate_mesh(model, training), training)
+    steady = compare(estimated["phases"], run_peaks(result.to_json_dict()), engine="deepspeed").steady
+    assert steady.peak.ok and steady.measured_phase == "backward"
+    (move,) = steady.moves()
+    assert (move.estimated_as, move.measured_as) == ("activations", "temporaries")
+    in_flight = activation_bytes(model, training, FP32).block_backward_temporary_at(model.num_layers)
+    assert move.moved_bytes == pytest.approx(in_flight, abs=1024)  # 1,212,428 measured, 1,212,416 derived
+    assert "DeepSpeed's estimate counts them with the activations" in move.reason
+
+
 @pytest.fixture(scope="module")
 def stage3(deepspeed_ops):
     deepspeed_ops("deepspeed_shm_comm")

@@ -13,7 +13,9 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,7 @@ from zeroplan.importers.catalog import resolve_model  # noqa: E402
 from zeroplan.errors import MeasureError  # noqa: E402
 from zeroplan.measure import launcher, worker_server  # noqa: E402
 from zeroplan.measure.worker import FAULT_ENV  # noqa: E402
+from zeroplan.measure.processes import remove_dead_run_folders  # noqa: E402
 from zeroplan.spec.training import TrainingSpec  # noqa: E402
 from worker_processes import SPAWNED, alive, workers_recorded  # noqa: E402
 
@@ -231,7 +234,7 @@ def raised_run(tmp_path_factory):
     error it ended with and what was left in that folder (two tests read them)."""
     folder = tmp_path_factory.mktemp("failed-run")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launcher.tempfile, "tempdir", str(folder))
+        patch.setattr(tempfile, "tempdir", str(folder))
         with pytest.raises(MeasureError, match=r"^rank 1 failed: ") as raised:
             _fault_run(patch, "raise@1")
     return raised.value, os.listdir(folder)
@@ -258,6 +261,12 @@ def test_out_of_memory_is_a_result_that_does_not_fit(monkeypatch):
     assert rank.peak_bytes >= 2 * _param_bytes("tiny-llama")  # parameters + DDP buckets
     assert rank.phases[-1].phase == "forward"
     assert any("rank 1 ran out of device memory" in note for note in result.notes)
+
+
+def test_a_rank_killed_outright_is_said_to_be_killed_perhaps_out_of_memory(monkeypatch):
+    """Issue 21: the kernel's OOM killer ended rank 0 and the run said "rank 0 exited with status -9: no output"."""
+    with pytest.raises(MeasureError, match=r"^rank 0 was killed \(signal 9\): out of memory\? the kernel"):
+        _fault_run(monkeypatch, "killed@0")
 
 
 def test_ctrl_c_leaves_no_worker_running(monkeypatch):
@@ -340,7 +349,7 @@ def test_a_killed_server_ends_its_workers_and_the_next_run_starts_another(monkey
 
 def test_bad_requests_are_refused_before_any_worker_starts():
     spec, training = resolve_model("tiny-llama"), _training("torch", 0)
-    with pytest.raises(MeasureError, match="steps: must be at least 1, got 0"):
+    with pytest.raises(MeasureError, match="steps: must be 1 to 1,000 .*, got 0"):
         launcher.run_measurement(spec, training, nproc=2, steps=0)
     with pytest.raises(MeasureError, match="engine: --simulate runs fsdp2 only"):
         launcher.run_measurement(spec, training, nproc=8, simulate=True)
@@ -398,3 +407,8 @@ def test_killing_the_launcher_leaves_no_worker_running(signum, fork):
     finally:
         parent.kill()
         parent.wait()
+    # its run folder: removed by the launcher on SIGTERM; after SIGKILL, by the next run (issue 21)
+    left = list(Path(tempfile.gettempdir()).glob(f"zeroplan-measure-{parent.pid}.*"))
+    assert len(left) == (1 if signum == signal.SIGKILL else 0)
+    remove_dead_run_folders()
+    assert not any(folder.exists() for folder in left)

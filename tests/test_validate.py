@@ -115,8 +115,8 @@ def test_run_rows_measures_only_what_the_mode_asks(monkeypatch):
     stale = _record(rows[1]) | {"fingerprint": "0"}
     cache = {rows[0].id: _record(rows[0]), rows[1].id: stale}
     done = []
-    out = v.run_rows(rows, cache, v.RunOptions(measure="missing"), on_done=lambda row, rec: done.append(row.id))
-    assert measured == [rows[1].id] and done == [r.id for r in rows]
+    out = v.run_rows(rows, cache, v.RunOptions(measure="missing"), on_done=lambda row, rec, now: done.append((row.id, now)))
+    assert measured == [rows[1].id] and done == [(rows[0].id, False), (rows[1].id, True)]
     assert out[rows[1].id]["fingerprint"] != "0" and cache[rows[1].id] is stale  # the input is not changed
     v.run_rows(rows, cache, v.RunOptions(measure="none"))
     assert measured == [rows[1].id]
@@ -218,6 +218,80 @@ def test_outside_a_checkout_the_reports_must_be_named(tmp_path, monkeypatch):
     assert result.exit_code == 2
     assert "give --output-md and --output-json" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cached_rows_say_when_they_were_measured_not_how_long_they_took(tmp_path, monkeypatch):
+    """Issue 21: a cached row was shown as "measured ... [12 s]" as if measured in this run."""
+    rows = select_rows(GRID, "tiny-llama/torch-0/*/nockpt/*")
+    cached = _record(rows[0]) | {"measured_at": "2026-11-20T10:00:00Z"}
+    write_report(v.build_report(GRID, {rows[0].id: cached}, {}, backend="gloo", steps=3, command="c"), None,
+                 tmp_path / "r.json")
+    monkeypatch.setattr(v, "measure_row", lambda row, options: _record(row) | {"seconds": 7.0})
+    result = CliRunner().invoke(cli, ["validate", "--rows", "tiny-llama/torch-0/*/nockpt/*", "--measure", "missing",
+                                      "--output-json", str(tmp_path / "r.json"), "--output-md", str(tmp_path / "r.md")])
+    assert result.exit_code == 0, result.output
+    lines = {row.id: next(line for line in result.stderr.splitlines() if f" {row.id}: " in line) for row in rows}
+    assert lines[rows[0].id].endswith(" [cached: measured on 2026-11-20]")
+    assert all(lines[row.id].endswith(" [7 s]") for row in rows[1:])
+    result = CliRunner().invoke(cli, ["validate", "--rows", rows[0].id, "--measure", "none",
+                                      "--output-json", str(tmp_path / "r.json"), "--output-md", str(tmp_path / "r.md")])
+    assert result.stderr.splitlines()[0].endswith(" [cached: measured on 2026-11-20]")
+
+
+@pytest.mark.parametrize(("unit", "divisor"), [("GB", 10**9), ("MiB", 2**20), ("MB", 10**6), ("GiB", 2**30)])
+def test_validate_takes_units_as_every_command_does(tmp_path, unit, divisor):
+    row = GRID[0]
+    write_report(v.build_report(GRID, {row.id: _record(row)}, {}, backend="gloo", steps=3, command="c"), None,
+                 tmp_path / "r.json")
+    result = CliRunner().invoke(cli, ["validate", "--rows", row.id, "--measure", "none", "--units", unit,
+                                      "--output-json", str(tmp_path / "r.json"), "--output-md", str(tmp_path / "r.md")])
+    assert result.exit_code == 0, result.output
+    measured = f"{10 * MIB / divisor:,.2f}"
+    assert f" measured {measured} {unit}, " in result.stderr  # the progress line
+    header, _, first = result.stdout.splitlines()[:3]
+    assert f"est. peak {unit}" in header and f"meas. peak {unit}" in header
+    assert measured in first.split()
+    assert "est. peak MiB" in (tmp_path / "r.md").read_text()  # the markdown report keeps MiB
+
+
+def test_rows_that_read_test_files_run_from_any_directory_in_a_checkout(tmp_path, monkeypatch):
+    """Issue 21: the spec files of tests/data were read relative to the working directory."""
+    from zeroplan.measure.grid import row_files
+
+    monkeypatch.chdir(tmp_path)
+    rows = [row for row in GRID if row_files(row)]
+    assert rows
+    for row in rows:
+        model, _ = row_specs(row)
+        assert model.name in {"tiny-llama-4l", "tiny-llama-16k"}
+    v.check_files(GRID, rows, {})
+
+
+def test_a_copy_without_the_test_files_says_so_before_measuring(tmp_path, monkeypatch):
+    """Issue 21: `validate --quick` in an installed copy measured its rows, then failed on
+    tests/data/tiny-llama-4l.toml while writing the report (a cached row reads it)."""
+    from zeroplan.measure import grid
+
+    monkeypatch.setattr(grid, "CHECKOUT", tmp_path / "site-packages")  # an installed copy: no tests/ beside it
+    monkeypatch.setattr(v, "measure_row", lambda row, options: pytest.fail("measured before the files were checked"))
+    reading = next(row for row in GRID if grid.row_files(row))
+    missing = tmp_path / "site-packages" / reading.model
+    write_report(v.build_report([GRID[0]], {GRID[0].id: _record(GRID[0])}, {}, backend="gloo", steps=3, command="c"),
+                 None, tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    data["rows"].append({"id": reading.id, "record": _record(GRID[0])})  # a cached measurement of such a row
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    args = ["--output-json", str(tmp_path / "r.json"), "--output-md", str(tmp_path / "r.md")]
+
+    result = CliRunner().invoke(cli, ["validate", "--quick", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"Error: {missing} is missing: row {reading.id} reads it; it is a spec file of zeroplan's "
+                             "tests, which only a checkout has: run validate in a zeroplan checkout, or write the report "
+                             "to another --output-json (its cache has measurements of such rows)\n")
+    result = CliRunner().invoke(cli, ["validate", "--rows", reading.id, *args])
+    assert result.exit_code == 2
+    assert result.stderr.endswith("or select rows that do not read it with --rows\n")
+    assert not (tmp_path / "r.md").exists()
 
 
 def test_the_lock_is_exclusive_and_removed(tmp_path):

@@ -184,9 +184,16 @@ GPU_MEMORY_OPTION = click.option(
     help="Memory of one GPU, as a size (80GiB, 40GB) or a GPU name (h100-80gb, a100-40gb, ...); reports whether the peak fits.",
 )
 
+def units_option(default: str = "GiB", more_help: str = "") -> Callable[[F], F]:
+    """--units, one option for every command (spec/units.py REPORT_UNITS); `default` GiB but where a
+    command's figures are a few MiB (validate's tiny models)."""
+    return click.option("--units", "units", type=click.Choice(REPORT_UNITS), default=default, show_default=True,
+                        help=REPORT_UNITS_HELP + more_help)
+
+
 OUTPUT_OPTIONS = [
     click.option("--format", "output_format", type=click.Choice(FORMATS), default="table", show_default=True, help="Output format; json is a stable contract with sizes in bytes."),
-    click.option("--units", "units", type=click.Choice(REPORT_UNITS), default="GiB", show_default=True, help=REPORT_UNITS_HELP),
+    units_option(),
 ]
 
 

@@ -8,10 +8,9 @@ from typing import Any
 
 import click
 
-from zeroplan.cli.common import FiniteFloatRange, model_options, training_options
+from zeroplan.cli.common import FiniteFloatRange, model_options, training_options, units_option
 from zeroplan.cli.mesh_options import MESH_OPTIONS
 from zeroplan.errors import MissingDependencyError, SpecError
-from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
 def mesh_options(function):
     """--tp, --pp, ... (cli/mesh_options.py): measure runs a mesh as zeroplan/measure/engines/mesh.py says."""
@@ -38,7 +37,10 @@ reached) is still printed and written; 2 is a user error or a failed run, as for
 @click.option("--implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True, help="Model code: hf (transformers), reference (zeroplan's own), auto (hf where installed).")
 @click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table", show_default=True, help="Output on stdout; json is a stable contract with sizes in bytes.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also write the JSON to FILE (atomically; nothing is written when the run fails).")
-@click.option("--units", type=click.Choice(REPORT_UNITS), default="GiB", show_default=True, help=REPORT_UNITS_HELP)
+@units_option()
+@click.option("--memory-check/--no-memory-check", "memory_check", default=True, show_default=True,
+              help="Refuse a run whose estimated host memory (every local rank; on CPU the device is the host) "
+                   "exceeds what this machine has available (MemAvailable, or a container's limit).")
 def command(**options: Any) -> None:
     """Run real training steps of MODEL on --nproc ranks and print the memory each rank used,
     by category at the peak, beside the estimate for the same configuration, with the error
@@ -100,7 +102,7 @@ def command(**options: Any) -> None:
     result = run_measurement(
         model, training, nproc=nproc, backend=backend, simulate=simulate,
         steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],
-        engine_config=engine_config,
+        engine_config=engine_config, check_memory=options["memory_check"],
     )
     if training.mesh.ep > 1 and options.get("mesh_moe_imbalance") is None:  # estimated with the routing the run had
         from zeroplan.measure.grid_ep import with_measured_imbalance
@@ -108,7 +110,7 @@ def command(**options: Any) -> None:
         estimated = estimate_to_dict(estimate_mesh(model, with_measured_imbalance(training, result.notes)),
                                      training)
     measured = result.to_json_dict()
-    comparison = compare(estimated["phases"], run_peaks(measured))
+    comparison = compare(estimated["phases"], run_peaks(measured), engine=training.engine.value)
     data = report_data(estimated, measured, comparison)
     if options["output"] is not None:
         from zeroplan.measure.worker import write_json_atomic  # temp file + os.replace

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from zeroplan.cli.common import FiniteFloatRange
+from zeroplan.cli.common import FiniteFloatRange, units_option
 
 from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S, MEASURE_MODES
 
@@ -35,7 +35,9 @@ from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S
               help="JSON report, also the measurement cache [default: docs/accuracy.json; docs/accuracy_gpu.json with nccl].")
 @click.option("--reasons", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Why rows miss the targets: \"row id or glob\" = \"reason\" [default: the checkout's docs/accuracy_reasons.toml].")
-def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, timeout_s, output_md, output_json, reasons):
+@units_option("MiB", " The terminal's table and progress lines; the markdown report is in MiB.")
+def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, timeout_s, output_md, output_json, reasons,
+            units):
     """Estimate and measure a grid of configurations (models x engines x stages x precision x offload x
     checkpointing x batch x world size), one row at a time, and report the estimate's error per row
     and category with its distribution. Measurements are cached by row id in the JSON report.
@@ -81,22 +83,24 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
         if tty:
             click.echo(f"\r\033[K{_bar(finished['rows'], len(selected))} {row.id} ...", nl=False, err=True)
 
-    def on_done(row, record):
+    def on_done(row, record, measured_now):
         finished["rows"] += 1
-        if record is not None and measure != "none":
+        if record is not None and measured_now:
             measured[row.id] = record
             update()
         one = v.build_report([row], {row.id: record} if record else {}, reason_map, backend=backend, steps=steps,
                              command=command_text)
-        seconds = f" [{record.get('seconds', 0):.0f} s]" if record and measure != "none" else ""
         prefix = "\r\033[K" if tty else ""
-        click.echo(f"{prefix}{_bar(finished['rows'], len(selected))} {row_line(one.rows[0])}{seconds}", err=True)
+        line = row_line(one.rows[0], units, measured_now)
+        click.echo(f"{prefix}{_bar(finished['rows'], len(selected))} {line}", err=True)
 
-    v.run_rows(selected, v.load_records(output_json), options, on_start=on_start, on_done=on_done)
+    records = v.load_records(output_json)
+    v.check_files(GRID, selected, records)  # before the first row runs: the report estimates every cached row too
+    v.run_rows(selected, records, options, on_start=on_start, on_done=on_done)
     whole = measure == "all" and len(selected) == len(GRID)
     report = update(time.monotonic() - started if whole else None)
     shown = v.Report([r for r in report.rows if r.row in selected], backend, command_text, steps)
-    click.echo(render_terminal(shown, report))
+    click.echo(render_terminal(shown, report, units))
     failed = [r.row.id for r in shown.rows if r.status == "failed"]
     click.echo(f"wrote {output_md} and {output_json}", err=True)
     if failed:  # a grid with holes is not a result: the status says so, not only the text

@@ -20,7 +20,11 @@ Definitions (docs/accuracy.md and docs/measure.md say the same):
 - targets (issue 4 §3): the steady peak within 3%, the first-step peak within 5%, every category
   within 5%; a category misses only when |estimate - measured| exceeds both 5% of the measured
   bytes and the floor (64 KiB, or 1% of the step's measured peak if larger), so that a category
-  of a few bytes on both sides is not a miss.
+  of a few bytes on both sides is not a miss;
+- moved bytes (`StepComparison.moves`): where the peak meets its target, a category the estimate
+  puts too high and another it puts too low are the same bytes booked in one category by the
+  estimate and in the other by the run (up to the smaller of the two differences); each move says
+  from which to which, with the reason where it is known (`MOVE_REASONS`).
 Nothing here imports torch.
 """
 
@@ -99,6 +103,29 @@ class RankPeak:
 
 
 @dataclass(frozen=True)
+class Move:
+    """Bytes the estimate books as `estimated_as` that the run booked as `measured_as`, and why where
+    it is known (`MOVE_REASONS`)."""
+
+    estimated_as: str
+    measured_as: str
+    moved_bytes: int
+    reason: str | None = None
+
+
+MOVE_REASONS = {
+    ("deepspeed", "activations", "temporaries"): (
+        "gradients of activations in flight at the backward peak (a block's, or the loss's): the run counts what "
+        "backward allocates as temporaries (measure/accounting.py), DeepSpeed's estimate counts them with the "
+        "activations (estimate/engines/deepspeed.py `_activation_along`, `_backward_start`), where the torch and "
+        "fsdp2 estimates book them as temporaries (activations/transformer.py `block_backward_temporary_at`, "
+        "`logits_grad`)"),
+}
+"""Why an engine's estimate and its run book the same bytes in different categories, by (engine,
+the estimate's category, the run's category)."""
+
+
+@dataclass(frozen=True)
 class StepComparison:
     """The estimate against the measurement for one step ("steady" or "first")."""
 
@@ -110,6 +137,7 @@ class StepComparison:
     rank_peaks: tuple[RankPeak, ...]  # every rank's peak in this step
     estimated_overhead_bytes: int  # the estimate's non-tensor bytes, left out of the lines
     device_peaks: dict[str, int] | None = None  # CUDA allocator peaks (max over ranks), None on CPU
+    engine: str | None = None  # the engine run, for the reasons of moves between categories
 
     @property
     def peak(self) -> Line:
@@ -121,6 +149,31 @@ class StepComparison:
 
     def errors(self) -> dict[str, float | None]:
         return {line.name: line.error for line in self.lines}
+
+    def moves(self, floor_bytes: int = TARGETS.category_floor_bytes) -> tuple[Move, ...]:
+        """The categories that differ (beyond their tolerance and `floor_bytes`, whatever the peak:
+        a large peak's floor hides a category error of +25% that the table still shows), paired
+        where the peak meets its target (module docstring): the largest over-estimate with the
+        largest under-estimate, and so on, each move the bytes both have; what is left of either
+        is the peak's own difference. Empty when the peak misses or nothing differs both ways."""
+        missed = [line for line in self.categories.values()
+                  if abs(line.estimated_bytes - line.measured_bytes) > max(line.tolerance * line.measured_bytes, floor_bytes)]
+        over = {line.name: line.estimated_bytes - line.measured_bytes for line in missed
+                if line.estimated_bytes > line.measured_bytes}
+        under = {line.name: line.measured_bytes - line.estimated_bytes for line in missed
+                 if line.measured_bytes > line.estimated_bytes}
+        if not self.peak.ok or not over or not under:
+            return ()
+        moves = []
+        while over and under:
+            high, low = max(over, key=over.get), max(under, key=under.get)
+            moved = min(over[high], under[low])
+            moves.append(Move(high, low, moved, MOVE_REASONS.get((self.engine, high, low))))
+            over[high] -= moved
+            under[low] -= moved
+            over = {name: left for name, left in over.items() if left > 0}
+            under = {name: left for name, left in under.items() if left > 0}
+        return tuple(moves)
 
     def device_errors(self) -> dict[str, float | None] | None:
         """The estimated tensor peak against each CUDA allocator peak, None on CPU."""
@@ -171,9 +224,9 @@ def _estimated_step_peak(phases: Sequence[Mapping[str, Any]], step: str) -> Mapp
 
 
 def compare_step(phases: Sequence[Mapping[str, Any]], peaks: Sequence[RankPeak], step: str,
-                 targets: Targets = TARGETS) -> StepComparison | None:
-    """`step` of the estimate's `phases` against each rank's measured peak of it; None when no
-    rank reached that step (a run that ran out of memory early)."""
+                 targets: Targets = TARGETS, engine: str | None = None) -> StepComparison | None:
+    """`step` of the estimate's `phases` against each rank's measured peak of it, for a run of `engine`;
+    None when no rank reached that step (a run that ran out of memory early)."""
     if not peaks:
         return None
     top = max(peaks, key=lambda p: p.peak_bytes)
@@ -190,13 +243,15 @@ def compare_step(phases: Sequence[Mapping[str, Any]], peaks: Sequence[RankPeak],
         rank_peaks=tuple(peaks),
         estimated_overhead_bytes=int(est["overhead"]),
         device_peaks=device_peaks([p.device for p in peaks]) if all(p.device for p in peaks) else None,
+        engine=engine,
     )
 
 
 def compare(phases: Sequence[Mapping[str, Any]], peaks: Mapping[str, Sequence[RankPeak]],
-            targets: Targets = TARGETS) -> Comparison:
-    """Every step of `peaks` (by step, as `run_peaks` and `summary_peaks` give them) against the estimate's `phases`."""
-    compared = {step: compare_step(phases, peaks.get(step, ()), step, targets) for step in STEPS}
+            targets: Targets = TARGETS, engine: str | None = None) -> Comparison:
+    """Every step of `peaks` (by step, as `run_peaks` and `summary_peaks` give them) against the estimate's
+    `phases`; `engine` (the engine run) gives the moves between categories their reasons."""
+    compared = {step: compare_step(phases, peaks.get(step, ()), step, targets, engine) for step in STEPS}
     return Comparison({step: c for step, c in compared.items() if c is not None})
 
 

@@ -10,26 +10,53 @@ ninja builds in TORCH_EXTENSIONS_DIR/<op name>/ under the lock file `lock` there
     python -m zeroplan.measure.deepspeed_build deepspeed_shm_comm cpu_adam
 
 builds the named ops into `ops_dir()` the same way (.ci/deepspeed_cache.sh runs it).
-The build child reports one line per op on stdout: "waiting NAME" (another process holds its
-build lock) and "compiling NAME" (before a build), then "ready NAME"; or "skip NAME" (not used
-by this accelerator).
+The build child reports one line per op on stdout: "waiting NAME" (another zeroplan builds it now),
+"cleaned NAME" (it removed what a build that was stopped left), "compiling NAME" (before a build),
+then "ready NAME"; or "skip NAME" (not used by this accelerator).
+
+What a stopped build leaves, and who removes it:
+- zeroplan's builds of one op take turns under `flock` on BUILD_LOCK, which the kernel releases when
+  its holder dies, so a killed build never keeps the next one waiting; torch's own `lock` (a file
+  that exists while a build runs) left by a killed build is removed once no process holds it
+  (`processes.remove_stale_lock`);
+- an op is built when its .so is the one ninja's log records (`built`): a build killed before its
+  link, or during it, leaves objects and maybe a partial .so, which the next build removes first;
+- the child runs in a session of its own with TMPDIR in its run folder (gcc's cc*.s files,
+  DeepSpeed's tmp*/test.c probes); when the command dies, even by SIGKILL, the child is sent
+  SIGTERM (PR_SET_PDEATHSIG) and kills its session, compilers included, and removes its lock
+  (`processes.end_session`); the run folder is removed by the command, or by the next run when the
+  command was killed outright (`processes.remove_dead_run_folders`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import select
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from zeroplan.errors import MeasureError
-from zeroplan.measure.processes import exit_status, kill_sessions, last_line, remove_stale_lock, spawn
+from zeroplan.measure.processes import (
+    end_session,
+    exit_status,
+    kill_sessions,
+    last_line,
+    lock_holders,
+    remove_dead_run_folders,
+    remove_stale_lock,
+    run_folder,
+    spawn,
+)
 from zeroplan.spec.training import Offload, TrainingSpec
 
 MODULE = "zeroplan.measure.deepspeed_build"  # __name__ is __main__ under python -m
@@ -37,12 +64,38 @@ EXTENSIONS_ENV = "ZEROPLAN_TORCH_EXTENSIONS_DIR"
 """Where DeepSpeed's JIT-built ops are cached; else TORCH_EXTENSIONS_DIR; else ~/.cache/zeroplan."""
 POLL_S = 0.5  # while a build runs: how often to read its report
 LOCK_CHECK_S = 5.0  # and how often to look for a lock left by a build that died (a scan of /proc)
+BUILD_LOCK = "zeroplan-build.lock"  # flock'ed by the zeroplan build of the op in its folder (module docstring)
+TORCH_LOCK = "lock"  # torch's FileBaton (cpp_extension.py `_jit_compile`)
+
+
+def _chosen_by() -> str | None:
+    """The variable that chose `extensions_dir()`, None for the default."""
+    return next((name for name in (EXTENSIONS_ENV, "TORCH_EXTENSIONS_DIR") if os.environ.get(name)), None)
 
 
 def extensions_dir() -> Path:
     """The kept folder for DeepSpeed's JIT ops, one subfolder per environment (`ops_dir`)."""
-    chosen = os.environ.get(EXTENSIONS_ENV) or os.environ.get("TORCH_EXTENSIONS_DIR")
-    return Path(chosen).expanduser() if chosen else Path.home() / ".cache" / "zeroplan" / "torch_extensions"
+    chosen = _chosen_by()
+    return Path(os.environ[chosen]).expanduser() if chosen else Path.home() / ".cache" / "zeroplan" / "torch_extensions"
+
+
+def usable_ops_dir() -> Path:
+    """`ops_dir()`, made if missing and checked writable (torch writes its lock and ninja its files
+    there even when every op is built). Raises MeasureError naming the variable that chose it."""
+    folder = ops_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        where = f"{error.strerror or error}" + (f": {error.filename}" if error.filename else "")
+        variable = _chosen_by()
+        if variable is None:
+            raise MeasureError(f"{EXTENSIONS_ENV}: DeepSpeed's ops are built in {extensions_dir()} by default, which "
+                               f"cannot be used ({where}); set {EXTENSIONS_ENV} to a folder you can write to") from None
+        raise MeasureError(f"{variable}: {os.environ[variable]} cannot hold DeepSpeed's built ops ({where}); set it to a "
+                           f"folder you can write to, or unset it") from None
+    return folder
 
 
 def ops_dir() -> Path:
@@ -108,7 +161,34 @@ def ops_for(training: TrainingSpec, engine_config: dict | None, *, cuda: bool) -
 
 
 def built(name: str, folder: Path) -> bool:
-    return (folder / name / f"{name}.so").is_file()
+    """Whether op `name` is built in `folder`: its .so is the file ninja's log recorded when the link
+    finished (ninja appends an output's line, with its mtime in ns, once its command succeeded: ninja's
+    src/build_log.cc `RecordCommand`), not an object or a partial .so of a build that was stopped."""
+    library = folder / name / f"{name}.so"
+    try:
+        mtime_ns = library.stat().st_mtime_ns
+        log = (folder / name / ".ninja_log").read_text(errors="replace").splitlines()
+    except OSError:
+        return False
+    if not log or not log[0].startswith("# ninja log v"):
+        return False
+    for line in log[1:]:  # start, end, mtime, output, command hash (tab-separated; v5 and later)
+        fields = line.split("\t")
+        if len(fields) >= 5 and fields[3] == library.name and fields[2] == str(mtime_ns):
+            return True
+    return False
+
+
+def clean_half_built(op_folder: Path) -> bool:
+    """Remove what a stopped build of the op left in `op_folder` (objects, a partial .so, ninja's files),
+    keeping the locks; to be called holding the op's BUILD_LOCK, with torch's lock free. True if there was any."""
+    leftovers = [path for path in op_folder.iterdir() if path.name not in (BUILD_LOCK, TORCH_LOCK)]
+    for path in leftovers:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return bool(leftovers)
 
 
 def announcement(name: str) -> str:
@@ -120,30 +200,36 @@ def build_ahead(
     names: tuple[str, ...], *, env: dict[str, str], announce: Callable[[str], None], timeout_s: float | None = None,
 ) -> None:
     """Build the ops of `names` that are not built yet, in one child process, saying so through
-    `announce` before each build starts. Raises MeasureError when a build fails or outlasts
-    `timeout_s`; on any exit (Ctrl-C too) the child and its compilers are killed and its lock removed."""
-    folder = ops_dir()
+    `announce` before each build starts. Raises MeasureError when the build folder cannot be used, or
+    a build fails or outlasts `timeout_s`; on any exit (Ctrl-C too) the child and its compilers are
+    killed, its lock removed and its temporary files with it; if this process is killed outright, the
+    child does the same for itself, and the next run removes the run folder (module docstring)."""
+    folder = usable_ops_dir()
     missing = tuple(name for name in names if not built(name, folder))
     if not missing:
         return
-    env = env | torch_env()
-    with tempfile.TemporaryDirectory(prefix="zeroplan-build-") as tmp:
-        log_path = Path(tmp) / "build.log"
-        proc = None
-        try:
-            with open(log_path, "wb") as log:
-                proc = spawn([sys.executable, "-m", MODULE, "--child", *missing], env=env, stdout=subprocess.PIPE, stderr=log)
-            current = _follow(proc, missing, folder, announce, timeout_s)
-            while (status := exit_status(proc)) is None:  # its report closed as it exited
-                time.sleep(0.02)
-            if status != 0:
-                detail = last_line(log_path) or f"exit status {status}"
-                raise MeasureError(f"building DeepSpeed's {OPS[current].label} failed: {detail}")
-        finally:
-            if proc is not None:
-                kill_sessions([proc])
-                proc.stdout.close()
-            remove_stale_locks(missing)
+    remove_dead_run_folders()  # what builds and runs killed outright left in the temporary directory
+    workdir = run_folder("build")
+    proc = None
+    try:
+        log_path, tmp = workdir / "build.log", workdir / "tmp"
+        tmp.mkdir()
+        env = env | torch_env() | {"TMPDIR": str(tmp)}  # gcc's cc*.s, DeepSpeed's tmp*/test.c probes
+        with open(log_path, "wb") as log:
+            proc = spawn([sys.executable, "-m", MODULE, "--child", *missing], env=env, stdout=subprocess.PIPE, stderr=log,
+                         death_signal=signal.SIGTERM)  # caught: it ends its compilers too (_build_here)
+        current = _follow(proc, missing, folder, announce, timeout_s)
+        while (status := exit_status(proc)) is None:  # its report closed as it exited
+            time.sleep(0.02)
+        if status != 0:
+            detail = last_line(log_path) or f"exit status {status}"
+            raise MeasureError(f"building DeepSpeed's {OPS[current].label} failed: {detail}")
+    finally:
+        if proc is not None:
+            kill_sessions([proc])
+            proc.stdout.close()
+        remove_stale_locks(missing)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _follow(proc: subprocess.Popen, missing: tuple[str, ...], folder: Path, announce, timeout_s: float | None) -> str:
@@ -159,7 +245,10 @@ def _follow(proc: subprocess.Popen, missing: tuple[str, ...], folder: Path, anno
             line, pending = pending.split(b"\n", 1)
             event, current = line.decode().split()[:2]
             if event == "waiting":
-                announce(f"waiting for another process's build of DeepSpeed's {OPS[current].label} ({folder / current / 'lock'})")
+                announce(f"waiting for another zeroplan's build of DeepSpeed's {OPS[current].label} (in {folder / current})")
+            elif event == "cleaned":
+                announce(f"removed the unfinished build of DeepSpeed's {OPS[current].label} that a stopped run left "
+                         f"in {folder / current}")
             elif event == "compiling":
                 announce(announcement(current))
         if ready and not chunk:  # end of file: the child exited
@@ -175,7 +264,7 @@ def remove_stale_locks(names: tuple[str, ...]) -> None:
     """Remove the build locks of `names` whose owner is gone (a build killed with its command)."""
     folder = ops_dir()
     for name in names:
-        remove_stale_lock(folder / name / "lock")
+        remove_stale_lock(folder / name / TORCH_LOCK)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,33 +292,89 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _build_here(names: list[str]) -> None:
-    """The child: load (building if needed) each op with DeepSpeed's own builder, reporting on stdout."""
-    report = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # DeepSpeed and torch print to stdout: into the log, out of the report
+    """The child: build each op not built yet with DeepSpeed's own builder, one zeroplan build of an op
+    at a time, reporting on stdout (module docstring)."""
     os.environ.update(torch_env())
     folder = ops_dir()
+    # the command's death (PR_SET_PDEATHSIG, set at spawn) ends ninja and the compilers, and frees torch's lock
+    end_session(signal.SIGTERM, cleanup=lambda: _release_torch_locks(folder, names))
+    report = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # DeepSpeed and torch print to stdout: into the log, out of the report
     folder.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is imported
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.git_version_info import accelerator_name, installed_ops
-
+    builders = _Builders()
     for name in names:
-        builder = get_accelerator().create_op_builder(OPS[name].builder)
-        if builder is None or not builder.is_compatible(False):
-            print(f"skip {name}", file=report)  # not used by this accelerator
-            continue
-        if installed_ops.get(builder.name, False) and accelerator_name == get_accelerator()._name:
-            print(f"ready {name}", file=report)  # prebuilt: OpBuilder.load imports it
-            continue
-        if remove_stale_lock(folder / name / "lock") == "held":
-            print(f"waiting {name}", file=report)  # torch waits for the lock (cpp_extension._jit_compile)
-        if not built(name, folder):
-            print(f"compiling {name}", file=report)
-        builder.load(verbose=False)
+        op_folder = folder / name
+        op_folder.mkdir(exist_ok=True)
+        with _build_lock(op_folder, lambda: print(f"waiting {name}", file=report)):
+            if built(name, folder):  # by the zeroplan build this one waited for
+                print(f"ready {name}", file=report)
+                continue
+            builder = builders.get(name)
+            if builder is None:
+                print(f"skip {name}", file=report)  # not used by this accelerator
+                continue
+            if builders.prebuilt(builder):
+                print(f"ready {name}", file=report)  # prebuilt: OpBuilder.load imports it
+                continue
+            while remove_stale_lock(op_folder / TORCH_LOCK) == "held":  # a build outside zeroplan's: a worker's
+                time.sleep(POLL_S)
+            if not built(name, folder):
+                if clean_half_built(op_folder):
+                    print(f"cleaned {name}", file=report)
+                print(f"compiling {name}", file=report)
+            builder.load(verbose=False)
         print(f"ready {name}", file=report)
+
+
+@contextlib.contextmanager
+def _build_lock(op_folder: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    """Hold the op's BUILD_LOCK (flock: the kernel releases it when its holder dies); `on_wait` is
+    called first if another build holds it."""
+    import fcntl
+
+    fd = os.open(op_folder / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by ninja (PEP 446)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _release_torch_locks(folder: Path, names: list[str]) -> None:
+    """Remove torch's lock of each op this process holds (its build was stopped: nothing will finish it)."""
+    for name in names:
+        lock = folder / name / TORCH_LOCK
+        if os.getpid() in (lock_holders(lock) or ()):
+            lock.unlink(missing_ok=True)
+
+
+class _Builders:
+    """DeepSpeed's op builders, imported only when an op must be built (an op already built needs no torch)."""
+
+    def __init__(self) -> None:
+        self._accelerator = None
+
+    def get(self, name: str):
+        """The builder of op `name`, None where this accelerator does not use it."""
+        if self._accelerator is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is imported
+            from deepspeed.accelerator import get_accelerator
+
+            self._accelerator = get_accelerator()
+        builder = self._accelerator.create_op_builder(OPS[name].builder)
+        return builder if builder is not None and builder.is_compatible(False) else None
+
+    def prebuilt(self, builder) -> bool:
+        from deepspeed.git_version_info import accelerator_name, installed_ops
+
+        return bool(installed_ops.get(builder.name, False)) and accelerator_name == self._accelerator._name
 
 
 if __name__ == "__main__":

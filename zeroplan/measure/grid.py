@@ -7,6 +7,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from zeroplan.errors import SpecError
@@ -344,8 +345,26 @@ def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str, prefix: str = "m
     return "-".join([prefix, degrees, *extras]) + "/" + row_id
 
 
-_TINY_LLAMA_4L = "tests/data/tiny-llama-4l.toml"  # relative to the repository root, where validate runs
+_TINY_LLAMA_4L = "tests/data/tiny-llama-4l.toml"  # spec files of the tests: relative to the checkout (row_files)
 _TINY_LLAMA_16K = "tests/data/tiny-llama-16k.toml"
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""The zeroplan checkout this code runs from (an installed copy has no tests/ beside it)."""
+
+
+def row_files(row: Row) -> tuple[Path, ...]:
+    """The files a row reads: its model's spec file when it names one (a path, not a catalogue name),
+    in the checkout whatever the working directory."""
+    return (CHECKOUT / row.model,) if "/" in row.model else ()
+
+
+def missing_files(rows: Sequence[Row]) -> dict[Path, list[str]]:
+    """The files `rows` read that are not there, each with the ids of the rows that read it."""
+    missing: dict[Path, list[str]] = {}
+    for row in rows:
+        for path in row_files(row):
+            if not path.is_file():
+                missing.setdefault(path, []).append(row.id)
+    return missing
 
 
 def mesh_rows() -> list[Row]:
@@ -533,7 +552,8 @@ def row_specs(row: Row, backend: str = "gloo"):
     from zeroplan.importers.catalog import resolve_model
     from zeroplan.spec.training import TrainingSpec
 
-    model, fields = resolve_model(row.model), row.training_fields(backend)
+    files = row_files(row)
+    model, fields = resolve_model(str(files[0]) if files else row.model), row.training_fields(backend)
     if row.recipe == "hf-trainer" and row.engine == "deepspeed" and not row.small_buckets:
         from zeroplan.importers.deepspeed_json import trainer_filled_buckets
 

@@ -24,18 +24,26 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 from zeroplan.errors import MeasureError
-from zeroplan.measure import deepspeed_build, stacks
-from zeroplan.measure.processes import child_env, exit_status, kill_sessions, last_line, spawn
+from zeroplan.measure import deepspeed_build, host_memory, stacks
+from zeroplan.measure.processes import (
+    child_env,
+    exit_status,
+    kill_sessions,
+    last_line,
+    remove_dead_run_folders,
+    run_folder,
+    spawn,
+)
 from zeroplan.measure.worker_server import Worker
 from zeroplan.measure.worker_server import start as start_worker
 from zeroplan.measure.mesh_rules import refuse_unmeasurable
+from zeroplan.measure.quant_rules import refuse_unmeasurable_quant
 from zeroplan.measure.result import MeasureResult, RankResult
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.spec.training import Device, TrainingSpec
@@ -45,6 +53,18 @@ DEFAULT_RECIPE = "plain"  # measure runs zeroplan's own loop unless --recipe nam
 # hf-trainer: transformers.Trainer itself (programs/hf_trainer.py); torchtitan, torchtune: their
 # flow reproduced in zeroplan's loop (programs/reproduction.py, docs/measure.md says why)
 RUNNABLE_RECIPES = ("plain", "hf-trainer", "torchtitan", "torchtune")
+MAX_SIMULATED_RANKS = 16_384
+"""The largest world --simulate stands for: the largest published training world (Llama 3 405B on
+16,384 H100s: "The Llama 3 Herd of Models", 2024, section 3.3). Its time grows with the world, since
+FSDP2 cuts every parameter into one shard per rank: tiny-llama took 7 s at 64 ranks, 12 s at 1,024 and
+52 s at 8,192, llama-1b (seq 512) 13 s at 64 and 58 s at 1,024, on 2 cores (docs/measure.md, "Simulating
+large worlds")."""
+MAX_LOCAL_RANKS = 64
+"""The most gloo ranks one machine runs: one process per rank, each with torch and its own copy of the
+model's state, all connected pairwise (gloo's full mesh); 32 ranks of tiny-llama took 16 s on 2 cores.
+A larger world is what --simulate is for."""
+MAX_STEPS = 1_000
+"""The most training steps a run takes: step 1 is the first step and steps 2 on the steady state, which repeats."""
 
 
 def choose_backend(requested: str | None, simulate: bool = False) -> str:
@@ -116,13 +136,15 @@ def run_measurement(
     engine_config: dict | None = None,
     announce: Callable[[str], None] = _announce,
     fork_workers: bool | None = None,
+    check_memory: bool = True,
 ) -> MeasureResult:
     """Run `steps` training steps of `model` under `training` on `nproc` local ranks and return
     what every rank measured. `backend` None picks nccl where GPUs are visible, else gloo;
     `simulate` runs one fake-backend process standing for `nproc` ranks. `announce` is told of a
     DeepSpeed op build before it starts (default: a line on stderr); the build is not part of
     `timeout_s`. `fork_workers`: fork the workers from the worker server (None: on gloo and fake;
-    nccl workers start as fresh processes, see `_start_worker`).
+    nccl workers start as fresh processes, see `_start_worker`). `check_memory`: refuse a run whose
+    estimated host bytes exceed what this machine has available (measure/host_memory.py).
 
     Raises MeasureError when a rank fails (naming it and its exception) or the run times out."""
     if not isinstance(model, TransformerSpec):
@@ -143,6 +165,7 @@ def run_measurement(
         raise MeasureError("fsdp2.units: measure runs torchtitan's chunked loss with the head in the root unit only "
                            "(fsdp2 units root); the estimate of units split is not measured on CPU")
     refuse_unmeasurable(model, training, simulate)  # a mesh run measure/engines/mesh.py cannot run
+    refuse_unmeasurable_quant(training, simulate)  # a bitsandbytes base that could not be quantized
     if model.attention_softcap and training.attention.value == "fused":
         # transformers 5.23.0 Gemma2PreTrainedModel._supports_sdpa is False (docs/measure.md)
         raise MeasureError("attention: SDPA cannot soft-cap attention logits (transformers refuses it for "
@@ -151,13 +174,20 @@ def run_measurement(
         raise MeasureError("engine: paper is the ZeRO paper's accounting, not a program to run; measure torch, fsdp2 or deepspeed")
     if nproc < 1:
         raise MeasureError(f"nproc: must be at least 1, got {nproc}")
-    if steps < 1:
-        raise MeasureError(f"steps: must be at least 1, got {steps}")
+    if simulate and nproc > MAX_SIMULATED_RANKS:
+        raise MeasureError(f"nproc: --simulate stands for at most {MAX_SIMULATED_RANKS:,} ranks (the largest published "
+                           f"training world), got {nproc:,}; its time grows with the world (llama-1b: 13 s at 64 ranks, "
+                           "58 s at 1,024 on 2 cores), so give a large world a longer --timeout")
+    if not 1 <= steps <= MAX_STEPS:
+        raise MeasureError(f"steps: must be 1 to {MAX_STEPS:,} (the steady state repeats from step 2), got {steps:,}")
     if not 0 < timeout_s < float("inf"):  # nan fails both comparisons: it would switch the timeout off
         raise MeasureError(f"timeout: must be positive, got {timeout_s:g} s")
     backend = choose_backend(backend, simulate)
     if backend not in ("gloo", "nccl", "fake"):
         raise MeasureError(f"backend: {backend!r} is not one of gloo, nccl, fake")
+    if backend == "gloo" and nproc > MAX_LOCAL_RANKS:  # nccl: one per visible GPU, checked below
+        raise MeasureError(f"nproc: a gloo run starts one process per rank on this machine, {MAX_LOCAL_RANKS} at most; "
+                           f"measure a larger world with --simulate (engine fsdp2), got {nproc:,}")
     if backend == "nccl":
         from zeroplan.measure.context import visible_cuda_devices
 
@@ -166,8 +196,12 @@ def run_measurement(
     if backend == "fake" and training.engine.value != "fsdp2":
         raise MeasureError(f"engine: --simulate runs fsdp2 only (the fake backend needs fake tensors), not {training.engine.value}")
 
+    if check_memory:  # before any worker starts: the kernel's OOM killer tells nobody why
+        host_memory.check_fits(host_memory.run_need(model, training, nproc, backend), host_memory.available())
+
     processes = 1 if backend == "fake" else nproc
-    workdir = Path(tempfile.mkdtemp(prefix="zeroplan-measure-"))
+    remove_dead_run_folders()  # what runs killed outright left in the temporary directory
+    workdir = run_folder("measure")
     procs: list[Worker | subprocess.Popen] = []
     ops: tuple[str, ...] = ()  # DeepSpeed's JIT ops this run may build
     # SIGTERM ends the launcher like Ctrl-C: through the `finally` that kills the workers.
@@ -222,7 +256,7 @@ def _wait(procs: list[Worker | subprocess.Popen], workdir: Path, timeout_s: floa
     while True:
         codes = [exit_status(proc) for proc in procs]
         if any(code not in (None, 0) for code in codes):
-            _raise_first_failure(codes, workdir)
+            _raise_first_failure(codes, workdir, [proc.pid for proc in procs])
             return [o for o in (_read(workdir / f"rank{r}.json") for r in range(len(procs))) if _out_of_memory(o)]
         if all(code == 0 for code in codes):
             outcomes = [_read(workdir / f"rank{rank}.json") for rank in range(len(procs))]
@@ -254,15 +288,21 @@ def _out_of_memory(outcome: dict | None) -> bool:
     return outcome is not None and outcome.get("ok") and not outcome["result"]["fits"]
 
 
-def _raise_first_failure(codes: list[int | None], workdir: Path) -> None:
+def _raise_first_failure(codes: list[int | None], workdir: Path, pids: list[int]) -> None:
     """Raise for the rank that failed first, unless a rank ran out of memory (a result).
 
     When one rank dies its peers fail too ("connection closed" in their next collective): the
-    root cause is the failure written first, or the out-of-memory that stopped a rank."""
+    root cause is a rank killed by a signal (the kernel's OOM killer: it writes nothing, and its
+    peers then write "Connection reset by peer"), else the failure written first, or the
+    out-of-memory that stopped a rank."""
     # every rank's file: a rank writes its failure before it exits (atomically, so a file is whole)
     outcomes = {rank: _read(workdir / f"rank{rank}.json") for rank in range(len(codes))}
     if any(_out_of_memory(o) for o in outcomes.values()):
         return
+    killed = [rank for rank, code in enumerate(codes) if code is not None and code < 0 and outcomes[rank] is None]
+    if killed:
+        rank = killed[0]
+        raise MeasureError(host_memory.killed_message(rank, codes[rank], pids[rank], last_line(workdir / f"rank{rank}.log")))
     written = [(o.get("time", 0.0), rank, o) for rank, o in outcomes.items() if o is not None and not o.get("ok")]
     if written:
         _, rank, outcome = min(written)

@@ -33,7 +33,7 @@ from typing import Any
 
 from zeroplan.errors import MeasureError, SpecError, ZeroplanError
 from zeroplan.measure.comparison import CATEGORIES, TARGETS, Comparison, Targets, compare, device_peaks, summary_peaks
-from zeroplan.measure.grid import Row, row_implementation, row_specs, run_backend
+from zeroplan.measure.grid import Row, missing_files, row_implementation, row_specs, run_backend
 from zeroplan.measure.published import PublishedCheck, check_published
 
 DEFAULT_STEPS = 3  # step 1 creates the optimizer states; steps 2-3 are the steady state
@@ -178,6 +178,27 @@ def _source_version() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def check_files(grid: Sequence[Row], selected: Sequence[Row], records: dict[str, dict[str, Any]]) -> None:
+    """Raise SpecError, before any row runs, when a row to measure or a row the report estimates (one
+    with a cached record) reads a file that is not here: the spec files of zeroplan's tests, which only
+    a checkout has. Before issue 21, `validate --quick` run in an installed copy measured its rows and
+    then failed on tests/data/tiny-llama-4l.toml when it wrote the report."""
+    wanted = {row.id for row in selected}
+    needed = [row for row in grid if row.id in wanted or row.id in records]
+    missing = missing_files(needed)
+    if not missing:
+        return
+    path, ids = next(iter(missing.items()))
+    more = sum(len(ids) for ids in missing.values()) - 1
+    to_measure = any(row_id in wanted for ids in missing.values() for row_id in ids)
+    raise SpecError(
+        f"{path} is missing: row {ids[0]} reads it" + (f" ({more} more rows read missing files)" if more else "")
+        + "; it is a spec file of zeroplan's tests, which only a checkout has: run validate in a zeroplan checkout, or "
+        + ("select rows that do not read it with --rows" if to_measure else
+           "write the report to another --output-json (its cache has measurements of such rows)")
+    )
+
+
 def measure_row(row: Row, options: RunOptions) -> dict[str, Any]:
     """Measure one row; a failed measurement is a record too (its error is reported, not raised)."""
     from zeroplan.measure.launcher import run_measurement
@@ -206,22 +227,24 @@ def run_rows(
     options: RunOptions,
     *,
     on_start: Callable[[Row], None] | None = None,
-    on_done: Callable[[Row, dict[str, Any] | None], None] | None = None,
+    on_done: Callable[[Row, dict[str, Any] | None, bool], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Measure `rows` one after another (each run uses every core) into a copy of `records`.
 
-    `on_start(row)` is called before a row, `on_done(row, record)` after it, with the record
-    measured now, or the cached one when it was not measured again (None when there is none)."""
+    `on_start(row)` is called before a row, `on_done(row, record, measured_now)` after it, with the
+    record measured now (`measured_now` True), or the cached one when it was not measured again
+    (None when there is none)."""
     records = dict(records)
     for row in rows:
         if on_start:
             on_start(row)
         cached = records.get(row.id)
         fresh = cached is not None and cached.get("fingerprint") == fingerprint(row, options.backend, options.steps)
-        if options.measure == "all" or (options.measure == "missing" and not (fresh and "measurement" in cached)):
+        measure = options.measure == "all" or (options.measure == "missing" and not (fresh and "measurement" in cached))
+        if measure:
             records[row.id] = measure_row(row, options)
         if on_done:
-            on_done(row, records.get(row.id))
+            on_done(row, records.get(row.id), measure)
     return records
 
 
@@ -302,7 +325,7 @@ def build_report(rows: Sequence[Row], records: dict[str, dict[str, Any]], reason
             training = with_measured_imbalance(training, record["measurement"].get("notes", ()))  # EP rows
             # the worst rank kind's estimate against the rank that peaks highest (a plain row has one kind)
             phases = [phase_to_dict(phase) for phase in estimate_mesh(model, training).worst.estimate.phases]
-            comparison = compare(phases, summary_peaks(record["measurement"]))
+            comparison = compare(phases, summary_peaks(record["measurement"]), engine=row.engine)
         stale = record is not None and record.get("fingerprint") != fingerprint(row, backend, steps)
         out.append(RowReport(row, record, comparison, reason_for(row.id, reasons), stale))
     return Report(out, backend, command, steps, wall_seconds, published=check_published())

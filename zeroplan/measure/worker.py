@@ -17,8 +17,8 @@ steps and records every phase (result.py); it writes one JSON object to --output
   {"ok": false, "rank": R, "error": "Type: message", "traceback": "..."}
 A device out-of-memory error is a result (`fits: false`, with the phases reached), not a failure.
 
-For tests, ZEROPLAN_MEASURE_FAULT="raise@R", "hang@R" or "oom@R" makes rank R raise, hang, or
-run out of memory at its first forward pass.
+For tests, ZEROPLAN_MEASURE_FAULT="raise@R", "hang@R", "oom@R" or "killed@R" makes rank R raise,
+hang, run out of memory, or be killed (SIGKILL, as by the kernel's OOM killer) at its first forward pass.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -61,6 +62,8 @@ def _inject_fault(rank: int) -> None:
         time.sleep(3600)
     if kind == "oom":
         raise torch.OutOfMemoryError(f"injected out-of-memory on rank {rank}")
+    if kind == "killed":  # as the kernel's OOM killer ends a process: SIGKILL, nothing written
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _implementation(job: dict, training) -> str:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zeroplan.report.common import percent, table
+from zeroplan.report.common import amount, percent, table
 from zeroplan.spec.files import write_atomic
 
 if TYPE_CHECKING:
@@ -16,11 +16,11 @@ if TYPE_CHECKING:
     from zeroplan.measure.grid import Row
     from zeroplan.measure.validate import Report, RowReport
 
-MIB = 2**20
+MARKDOWN_UNITS = "MiB"  # docs/accuracy.md: the grid's rows are tiny models, a few MiB each
 
 
 def _mib(n: int) -> str:
-    return f"{n / MIB:,.2f}"
+    return amount(n, MARKDOWN_UNITS)
 
 
 def _mark(text: str, missed: bool) -> str:
@@ -31,27 +31,28 @@ def _world(row: Row, backend: str) -> str:
     return f"{row.world} fake" if row.simulate else f"{row.world} {backend}"
 
 
-def _line_text(line: Line) -> str:
+def _line_text(line: Line, units: str = MARKDOWN_UNITS) -> str:
     """A line's error; `·` when both sides are below the floor; the bytes when nothing was measured."""
     if line.below_floor:
         return "·"
     if line.error is None:
-        return f"+{line.estimated_bytes / MIB:.2f} MiB (none measured)"
+        return f"+{amount(line.estimated_bytes, units)} {units} (none measured)"
     return f"{line.error:+.1%}"
 
 
-def miss_texts(comparison: Comparison) -> list[str]:
+def miss_texts(comparison: Comparison, units: str = MARKDOWN_UNITS) -> list[str]:
     """What misses the targets, e.g. ["peak +4.1%", "grads -12.0%"]; empty when within them."""
-    return [f"{what} {_line_text(line)}" for what, line in comparison.misses()]
+    return [f"{what} {_line_text(line, units)}" for what, line in comparison.misses()]
 
 
-def table_headers(report: Report) -> list[str]:
+def table_headers(report: Report, units: str = MARKDOWN_UNITS) -> list[str]:
     return ["row", "model", "engine", "stage", "precision", "offload", "ckpt", "mb x seq", "ranks",
-            "est. peak MiB", "meas. peak MiB", "error", "first-step error", "peak phase est/meas", *report.categories]
+            f"est. peak {units}", f"meas. peak {units}", "error", "first-step error", "peak phase est/meas",
+            *report.categories]
 
 
-def table_rows(report: Report) -> list[list[str]]:
-    """One list of cells per row (`table_headers`), misses in bold."""
+def table_rows(report: Report, units: str = MARKDOWN_UNITS) -> list[list[str]]:
+    """One list of cells per row (`table_headers`), misses in bold, sizes in `units`."""
     body = []
     for r in report.rows:
         row = r.row
@@ -66,11 +67,11 @@ def table_rows(report: Report) -> list[list[str]]:
             body.append(cells + ["", "", status, "", ""] + [""] * len(report.categories))
             continue
         steady, first = c.steady, c.first
-        cells += [_mib(steady.peak.estimated_bytes), _mib(steady.peak.measured_bytes),
+        cells += [amount(steady.peak.estimated_bytes, units), amount(steady.peak.measured_bytes, units),
                   _mark(percent(steady.peak.error), not steady.peak.ok),
                   _mark(percent(first.peak.error), not first.peak.ok),
                   f"{steady.estimated_phase}/{steady.measured_phase}".replace("optimizer_step", "step")]
-        cells += [_mark(_line_text(line), not line.ok) for line in steady.categories.values()]
+        cells += [_mark(_line_text(line, units), not line.ok) for line in steady.categories.values()]
         body.append(cells)
     return body
 
@@ -304,12 +305,12 @@ def write_report(report: Report, markdown_path: Path | None, json_path: Path | N
         write_atomic(markdown_path, render_markdown(report), "--output-md")
 
 
-def render_terminal(shown: Report, whole: Report) -> str:
+def render_terminal(shown: Report, whole: Report, units: str = MARKDOWN_UNITS) -> str:
     """The rows of `shown` without the columns the row id already spells out, misses marked `!`,
-    then each distribution of the `whole` report on a line."""
-    headers = table_headers(shown)
+    sizes in `units`, then each distribution of the `whole` report on a line."""
+    headers = table_headers(shown, units)
     keep = [0, *range(9, len(headers))]
-    rows = [[_flag(cells[i]) for i in keep] for cells in table_rows(shown)]
+    rows = [[_flag(cells[i]) for i in keep] for cells in table_rows(shown, units)]
     lines = [table(rows, [headers[i] for i in keep], left=len(keep))]
     for name, d in whole.distributions().items():
         if d["rows"]:
@@ -323,11 +324,20 @@ def _flag(cell: str) -> str:
     return f"{cell[2:-2]}!" if cell.startswith("**") and cell.endswith("**") else cell
 
 
-def row_line(r: RowReport) -> str:
-    """One line of progress output for a finished row."""
+def row_line(r: RowReport, units: str = MARKDOWN_UNITS, measured_now: bool = True) -> str:
+    """One line of progress output for a finished row: with the seconds its measurement took when it
+    was measured now, else the date of the cached measurement it was compared with."""
+    if r.record is None:
+        when = ""
+    elif measured_now:
+        when = f" [{r.record.get('seconds', 0):.0f} s]"
+    else:
+        when = f" [cached: measured on {r.record.get('measured_at', 'an unknown date')[:10]}]"
     if r.comparison is None:
-        return f"{r.row.id}: {r.status}" + (f" ({r.record['failure']})" if r.record and "failure" in r.record else "")
+        return f"{r.row.id}: {r.status}" + (f" ({r.record['failure']})" if r.record and "failure" in r.record else "") + when
     steady, first = r.comparison.steady, r.comparison.first
-    misses = "; ".join(miss_texts(r.comparison)) or "within targets"
-    return (f"{r.row.id}: est {_mib(steady.peak.estimated_bytes)} MiB, measured {_mib(steady.peak.measured_bytes)} MiB, "
-            f"error {steady.peak.error:+.2%}, first step {first.peak.error:+.2%} -- {misses}")
+    misses = "; ".join(miss_texts(r.comparison, units)) or "within targets"
+    moved = "; ".join(f"{m.estimated_as} -> {m.measured_as} {amount(m.moved_bytes, units)} {units}" for m in steady.moves())
+    return (f"{r.row.id}: est {amount(steady.peak.estimated_bytes, units)} {units}, measured "
+            f"{amount(steady.peak.measured_bytes, units)} {units}, error {steady.peak.error:+.2%}, first step "
+            f"{first.peak.error:+.2%} -- {misses}" + (f" (moved between categories: {moved})" if moved else "") + when)

@@ -16,8 +16,8 @@ _STEP_LABELS = {"steady": "steady state", "first": "first step"}
 def report_data(estimate: dict[str, Any], measured: dict[str, Any], comparison: Comparison) -> dict[str, Any]:
     """The JSON of `zeroplan measure`: the measurement's JSON, plus `estimate` (the estimate's
     JSON), `error` (per step: each category and the peak, estimate / measured - 1, null where
-    nothing was measured) and `comparison` (per step: the rank compared, both phases, and the
-    bytes behind each error)."""
+    nothing was measured) and `comparison` (per step: the rank compared, both phases, the
+    bytes behind each error, and the bytes booked in another category than the estimate's)."""
     compared = comparison.steps
     return {
         **measured,
@@ -32,6 +32,8 @@ def report_data(estimate: dict[str, Any], measured: dict[str, Any], comparison: 
                 "measured": {line.name: line.measured_bytes for line in c.lines},
                 "estimated_overhead": c.estimated_overhead_bytes,
                 "rank_peaks": [{"rank": p.rank, "phase": p.phase, "peak": p.peak_bytes} for p in c.rank_peaks],
+                "moves": [{"estimated_as": m.estimated_as, "measured_as": m.measured_as, "bytes": m.moved_bytes,
+                           "reason": m.reason} for m in c.moves()],
                 **({"device": c.device_peaks} if c.device_peaks else {}),
             }
             for step, c in compared.items()
@@ -88,6 +90,7 @@ def render_table(data: dict[str, Any], comparison: Comparison, units: str = "GiB
             out.append(f"{_STEP_LABELS[c.step]} CUDA allocator: max allocated {_amount(allocated, units)} {units} "
                        f"(estimate {percent(c.device_errors()['allocated_peak_bytes'])}), "
                        f"max reserved {_amount(reserved, units)} {units}")
+    out += _move_lines(comparison, units)
     out += _param_parts_lines(data, comparison, units)
     overhead = max((c.estimated_overhead_bytes for c in compared.values()), default=0)
     if overhead:
@@ -99,6 +102,24 @@ def render_table(data: dict[str, Any], comparison: Comparison, units: str = "GiB
     if notes:
         out += ["", "Notes:"] + [f"- {note}" for note in notes]
     return "\n".join(out) + "\n"
+
+
+def _move_lines(comparison: Comparison, units: str) -> list[str]:
+    """One line per pair of categories that cancel out (StepComparison.moves), its bytes in each step."""
+    moved: dict[tuple[str, str], list[str]] = {}
+    reasons = {}
+    for c in comparison.steps.values():
+        for move in c.moves():
+            key = (move.estimated_as, move.measured_as)
+            moved.setdefault(key, []).append(f"{_amount(move.moved_bytes, units)} {units} in the {_STEP_LABELS[c.step]}")
+            reasons[key] = move.reason
+    lines = []
+    for (estimated_as, measured_as), amounts in moved.items():
+        est, run = CATEGORY_LABELS[estimated_as], CATEGORY_LABELS[measured_as]
+        reason = reasons[(estimated_as, measured_as)]
+        lines.append(f"{est} -> {run}, {' and '.join(amounts)}: bytes the estimate counts as {est} were {run} in the run, "
+                     f"and the peaks agree" + (f"; {reason}" if reason else ""))
+    return lines
 
 
 def measured_param_parts(data: dict[str, Any], comparison: Comparison) -> dict[str, dict[str, int]]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -36,6 +35,7 @@ from transformers import Trainer, TrainerCallback
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure.engines.common import RunContext, module_buffers, optimizer_class_and_kwargs
+from zeroplan.measure.processes import run_folder
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.program import ModelInit, OptimizerImpl
 from zeroplan.spec.training import Checkpointing, Engine, Offload, Optimizer, Precision, TrainingSpec
@@ -65,7 +65,7 @@ def run_trainer(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, 
     if engine == Engine.FSDP2 and not ctx.is_cuda:
         let_accelerate_shard_on_cpu()
         notes.append(FSDP_CPU_NOTE)
-    output_dir = tempfile.mkdtemp(prefix="zeroplan-trainer-")
+    output_dir = str(run_folder("trainer"))  # named for this worker: removed by the next run if it is killed
     held: dict[str, Any] = {}
     step_times: list[float] = []
     fits, oom_message = True, None

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from zeroplan.errors import MeasureError, MissingDependencyError
+from zeroplan.measure import quant_rules
 
 ADAPTER_MARK = "zeroplan_adapter"
 """Attribute set to True on the modules whose parameters PEFT created (see `adapter_parameters`)."""
@@ -142,19 +143,17 @@ def apply_peft(lm: nn.Module, training: Any, *, program_checkpoints: bool = Fals
     transformers model, with its adapter modules marked. With `program_checkpoints` step 4 is left
     to the program (the Trainer's `activation_checkpointing_enable` adds the same hook)."""
     quant, lora = getattr(training, "quant", None), getattr(training, "lora", None)
+    # the launcher refuses these before any worker starts (measure/quant_rules.py); here, the model as built
     if kbit_precision(quant) is not None and any(p.is_meta for p in lm.parameters()):
         # Params4bit.to("meta") does not quantize (bitsandbytes/nn/modules.py): nothing to shard after
-        raise MeasureError("training.quant: bitsandbytes quantizes weights where they are; build the model on the "
-                           "host or the device (--model-init host or device), not on the meta device")
+        raise MeasureError(quant_rules.META_DEVICE.format(default=""))
     if kbit_precision(quant) is not None and any(hasattr(p, "ds_tensor") for p in lm.parameters()):
         # under deepspeed.zero.Init each weight is an empty placeholder (partition_parameters.py): nothing to quantize
-        raise MeasureError("training.quant: bitsandbytes cannot quantize weights partitioned by deepspeed.zero.Init; "
-                           "build the model on the host or the device (--model-init host or device)")
+        raise MeasureError(quant_rules.ZERO_INIT.format(default=""))
     if kbit_precision(quant) is not None and _is_fake(lm):
         # Params4bit(FakeTensor) fails: "Creating a new Tensor subclass Params4bit but the raw Tensor
         # object is already associated to a python object of type FakeTensor" (docs/measure.md)
-        raise MeasureError("training.quant: a bitsandbytes base cannot be simulated (its packed weights are not fake "
-                           "tensors); measure it on gloo ranks")
+        raise MeasureError(quant_rules.SIMULATED)
     if kbit_precision(quant) is not None:
         quantize_linears(lm, quant)
         if quant.upcast_non_quantized:
