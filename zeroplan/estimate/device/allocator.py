@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, insort
+from collections import defaultdict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
@@ -126,9 +127,9 @@ class CachingAllocatorModel:
         self.es_active = settings.expandable_segments
         self.plain_rounding = not any(settings.roundup_power2_divisions)
         self.max_split = settings.max_split_size_bytes
-        self.free_lists: dict[tuple[int, bool], list[int]] = {}  # (stream, small) -> sorted keys
+        self.free_lists: defaultdict[tuple[int, bool], list[int]] = defaultdict(list)  # (stream, small) -> sorted keys
         self.free_blocks: dict[int, _Block] = {}  # key -> block
-        self.unmapped: dict[tuple[int, bool], list[int]] = {}  # (stream, small) -> sorted ptrs
+        self.unmapped: defaultdict[tuple[int, bool], list[int]] = defaultdict(list)  # (stream, small) -> sorted ptrs
         self.unmapped_blocks: dict[int, _Block] = {}
         self.live: dict[Hashable, _Block] = {}
         self.pending: dict[int, list[_Block]] = {}  # stream -> blocks waiting on an event there
@@ -143,10 +144,11 @@ class CachingAllocatorModel:
 
     # -- the free-block sets (BlockPool::blocks, ordered by stream, size, registration counter) --
     def _insert(self, block: _Block) -> None:
-        block.gc_base = self.gc_calls[block.small]  # BlockPool::insert_into_blocks
+        if self.gc_on:  # BlockPool::insert_into_blocks (the age counts only where GC can run)
+            block.gc_base = self.gc_calls[block.small]
         key = block.size << _SHIFT | block.counter
         self.free_blocks[key] = block
-        insort(self.free_lists.setdefault((block.stream, block.small), []), key)
+        insort(self.free_lists[block.stream, block.small], key)
 
     def _remove(self, block: _Block) -> None:
         key = block.size << _SHIFT | block.counter
@@ -156,7 +158,7 @@ class CachingAllocatorModel:
 
     def _insert_unmapped(self, block: _Block) -> None:
         self.unmapped_blocks[block.ptr] = block
-        insort(self.unmapped.setdefault((block.stream, block.small), []), block.ptr)
+        insort(self.unmapped[block.stream, block.small], block.ptr)
 
     def _remove_unmapped(self, block: _Block) -> None:
         ptrs = self.unmapped[(block.stream, block.small)]
@@ -221,7 +223,7 @@ class CachingAllocatorModel:
         is less than max_non_split_rounding_mb larger."""
         if self.gc_on:
             self.gc_calls[small] += 1
-        keys = self.free_lists.get((stream, small))
+        keys = self.free_lists[stream, small]
         if not keys:
             return None
         i = bisect_left(keys, size << _SHIFT)
@@ -375,7 +377,7 @@ class CachingAllocatorModel:
         if self.max_split == SIZE_MAX:
             return False
         want = max(size, self.max_split)
-        keys = self.free_lists.get((stream, small), [])
+        keys = self.free_lists[stream, small]
         i = bisect_left(keys, want << _SHIFT)
         if i < len(keys) and self.free_blocks[keys[i]].segment is None:
             self._release_block(self.free_blocks[keys[i]])
@@ -463,7 +465,7 @@ class CachingAllocatorModel:
         def allocatable(b):
             return b is not None and not b.allocated and b.events == 0 and not b.uses
 
-        for ptr in self.unmapped.get((stream, small), []):
+        for ptr in self.unmapped[stream, small]:
             start = self.unmapped_blocks[ptr]
             if allocatable(start.prev):
                 start = start.prev
@@ -553,17 +555,18 @@ def replay(events: Iterable[Event], settings: AllocatorSettings = DEFAULT_SETTIN
     (torch raises there), and the figures are those reached until then."""
     model = CachingAllocatorModel(settings, capacity_bytes=capacity_bytes, device_total_bytes=device_total_bytes)
     allocated_after, reserved_after = array("q"), array("q")
+    malloc, free = model.malloc, model.free
     first_oom = None
     for index, event in enumerate(events):
         kind = type(event)
         if kind is Alloc:
-            if event.size_bytes > 0 and not model.malloc(event.key, event.size_bytes, event.stream):
+            if event.size_bytes > 0 and not malloc(event.key, event.size_bytes, event.stream):
                 first_oom = index
                 allocated_after.append(model.allocated)
                 reserved_after.append(model.reserved)
                 break
         elif kind is Free:
-            model.free(event.key)
+            free(event.key)
         elif kind is RecordStream:
             model.record_stream(event.key, event.stream)
         elif kind is StreamSync:
