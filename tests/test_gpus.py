@@ -14,7 +14,8 @@ GIB = 2**30
 
 
 def test_required_presets_exist():
-    assert set(gpu_names()) >= {"a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "l4-24gb", "rtx4090-24gb", "mi300x-192gb"}
+    assert set(gpu_names()) >= {"a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "l4-24gb", "rtx3090-24gb", "rtx4090-24gb",
+                                 "mi300x-192gb"}
 
 
 @pytest.mark.parametrize("name", gpu_names())
@@ -58,3 +59,22 @@ def test_unknown_gpu_suggests_close_names():
         get_gpu("a100-80")
     with pytest.raises(SpecError, match=r"--gpu: unknown GPU 'tpu-v5'.*known: a100-40gb"):
         get_gpu("tpu-v5")
+
+
+@pytest.mark.parametrize("name, architecture, capability, interconnect", [
+    ("a100-80gb", "ampere", (8, 0), "nvswitch"), ("h100-80gb", "hopper", (9, 0), "nvswitch"),
+    ("h200-141gb", "hopper", (9, 0), "nvswitch"), ("l4-24gb", "ada", (8, 9), "pcie"),
+    ("rtx3090-24gb", "ampere", (8, 6), "pcie"), ("rtx4090-24gb", "ada", (8, 9), "pcie"),
+    ("mi300x-192gb", "cdna3", None, "infinity-fabric"),
+])
+def test_presets_name_their_architecture(name, architecture, capability, interconnect):
+    # NVIDIA's CUDA GPUs table (developer.nvidia.com/cuda-gpus): A100 8.0, H100/H200 9.0, L4 and
+    # RTX 4090 8.9, RTX 3090 8.6; the MI300X is CDNA 3 (gfx942) and has no compute capability
+    gpu = get_gpu(name)
+    assert (gpu.architecture, gpu.compute_capability_pair, gpu.interconnect) == (architecture, capability, interconnect)
+
+
+def test_rtx3090_is_a_24_gib_pcie_ampere_card():
+    gpu = get_gpu("rtx3090-24gb")
+    assert gpu.memory_bytes == 24 * GIB and gpu.nvlink_bandwidth_gbps == 0
+    assert gpu.gpu_link_one_way_bytes_per_s == 32e9  # over PCIe Gen4 x16

@@ -299,3 +299,31 @@ def test_the_lock_is_exclusive_and_removed(tmp_path):
     with v._locked(lock):
         assert lock.exists()
     assert not lock.exists()
+
+
+def test_the_gpu_grids_refuse_to_run_without_cuda(tmp_path):
+    # this machine has no CUDA GPU (a CPU build of torch): one line, exit 2, nothing written
+    outputs = ["--output-md", str(tmp_path / "r.md"), "--output-json", str(tmp_path / "r.json")]
+    for grid, needed in (("gpu-1", 1), ("gpu-8", 8)):
+        result = CliRunner().invoke(cli, ["validate", "--backend", "nccl", "--grid", grid, *outputs])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().splitlines() == [
+            f"Error: --backend nccl: the selected rows need {needed} GPU(s) on one node and no CUDA GPU is visible "
+            "here (a CPU build of torch sees none): run it on a GPU machine, or use --backend gloo"]
+    assert not list(tmp_path.iterdir())
+    result = CliRunner().invoke(cli, ["validate", "--grid", "gpu-1", *outputs])
+    assert result.exit_code == 2 and "--grid gpu-1 runs on GPUs: add --backend nccl" in result.output
+
+
+def test_the_gpu_grid_rows_are_valid_and_fit_their_gpus():
+    # every row builds its specs for nccl (device cuda) and is estimated below 40 GB per GPU
+    from zeroplan.estimate import estimate
+    from zeroplan.measure.grid import row_specs
+    from zeroplan.measure.grid_gpu import GRIDS
+
+    for name, rows in GRIDS.items():
+        assert {row.world for row in rows} == {int(name.split("-")[1])}
+        for row in rows:
+            model, training = row_specs(row, "nccl")
+            assert training.device.value == "cuda"
+            assert estimate(model, training).peak_bytes < 40 * 10**9

@@ -43,7 +43,7 @@ def gpu_memory_options(function: F) -> F:
     """--gpu NAME (a preset: memory and, for plan, speeds) or --gpu-memory SIZE|NAME (memory only)."""
     for decorator in reversed([
         click.option("--gpu", "gpu", metavar="NAME", help="GPU preset (memory, FLOP/s, bandwidths from its datasheet): "
-                     "a100-40gb, a100-80gb, h100-80gb, h200-141gb, l4-24gb, rtx4090-24gb, mi300x-192gb."),
+                     "a100-40gb, a100-80gb, h100-80gb, h200-141gb, l4-24gb, rtx3090-24gb, rtx4090-24gb, mi300x-192gb."),
         GPU_MEMORY_OPTION,
     ]):
         function = decorator(function)

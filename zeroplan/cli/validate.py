@@ -18,6 +18,9 @@ from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S
               help="Only the rows whose id matches: a glob (tiny-llama/fsdp2-*) or a substring (deepspeed-3). "
                    "The other rows keep their cached measurements in the report.")
 @click.option("--quick", is_flag=True, help="Only the CI slice (a few fast rows; tests/test_accuracy_slice.py).")
+@click.option("--grid", "grid_name", type=click.Choice(("accuracy", "gpu-1", "gpu-8")), default="accuracy", show_default=True,
+              help="accuracy: the CPU accuracy grid (docs/accuracy.md); gpu-1, gpu-8: the GPU checks of allocated, "
+                   "reserved and device memory on 1 or 8 GPUs, each under 10 minutes (needs --backend nccl; docs/measure.md).")
 @click.option("--skip-deepspeed-offload", is_flag=True,
               help="Leave out the DeepSpeed optimizer-offload rows (they need the cpu_adam JIT build: ~1 min, 2 GB RAM).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="gloo", show_default=True,
@@ -36,8 +39,8 @@ from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S
 @click.option("--reasons", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Why rows miss the targets: \"row id or glob\" = \"reason\" [default: the checkout's docs/accuracy_reasons.toml].")
 @units_option("MiB", " The terminal's table and progress lines; the markdown report is in MiB.")
-def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, timeout_s, output_md, output_json, reasons,
-            units):
+def command(patterns, quick, grid_name, skip_deepspeed_offload, backend, measure, steps, timeout_s, output_md, output_json,
+            reasons, units):
     """Estimate and measure a grid of configurations (models x engines x stages x precision x offload x
     checkpointing x batch x world size), one row at a time, and report the estimate's error per row
     and category with its distribution. Measurements are cached by row id in the JSON report.
@@ -49,14 +52,21 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
       zeroplan validate --rows 'tiny-llama/fsdp2-*'  # re-measure some rows, keep the rest
       zeroplan validate --measure none               # re-estimate against cached measurements
       zeroplan validate --backend nccl               # the same grid on 2 GPUs
+      zeroplan validate --backend nccl --grid gpu-8  # allocated/reserved/device on 8 GPUs
     """
     from zeroplan.measure import validate as v
     from zeroplan.measure.grid import GRID, select_rows
+    from zeroplan.measure.grid_gpu import GRIDS
     from zeroplan.report.accuracy import render_terminal, row_line, write_report
 
     from zeroplan.spec.files import writable_file
 
-    defaults = v.default_outputs(backend)
+    if grid_name != "accuracy" and backend != "nccl":
+        raise click.UsageError(f"--grid {grid_name} runs on GPUs: add --backend nccl")
+    grid = GRID if grid_name == "accuracy" else GRIDS[grid_name]
+    selected = select_rows(grid, patterns, quick=quick, skip_deepspeed_offload=skip_deepspeed_offload)
+    v.check_gpus(selected, backend)  # before anything is written
+    defaults = v.default_outputs(backend, grid_name)
     if defaults is None and (output_md is None or output_json is None):
         raise click.UsageError("outside a zeroplan checkout there is no docs/ folder to write to: give --output-md and --output-json")
     output_md, output_json = output_md or defaults[0], output_json or defaults[1]
@@ -64,15 +74,15 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
     writable_file(output_json, "--output-json")
     if reasons is None and v.checkout_docs() is not None:
         reasons = v.checkout_docs() / "accuracy_reasons.toml"
-    selected = select_rows(GRID, patterns, quick=quick, skip_deepspeed_offload=skip_deepspeed_offload)
     options = v.RunOptions(backend=backend, steps=steps, timeout_s=timeout_s, measure=measure)
     reason_map = v.load_reasons(reasons) if reasons is not None else {}
-    command_text = "zeroplan validate" + (" --backend nccl" if backend == "nccl" else "")
+    command_text = "zeroplan validate" + (" --backend nccl" if backend == "nccl" else "") \
+        + (f" --grid {grid_name}" if grid_name != "accuracy" else "")
     started = time.monotonic()
     measured: dict = {}  # this run's records, merged into the JSON after every row
 
     def update(wall_seconds=None):
-        return v.update_report(GRID, measured, reason_map, backend=backend, steps=steps, command=command_text,
+        return v.update_report(grid, measured, reason_map, backend=backend, steps=steps, command=command_text,
                                json_path=output_json, write=lambda report: write_report(report, output_md, output_json),
                                wall_seconds=wall_seconds)
 
@@ -95,9 +105,9 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
         click.echo(f"{prefix}{_bar(finished['rows'], len(selected))} {line}", err=True)
 
     records = v.load_records(output_json)
-    v.check_files(GRID, selected, records)  # before the first row runs: the report estimates every cached row too
+    v.check_files(grid, selected, records)  # before the first row runs: the report estimates every cached row too
     v.run_rows(selected, records, options, on_start=on_start, on_done=on_done)
-    whole = measure == "all" and len(selected) == len(GRID)
+    whole = measure == "all" and len(selected) == len(grid)
     report = update(time.monotonic() - started if whole else None)
     shown = v.Report([r for r in report.rows if r.row in selected], backend, command_text, steps)
     click.echo(render_terminal(shown, report, units))

@@ -6,6 +6,10 @@ use: "80GB HBM3" is 80 GiB = 85,899,345,920 bytes. The driver keeps a little of 
 the file records it as `reported_total_gib` for comparison. Fitting uses `memory_bytes`; the plan's
 headroom (5% by default) is larger than that gap.
 
+`architecture` and `compute_capability` (NVIDIA's CUDA GPUs table) decide what lives outside the
+allocator: the CUDA context measured on that architecture, cuBLAS's workspace size
+(zeroplan/estimate/device/outside.py); `interconnect` follows from the links the preset has.
+
 Bandwidths are the datasheet figures in GB/s (10^9 bytes/s), as the vendor prints them: NVLink,
 Infinity Fabric and PCIe are bidirectional totals, so one direction is half (`*_one_way_bytes_per_s`).
 """
@@ -15,6 +19,8 @@ from __future__ import annotations
 import difflib
 from functools import lru_cache
 from importlib import resources
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -48,6 +54,26 @@ class GpuPreset(BaseModel):
     )
     pcie_bandwidth_gbps: float = Field(gt=0, description="Host link bandwidth (PCIe), GB/s both directions.")
     source: str = Field(description="Datasheet the figures come from.")
+    architecture: Literal["volta", "turing", "ampere", "ada", "hopper", "blackwell", "cdna3"] = Field(
+        description="GPU architecture (NVIDIA's marketing generation, AMD's CDNA generation).")
+    compute_capability: str | None = Field(
+        None, pattern=r"^[0-9]+\.[0-9]+$", description="CUDA compute capability, e.g. '9.0'; none for AMD GPUs.")
+
+    @property
+    def compute_capability_pair(self) -> tuple[int, int] | None:
+        """(major, minor), as torch.cuda.get_device_capability() gives it; None without CUDA."""
+        if self.compute_capability is None:
+            return None
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
+    @property
+    def interconnect(self) -> str:
+        """How GPUs of a node talk: nvswitch (the SXM presets sit on NVLink switch boards), pcie
+        (no NVLink), infinity-fabric (AMD)."""
+        if self.architecture == "cdna3":
+            return "infinity-fabric"
+        return "nvswitch" if self.nvlink_bandwidth_gbps > 0 else "pcie"
 
     @property
     def bf16_flops_per_s(self) -> float:

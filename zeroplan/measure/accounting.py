@@ -33,6 +33,12 @@ birth (the worker: "buffers" for what the engine allocates while wrapping the mo
 "temporaries" for what backward allocates), else the phase's default (activations in forward
 and backward, temporaries otherwise). The categories always sum to the peak; which category a
 short-lived storage lands in is as good as those rules.
+
+The allocation stream. Besides the counts, the accounting keeps every storage allocation and free in
+program order, as the allocator model's events (zeroplan/estimate/device/events.py): a resize is a
+new allocation followed by the free of the old one, as `UntypedStorage.resize_` does it. At most
+`event_limit` events are kept (a few MB per 100,000); past that the stream is marked truncated, and
+measure/allocator_replay.py does not replay it.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from zeroplan.estimate.device.events import Alloc, Free
 from zeroplan.estimate.result import TENSOR_CATEGORIES
 from zeroplan.measure.engines.common import ENGINE_CATEGORIES
 
@@ -159,8 +166,13 @@ class TensorAccounting(TorchDispatchMode):
             acc.set_classifier(runner.tensors_by_category)
     """
 
-    def __init__(self, *, granularity_fraction: float = 1 / 256, min_granularity_bytes: int = 64 * 1024):
+    def __init__(self, *, granularity_fraction: float = 1 / 256, min_granularity_bytes: int = 64 * 1024,
+                 event_limit: int = 500_000):
         super().__init__()
+        self.event_limit = event_limit
+        self.events: list = []  # Alloc/Free in program order (see the module docstring)
+        self.events_truncated = False
+        self._generation: dict[int, int] = {}  # serial -> how many allocations it has had (the event key's second part)
         self.granularity_fraction = granularity_fraction
         self.min_granularity_bytes = min_granularity_bytes
         self.current_bytes = 0
@@ -292,6 +304,7 @@ class TensorAccounting(TorchDispatchMode):
         delta = nbytes - record.nbytes
         if delta == 0:
             return
+        self._log_event(record.serial, record.nbytes, nbytes)
         record.nbytes = nbytes
         self.current_bytes += delta
         phase = self._phase
@@ -306,6 +319,18 @@ class TensorAccounting(TorchDispatchMode):
             phase.retake_due = self.current_bytes >= phase.peak_at_retake_bytes + granularity
         elif len(phase.log) > 4 * len(self._live) + 4096:
             self._retake(phase)
+
+    def _log_event(self, serial: int, before: int, after: int) -> None:
+        """Append the allocator events of a storage going from `before` to `after` bytes."""
+        if len(self.events) + 2 > self.event_limit:
+            self.events_truncated = True
+            return
+        old = self._generation.get(serial, -1)
+        if after:
+            self._generation[serial] = old + 1
+            self.events.append(Alloc((serial, old + 1), after))
+        if before:
+            self.events.append(Free((serial, old)))
 
     # -- classification ---------------------------------------------------------------------
     def set_classifier(self, classifier: Classifier | None) -> None:

@@ -104,14 +104,19 @@ class MemoryProbe:
 
 class CudaProbe(MemoryProbe):
     """`torch.cuda.memory_stats()` per phase: allocated and reserved, current and peak (peaks reset
-    at each phase), allocation retries and OOMs. Reserved minus allocated is the allocator's
-    overhead (cached blocks, 512-byte rounding) that the tensor accounting cannot see."""
+    at each phase), inactive split bytes, allocation retries and OOMs. Reserved minus allocated is
+    the allocator's overhead (cached blocks, 512-byte rounding) that the tensor accounting cannot
+    see. At the end of each phase NVML's used memory too: `process_used_bytes`, this process's own
+    (nvmlDeviceGetComputeRunningProcesses, what nvidia-smi lists per process), and
+    `device_used_bytes`, the whole GPU's (`torch.cuda.device_memory_used`); both need pynvml
+    (nvidia-ml-py), and are left out without it."""
 
     KEYS = {
         "allocated_bytes": "allocated_bytes.all.current",
         "allocated_peak_bytes": "allocated_bytes.all.peak",
         "reserved_bytes": "reserved_bytes.all.current",
         "reserved_peak_bytes": "reserved_bytes.all.peak",
+        "inactive_split_peak_bytes": "inactive_split_bytes.all.peak",
         "num_alloc_retries": "num_alloc_retries",
         "num_ooms": "num_ooms",
     }
@@ -130,7 +135,29 @@ class CudaProbe(MemoryProbe):
 
         torch.cuda.synchronize(self.device)
         stats = torch.cuda.memory_stats(self.device)
-        return {name: int(stats.get(key, 0)) for name, key in self.KEYS.items()}
+        return {name: int(stats.get(key, 0)) for name, key in self.KEYS.items()} | nvml_used(self.device)
+
+
+def nvml_used(device: torch.device) -> dict[str, int]:
+    """NVML's used memory: this process's and the whole device's; {} where pynvml is missing."""
+    import torch
+
+    try:
+        import pynvml
+    except ImportError:
+        return {}
+    used = {"device_used_bytes": int(torch.cuda.device_memory_used(device))}  # initialises NVML
+    # the process's own figure: NVML finds the GPU by PCI address (NVML_DEVICE_PCI_BUS_ID_FMT), as the
+    # allocator's own out-of-memory report does (CUDACachingAllocator.cpp reportProcessMemoryInfo)
+    props = torch.cuda.get_device_properties(device)
+    address = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if None not in address:
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(f"{address[0]:08X}:{address[1]:02X}:{address[2]:02X}.0")
+        mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                if p.pid == os.getpid() and p.usedGpuMemory is not None]
+        if mine:
+            used["process_used_bytes"] = int(mine[0])
+    return used
 
 
 def make_probe(device: torch.device) -> MemoryProbe:

@@ -17,7 +17,10 @@ and in the optimizer step.
 
 Step 1 is the first step (optimizer states are created in it); steps 2 and later are the
 steady state. Bytes are ints: exact tensor bytes from the accounting; on CUDA `device` adds the
-allocator's own counters (`torch.cuda.memory_stats()`).
+allocator's own counters (`torch.cuda.memory_stats()`) and NVML's used memory per phase, and
+`device_memory` sums them up per rank (the whole run's max_memory_allocated and _reserved, the
+retries, the peak inactive split bytes, the OOMs, the most NVML showed). `allocator_replay` is the
+rank's allocation stream replayed through the caching allocator model (measure/allocator_replay.py).
 """
 
 from __future__ import annotations
@@ -72,6 +75,26 @@ class RankResult:
     fits: bool = True  # False: the device ran out of memory (the phases say how far it got)
     oom_message: str | None = None
     classifications: int = 0  # how often the accounting asked the engine for its tensors
+    allocator_replay: dict | None = None  # the allocation stream through the allocator model
+
+    def device_memory(self) -> dict | None:
+        """The CUDA counters over the whole run (None on CPU): peaks are the highest of the phases'
+        (the probe resets them per phase), counters the last phase's (they accumulate)."""
+        phases = [p.device for p in self.phases if p.device]
+        if not phases:
+            return None
+        summary = {
+            "max_memory_allocated": max(d.get("allocated_peak_bytes", 0) for d in phases),
+            "max_memory_reserved": max(d.get("reserved_peak_bytes", 0) for d in phases),
+            "inactive_split_peak_bytes": max(d.get("inactive_split_peak_bytes", 0) for d in phases),
+            "num_alloc_retries": phases[-1].get("num_alloc_retries", 0),
+            "num_ooms": phases[-1].get("num_ooms", 0),
+        }
+        for key in ("device_used_bytes", "process_used_bytes"):
+            seen = [d[key] for d in phases if key in d]
+            if seen:
+                summary[key] = max(seen)
+        return summary
 
     @property
     def peak(self) -> PhaseResult:
@@ -120,7 +143,8 @@ class RankResult:
             "summary": self.summary(),
             "step_times_s": list(self.step_times_s),
             "classifications": self.classifications,
-        }
+        } | ({"device_memory": device} if (device := self.device_memory()) else {}) \
+          | ({"allocator_replay": dict(self.allocator_replay)} if self.allocator_replay is not None else {})
 
     @classmethod
     def from_json_dict(cls, data: dict) -> "RankResult":
@@ -136,6 +160,7 @@ class RankResult:
             fits=data.get("fits", True),
             oom_message=data.get("oom_message"),
             classifications=data.get("classifications", 0),
+            allocator_replay=data.get("allocator_replay"),
         )
 
 

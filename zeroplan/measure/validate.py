@@ -85,6 +85,10 @@ def summarize_measurement(result) -> dict[str, Any]:
         devices = {"steady": device_peaks(p.device for p in steady), "first": device_peaks(p.device for p in first)}
         if devices["steady"]:
             entry["device"] = devices
+        if (device_memory := rank.device_memory()) is not None:  # the whole run's CUDA counters
+            entry["device_memory"] = device_memory
+        if rank.allocator_replay is not None:  # the rank's stream through the allocator model
+            entry["allocator_replay"] = dict(rank.allocator_replay)
         ranks.append(entry)
     return {"backend": result.backend, "world_size": result.world_size, "implementation": result.implementation,
             "steps": result.steps, "fits": result.fits, "notes": list(result.notes), "ranks": ranks}
@@ -376,11 +380,26 @@ def checkout_docs() -> Path | None:
     return docs if (docs / "accuracy_reasons.toml").is_file() else None
 
 
-def default_outputs(backend: str) -> tuple[Path, Path] | None:
-    """The checkout's docs/accuracy.{md,json} for CPU runs, docs/accuracy_gpu.{md,json} for nccl;
-    None outside a checkout."""
+def default_outputs(backend: str, grid: str = "accuracy") -> tuple[Path, Path] | None:
+    """The checkout's docs/accuracy.{md,json} for CPU runs, docs/accuracy_gpu.{md,json} for nccl,
+    docs/accuracy_gpu-1.{md,json} (gpu-8) for the GPU grids; None outside a checkout."""
     docs = checkout_docs()
     if docs is None:
         return None
-    stem = "accuracy_gpu" if backend == "nccl" else "accuracy"
+    stem = f"accuracy_{grid}" if grid != "accuracy" else "accuracy_gpu" if backend == "nccl" else "accuracy"
     return docs / f"{stem}.md", docs / f"{stem}.json"
+
+
+def check_gpus(rows: Sequence[Row], backend: str) -> None:
+    """Before any row runs: an nccl run needs as many visible CUDA GPUs as its widest real row; a
+    MeasureError that says so in one line otherwise (a machine without CUDA, a CPU build of torch)."""
+    if backend != "nccl":
+        return
+    from zeroplan.measure.context import visible_cuda_devices
+
+    needed = max((row.world for row in rows if not row.simulate), default=0)
+    visible = visible_cuda_devices()
+    if visible < needed:
+        where = "no CUDA GPU is visible here" if visible == 0 else f"only {visible} CUDA GPU(s) are visible here"
+        raise MeasureError(f"--backend nccl: the selected rows need {needed} GPU(s) on one node and {where} "
+                           "(a CPU build of torch sees none): run it on a GPU machine, or use --backend gloo")

@@ -81,6 +81,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     import torch
 
     from zeroplan.measure.accounting import TensorAccounting
+    from zeroplan.measure.allocator_replay import replay_summary
     from zeroplan.measure.context import device_for, init_process_group, make_probe
     from zeroplan.measure.engines.common import RunContext, module_buffers
     from zeroplan.measure.engines import build_runner, model_context, model_device
@@ -164,7 +165,8 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
             recorder.close()
             fits, oom_message = False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         classifications = accounting.classifications
-    result = RankResult(rank, list(recorder.phases.values()), step_times, fits, oom_message, classifications)
+    replayed = replay_summary(accounting.events, truncated=accounting.events_truncated, environ=os.environ)
+    result = RankResult(rank, list(recorder.phases.values()), step_times, fits, oom_message, classifications, replayed)
     notes = []
     if backend == "fake":
         notes.append(f"simulated: one process under FakeTensorMode stands for rank 0 of {world_size}")

@@ -52,6 +52,7 @@ def run_trainer(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, 
     the worker's `ok` object (RankResult JSON, implementation, notes). `fault(rank)` runs at the
     first forward, as in the plain loop."""
     from zeroplan.measure.accounting import TensorAccounting
+    from zeroplan.measure.allocator_replay import replay_summary
     from zeroplan.measure.result import RankResult
     from zeroplan.measure.phases import PhaseRecorder
 
@@ -103,7 +104,8 @@ def run_trainer(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, 
             classifications = accounting.classifications
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
-    result = RankResult(ctx.rank, list(recorder.phases.values()), step_times, fits, oom_message, classifications)
+    replayed = replay_summary(accounting.events, truncated=accounting.events_truncated, environ=os.environ)
+    result = RankResult(ctx.rank, list(recorder.phases.values()), step_times, fits, oom_message, classifications, replayed)
     implementation = implementation_name(model_name, deepspeed=engine == Engine.DEEPSPEED)
     return {"ok": True, "result": result.to_json_dict(), "implementation": implementation, "notes": notes}
 

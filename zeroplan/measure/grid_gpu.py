@@ -1,0 +1,37 @@
+"""Two small grids for the first machine with GPUs (`zeroplan validate --backend nccl --grid gpu-1`
+or `--grid gpu-8`): what the allocated, reserved and device figures are checked on.
+
+Each is sized to finish in under ten minutes: real catalogue models with random weights (no
+download), bf16 mixed precision, 3 steps, a row being about a minute (process start, NCCL set-up,
+the model built on the device). gpu-1 wants one GPU of at least 40 GB (an A100 or H100); gpu-8 eight
+of them on one node. Each rank records max_memory_allocated and _reserved, memory_stats()'s retries,
+inactive split bytes and OOMs, and NVML's used memory (measure/context.py CudaProbe), and replays its
+own allocation stream through the allocator model (measure/allocator_replay.py): the replay beside
+the real allocator checks the model, the measured figures beside the estimate check the estimate.
+DeepSpeed rows are left out: building its CUDA ops (FusedAdam) takes minutes on a fresh machine.
+"""
+
+from __future__ import annotations
+
+from zeroplan.measure.grid import Row
+
+_ONE = dict(world=1, precision="bf16", recipe="plain")
+_EIGHT = dict(world=8, precision="bf16", recipe="plain")
+
+GPU_1: tuple[Row, ...] = (
+    Row("llama-100m", "torch", 0, micro_batch=8, seq_len=1024, **_ONE),
+    Row("llama-100m", "torch", 0, micro_batch=8, seq_len=1024, checkpointing="full", **_ONE),
+    Row("gpt2-medium", "torch", 0, micro_batch=8, seq_len=1024, **_ONE),
+    Row("pythia-1b", "torch", 0, micro_batch=4, seq_len=2048, checkpointing="full", **_ONE),
+    Row("llama-3.2-1b", "torch", 0, micro_batch=2, seq_len=2048, checkpointing="full", **_ONE),
+)
+
+GPU_8: tuple[Row, ...] = (
+    Row("llama-3.2-1b", "fsdp2", 3, micro_batch=2, seq_len=2048, **_EIGHT),
+    Row("llama-3.2-1b", "fsdp2", 2, micro_batch=2, seq_len=2048, **_EIGHT),
+    Row("llama-3.2-3b", "fsdp2", 3, micro_batch=1, seq_len=4096, checkpointing="full", **_EIGHT),
+    Row("gpt2-large", "torch", 0, micro_batch=4, seq_len=1024, **_EIGHT),
+    Row("llama-3.2-1b", "torch", 1, micro_batch=2, seq_len=2048, checkpointing="full", **_EIGHT),
+)
+
+GRIDS: dict[str, tuple[Row, ...]] = {"gpu-1": GPU_1, "gpu-8": GPU_8}
