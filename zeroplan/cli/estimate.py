@@ -1,4 +1,4 @@
-"""`zeroplan estimate`: the per-GPU memory of one training configuration."""
+"""`zeroplan estimate`: the per-GPU memory of one training configuration (`zeroplan.estimate`, printed)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ from typing import Any
 
 import click
 
-from zeroplan.cli.common import estimate_options, output_options
+from zeroplan.cli.common import apply_options, estimate_option_list
 
 
 @click.command("estimate")
-@estimate_options
-@output_options
+@apply_options(estimate_option_list())
 def command(**options: Any) -> None:
     """Estimate the memory per GPU of training MODEL: by category at the peak, phase by phase,
     and per node under offload.
@@ -33,27 +32,7 @@ def command(**options: Any) -> None:
       zeroplan estimate llama-3-70b --gpus 64 --tp 8 --zero 3 --engine fsdp2 --seq-len 8192
       zeroplan estimate llama-3-70b --gpus 64 --tp 8 --pp 4 --grad-accum 8 --zero 3 --engine fsdp2
     """
-    from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
+    from zeroplan.api.estimates import estimate_from_options
 
-    config = load_config(options["config_file"])
-    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
-                               config)
-    training = training_spec_from_options(options, config, model)
-
-    if not training.mesh.is_trivial:  # tp, cp, pp, ep or HSDP: one estimate per rank kind (issue 14)
-        from zeroplan.estimate.mesh import estimate_mesh
-        from zeroplan.estimate.serialize_mesh import mesh_estimate_to_dict
-        from zeroplan.report.mesh import render_mesh_estimate
-
-        data = mesh_estimate_to_dict(estimate_mesh(model, training), training, gpu_memory_bytes=options["gpu_memory"],
-                                     notes=config.notes if config else ())
-        click.echo(render_mesh_estimate(data, options["output_format"], options["units"]), nl=False)
-        return
-
-    from zeroplan.estimate import estimate
-    from zeroplan.estimate.serialize import estimate_to_dict
-    from zeroplan.report.estimate import render_estimate
-
-    data = estimate_to_dict(estimate(model, training), training, gpu_memory_bytes=options["gpu_memory"],
-                            notes=config.notes if config else ())
-    click.echo(render_estimate(data, options["output_format"], options["units"]), nl=False)
+    result = estimate_from_options(options)
+    click.echo(result.render(options["output_format"], options["units"]), nl=False)

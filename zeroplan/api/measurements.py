@@ -1,0 +1,82 @@
+"""What `zeroplan measure` computes from its options, for the command line and `zeroplan.measure(...)`
+alike: the estimate of the configuration, the real run on local ranks, and the report of both
+(`options` is the dict the click command passes to its callback)."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from zeroplan.api.results import MeasureReport
+from zeroplan.errors import MissingDependencyError, SpecError
+
+
+def measure_from_options(options: dict[str, Any]) -> MeasureReport:
+    """Run the measurement the options describe and return the report; --output is written atomically
+    (nothing when the run fails). A rank that ran out of memory is a result (`fits` False)."""
+    from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
+    from zeroplan.measure.launcher import DEFAULT_RECIPE, choose_backend, measured_device, run_measurement
+    from zeroplan.spec.files import writable_file
+
+    if options["output"] is not None:
+        writable_file(options["output"], "--output")  # before the run, not after it
+    nproc, simulate = options["nproc"], options["simulate"]
+    if simulate and options["backend"]:
+        raise SpecError(f"--simulate runs the fake backend; leave out --backend {options['backend']}")
+    if options["gpus"] not in (None, nproc):
+        raise SpecError(f"--gpus {options['gpus']} must equal --nproc {nproc} (the ranks measured); leave out --gpus")
+    _require("torch", "zeroplan measure runs PyTorch; install it with: pip install torch")
+    backend = choose_backend(options["backend"], simulate)
+    device = measured_device(backend).value
+    if options["device"] not in (None, device):
+        raise SpecError(f"--device {options['device']} does not match a {backend} run, which measures {device} memory; "
+                        "leave out --device")
+
+    config = load_config(options["config_file"])
+    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
+                               config)
+    recipe = options["recipe"] or DEFAULT_RECIPE
+    training = training_spec_from_options(options | {"gpus": nproc, "device": device, "recipe": recipe}, config, model)
+    engine_config = None
+    if training.engine.value == "deepspeed":
+        _require("deepspeed", "engine deepspeed needs DeepSpeed; install it with: pip install 'zeroplan[deepspeed]'")
+        if config is not None and config.kind == "DeepSpeed JSON":
+            from zeroplan.importers.deepspeed_json import load_json
+            from zeroplan.measure.engines.deepspeed_engine import user_config
+
+            engine_config = load_json(config.path)
+            user_config(engine_config, training, nproc)  # a stage or batch that disagrees fails here, before any rank starts
+
+    from zeroplan.estimate.mesh import estimate_mesh
+    from zeroplan.estimate.serialize import estimate_to_dict
+    from zeroplan.measure.comparison import compare, run_peaks
+    from zeroplan.report.measure import report_data
+
+    # the worst rank kind on a mesh, set against the rank that peaks highest; before the run: its errors come first
+    estimated = estimate_to_dict(estimate_mesh(model, training).worst.estimate, training)
+    result = run_measurement(
+        model, training, nproc=nproc, backend=backend, simulate=simulate,
+        steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],
+        engine_config=engine_config,
+    )
+    if training.mesh.ep > 1 and options.get("mesh_moe_imbalance") is None:  # estimated with the routing the run had
+        from zeroplan.measure.grid_ep import with_measured_imbalance
+
+        estimated = estimate_to_dict(estimate_mesh(model, with_measured_imbalance(training, result.notes)).worst.estimate,
+                                     training)
+    measured = result.to_json_dict()
+    comparison = compare(estimated["phases"], run_peaks(measured))
+    data = report_data(estimated, measured, comparison)
+    if options["output"] is not None:
+        from zeroplan.measure.worker import write_json_atomic  # temp file + os.replace
+
+        try:
+            write_json_atomic(str(options["output"]), data)
+        except OSError as error:
+            raise SpecError(f"--output: cannot write {options['output']}: {error.strerror or error}") from None
+    return MeasureReport(data, comparison)
+
+
+def _require(package: str, message: str) -> None:
+    if importlib.util.find_spec(package) is None:
+        raise MissingDependencyError(message)
