@@ -154,8 +154,12 @@ class TensorAccounting(TorchDispatchMode):
             acc.set_classifier(runner.tensors_by_category)
     """
 
-    def __init__(self, *, granularity_fraction: float = 1 / 256, min_granularity_bytes: int = 64 * 1024):
+    def __init__(self, *, granularity_fraction: float = 1 / 256, min_granularity_bytes: int = 64 * 1024,
+                 device_type: str | None = None):
         super().__init__()
+        # None: count every device's storages (a worker, whose own tensors are all on its device);
+        # "cuda": only those on a GPU, for a tracker in a user's program whose host holds data too
+        self.device_type = device_type
         self.granularity_fraction = granularity_fraction
         self.min_granularity_bytes = min_granularity_bytes
         self.current_bytes = 0
@@ -210,7 +214,7 @@ class TensorAccounting(TorchDispatchMode):
         if func.namespace == "c10d":  # a collective: its inputs are communication buffers too
             flat += tree_flatten((args, kwargs))[0]
         # meta tensors hold no memory (a fake tensor reports the device it stands for)
-        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+        tensors = [t for t in flat if isinstance(t, torch.Tensor) and self._counts(t.device)]
         if tensors:
             with self._lock:
                 self._drain()
@@ -221,6 +225,21 @@ class TensorAccounting(TorchDispatchMode):
                             self._communicated.add(serial)
                 self._drain()
         return out
+
+    def _counts(self, device: torch.device) -> bool:
+        return device.type != "meta" and self.device_type in (None, device.type)
+
+    def track_existing(self, tensors) -> None:
+        """Count the storages of `tensors`, made before this accounting was entered, as live from now
+        (a tracker entered in a user's program finds the model built: its parameters, buffers, any
+        gradients and optimizer states). Storages already counted are left as they are."""
+        with self._lock:
+            self._drain()
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor) and self._counts(tensor.device):
+                    for storage in storages_of(tensor):
+                        self._track(storage)
+            self._drain()
 
     def _track(self, storage: torch.UntypedStorage) -> int:
         """Record `storage` if it is new, or its new size; return its serial number."""
@@ -258,7 +277,7 @@ class TensorAccounting(TorchDispatchMode):
             record = self._live.get(id(storage))
             if record is not None and record.ref() is storage:
                 self._set_bytes(record, storage.nbytes())
-            elif self._active:
+            elif self._active and self.device_type in (None, storage.device.type):  # a fake storage is on meta
                 self._track(storage)
             self._drain()
 
