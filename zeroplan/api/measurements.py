@@ -11,9 +11,10 @@ from zeroplan.api.results import MeasureReport
 from zeroplan.errors import MissingDependencyError, SpecError
 
 
-def measure_from_options(options: dict[str, Any]) -> MeasureReport:
+def measure_from_options(options: dict[str, Any], progress=None) -> MeasureReport:
     """Run the measurement the options describe and return the report; --output is written atomically
-    (nothing when the run fails). A rank that ran out of memory is a result (`fits` False)."""
+    (nothing when the run fails). A rank that ran out of memory is a result (`fits` False). `progress`
+    (the launcher's `Progress`, with `announce`) is told of builds and phases as they happen."""
     from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
     from zeroplan.measure.launcher import DEFAULT_RECIPE, choose_backend, measured_device, run_measurement
     from zeroplan.spec.files import writable_file
@@ -57,7 +58,8 @@ def measure_from_options(options: dict[str, Any]) -> MeasureReport:
     result = run_measurement(
         model, training, nproc=nproc, backend=backend, simulate=simulate,
         steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],
-        engine_config=engine_config,
+        engine_config=engine_config, progress=progress,
+        **({"announce": progress.announce} if progress is not None else {}),
     )
     if training.mesh.ep > 1 and options.get("mesh_moe_imbalance") is None:  # estimated with the routing the run had
         from zeroplan.measure.grid_ep import with_measured_imbalance

@@ -37,8 +37,14 @@ def command(**options: Any) -> None:
       zeroplan measure llama-2-7b --engine deepspeed --zero 3 --nproc 8 --backend nccl --config ds.json
     """
     from zeroplan.api.measurements import measure_from_options
+    from zeroplan.cli.progress import MeasureProgress, StatusLine
 
-    report = measure_from_options(options)
+    status = StatusLine()  # each rank's phase and DeepSpeed's builds, on a terminal only
+    status.show(f"measuring on {options['nproc']} {'simulated ' if options['simulate'] else ''}ranks ...")
+    try:
+        report = measure_from_options(options, MeasureProgress(status, options["steps"]) if status.tty else None)
+    finally:
+        status.clear()
     text = report.render(options["output_format"], options["units"])
     click.echo(text, nl=False)
     if not report.fits:

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from zeroplan.cli.common import FiniteFloatRange
+from zeroplan.cli.progress import StatusLine, bar
 
 from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S, MEASURE_MODES
 
@@ -74,12 +75,11 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
                                json_path=output_json, write=lambda report: write_report(report, output_md, output_json),
                                wall_seconds=wall_seconds)
 
-    tty = sys.stderr.isatty()
+    status = StatusLine()
     finished = {"rows": 0}
 
     def on_start(row):
-        if tty:
-            click.echo(f"\r\033[K{_bar(finished['rows'], len(selected))} {row.id} ...", nl=False, err=True)
+        status.show(f"{bar(finished['rows'], len(selected))} {row.id} ...")
 
     def on_done(row, record):
         finished["rows"] += 1
@@ -89,8 +89,7 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
         one = v.build_report([row], {row.id: record} if record else {}, reason_map, backend=backend, steps=steps,
                              command=command_text)
         seconds = f" [{record.get('seconds', 0):.0f} s]" if record and measure != "none" else ""
-        prefix = "\r\033[K" if tty else ""
-        click.echo(f"{prefix}{_bar(finished['rows'], len(selected))} {row_line(one.rows[0])}{seconds}", err=True)
+        status.line(f"{bar(finished['rows'], len(selected))} {row_line(one.rows[0])}{seconds}")
 
     v.run_rows(selected, v.load_records(output_json), options, on_start=on_start, on_done=on_done)
     whole = measure == "all" and len(selected) == len(GRID)
@@ -102,9 +101,3 @@ def command(patterns, quick, skip_deepspeed_offload, backend, measure, steps, ti
     if failed:  # a grid with holes is not a result: the status says so, not only the text
         click.echo(f"{len(failed)} of {len(shown.rows)} rows could not be measured (see the report): {', '.join(failed)}", err=True)
         sys.exit(1)
-
-
-def _bar(done: int, total: int, width: int = 20) -> str:
-    filled = width * done // total if total else width
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
-

@@ -118,10 +118,12 @@ def announcement(name: str) -> str:
 
 def build_ahead(
     names: tuple[str, ...], *, env: dict[str, str], announce: Callable[[str], None], timeout_s: float | None = None,
+    progress: Callable[[str, float], None] | None = None,
 ) -> None:
     """Build the ops of `names` that are not built yet, in one child process, saying so through
-    `announce` before each build starts. Raises MeasureError when a build fails or outlasts
-    `timeout_s`; on any exit (Ctrl-C too) the child and its compilers are killed and its lock removed."""
+    `announce` before each build starts (and through `progress`, if given, the op's label and the
+    seconds so far, every POLL_S). Raises MeasureError when a build fails or outlasts `timeout_s`;
+    on any exit (Ctrl-C too) the child and its compilers are killed and its lock removed."""
     folder = ops_dir()
     missing = tuple(name for name in names if not built(name, folder))
     if not missing:
@@ -133,7 +135,7 @@ def build_ahead(
         try:
             with open(log_path, "wb") as log:
                 proc = spawn([sys.executable, "-m", MODULE, "--child", *missing], env=env, stdout=subprocess.PIPE, stderr=log)
-            current = _follow(proc, missing, folder, announce, timeout_s)
+            current = _follow(proc, missing, folder, announce, timeout_s, progress)
             while (status := exit_status(proc)) is None:  # its report closed as it exited
                 time.sleep(0.02)
             if status != 0:
@@ -146,11 +148,13 @@ def build_ahead(
             remove_stale_locks(missing)
 
 
-def _follow(proc: subprocess.Popen, missing: tuple[str, ...], folder: Path, announce, timeout_s: float | None) -> str:
+def _follow(proc: subprocess.Popen, missing: tuple[str, ...], folder: Path, announce, timeout_s: float | None,
+            progress: Callable[[str, float], None] | None = None) -> str:
     """Read the child's report until it exits; return the op it was at last."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     next_sweep = time.monotonic() + LOCK_CHECK_S
     current, pending = missing[0], b""
+    started = None  # when the op being compiled started (not while waiting for another process's build)
     while True:
         ready, _, _ = select.select([proc.stdout], [], [], POLL_S)
         chunk = os.read(proc.stdout.fileno(), 4096) if ready else b""
@@ -158,12 +162,17 @@ def _follow(proc: subprocess.Popen, missing: tuple[str, ...], folder: Path, anno
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             event, current = line.decode().split()[:2]
+            if event != "compiling":
+                started = None
             if event == "waiting":
                 announce(f"waiting for another process's build of DeepSpeed's {OPS[current].label} ({folder / current / 'lock'})")
             elif event == "compiling":
                 announce(announcement(current))
+                started = time.monotonic()
         if ready and not chunk:  # end of file: the child exited
             return current
+        if progress is not None and started is not None:
+            progress(OPS[current].label if current in OPS else current, time.monotonic() - started)
         if deadline is not None and time.monotonic() > deadline:
             raise MeasureError(f"building DeepSpeed's {OPS[current].label} took more than {timeout_s:g} s; stopped it")
         if time.monotonic() > next_sweep:  # a build that died elsewhere must not keep this one waiting

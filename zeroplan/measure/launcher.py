@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build, stacks
@@ -88,6 +88,16 @@ def _worker_env(rank: int, world_size: int, nproc: int, backend: str) -> dict[st
     return env
 
 
+class Progress(Protocol):
+    """What a run reports while it runs (`zeroplan measure` draws it on a terminal: cli/progress.py)."""
+
+    def build(self, label: str, seconds: float) -> None:
+        """A DeepSpeed op is being built: its label and the seconds so far (every half second)."""
+
+    def ranks(self, phases: dict[int, tuple[int, str]]) -> None:
+        """Each rank's (step, phase) as it opens a phase; step 0 is the set-up (model, engine)."""
+
+
 def _terminate_as_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -116,13 +126,15 @@ def run_measurement(
     engine_config: dict | None = None,
     announce: Callable[[str], None] = _announce,
     fork_workers: bool | None = None,
+    progress: Progress | None = None,
 ) -> MeasureResult:
     """Run `steps` training steps of `model` under `training` on `nproc` local ranks and return
     what every rank measured. `backend` None picks nccl where GPUs are visible, else gloo;
     `simulate` runs one fake-backend process standing for `nproc` ranks. `announce` is told of a
     DeepSpeed op build before it starts (default: a line on stderr); the build is not part of
     `timeout_s`. `fork_workers`: fork the workers from the worker server (None: on gloo and fake;
-    nccl workers start as fresh processes, see `_start_worker`).
+    nccl workers start as fresh processes, see `_start_worker`). `progress` is told of a build's
+    seconds and of each rank's phases (the ranks write them to a file the launcher polls).
 
     Raises MeasureError when a rank fails (naming it and its exception) or the run times out."""
     if not isinstance(model, TransformerSpec):
@@ -176,13 +188,15 @@ def run_measurement(
     try:
         job_path = workdir / "job.json"
         init_method = (workdir / "store").as_uri() if backend == "gloo" else None
+        extra = {"progress": str(workdir / "rank{rank}.phase")} if progress is not None else {}
         write_job(
             job_path, model, training, backend=backend, steps=steps, world_size=nproc,
-            init_method=init_method, implementation=implementation, engine_config=engine_config,
+            init_method=init_method, implementation=implementation, engine_config=engine_config, **extra,
         )
         if training.engine.value == "deepspeed":
             ops = deepspeed_build.ops_for(training, engine_config, cuda=backend == "nccl")
-            deepspeed_build.build_ahead(ops, env=child_env(backend), announce=announce)
+            deepspeed_build.build_ahead(ops, env=child_env(backend), announce=announce,
+                                        progress=progress.build if progress is not None else None)
         port = str(_free_port()) if backend == "nccl" else None
         fork = backend != "nccl" if fork_workers is None else fork_workers
         for rank in range(processes):
@@ -191,7 +205,7 @@ def run_measurement(
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
             argv = ["--job", str(job_path), "--output", str(workdir / f"rank{rank}.json")]
             procs.append(_start_worker(argv, env, workdir / f"rank{rank}.log", fork))
-        outcomes = _wait(procs, workdir, timeout_s, steps)
+        outcomes = _wait(procs, workdir, timeout_s, steps, progress)
     finally:
         kill_sessions(procs)
         deepspeed_build.remove_stale_locks(ops)  # the lock of a build the workers started
@@ -216,15 +230,21 @@ def _start_worker(argv: list[str], env: dict[str, str], log: Path, fork: bool) -
         return spawn([sys.executable, "-m", "zeroplan.measure.worker", *argv], env=env, stdout=out)
 
 
-def _wait(procs: list[Worker | subprocess.Popen], workdir: Path, timeout_s: float, steps: int) -> list[dict]:
+def _wait(procs: list[Worker | subprocess.Popen], workdir: Path, timeout_s: float, steps: int,
+          progress: Progress | None = None) -> list[dict]:
     """Wait for every worker; the first failure or out-of-memory ends the run."""
     deadline = time.monotonic() + timeout_s
+    phases: dict[int, tuple[int, str]] = {}
     while True:
+        if progress is not None:
+            phases = _report_phases(workdir, len(procs), phases, progress)
         codes = [exit_status(proc) for proc in procs]
         if any(code not in (None, 0) for code in codes):
             _raise_first_failure(codes, workdir)
             return [o for o in (_read(workdir / f"rank{r}.json") for r in range(len(procs))) if _out_of_memory(o)]
         if all(code == 0 for code in codes):
+            if progress is not None:  # the phases the ranks wrote since the last look
+                _report_phases(workdir, len(procs), phases, progress)
             outcomes = [_read(workdir / f"rank{rank}.json") for rank in range(len(procs))]
             missing = [rank for rank, outcome in enumerate(outcomes) if outcome is None]
             if missing:
@@ -233,6 +253,18 @@ def _wait(procs: list[Worker | subprocess.Popen], workdir: Path, timeout_s: floa
         if time.monotonic() > deadline:
             _raise_timeout(procs, codes, workdir, timeout_s, steps)
         time.sleep(POLL_S)
+
+
+def _report_phases(workdir: Path, ranks: int, shown: dict[int, tuple[int, str]], progress: Progress) -> dict:
+    """Read the ranks' phase files; tell `progress` when one has moved on."""
+    phases = dict(shown)
+    for rank in range(ranks):
+        written = _read(workdir / f"rank{rank}.phase")
+        if written is not None:
+            phases[rank] = (written["step"], written["phase"])
+    if phases != shown:
+        progress.ranks(phases)
+    return phases
 
 
 def _raise_timeout(procs: list[Worker | subprocess.Popen], codes: list[int | None], workdir: Path, timeout_s: float,

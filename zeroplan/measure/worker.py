@@ -46,6 +46,20 @@ def write_json_atomic(path: str, data: dict) -> None:
     write_atomic(path, json.dumps(data))
 
 
+def phase_writer(job: dict, rank: int):
+    """Where the rank says which phase it is in, for the launcher's progress line: job["progress"] is a
+    path with "{rank}" (written whole each time: {"step": S, "phase": P}), or absent (nothing written)."""
+    pattern = job.get("progress")
+    if not pattern:
+        return None
+    path = pattern.replace("{rank}", str(rank))
+
+    def write(step: int, phase: str) -> None:
+        write_json_atomic(path, {"step": step, "phase": phase})
+
+    return write
+
+
 def _inject_fault(rank: int) -> None:
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
@@ -95,7 +109,8 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     if training.recipe.value == "hf-trainer":  # the Trainer owns the loop (programs/hf_trainer.py)
         from zeroplan.measure.programs.hf_trainer import run_trainer
 
-        return run_trainer(spec, training, ctx, steps=job["steps"], probe=probe, fault=_inject_fault)
+        return run_trainer(spec, training, ctx, steps=job["steps"], probe=probe, fault=_inject_fault,
+                           on_phase=phase_writer(job, rank))
 
     held: dict = {}  # what the classifier can see so far: the model, then the runner
 
@@ -124,7 +139,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     # The accounting is entered inside the fake mode, so it sees the fake tensors it makes.
     with fake_mode, TensorAccounting() as accounting:
         accounting.set_classifier(classify)
-        recorder = PhaseRecorder(accounting, probe)
+        recorder = PhaseRecorder(accounting, probe, phase_writer(job, rank))
         try:
             with recorder.phase(0, "model", default_category="temporaries"):
                 with model_context(training, ctx):
