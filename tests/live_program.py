@@ -2,7 +2,7 @@
 transformers Trainer with `zeroplan.ZeroplanCallback()`, or by a plain loop (DDP on 2 ranks) under
 `zeroplan.track(model, optimizer)`. It writes what zeroplan reported to --output as JSON.
 
-    python tests/live_program.py --mode trainer|loop|opaque --output OUT.json [--store FILE] [...]
+    python tests/live_program.py --mode trainer|loop|accelerate|opaque --output OUT.json [--store FILE] [...]
 
 With --store (two processes: RANK and WORLD_SIZE in the environment) the ranks join a gloo process
 group through that file, on the loopback interface, as the measure workers do (NOTES: a TCP
@@ -74,6 +74,28 @@ def loop(options) -> dict:
     return {"report": tracker.report, "measure_json": tracker.to_dict()}
 
 
+def accelerate_loop(options) -> dict:
+    """accelerate's loop: the tracker before `prepare`, accumulation through `accumulate`."""
+    from accelerate import Accelerator
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=options.grad_accum)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    loader = torch.utils.data.DataLoader(Tokens(options.seq_len), batch_size=options.micro_batch)
+    tracker = zeroplan.track(model, optimizer, steps=options.steps)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for index, batch in enumerate(loader):
+        if index == (options.steps + 1) * options.grad_accum:
+            break
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"report": tracker.report, "measure_json": tracker.to_dict()}
+
+
 def opaque(options) -> dict:
     """A model zeroplan cannot describe (no Hugging Face config): one warning, training goes on."""
     model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
@@ -92,7 +114,7 @@ def opaque(options) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("trainer", "loop", "opaque"), required=True)
+    parser.add_argument("--mode", choices=("trainer", "loop", "accelerate", "opaque"), required=True)
     parser.add_argument("--output", required=True)
     parser.add_argument("--store")
     parser.add_argument("--steps", type=int, default=3)
@@ -109,7 +131,7 @@ def main() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            outcome = {"trainer": trainer, "loop": loop, "opaque": opaque}[options.mode](options)
+            outcome = {"trainer": trainer, "loop": loop, "accelerate": accelerate_loop, "opaque": opaque}[options.mode](options)
         except ZeroplanError as error:
             outcome = {"error": f"{type(error).__name__}: {error}"}
     outcome["warnings"] = [str(w.message) for w in caught if issubclass(w.category, ZeroplanWarning)]

@@ -111,6 +111,18 @@ def test_track_in_a_plain_ddp_loop(tmp_path):
 
 
 @pytest.mark.distributed
+def test_track_in_an_accelerate_loop_with_accumulation(tmp_path):
+    pytest.importorskip("accelerate")
+    (outcome,), _ = run_program(tmp_path, "accelerate", 1, "--grad-accum", "2")
+    measure_json = outcome["measure_json"]
+    print(json.dumps(outcome["report"], indent=1))
+    config, program = measure_json["estimate"]["config"], measure_json["estimate"]["program"]
+    assert (config["grad_accum"], config["gpus"], program["optimizer_impl"]) == (2, 1, "foreach")
+    assert outcome["warnings"] == []
+    assert_within_targets(outcome["report"], measure_json)
+
+
+@pytest.mark.distributed
 def test_a_model_zeroplan_cannot_describe_trains_on_with_one_warning(tmp_path):
     (outcome,), _ = run_program(tmp_path, "opaque", 1)
     assert outcome["steps_trained"] == 4

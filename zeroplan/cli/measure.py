@@ -45,6 +45,11 @@ def command(**options: Any) -> None:
         report = measure_from_options(options, MeasureProgress(status, options["steps"]) if status.tty else None)
     finally:
         status.clear()
+    if report is None:  # a node other than 0 of a run across nodes
+        first = options["node_rank"] * options["nproc"]
+        click.echo(f"node {options['node_rank']} of {options['nnodes']}: ranks {first}-{first + options['nproc'] - 1} "
+                   "measured; node 0 prints and writes the result", err=True)
+        return
     text = report.render(options["output_format"], options["units"])
     click.echo(text, nl=False)
     if not report.fits:

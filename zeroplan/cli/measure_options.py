@@ -34,4 +34,13 @@ MEASURE_OPTIONS = [
     click.option("--output", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
                  help="Also write the JSON to FILE (atomically; nothing is written when the run fails)."),
     click.option("--units", type=click.Choice(REPORT_UNITS), default="GiB", show_default=True, help=REPORT_UNITS_HELP),
+    # across nodes (measure/nodes.py): torchrun's names
+    click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="Nodes, each running this command with its own --node-rank; --nproc ranks on each."),
+    click.option("--node-rank", "node_rank", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="This node's rank, 0 to --nnodes - 1; node 0 hosts the rendezvous and writes the result."),
+    click.option("--rdzv-endpoint", "rdzv_endpoint", metavar="HOST:PORT",
+                 help="Where node 0 hosts the rendezvous (a c10d TCPStore, as torchrun's): its name and a free port."),
+    click.option("--rdzv-timeout", "rdzv_timeout_s", type=FiniteFloatRange(min=0, min_open=True), default=600.0,
+                 show_default=True, help="Seconds a node waits for the others to join (torchrun's join_timeout)."),
 ]

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -78,9 +79,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_env(rank: int, world_size: int, nproc: int, backend: str) -> dict[str, str]:
+def _worker_env(rank: int, local_rank: int, world_size: int, nproc: int, backend: str) -> dict[str, str]:
     env = child_env(backend)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(nproc))
+    env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(nproc))
     if backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = "lo"
         # one intra-op thread per worker unless asked otherwise: nproc workers share the cores
@@ -137,6 +138,18 @@ def run_measurement(
     seconds and of each rank's phases (the ranks write them to a file the launcher polls).
 
     Raises MeasureError when a rank fails (naming it and its exception) or the run times out."""
+    backend = check_runnable(model, training, nproc=nproc, backend=backend, simulate=simulate, steps=steps,
+                             timeout_s=timeout_s)
+    outcomes = run_ranks(model, training, nproc=nproc, backend=backend, steps=steps, timeout_s=timeout_s,
+                         implementation=implementation, engine_config=engine_config, announce=announce,
+                         fork_workers=fork_workers, progress=progress)
+    return assemble_result(outcomes, model, training, backend, nproc, steps)
+
+
+def check_runnable(model: ModelSpec, training: TrainingSpec, *, nproc: int, backend: str | None, simulate: bool,
+                   steps: int, timeout_s: float) -> str:
+    """Raise MeasureError for a run that cannot be measured, before anything starts; return its backend.
+    `nproc` is the ranks of this machine."""
     if not isinstance(model, TransformerSpec):
         raise MeasureError(f"model: {model.name} is known by its parameter count only; measure needs a transformer spec")
     if training.recipe.value not in RUNNABLE_RECIPES:
@@ -177,8 +190,32 @@ def run_measurement(
             raise MeasureError(f"nproc: {nproc} ranks need {nproc} GPUs, {visible} are visible")
     if backend == "fake" and training.engine.value != "fsdp2":
         raise MeasureError(f"engine: --simulate runs fsdp2 only (the fake backend needs fake tensors), not {training.engine.value}")
+    return backend
 
+
+@dataclass(frozen=True)
+class NodeRanks:
+    """The ranks this machine runs of a world across nodes (measure/nodes.py): global ranks from
+    `first`, the process group's rendezvous in `env`, and `watch`, called at every poll, which raises
+    to stop the run (another node failed)."""
+
+    first: int
+    world_size: int
+    env: dict[str, str]
+    watch: Callable[[], None]
+
+
+def run_ranks(
+    model: TransformerSpec, training: TrainingSpec, *, nproc: int, backend: str, steps: int, timeout_s: float,
+    implementation: str, engine_config: dict | None, announce: Callable[[str], None] = _announce,
+    fork_workers: bool | None = None, progress: Progress | None = None, node: NodeRanks | None = None,
+) -> list[dict]:
+    """Start this machine's workers, wait for them, leave nothing running; return their outcomes (the
+    workers' `ok` objects; only those that ran out of memory when one did). Without `node`, the
+    ranks are 0 .. nproc-1 of a local world joined through a file store (gloo) or 127.0.0.1 (nccl)."""
     processes = 1 if backend == "fake" else nproc
+    first, world_size = (node.first, node.world_size) if node is not None else (0, nproc)
+    ranks = list(range(first, first + processes))
     workdir = Path(tempfile.mkdtemp(prefix="zeroplan-measure-"))
     procs: list[Worker | subprocess.Popen] = []
     ops: tuple[str, ...] = ()  # DeepSpeed's JIT ops this run may build
@@ -187,32 +224,33 @@ def run_measurement(
     previous_sigterm = signal.signal(signal.SIGTERM, _terminate_as_interrupt) if main_thread else None
     try:
         job_path = workdir / "job.json"
-        init_method = (workdir / "store").as_uri() if backend == "gloo" else None
+        init_method = (workdir / "store").as_uri() if backend == "gloo" and node is None else None
         extra = {"progress": str(workdir / "rank{rank}.phase")} if progress is not None else {}
         write_job(
-            job_path, model, training, backend=backend, steps=steps, world_size=nproc,
+            job_path, model, training, backend=backend, steps=steps, world_size=world_size,
             init_method=init_method, implementation=implementation, engine_config=engine_config, **extra,
         )
         if training.engine.value == "deepspeed":
             ops = deepspeed_build.ops_for(training, engine_config, cuda=backend == "nccl")
             deepspeed_build.build_ahead(ops, env=child_env(backend), announce=announce,
                                         progress=progress.build if progress is not None else None)
-        port = str(_free_port()) if backend == "nccl" else None
+        port = str(_free_port()) if backend == "nccl" and node is None else None
         fork = backend != "nccl" if fork_workers is None else fork_workers
-        for rank in range(processes):
-            env = _worker_env(rank, nproc, processes, backend)
+        for rank in ranks:
+            env = _worker_env(rank, rank - first, world_size, processes, backend)
             if port:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            if node is not None:
+                env.update(node.env)
             argv = ["--job", str(job_path), "--output", str(workdir / f"rank{rank}.json")]
             procs.append(_start_worker(argv, env, workdir / f"rank{rank}.log", fork))
-        outcomes = _wait(procs, workdir, timeout_s, steps, progress)
+        return _wait(procs, workdir, timeout_s, steps, progress, ranks, node.watch if node is not None else None)
     finally:
         kill_sessions(procs)
         deepspeed_build.remove_stale_locks(ops)  # the lock of a build the workers started
         shutil.rmtree(workdir, ignore_errors=True)
         if main_thread:
             signal.signal(signal.SIGTERM, previous_sigterm)
-    return assemble_result(outcomes, model, training, backend, nproc, steps)
 
 
 def _start_worker(argv: list[str], env: dict[str, str], log: Path, fork: bool) -> Worker | subprocess.Popen:
@@ -231,34 +269,38 @@ def _start_worker(argv: list[str], env: dict[str, str], log: Path, fork: bool) -
 
 
 def _wait(procs: list[Worker | subprocess.Popen], workdir: Path, timeout_s: float, steps: int,
-          progress: Progress | None = None) -> list[dict]:
-    """Wait for every worker; the first failure or out-of-memory ends the run."""
+          progress: Progress | None = None, ranks: list[int] | None = None,
+          watch: Callable[[], None] | None = None) -> list[dict]:
+    """Wait for every worker (procs[i] runs rank ranks[i]); the first failure or out-of-memory ends the run."""
+    ranks = list(range(len(procs))) if ranks is None else ranks
     deadline = time.monotonic() + timeout_s
     phases: dict[int, tuple[int, str]] = {}
     while True:
         if progress is not None:
-            phases = _report_phases(workdir, len(procs), phases, progress)
+            phases = _report_phases(workdir, ranks, phases, progress)
         codes = [exit_status(proc) for proc in procs]
         if any(code not in (None, 0) for code in codes):
-            _raise_first_failure(codes, workdir)
-            return [o for o in (_read(workdir / f"rank{r}.json") for r in range(len(procs))) if _out_of_memory(o)]
+            _raise_first_failure(codes, workdir, ranks)
+            return [o for o in (_read(workdir / f"rank{r}.json") for r in ranks) if _out_of_memory(o)]
         if all(code == 0 for code in codes):
             if progress is not None:  # the phases the ranks wrote since the last look
-                _report_phases(workdir, len(procs), phases, progress)
-            outcomes = [_read(workdir / f"rank{rank}.json") for rank in range(len(procs))]
-            missing = [rank for rank, outcome in enumerate(outcomes) if outcome is None]
+                _report_phases(workdir, ranks, phases, progress)
+            outcomes = [_read(workdir / f"rank{rank}.json") for rank in ranks]
+            missing = [rank for rank, outcome in zip(ranks, outcomes) if outcome is None]
             if missing:
                 raise MeasureError(f"rank {missing[0]} exited without writing its result")
             return outcomes
+        if watch is not None:
+            watch()
         if time.monotonic() > deadline:
-            _raise_timeout(procs, codes, workdir, timeout_s, steps)
+            _raise_timeout(procs, codes, workdir, timeout_s, steps, ranks)
         time.sleep(POLL_S)
 
 
-def _report_phases(workdir: Path, ranks: int, shown: dict[int, tuple[int, str]], progress: Progress) -> dict:
+def _report_phases(workdir: Path, ranks: list[int], shown: dict[int, tuple[int, str]], progress: Progress) -> dict:
     """Read the ranks' phase files; tell `progress` when one has moved on."""
     phases = dict(shown)
-    for rank in range(ranks):
+    for rank in ranks:
         written = _read(workdir / f"rank{rank}.phase")
         if written is not None:
             phases[rank] = (written["step"], written["phase"])
@@ -268,10 +310,11 @@ def _report_phases(workdir: Path, ranks: int, shown: dict[int, tuple[int, str]],
 
 
 def _raise_timeout(procs: list[Worker | subprocess.Popen], codes: list[int | None], workdir: Path, timeout_s: float,
-                   steps: int) -> None:
+                   steps: int, ranks: list[int]) -> None:
     """Raise the timeout, naming the call each running rank is stuck in (its stack, measure/stacks.py)."""
-    running = [rank for rank, code in enumerate(codes) if code is None]
-    dumps = stacks.request([procs[rank].pid for rank in running], [workdir / f"rank{rank}.log" for rank in running])
+    stuck = [index for index, code in enumerate(codes) if code is None]
+    running = [ranks[index] for index in stuck]
+    dumps = stacks.request([procs[index].pid for index in stuck], [workdir / f"rank{rank}.log" for rank in running])
     where = [f"rank {running[index]} in {frame}" for index, dump in sorted(dumps.items())
              if (frame := stacks.innermost_frame(dump))]
     error = MeasureError(
@@ -286,13 +329,13 @@ def _out_of_memory(outcome: dict | None) -> bool:
     return outcome is not None and outcome.get("ok") and not outcome["result"]["fits"]
 
 
-def _raise_first_failure(codes: list[int | None], workdir: Path) -> None:
+def _raise_first_failure(codes: list[int | None], workdir: Path, ranks: list[int]) -> None:
     """Raise for the rank that failed first, unless a rank ran out of memory (a result).
 
     When one rank dies its peers fail too ("connection closed" in their next collective): the
     root cause is the failure written first, or the out-of-memory that stopped a rank."""
     # every rank's file: a rank writes its failure before it exits (atomically, so a file is whole)
-    outcomes = {rank: _read(workdir / f"rank{rank}.json") for rank in range(len(codes))}
+    outcomes = {rank: _read(workdir / f"rank{rank}.json") for rank in ranks}
     if any(_out_of_memory(o) for o in outcomes.values()):
         return
     written = [(o.get("time", 0.0), rank, o) for rank, o in outcomes.items() if o is not None and not o.get("ok")]
@@ -300,10 +343,11 @@ def _raise_first_failure(codes: list[int | None], workdir: Path) -> None:
         _, rank, outcome = min(written)
         error = MeasureError(f"rank {rank} failed: {outcome['error']}")
         error.worker_traceback = outcome.get("traceback", "")  # kept by validate (failure_detail)
+        error.failed_at = outcome.get("time")  # across nodes, the first failure is the cause (measure/nodes.py)
         raise error
-    rank = min(rank for rank, code in enumerate(codes) if code not in (None, 0))
-    detail = last_line(workdir / f"rank{rank}.log") or "no output"
-    raise MeasureError(f"rank {rank} exited with status {codes[rank]}: {detail}")
+    index = min(index for index, code in enumerate(codes) if code not in (None, 0))
+    detail = last_line(workdir / f"rank{ranks[index]}.log") or "no output"
+    raise MeasureError(f"rank {ranks[index]} exited with status {codes[index]}: {detail}")
 
 
 def load_outputs(paths: list[Path]) -> list[dict]:

@@ -90,8 +90,11 @@ def describe(run: LiveRun) -> tuple[TransformerSpec, TrainingSpec, list[str]]:
     notes: list[str] = []
     values.update(_engine(run, spec, world, notes))
     values.update(_batch(run))
-    if run.grad_accum is not None:
-        values["grad_accum"] = run.grad_accum
+    grad_accum = run.grad_accum
+    if grad_accum is None and "accelerate" in sys.modules:
+        grad_accum = _accelerate_accumulation()
+    if grad_accum is not None and "grad_accum" not in values:  # DeepSpeed's config has its own
+        values["grad_accum"] = grad_accum
     values.update(_precision(run, params, values))
     if "optimizer" not in values:  # DeepSpeed's own optimizer is its config's; else the program's torch optimizer
         values.update(_optimizer(run, device))
@@ -240,6 +243,15 @@ def _accelerate_mixed_precision() -> str | None:
     if not AcceleratorState._shared_state:  # nothing initialised: not an accelerate program
         return None
     return str(AcceleratorState().mixed_precision)
+
+
+def _accelerate_accumulation() -> int | None:
+    """The micro-batches accelerate's `accumulate` counts per step, if the program made an Accelerator."""
+    from accelerate.state import GradientState
+
+    if not GradientState._shared_state:
+        return None
+    return int(GradientState().num_steps)
 
 
 def _optimizer(run: LiveRun, device: torch.device) -> dict[str, str]:
