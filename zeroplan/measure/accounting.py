@@ -9,7 +9,8 @@ How it counts (the method of torch/distributed/_tools/mem_tracker.py, `MemTracke
   re-allocates its unsharded parameters by resizing their storages to 0 and back
   (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `free_storage` / `alloc_storage`).
 Enter it before the model is built and before the engine wraps it, or the engine's buffers
-(DDP's buckets, DeepSpeed's reduce bucket) are missed. What it cannot see: memory a kernel uses
+(DDP's buckets, DeepSpeed's reduce bucket) are missed; in a program that built the model already
+(measure/live/), `track_existing` counts the tensors that were there before. What it cannot see: memory a kernel uses
 internally without returning it as a tensor, and tensors created on threads other than the one
 that entered the mode (gloo's worker threads allocate none that outlive a collective).
 

@@ -5,8 +5,9 @@ RANK, WORLD_SIZE and LOCAL_RANK from the environment and joins with env://, MAST
 MASTER_PORT; "{rank}" in --output is replaced by the rank). The job file holds the model and
 training specs, the backend, the steps and the rendezvous (`zeroplan.measure.launcher.write_job`).
 
-On several nodes, write the job once with `zeroplan.measure.launcher.write_job(path, model,
-training, backend="nccl", steps=K, world_size=N, init_method=None)`, run on every node
+On several nodes `zeroplan measure --nnodes M --node-rank K --rdzv-endpoint HOST:PORT` starts it on
+every node (measure/nodes.py). By hand: write the job once with `zeroplan.measure.launcher.write_job(path,
+model, training, backend="nccl", steps=K, world_size=N, init_method=None)`, run on every node
   torchrun --nnodes M --nproc-per-node G --rdzv-endpoint HOST:PORT -m zeroplan.measure.worker
       --job job.json --output out/rank{rank}.json
 and read the outputs with `launcher.load_outputs` and `launcher.assemble_result`.
