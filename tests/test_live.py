@@ -156,6 +156,24 @@ def test_strict_stops_before_step_1_when_the_estimate_exceeds_the_gpu():
     assert not model._forward_pre_hooks
 
 
+def test_an_optimizer_over_some_parameters_is_noted():
+    """The estimate gives optimizer states to every parameter that trains; an optimizer that steps
+    fewer is said in the report's notes, from its parameter groups."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import zeroplan
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    optimizer = torch.optim.AdamW(model.lm_head.parameters())
+    with zeroplan.track(model, optimizer, steps=2, stream=open(os.devnull, "w")) as tracker:
+        ids = torch.zeros(1, 8, dtype=torch.long)
+        model(input_ids=ids, labels=ids).loss.backward()
+    head, total = model.lm_head.weight.numel(), sum(p.numel() for p in model.parameters())
+    assert f"the optimizer's parameter groups step {head:,} parameters, {total:,} require gradients" in tracker.notes[0]
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"steps": 1}, r"^steps: at least 2"),
     ({"gpu": "h100"}, r"^gpu: unknown GPU 'h100'; did you mean"),

@@ -67,10 +67,12 @@ def plan(model: str | None = None, **options: Any) -> PlanResult:
     return plan_from_options(options_from_keywords("plan", command.params, keywords))
 
 
-def measure(model: str | None = None, **options: Any) -> MeasureReport:
+def measure(model: str | None = None, **options: Any) -> MeasureReport | None:
     """`zeroplan measure MODEL --nproc N [OPTIONS]`: real training steps on local ranks (needs torch),
     measured beside the estimate. `output="m.json"` also writes the JSON. A rank that ran out of
-    device memory is a result (`report.fits` is False). Options: `zeroplan measure --help`."""
+    device memory is a result (`report.fits` is False). Across nodes (`nnodes=`, `node_rank=`,
+    `rdzv_endpoint=`) node 0 returns every rank's report, the other nodes None.
+    Options: `zeroplan measure --help`."""
     from zeroplan.api.keywords import options_from_keywords, parameters
     from zeroplan.api.measurements import measure_from_options
     from zeroplan.cli.measure_options import MEASURE_OPTIONS

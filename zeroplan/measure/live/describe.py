@@ -98,6 +98,8 @@ def describe(run: LiveRun) -> tuple[TransformerSpec, TrainingSpec, list[str]]:
     values.update(_precision(run, params, values))
     if "optimizer" not in values:  # DeepSpeed's own optimizer is its config's; else the program's torch optimizer
         values.update(_optimizer(run, device))
+        if values.get("engine") == "torch" and values.get("zero_stage") == 0:
+            notes += _parameter_groups(run)
     base = base_model(run.model)
     # transformers 5 names it is_activation_checkpointing (is_gradient_checkpointing: deprecated)
     name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else "is_gradient_checkpointing"
@@ -243,6 +245,20 @@ def _accelerate_mixed_precision() -> str | None:
     if not AcceleratorState._shared_state:  # nothing initialised: not an accelerate program
         return None
     return str(AcceleratorState().mixed_precision)
+
+
+def _parameter_groups(run: LiveRun) -> list[str]:
+    """A note when the optimizer's parameter groups step other parameters than those that require
+    gradients (the estimate gives optimizer states to every parameter that trains)."""
+    stepped: dict[int, int] = {}
+    for group in innermost_optimizer(run.optimizer).param_groups:
+        for param in group["params"]:
+            stepped[id(param)] = param.numel()
+    steps, trains = sum(stepped.values()), trainable_count(run.model)
+    if steps == trains:
+        return []
+    return [f"the optimizer's parameter groups step {steps:,} parameters, {trains:,} require gradients: the estimate "
+            "gives optimizer states to those that require gradients"]
 
 
 def _accelerate_accumulation() -> int | None:
