@@ -242,7 +242,7 @@ def test_deepspeed_missing_says_how_to_install(monkeypatch):
 
 def test_implementations_match_the_workload():
     pytest.importorskip("torch")
-    from zeroplan.cli.measure import IMPLEMENTATIONS
+    from zeroplan.cli.measure_options import IMPLEMENTATIONS
     from zeroplan.measure.workload import IMPLEMENTATIONS as WORKLOAD
 
     assert IMPLEMENTATIONS == WORKLOAD

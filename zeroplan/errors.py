@@ -31,6 +31,10 @@ class MeasureError(ZeroplanError):
     """A measurement could not be run or a worker failed."""
 
 
+class DoesNotFitError(ZeroplanError):
+    """The estimate of a run exceeds the GPU's memory, and the caller asked to stop there (strict)."""
+
+
 class MissingDependencyError(ZeroplanError):
     """An optional package is needed for this command; the message says how to install it."""
 

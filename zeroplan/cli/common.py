@@ -207,11 +207,17 @@ def training_options(function: F) -> F:
     return _apply(TRAINING_OPTIONS, function)
 
 
-def estimate_options(function: F) -> F:
-    """Everything `zeroplan estimate` takes besides the output: model, training, --gpu-memory."""
+def apply_options(decorators: list[Callable[[F], F]]) -> Callable[[F], F]:
+    """One decorator applying a list of option decorators in their order (the first is the first in --help)."""
+    return lambda function: _apply(decorators, function)
+
+
+def estimate_option_list() -> list[Callable[[F], F]]:
+    """Every option of `zeroplan estimate`: model, training, mesh, --gpu-memory, then --format and --units
+    (also what `zeroplan.estimate(...)` reads its keyword arguments by: zeroplan/api/keywords.py)."""
     from zeroplan.cli.mesh_options import MESH_OPTIONS
 
-    return _apply(MODEL_OPTIONS + TRAINING_OPTIONS + MESH_OPTIONS + [GPU_MEMORY_OPTION], function)
+    return MODEL_OPTIONS + TRAINING_OPTIONS + MESH_OPTIONS + [GPU_MEMORY_OPTION] + OUTPUT_OPTIONS
 
 
 def output_options(function: F) -> F:

@@ -1,4 +1,4 @@
-"""`zeroplan compare`: the memory of a grid of ZeRO configurations, side by side."""
+"""`zeroplan compare`: the memory of a grid of ZeRO configurations, side by side (`zeroplan.compare`, printed)."""
 
 from __future__ import annotations
 
@@ -6,25 +6,12 @@ from typing import Any
 
 import click
 
-from zeroplan.cli.common import FiniteFloatRange, output_options
-from zeroplan.cli.grid_options import estimate_options_except, gpu_memory_options
-from zeroplan.cli.mesh_options import mesh_options
+from zeroplan.cli.common import apply_options
+from zeroplan.cli.grid_options import compare_option_list
 
 
 @click.command("compare")
-@estimate_options_except({"gpus", "zero_stage", "offload_optimizer", "offload_params", "gpu_memory"})
-@click.option("--zero", "zero_stages", default="0,1,2,3", show_default=True, metavar="LIST", help="ZeRO stages to compare, e.g. 0,1,2,3.")
-@click.option("--gpus", "gpu_counts", default="8", show_default=True, metavar="LIST", help="GPU counts to compare, e.g. 8,64.")
-@click.option("--offload", "offloads", default="none", show_default=True, metavar="LIST",
-              help="Offload choices: none, cpu, nvme (optimizer states at stages 1-2, optimizer states and parameters at "
-                   "stage 3), cpu-optimizer, nvme-optimizer (optimizer states only, any stage >= 1).")
-@gpu_memory_options
-@click.option("--headroom", type=FiniteFloatRange(0, 1, max_open=True), default=0.0, show_default=True,
-              help="Fraction of GPU memory to keep free when deciding whether a config fits.")
-@mesh_options
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), metavar="FILE.png",
-              help="Also draw the per-GPU breakdown as stacked bars (needs matplotlib: pip install 'zeroplan[plot]').")
-@output_options
+@apply_options(compare_option_list())
 def command(**options: Any) -> None:
     """Compare the per-GPU memory of MODEL over ZeRO stages x GPU counts x offload targets: one
     row per configuration with its breakdown at the peak, host memory per node, the saving against
@@ -37,30 +24,10 @@ def command(**options: Any) -> None:
       zeroplan compare llama-2-13b --gpus 16 --offload none,cpu,cpu-optimizer --plot zero.png
       zeroplan compare --params 7.5e9 --engine paper --gpus 64 --units GB --format markdown
     """
-    from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
-    from zeroplan.plan.grid import OFFLOAD_CHOICES, compare
-    from zeroplan.report.compare import render_comparison
-    from zeroplan.importers.options import load_config, model_from_options
+    from zeroplan.api.estimates import compare_from_options
 
-    from zeroplan.spec.files import writable_file
-
+    result = compare_from_options(options)
+    click.echo(result.render(options["output_format"], options["units"]), nl=False)
     if options["plot_file"]:
-        writable_file(options["plot_file"], "--plot")  # before the grid is estimated
-    stages = parse_int_list(options["zero_stages"], "--zero", 0, 3)
-    gpu_counts = parse_int_list(options["gpu_counts"], "--gpus", 1)
-    offloads = parse_choice_list(options["offloads"], "--offload", OFFLOAD_CHOICES)
-    _, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
-    options["config_file"] = config = load_config(options["config_file"])  # read once, for every grid point
-    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
-                               config)
-    base = base_training(options, stages, max(gpu_counts), model)
-    estimator = None
-    if not base.mesh.is_trivial:  # every row is the worst rank of the mesh (issue 14)
-        from zeroplan.estimate import worst_rank_estimate as estimator
-    comparison = compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"], estimator)
-    click.echo(render_comparison(comparison, options["output_format"], options["units"]), nl=False)
-    if options["plot_file"]:
-        from zeroplan.report.plot import plot_comparison
-
-        path = plot_comparison(comparison, options["plot_file"], options["units"])
+        path = result.plot(options["plot_file"], options["units"])
         click.echo(f"wrote {path}", err=True)

@@ -1,4 +1,4 @@
-"""`zeroplan estimate`: the per-GPU memory of one training configuration."""
+"""`zeroplan estimate`: the per-GPU memory of one training configuration (`zeroplan.estimate`, printed)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ from typing import Any
 
 import click
 
-from zeroplan.cli.common import estimate_options, output_options
+from zeroplan.cli.common import apply_options, estimate_option_list
 
 
 @click.command("estimate")
-@estimate_options
-@output_options
+@apply_options(estimate_option_list())
 @click.option("--explain", "explain", is_flag=True, help="Also list the terms live at the peak (name, category, bytes, "
               "source), largest first; with --format csv, the terms instead of the phases. The JSON always has them.")
 def command(**options: Any) -> None:
@@ -36,18 +35,8 @@ def command(**options: Any) -> None:
       zeroplan estimate llama-3-70b --gpus 64 --tp 8 --pp 4 --grad-accum 8 --zero 3 --engine fsdp2
       zeroplan estimate llama-2-7b --gpus 8 --zero 3 --explain
     """
-    from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
+    from zeroplan.api.estimates import estimate_from_options
 
-    config = load_config(options["config_file"])
-    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
-                               config)
-    training = training_spec_from_options(options, config, model)
-
-    from zeroplan.estimate import estimate_mesh
-    from zeroplan.estimate.serialize import estimate_to_dict
-    from zeroplan.report.estimate import render_estimate
-
-    # one estimate per rank kind (tp, cp, pp, ep, HSDP: issue 14); plain data parallelism has one
-    data = estimate_to_dict(estimate_mesh(model, training), training, gpu_memory_bytes=options["gpu_memory"],
-                            notes=config.notes if config else ())
-    click.echo(render_estimate(data, options["output_format"], options["units"], options["explain"]), nl=False)
+    explain = options.pop("explain")
+    result = estimate_from_options(options)
+    click.echo(result.render(options["output_format"], options["units"], explain=explain), nl=False)

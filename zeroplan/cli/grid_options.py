@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 import click
 
-from zeroplan.cli.common import GPU_MEMORY_OPTION, MODEL_OPTIONS, TRAINING_OPTIONS
+from zeroplan.cli.common import GPU_MEMORY_OPTION, MODEL_OPTIONS, OUTPUT_OPTIONS, TRAINING_OPTIONS, FiniteFloatRange
+from zeroplan.cli.mesh_options import MESH_OPTIONS
 from zeroplan.errors import SpecError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -26,10 +27,15 @@ def _option_name(decorator: Callable) -> str:
     return probe.__click_params__[-1].name  # type: ignore[attr-defined]
 
 
-def estimate_options_except(names: Iterable[str]) -> Callable[[F], F]:
+def estimate_option_list_except(names: Iterable[str]) -> list[Callable[[F], F]]:
     """MODEL and the training options of `zeroplan estimate`, except those in `names`."""
     excluded = set(names)
-    kept = [d for d in MODEL_OPTIONS + TRAINING_OPTIONS if _option_name(d) not in excluded]
+    return [d for d in MODEL_OPTIONS + TRAINING_OPTIONS if _option_name(d) not in excluded]
+
+
+def estimate_options_except(names: Iterable[str]) -> Callable[[F], F]:
+    """MODEL and the training options of `zeroplan estimate`, except those in `names`, as one decorator."""
+    kept = estimate_option_list_except(names)
 
     def apply(function: F) -> F:
         for decorator in reversed(kept):
@@ -39,15 +45,40 @@ def estimate_options_except(names: Iterable[str]) -> Callable[[F], F]:
     return apply
 
 
+GPU_OPTIONS = [
+    click.option("--gpu", "gpu", metavar="NAME", help="GPU preset (memory, FLOP/s, bandwidths from its datasheet): "
+                 "a100-40gb, a100-80gb, h100-80gb, h200-141gb, l4-24gb, rtx3090-24gb, rtx4090-24gb, mi300x-192gb."),
+    GPU_MEMORY_OPTION,
+]
+"""--gpu NAME (a preset: memory and, for plan, speeds) or --gpu-memory SIZE|NAME (memory only)."""
+
+
 def gpu_memory_options(function: F) -> F:
-    """--gpu NAME (a preset: memory and, for plan, speeds) or --gpu-memory SIZE|NAME (memory only)."""
-    for decorator in reversed([
-        click.option("--gpu", "gpu", metavar="NAME", help="GPU preset (memory, FLOP/s, bandwidths from its datasheet): "
-                     "a100-40gb, a100-80gb, h100-80gb, h200-141gb, l4-24gb, rtx3090-24gb, rtx4090-24gb, mi300x-192gb."),
-        GPU_MEMORY_OPTION,
-    ]):
+    """GPU_OPTIONS as one decorator."""
+    for decorator in reversed(GPU_OPTIONS):
         function = decorator(function)
     return function
+
+
+def compare_option_list() -> list[Callable[[F], F]]:
+    """Every option of `zeroplan compare` (also what `zeroplan.compare(...)` reads its keyword arguments by)."""
+    return [
+        *estimate_option_list_except({"gpus", "zero_stage", "offload_optimizer", "offload_params", "gpu_memory"}),
+        click.option("--zero", "zero_stages", default="0,1,2,3", show_default=True, metavar="LIST",
+                     help="ZeRO stages to compare, e.g. 0,1,2,3."),
+        click.option("--gpus", "gpu_counts", default="8", show_default=True, metavar="LIST",
+                     help="GPU counts to compare, e.g. 8,64."),
+        click.option("--offload", "offloads", default="none", show_default=True, metavar="LIST",
+                     help="Offload choices: none, cpu, nvme (optimizer states at stages 1-2, optimizer states and "
+                          "parameters at stage 3), cpu-optimizer, nvme-optimizer (optimizer states only, any stage >= 1)."),
+        *GPU_OPTIONS,
+        click.option("--headroom", type=FiniteFloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+                     help="Fraction of GPU memory to keep free when deciding whether a config fits."),
+        *MESH_OPTIONS,
+        click.option("--plot", "plot_file", type=click.Path(dir_okay=False), metavar="FILE.png",
+                     help="Also draw the per-GPU breakdown as stacked bars (needs matplotlib: pip install 'zeroplan[plot]')."),
+        *OUTPUT_OPTIONS,
+    ]
 
 
 def list_items(text: str, field: str) -> tuple[str, ...]:

@@ -1,46 +1,23 @@
-"""`zeroplan measure`: run real training steps and print the measured memory beside the estimate."""
+"""`zeroplan measure`: run real training steps and print the measured memory beside the estimate
+(`zeroplan.measure`, printed)."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
 
-from zeroplan.cli.common import FiniteFloatRange, model_options, training_options, units_option
-from zeroplan.cli.mesh_options import MESH_OPTIONS
-from zeroplan.errors import MissingDependencyError, SpecError
+from zeroplan.cli.common import apply_options
+from zeroplan.cli.measure_options import MEASURE_OPTIONS
 
-def mesh_options(function):
-    """--tp, --pp, ... (cli/mesh_options.py): measure runs a mesh as zeroplan/measure/engines/mesh.py says."""
-    for option in reversed(MESH_OPTIONS):
-        function = option(function)
-    return function
-
-
-IMPLEMENTATIONS = ("auto", "hf", "reference")  # zeroplan.measure.workload.IMPLEMENTATIONS (that module imports torch)
 EXIT_DOES_NOT_FIT = 3
 """Exit status when a rank ran out of device memory: the result ("does not fit", with the peak
 reached) is still printed and written; 2 is a user error or a failed run, as for every command."""
 
 
 @click.command("measure")
-@model_options
-@training_options
-@mesh_options
-@click.option("--nproc", type=click.IntRange(min=1), required=True, help="Ranks to run (local worker processes; simulated ranks with --simulate).")
-@click.option("--simulate", is_flag=True, help="One process simulating --nproc ranks (fake tensors and process group; fsdp2 only).")
-@click.option("--backend", type=click.Choice(["gloo", "nccl"]), help="gloo: CPU processes; nccl: one process per GPU. [default: nccl where GPUs are visible, else gloo]")
-@click.option("--steps", type=click.IntRange(min=2), default=2, show_default=True, help="Training steps (step 1 creates the optimizer states; 2 and later are the steady state).")
-@click.option("--timeout", "timeout_s", type=FiniteFloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Seconds before every worker is stopped.")
-@click.option("--implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True, help="Model code: hf (transformers), reference (zeroplan's own), auto (hf where installed).")
-@click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table", show_default=True, help="Output on stdout; json is a stable contract with sizes in bytes.")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also write the JSON to FILE (atomically; nothing is written when the run fails).")
-@units_option()
-@click.option("--memory-check/--no-memory-check", "memory_check", default=True, show_default=True,
-              help="Refuse a run whose estimated host memory (every local rank; on CPU the device is the host) "
-                   "exceeds what this machine has available (MemAvailable, or a container's limit).")
+@apply_options(MEASURE_OPTIONS)
 def command(**options: Any) -> None:
     """Run real training steps of MODEL on --nproc ranks and print the memory each rank used,
     by category at the peak, beside the estimate for the same configuration, with the error
@@ -59,78 +36,21 @@ def command(**options: Any) -> None:
       zeroplan measure llama-1b --engine fsdp2 --zero 3 --nproc 64 --simulate --seq-len 512 --units GB
       zeroplan measure llama-2-7b --engine deepspeed --zero 3 --nproc 8 --backend nccl --config ds.json
     """
-    from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
-    from zeroplan.measure.launcher import DEFAULT_RECIPE, choose_backend, measured_device, run_measurement
-    from zeroplan.spec.files import writable_file
+    from zeroplan.api.measurements import measure_from_options
+    from zeroplan.cli.progress import MeasureProgress, StatusLine
 
-    if options["output"] is not None:
-        writable_file(options["output"], "--output")  # before the run, not after it
-    nproc, simulate = options["nproc"], options["simulate"]
-    if simulate and options["backend"]:
-        raise click.UsageError(f"--simulate runs the fake backend; leave out --backend {options['backend']}")
-    if options["gpus"] not in (None, nproc):
-        raise click.UsageError(f"--gpus {options['gpus']} must equal --nproc {nproc} (the ranks measured); leave out --gpus")
-    _require("torch", "zeroplan measure runs PyTorch; install it with: pip install torch")
-    backend = choose_backend(options["backend"], simulate)
-    device = measured_device(backend).value
-    if options["device"] not in (None, device):
-        raise click.UsageError(f"--device {options['device']} does not match a {backend} run, which measures {device} memory; leave out --device")
-
-    config = load_config(options["config_file"])
-    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
-                               config)
-    recipe = options["recipe"] or DEFAULT_RECIPE
-    training = training_spec_from_options(options | {"gpus": nproc, "device": device, "recipe": recipe}, config, model)
-    engine_config = None
-    if training.engine.value == "deepspeed":
-        _require("deepspeed", "engine deepspeed needs DeepSpeed; install it with: pip install 'zeroplan[deepspeed]'")
-        if config is not None and config.kind == "DeepSpeed JSON":
-            from zeroplan.importers.deepspeed_json import load_json
-
-            engine_config = load_json(config.path)
-            from zeroplan.measure.engines.deepspeed_engine import user_config
-
-            user_config(engine_config, training, nproc)  # a stage or batch that disagrees fails here, before any rank starts
-
-    from zeroplan.estimate import estimate_mesh
-    from zeroplan.estimate.serialize import estimate_to_dict
-    from zeroplan.measure.comparison import compare, run_peaks
-    from zeroplan.report.measure import render_table, report_data
-
-    # the worst rank kind on a mesh, set against the rank that peaks highest; before the run: its errors come first
-    estimated = estimate_to_dict(estimate_mesh(model, training), training)
-    result = run_measurement(
-        model, training, nproc=nproc, backend=backend, simulate=simulate,
-        steps=options["steps"], timeout_s=options["timeout_s"], implementation=options["implementation"],
-        engine_config=engine_config, check_memory=options["memory_check"],
-    )
-    if training.mesh.ep > 1 and options.get("mesh_moe_imbalance") is None:  # estimated with the routing the run had
-        from zeroplan.measure.grid_ep import with_measured_imbalance
-
-        estimated = estimate_to_dict(estimate_mesh(model, with_measured_imbalance(training, result.notes)),
-                                     training)
-    measured = result.to_json_dict()
-    comparison = compare(estimated["phases"], run_peaks(measured), engine=training.engine.value)
-    data = report_data(estimated, measured, comparison)
-    if options["output"] is not None:
-        from zeroplan.measure.worker import write_json_atomic  # temp file + os.replace
-
-        try:
-            write_json_atomic(str(options["output"]), data)
-        except OSError as error:
-            raise SpecError(f"--output: cannot write {options['output']}: {error.strerror or error}") from None
-    if options["output_format"] == "json":
-        import json
-
-        click.echo(json.dumps(data, indent=2))
-    else:
-        click.echo(render_table(data, comparison, options["units"]), nl=False)
-    if not result.fits:
+    status = StatusLine()  # each rank's phase and DeepSpeed's builds, on a terminal only
+    status.show(f"measuring on {options['nproc']} {'simulated ' if options['simulate'] else ''}ranks ...")
+    try:
+        report = measure_from_options(options, MeasureProgress(status, options["steps"]) if status.tty else None)
+    finally:
+        status.clear()
+    if report is None:  # a node other than 0 of a run across nodes
+        first = options["node_rank"] * options["nproc"]
+        click.echo(f"node {options['node_rank']} of {options['nnodes']}: ranks {first}-{first + options['nproc'] - 1} "
+                   "measured; node 0 prints and writes the result", err=True)
+        return
+    text = report.render(options["output_format"], options["units"])
+    click.echo(text, nl=False)
+    if not report.fits:
         sys.exit(EXIT_DOES_NOT_FIT)
-
-
-def _require(package: str, message: str) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec(package) is None:
-        raise MissingDependencyError(message)

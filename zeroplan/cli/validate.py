@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from zeroplan.cli.common import FiniteFloatRange, units_option
+from zeroplan.cli.progress import StatusLine, bar
 
 from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S, MEASURE_MODES
 
@@ -86,12 +87,11 @@ def command(patterns, quick, grid_name, skip_deepspeed_offload, backend, measure
                                json_path=output_json, write=lambda report: write_report(report, output_md, output_json),
                                wall_seconds=wall_seconds)
 
-    tty = sys.stderr.isatty()
+    status = StatusLine()
     finished = {"rows": 0}
 
     def on_start(row):
-        if tty:
-            click.echo(f"\r\033[K{_bar(finished['rows'], len(selected))} {row.id} ...", nl=False, err=True)
+        status.show(f"{bar(finished['rows'], len(selected))} {row.id} ...")
 
     def on_done(row, record, measured_now):
         finished["rows"] += 1
@@ -100,9 +100,7 @@ def command(patterns, quick, grid_name, skip_deepspeed_offload, backend, measure
             update()
         one = v.build_report([row], {row.id: record} if record else {}, reason_map, backend=backend, steps=steps,
                              command=command_text)
-        prefix = "\r\033[K" if tty else ""
-        line = row_line(one.rows[0], units, measured_now)
-        click.echo(f"{prefix}{_bar(finished['rows'], len(selected))} {line}", err=True)
+        status.line(f"{bar(finished['rows'], len(selected))} {row_line(one.rows[0], units, measured_now)}")
 
     records = v.load_records(output_json)
     v.check_files(grid, selected, records)  # before the first row runs: the report estimates every cached row too
@@ -116,9 +114,3 @@ def command(patterns, quick, grid_name, skip_deepspeed_offload, backend, measure
     if failed:  # a grid with holes is not a result: the status says so, not only the text
         click.echo(f"{len(failed)} of {len(shown.rows)} rows could not be measured (see the report): {', '.join(failed)}", err=True)
         sys.exit(1)
-
-
-def _bar(done: int, total: int, width: int = 20) -> str:
-    filled = width * done // total if total else width
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
-

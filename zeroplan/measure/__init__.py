@@ -11,6 +11,8 @@ The only part of zeroplan that imports torch, and it does so lazily (inside func
 - `worker`: one rank (`python -m zeroplan.measure.worker`, also under torchrun);
 - `launcher`: `run_measurement`, which spawns local workers and collects their results (and
   `write_job` / `load_outputs` / `assemble_result` for torchrun launches);
+- `nodes`: a run across nodes, each node's launcher meeting at node 0's c10d store (`run_nodes`);
+- `live`: the estimate and the measurement inside a user's own program (`track`, `ZeroplanCallback`);
 - `result`: the result dataclasses and their JSON;
 - `comparison`: the estimate beside the measurement, error per category and peak, and the
   accuracy targets; `zeroplan measure` and the accuracy grid both use it (no torch);

@@ -9,7 +9,8 @@ How it counts (the method of torch/distributed/_tools/mem_tracker.py, `MemTracke
   re-allocates its unsharded parameters by resizing their storages to 0 and back
   (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `free_storage` / `alloc_storage`).
 Enter it before the model is built and before the engine wraps it, or the engine's buffers
-(DDP's buckets, DeepSpeed's reduce bucket) are missed. What it cannot see: memory a kernel uses
+(DDP's buckets, DeepSpeed's reduce bucket) are missed; in a program that built the model already
+(measure/live/), `track_existing` counts the tensors that were there before. What it cannot see: memory a kernel uses
 internally without returning it as a tensor, and tensors created on threads other than the one
 that entered the mode (gloo's worker threads allocate none that outlive a collective).
 
@@ -167,12 +168,15 @@ class TensorAccounting(TorchDispatchMode):
     """
 
     def __init__(self, *, granularity_fraction: float = 1 / 256, min_granularity_bytes: int = 64 * 1024,
-                 event_limit: int = 500_000):
+                 event_limit: int = 500_000, device_type: str | None = None):
         super().__init__()
         self.event_limit = event_limit
         self.events: list = []  # Alloc/Free in program order (see the module docstring)
         self.events_truncated = False
         self._generation: dict[int, int] = {}  # serial -> how many allocations it has had (the event key's second part)
+        # None: count every device's storages (a worker, whose own tensors are all on its device);
+        # "cuda": only those on a GPU, for a tracker in a user's program whose host holds data too
+        self.device_type = device_type
         self.granularity_fraction = granularity_fraction
         self.min_granularity_bytes = min_granularity_bytes
         self.current_bytes = 0
@@ -227,7 +231,7 @@ class TensorAccounting(TorchDispatchMode):
         if func.namespace == "c10d":  # a collective: its inputs are communication buffers too
             flat += tree_flatten((args, kwargs))[0]
         # meta tensors hold no memory (a fake tensor reports the device it stands for)
-        tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+        tensors = [t for t in flat if isinstance(t, torch.Tensor) and self._counts(t.device)]
         if tensors:
             with self._lock:
                 self._drain()
@@ -238,6 +242,21 @@ class TensorAccounting(TorchDispatchMode):
                             self._communicated.add(serial)
                 self._drain()
         return out
+
+    def _counts(self, device: torch.device) -> bool:
+        return device.type != "meta" and self.device_type in (None, device.type)
+
+    def track_existing(self, tensors) -> None:
+        """Count the storages of `tensors`, made before this accounting was entered, as live from now
+        (a tracker entered in a user's program finds the model built: its parameters, buffers, any
+        gradients and optimizer states). Storages already counted are left as they are."""
+        with self._lock:
+            self._drain()
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor) and self._counts(tensor.device):
+                    for storage in storages_of(tensor):
+                        self._track(storage)
+            self._drain()
 
     def _track(self, storage: torch.UntypedStorage) -> int:
         """Record `storage` if it is new, or its new size; return its serial number."""
@@ -275,7 +294,7 @@ class TensorAccounting(TorchDispatchMode):
             record = self._live.get(id(storage))
             if record is not None and record.ref() is storage:
                 self._set_bytes(record, storage.nbytes())
-            elif self._active:
+            elif self._active and self.device_type in (None, storage.device.type):  # a fake storage is on meta
                 self._track(storage)
             self._drain()
 

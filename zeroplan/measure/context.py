@@ -83,9 +83,10 @@ def init_process_group(backend: str, rank: int, world_size: int, init_method: st
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         return
-    if backend == "gloo":
+    if backend == "gloo" and (init_method or "").startswith("file://"):
         # The default TCP rendezvous listens on every interface; a file store and the loopback
-        # interface keep a local run on this machine (NOTES: torch.distributed on CPU).
+        # interface keep a local run on this machine (NOTES: torch.distributed on CPU). Across
+        # nodes (env://, measure/nodes.py) gloo takes the interface the launcher gives, or its own.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
         torch.cuda.set_device(device_for(backend, int(os.environ.get("LOCAL_RANK", rank))))

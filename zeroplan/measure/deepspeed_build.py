@@ -198,9 +198,11 @@ def announcement(name: str) -> str:
 
 def build_ahead(
     names: tuple[str, ...], *, env: dict[str, str], announce: Callable[[str], None], timeout_s: float | None = None,
+    progress: Callable[[str, float], None] | None = None,
 ) -> None:
     """Build the ops of `names` that are not built yet, in one child process, saying so through
-    `announce` before each build starts. Raises MeasureError when the build folder cannot be used, or
+    `announce` before each build starts (and through `progress`, if given, the op's label and the
+    seconds so far, every POLL_S). Raises MeasureError when the build folder cannot be used, or
     a build fails or outlasts `timeout_s`; on any exit (Ctrl-C too) the child and its compilers are
     killed, its lock removed and its temporary files with it; if this process is killed outright, the
     child does the same for itself, and the next run removes the run folder (module docstring)."""
@@ -218,7 +220,7 @@ def build_ahead(
         with open(log_path, "wb") as log:
             proc = spawn([sys.executable, "-m", MODULE, "--child", *missing], env=env, stdout=subprocess.PIPE, stderr=log,
                          death_signal=signal.SIGTERM)  # caught: it ends its compilers too (_build_here)
-        current = _follow(proc, missing, folder, announce, timeout_s)
+        current = _follow(proc, missing, folder, announce, timeout_s, progress)
         while (status := exit_status(proc)) is None:  # its report closed as it exited
             time.sleep(0.02)
         if status != 0:
@@ -232,11 +234,13 @@ def build_ahead(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _follow(proc: subprocess.Popen, missing: tuple[str, ...], folder: Path, announce, timeout_s: float | None) -> str:
+def _follow(proc: subprocess.Popen, missing: tuple[str, ...], folder: Path, announce, timeout_s: float | None,
+            progress: Callable[[str, float], None] | None = None) -> str:
     """Read the child's report until it exits; return the op it was at last."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     next_sweep = time.monotonic() + LOCK_CHECK_S
     current, pending = missing[0], b""
+    started = None  # when the op being compiled started (not while waiting for another process's build)
     while True:
         ready, _, _ = select.select([proc.stdout], [], [], POLL_S)
         chunk = os.read(proc.stdout.fileno(), 4096) if ready else b""
@@ -244,6 +248,8 @@ def _follow(proc: subprocess.Popen, missing: tuple[str, ...], folder: Path, anno
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             event, current = line.decode().split()[:2]
+            if event != "compiling":
+                started = None
             if event == "waiting":
                 announce(f"waiting for another zeroplan's build of DeepSpeed's {OPS[current].label} (in {folder / current})")
             elif event == "cleaned":
@@ -251,8 +257,11 @@ def _follow(proc: subprocess.Popen, missing: tuple[str, ...], folder: Path, anno
                          f"in {folder / current}")
             elif event == "compiling":
                 announce(announcement(current))
+                started = time.monotonic()
         if ready and not chunk:  # end of file: the child exited
             return current
+        if progress is not None and started is not None:
+            progress(OPS[current].label if current in OPS else current, time.monotonic() - started)
         if deadline is not None and time.monotonic() > deadline:
             raise MeasureError(f"building DeepSpeed's {OPS[current].label} took more than {timeout_s:g} s; stopped it")
         if time.monotonic() > next_sweep:  # a build that died elsewhere must not keep this one waiting

@@ -26,8 +26,9 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build, host_memory, stacks
@@ -98,14 +99,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_env(rank: int, world_size: int, nproc: int, backend: str) -> dict[str, str]:
+def _worker_env(rank: int, local_rank: int, world_size: int, nproc: int, backend: str) -> dict[str, str]:
     env = child_env(backend)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(nproc))
+    env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(nproc))
     if backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = "lo"
         # one intra-op thread per worker unless asked otherwise: nproc workers share the cores
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return env
+
+
+class Progress(Protocol):
+    """What a run reports while it runs (`zeroplan measure` draws it on a terminal: cli/progress.py)."""
+
+    def build(self, label: str, seconds: float) -> None:
+        """A DeepSpeed op is being built: its label and the seconds so far (every half second)."""
+
+    def ranks(self, phases: dict[int, tuple[int, str]]) -> None:
+        """Each rank's (step, phase) as it opens a phase; step 0 is the set-up (model, engine)."""
 
 
 def _terminate_as_interrupt(signum, frame):
@@ -136,6 +147,7 @@ def run_measurement(
     engine_config: dict | None = None,
     announce: Callable[[str], None] = _announce,
     fork_workers: bool | None = None,
+    progress: Progress | None = None,
     check_memory: bool = True,
 ) -> MeasureResult:
     """Run `steps` training steps of `model` under `training` on `nproc` local ranks and return
@@ -143,10 +155,25 @@ def run_measurement(
     `simulate` runs one fake-backend process standing for `nproc` ranks. `announce` is told of a
     DeepSpeed op build before it starts (default: a line on stderr); the build is not part of
     `timeout_s`. `fork_workers`: fork the workers from the worker server (None: on gloo and fake;
-    nccl workers start as fresh processes, see `_start_worker`). `check_memory`: refuse a run whose
-    estimated host bytes exceed what this machine has available (measure/host_memory.py).
+    nccl workers start as fresh processes, see `_start_worker`). `progress` is told of a build's
+    seconds and of each rank's phases (the ranks write them to a file the launcher polls). `check_memory`:
+    refuse a run whose estimated host bytes exceed what this machine has available (measure/host_memory.py).
 
     Raises MeasureError when a rank fails (naming it and its exception) or the run times out."""
+    backend = check_runnable(model, training, nproc=nproc, backend=backend, simulate=simulate, steps=steps,
+                             timeout_s=timeout_s)
+    if check_memory:
+        check_host_memory(model, training, nproc, backend)
+    outcomes = run_ranks(model, training, nproc=nproc, backend=backend, steps=steps, timeout_s=timeout_s,
+                         implementation=implementation, engine_config=engine_config, announce=announce,
+                         fork_workers=fork_workers, progress=progress)
+    return assemble_result(outcomes, model, training, backend, nproc, steps)
+
+
+def check_runnable(model: ModelSpec, training: TrainingSpec, *, nproc: int, backend: str | None, simulate: bool,
+                   steps: int, timeout_s: float) -> str:
+    """Raise MeasureError for a run that cannot be measured, before anything starts; return its backend.
+    `nproc` is the ranks of this machine."""
     if not isinstance(model, TransformerSpec):
         raise MeasureError(f"model: {model.name} is known by its parameter count only; measure needs a transformer spec")
     if training.recipe.value not in RUNNABLE_RECIPES:
@@ -195,11 +222,38 @@ def run_measurement(
             raise MeasureError(f"nproc: {nproc} ranks need {nproc} GPUs, {visible} are visible")
     if backend == "fake" and training.engine.value != "fsdp2":
         raise MeasureError(f"engine: --simulate runs fsdp2 only (the fake backend needs fake tensors), not {training.engine.value}")
+    return backend
 
-    if check_memory:  # before any worker starts: the kernel's OOM killer tells nobody why
-        host_memory.check_fits(host_memory.run_need(model, training, nproc, backend), host_memory.available())
 
+def check_host_memory(model: ModelSpec, training: TrainingSpec, nproc: int, backend: str) -> None:
+    """Before any worker starts (the kernel's OOM killer tells nobody why): refuse a run of `nproc` local ranks
+    whose estimated host bytes exceed what this machine has available (measure/host_memory.py)."""
+    host_memory.check_fits(host_memory.run_need(model, training, nproc, backend), host_memory.available())
+
+
+@dataclass(frozen=True)
+class NodeRanks:
+    """The ranks this machine runs of a world across nodes (measure/nodes.py): global ranks from
+    `first`, the process group's rendezvous in `env`, and `watch`, called at every poll, which raises
+    to stop the run (another node failed)."""
+
+    first: int
+    world_size: int
+    env: dict[str, str]
+    watch: Callable[[], None]
+
+
+def run_ranks(
+    model: TransformerSpec, training: TrainingSpec, *, nproc: int, backend: str, steps: int, timeout_s: float,
+    implementation: str, engine_config: dict | None, announce: Callable[[str], None] = _announce,
+    fork_workers: bool | None = None, progress: Progress | None = None, node: NodeRanks | None = None,
+) -> list[dict]:
+    """Start this machine's workers, wait for them, leave nothing running; return their outcomes (the
+    workers' `ok` objects; only those that ran out of memory when one did). Without `node`, the
+    ranks are 0 .. nproc-1 of a local world joined through a file store (gloo) or 127.0.0.1 (nccl)."""
     processes = 1 if backend == "fake" else nproc
+    first, world_size = (node.first, node.world_size) if node is not None else (0, nproc)
+    ranks = list(range(first, first + processes))
     remove_dead_run_folders()  # what runs killed outright left in the temporary directory
     workdir = run_folder("measure")
     procs: list[Worker | subprocess.Popen] = []
@@ -209,30 +263,33 @@ def run_measurement(
     previous_sigterm = signal.signal(signal.SIGTERM, _terminate_as_interrupt) if main_thread else None
     try:
         job_path = workdir / "job.json"
-        init_method = (workdir / "store").as_uri() if backend == "gloo" else None
+        init_method = (workdir / "store").as_uri() if backend == "gloo" and node is None else None
+        extra = {"progress": str(workdir / "rank{rank}.phase")} if progress is not None else {}
         write_job(
-            job_path, model, training, backend=backend, steps=steps, world_size=nproc,
-            init_method=init_method, implementation=implementation, engine_config=engine_config,
+            job_path, model, training, backend=backend, steps=steps, world_size=world_size,
+            init_method=init_method, implementation=implementation, engine_config=engine_config, **extra,
         )
         if training.engine.value == "deepspeed":
             ops = deepspeed_build.ops_for(training, engine_config, cuda=backend == "nccl")
-            deepspeed_build.build_ahead(ops, env=child_env(backend), announce=announce)
-        port = str(_free_port()) if backend == "nccl" else None
+            deepspeed_build.build_ahead(ops, env=child_env(backend), announce=announce,
+                                        progress=progress.build if progress is not None else None)
+        port = str(_free_port()) if backend == "nccl" and node is None else None
         fork = backend != "nccl" if fork_workers is None else fork_workers
-        for rank in range(processes):
-            env = _worker_env(rank, nproc, processes, backend)
+        for rank in ranks:
+            env = _worker_env(rank, rank - first, world_size, processes, backend)
             if port:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            if node is not None:
+                env.update(node.env)
             argv = ["--job", str(job_path), "--output", str(workdir / f"rank{rank}.json")]
             procs.append(_start_worker(argv, env, workdir / f"rank{rank}.log", fork))
-        outcomes = _wait(procs, workdir, timeout_s, steps)
+        return _wait(procs, workdir, timeout_s, steps, progress, ranks, node.watch if node is not None else None)
     finally:
         kill_sessions(procs)
         deepspeed_build.remove_stale_locks(ops)  # the lock of a build the workers started
         shutil.rmtree(workdir, ignore_errors=True)
         if main_thread:
             signal.signal(signal.SIGTERM, previous_sigterm)
-    return assemble_result(outcomes, model, training, backend, nproc, steps)
 
 
 def _start_worker(argv: list[str], env: dict[str, str], log: Path, fork: bool) -> Worker | subprocess.Popen:
@@ -250,30 +307,53 @@ def _start_worker(argv: list[str], env: dict[str, str], log: Path, fork: bool) -
         return spawn([sys.executable, "-m", "zeroplan.measure.worker", *argv], env=env, stdout=out)
 
 
-def _wait(procs: list[Worker | subprocess.Popen], workdir: Path, timeout_s: float, steps: int) -> list[dict]:
-    """Wait for every worker; the first failure or out-of-memory ends the run."""
+def _wait(procs: list[Worker | subprocess.Popen], workdir: Path, timeout_s: float, steps: int,
+          progress: Progress | None = None, ranks: list[int] | None = None,
+          watch: Callable[[], None] | None = None) -> list[dict]:
+    """Wait for every worker (procs[i] runs rank ranks[i]); the first failure or out-of-memory ends the run."""
+    ranks = list(range(len(procs))) if ranks is None else ranks
     deadline = time.monotonic() + timeout_s
+    phases: dict[int, tuple[int, str]] = {}
     while True:
+        if progress is not None:
+            phases = _report_phases(workdir, ranks, phases, progress)
         codes = [exit_status(proc) for proc in procs]
         if any(code not in (None, 0) for code in codes):
-            _raise_first_failure(codes, workdir, [proc.pid for proc in procs])
-            return [o for o in (_read(workdir / f"rank{r}.json") for r in range(len(procs))) if _out_of_memory(o)]
+            _raise_first_failure(codes, workdir, ranks, [proc.pid for proc in procs])
+            return [o for o in (_read(workdir / f"rank{r}.json") for r in ranks) if _out_of_memory(o)]
         if all(code == 0 for code in codes):
-            outcomes = [_read(workdir / f"rank{rank}.json") for rank in range(len(procs))]
-            missing = [rank for rank, outcome in enumerate(outcomes) if outcome is None]
+            if progress is not None:  # the phases the ranks wrote since the last look
+                _report_phases(workdir, ranks, phases, progress)
+            outcomes = [_read(workdir / f"rank{rank}.json") for rank in ranks]
+            missing = [rank for rank, outcome in zip(ranks, outcomes) if outcome is None]
             if missing:
                 raise MeasureError(f"rank {missing[0]} exited without writing its result")
             return outcomes
+        if watch is not None:
+            watch()
         if time.monotonic() > deadline:
-            _raise_timeout(procs, codes, workdir, timeout_s, steps)
+            _raise_timeout(procs, codes, workdir, timeout_s, steps, ranks)
         time.sleep(POLL_S)
 
 
+def _report_phases(workdir: Path, ranks: list[int], shown: dict[int, tuple[int, str]], progress: Progress) -> dict:
+    """Read the ranks' phase files; tell `progress` when one has moved on."""
+    phases = dict(shown)
+    for rank in ranks:
+        written = _read(workdir / f"rank{rank}.phase")
+        if written is not None:
+            phases[rank] = (written["step"], written["phase"])
+    if phases != shown:
+        progress.ranks(phases)
+    return phases
+
+
 def _raise_timeout(procs: list[Worker | subprocess.Popen], codes: list[int | None], workdir: Path, timeout_s: float,
-                   steps: int) -> None:
+                   steps: int, ranks: list[int]) -> None:
     """Raise the timeout, naming the call each running rank is stuck in (its stack, measure/stacks.py)."""
-    running = [rank for rank, code in enumerate(codes) if code is None]
-    dumps = stacks.request([procs[rank].pid for rank in running], [workdir / f"rank{rank}.log" for rank in running])
+    stuck = [index for index, code in enumerate(codes) if code is None]
+    running = [ranks[index] for index in stuck]
+    dumps = stacks.request([procs[index].pid for index in stuck], [workdir / f"rank{rank}.log" for rank in running])
     where = [f"rank {running[index]} in {frame}" for index, dump in sorted(dumps.items())
              if (frame := stacks.innermost_frame(dump))]
     error = MeasureError(
@@ -288,7 +368,7 @@ def _out_of_memory(outcome: dict | None) -> bool:
     return outcome is not None and outcome.get("ok") and not outcome["result"]["fits"]
 
 
-def _raise_first_failure(codes: list[int | None], workdir: Path, pids: list[int]) -> None:
+def _raise_first_failure(codes: list[int | None], workdir: Path, ranks: list[int], pids: list[int]) -> None:
     """Raise for the rank that failed first, unless a rank ran out of memory (a result).
 
     When one rank dies its peers fail too ("connection closed" in their next collective): the
@@ -296,22 +376,24 @@ def _raise_first_failure(codes: list[int | None], workdir: Path, pids: list[int]
     peers then write "Connection reset by peer"), else the failure written first, or the
     out-of-memory that stopped a rank."""
     # every rank's file: a rank writes its failure before it exits (atomically, so a file is whole)
-    outcomes = {rank: _read(workdir / f"rank{rank}.json") for rank in range(len(codes))}
+    outcomes = {rank: _read(workdir / f"rank{rank}.json") for rank in ranks}
     if any(_out_of_memory(o) for o in outcomes.values()):
         return
-    killed = [rank for rank, code in enumerate(codes) if code is not None and code < 0 and outcomes[rank] is None]
+    killed = [(rank, code, pid) for rank, code, pid in zip(ranks, codes, pids)
+              if code is not None and code < 0 and outcomes[rank] is None]
     if killed:
-        rank = killed[0]
-        raise MeasureError(host_memory.killed_message(rank, codes[rank], pids[rank], last_line(workdir / f"rank{rank}.log")))
+        rank, code, pid = killed[0]
+        raise MeasureError(host_memory.killed_message(rank, code, pid, last_line(workdir / f"rank{rank}.log")))
     written = [(o.get("time", 0.0), rank, o) for rank, o in outcomes.items() if o is not None and not o.get("ok")]
     if written:
         _, rank, outcome = min(written)
         error = MeasureError(f"rank {rank} failed: {outcome['error']}")
         error.worker_traceback = outcome.get("traceback", "")  # kept by validate (failure_detail)
+        error.failed_at = outcome.get("time")  # across nodes, the first failure is the cause (measure/nodes.py)
         raise error
-    rank = min(rank for rank, code in enumerate(codes) if code not in (None, 0))
-    detail = last_line(workdir / f"rank{rank}.log") or "no output"
-    raise MeasureError(f"rank {rank} exited with status {codes[rank]}: {detail}")
+    index = min(index for index, code in enumerate(codes) if code not in (None, 0))
+    detail = last_line(workdir / f"rank{ranks[index]}.log") or "no output"
+    raise MeasureError(f"rank {ranks[index]} exited with status {codes[index]}: {detail}")
 
 
 def load_outputs(paths: list[Path]) -> list[dict]:

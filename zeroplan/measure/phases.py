@@ -9,8 +9,9 @@ import contextlib
 class PhaseRecorder:
     """Opens and closes accounting phases and keeps one PhaseResult per (step, phase)."""
 
-    def __init__(self, accounting, probe):
+    def __init__(self, accounting, probe, on_phase=None):
         self.accounting, self.probe = accounting, probe
+        self.on_phase = on_phase  # told (step, phase) as each opens: the launcher's progress (worker.py)
         self.phases = {}  # (step, phase) -> PhaseResult, in the order first seen
         self.open = None
 
@@ -29,6 +30,8 @@ class PhaseRecorder:
         self.probe.begin_phase()
         self.accounting.begin_phase(name, default_category=default_category, born_as=born_as)
         self.open = (step, name)
+        if self.on_phase is not None:
+            self.on_phase(step, name)
 
     def close(self) -> None:
         """End the open phase (also when it raised: an out-of-memory result keeps how far it got)."""

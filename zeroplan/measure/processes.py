@@ -325,9 +325,7 @@ def last_line(log: Path) -> str:
 
 
 def _package_root() -> str:
-    import zeroplan
-
-    return str(Path(zeroplan.__file__).resolve().parent.parent)
+    return str(Path(__file__).resolve().parents[2])  # zeroplan/measure/processes.py -> the folder holding zeroplan/
 
 
 def child_env(backend: str | None) -> dict[str, str]:

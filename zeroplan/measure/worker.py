@@ -5,8 +5,9 @@ RANK, WORLD_SIZE and LOCAL_RANK from the environment and joins with env://, MAST
 MASTER_PORT; "{rank}" in --output is replaced by the rank). The job file holds the model and
 training specs, the backend, the steps and the rendezvous (`zeroplan.measure.launcher.write_job`).
 
-On several nodes, write the job once with `zeroplan.measure.launcher.write_job(path, model,
-training, backend="nccl", steps=K, world_size=N, init_method=None)`, run on every node
+On several nodes `zeroplan measure --nnodes M --node-rank K --rdzv-endpoint HOST:PORT` starts it on
+every node (measure/nodes.py). By hand: write the job once with `zeroplan.measure.launcher.write_job(path,
+model, training, backend="nccl", steps=K, world_size=N, init_method=None)`, run on every node
   torchrun --nnodes M --nproc-per-node G --rdzv-endpoint HOST:PORT -m zeroplan.measure.worker
       --job job.json --output out/rank{rank}.json
 and read the outputs with `launcher.load_outputs` and `launcher.assemble_result`.
@@ -45,6 +46,20 @@ def write_json_atomic(path: str, data: dict) -> None:
     from zeroplan.spec.files import write_atomic
 
     write_atomic(path, json.dumps(data))
+
+
+def phase_writer(job: dict, rank: int):
+    """Where the rank says which phase it is in, for the launcher's progress line: job["progress"] is a
+    path with "{rank}" (written whole each time: {"step": S, "phase": P}), or absent (nothing written)."""
+    pattern = job.get("progress")
+    if not pattern:
+        return None
+    path = pattern.replace("{rank}", str(rank))
+
+    def write(step: int, phase: str) -> None:
+        write_json_atomic(path, {"step": step, "phase": phase})
+
+    return write
 
 
 def _inject_fault(rank: int) -> None:
@@ -102,7 +117,8 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     if training.recipe.value == "hf-trainer":  # the Trainer owns the loop (programs/hf_trainer.py)
         from zeroplan.measure.programs.hf_trainer import run_trainer
 
-        return run_trainer(spec, training, ctx, steps=job["steps"], probe=probe, fault=_inject_fault)
+        return run_trainer(spec, training, ctx, steps=job["steps"], probe=probe, fault=_inject_fault,
+                           on_phase=phase_writer(job, rank))
 
     held: dict = {}  # what the classifier can see so far: the model, then the runner
 
@@ -131,7 +147,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     # The accounting is entered inside the fake mode, so it sees the fake tensors it makes.
     with fake_mode, TensorAccounting() as accounting:
         accounting.set_classifier(classify)
-        recorder = PhaseRecorder(accounting, probe)
+        recorder = PhaseRecorder(accounting, probe, phase_writer(job, rank))
         try:
             with recorder.phase(0, "model", default_category="temporaries"):
                 with model_context(training, ctx):

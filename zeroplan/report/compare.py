@@ -53,19 +53,21 @@ def _table_rows(comparison: Comparison, units: str) -> list[list[str]]:
     return rows
 
 
+def comparison_to_dict(comparison: Comparison) -> dict[str, Any]:
+    """`zeroplan compare --format json` (and `zeroplan.compare(...).to_dict()`): bytes as ints."""
+    return {
+        "model": comparison.model_name,
+        "gpu_memory": comparison.gpu_memory_bytes,
+        "budget": comparison.budget_bytes,
+        "rows": [row_to_dict(row) for row in comparison.rows],
+        "skipped": list(comparison.skipped),
+    }
+
+
 def render_comparison(comparison: Comparison, fmt: str = "table", units: str = "GiB") -> str:
     """The comparison as a table (per-GPU bytes at the peak, in `units`), JSON (ints), CSV or Markdown."""
     if fmt == "json":
-        return json.dumps(
-            {
-                "model": comparison.model_name,
-                "gpu_memory": comparison.gpu_memory_bytes,
-                "budget": comparison.budget_bytes,
-                "rows": [row_to_dict(row) for row in comparison.rows],
-                "skipped": list(comparison.skipped),
-            },
-            indent=2,
-        )
+        return json.dumps(comparison_to_dict(comparison), indent=2)
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")

@@ -47,10 +47,10 @@ FSDP_CPU_NOTE = (
 
 
 def run_trainer(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, *, steps: int, probe,
-                fault=None) -> dict:
+                fault=None, on_phase=None) -> dict:
     """Train `steps` steps of `spec` under `training` with transformers.Trainer on this rank; return
     the worker's `ok` object (RankResult JSON, implementation, notes). `fault(rank)` runs at the
-    first forward, as in the plain loop."""
+    first forward, as in the plain loop; `on_phase(step, phase)` as each phase opens (PhaseRecorder)."""
     from zeroplan.measure.accounting import TensorAccounting
     from zeroplan.measure.allocator_replay import replay_summary
     from zeroplan.measure.result import RankResult
@@ -73,7 +73,7 @@ def run_trainer(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, 
     try:
         with TensorAccounting() as accounting:
             accounting.set_classifier(lambda: _tensors_by_category(held, engine))
-            recorder = PhaseRecorder(accounting, probe)
+            recorder = PhaseRecorder(accounting, probe, on_phase)
             marks = _Marks(recorder, held, training, ctx, steps, step_times, notes, fault)
             try:
                 zero_init = training.program.model_init == ModelInit.ZERO_INIT

@@ -1,0 +1,50 @@
+"""What `zeroplan estimate` and `zeroplan compare` compute from their options, for the command line and
+`zeroplan.estimate(...)` / `zeroplan.compare(...)` alike: `options` is the dict the click command
+passes to its callback (zeroplan/api/keywords.py builds the same from keyword arguments)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zeroplan.api.results import CompareResult, EstimateResult
+
+
+def estimate_from_options(options: dict[str, Any]) -> EstimateResult:
+    """One estimate: the model and training options over a --config file; every rank kind's (one on plain data
+    parallelism), the worst at the top level (issue 14)."""
+    from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
+
+    config = load_config(options["config_file"])
+    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
+                               config)
+    training = training_spec_from_options(options, config, model)
+    notes = config.notes if config else ()
+    from zeroplan.estimate import estimate_mesh
+    from zeroplan.estimate.serialize import estimate_to_dict
+
+    # one estimate per rank kind (tp, cp, pp, ep, HSDP: issue 14); plain data parallelism has one
+    data = estimate_to_dict(estimate_mesh(model, training), training, gpu_memory_bytes=options["gpu_memory"], notes=notes)
+    return EstimateResult(data)
+
+
+def compare_from_options(options: dict[str, Any]) -> CompareResult:
+    """The grid of ZeRO stages x GPU counts x offload targets; on a mesh every row is its worst rank."""
+    from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
+    from zeroplan.importers.options import load_config, model_from_options
+    from zeroplan.plan.grid import OFFLOAD_CHOICES, compare
+    from zeroplan.spec.files import writable_file
+
+    if options["plot_file"]:
+        writable_file(options["plot_file"], "--plot")  # before the grid is estimated
+    stages = parse_int_list(options["zero_stages"], "--zero", 0, 3)
+    gpu_counts = parse_int_list(options["gpu_counts"], "--gpus", 1)
+    offloads = parse_choice_list(options["offloads"], "--offload", OFFLOAD_CHOICES)
+    _, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
+    options = {**options, "config_file": load_config(options["config_file"])}  # read once, for every grid point
+    model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
+                               options["config_file"])
+    base = base_training(options, stages, max(gpu_counts), model)
+    estimator = None
+    if not base.mesh.is_trivial:  # every row is the worst rank of the mesh (issue 14)
+        from zeroplan.estimate import worst_rank_estimate as estimator
+    return CompareResult(compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"], estimator))
