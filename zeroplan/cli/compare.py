@@ -44,8 +44,11 @@ def command(**options: Any) -> None:
 
     from zeroplan.spec.files import writable_file
 
-    if options["plot_file"]:
-        writable_file(options["plot_file"], "--plot")  # before the grid is estimated
+    if options["plot_file"]:  # before the grid is estimated
+        from zeroplan.report.plot import check_plotting
+
+        writable_file(options["plot_file"], "--plot")
+        check_plotting()
     stages = parse_int_list(options["zero_stages"], "--zero", 0, 3)
     gpu_counts = parse_int_list(options["gpu_counts"], "--gpus", 1)
     offloads = parse_choice_list(options["offloads"], "--offload", OFFLOAD_CHOICES)

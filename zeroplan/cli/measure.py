@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
 
 from zeroplan.cli.common import FiniteFloatRange, model_options, training_options
 from zeroplan.cli.mesh_options import MESH_OPTIONS
-from zeroplan.errors import MissingDependencyError, SpecError
+from zeroplan.errors import MissingDependencyError
 from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
 def mesh_options(function):
@@ -37,7 +36,7 @@ reached) is still printed and written; 2 is a user error or a failed run, as for
 @click.option("--timeout", "timeout_s", type=FiniteFloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Seconds before every worker is stopped.")
 @click.option("--implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True, help="Model code: hf (transformers), reference (zeroplan's own), auto (hf where installed).")
 @click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table", show_default=True, help="Output on stdout; json is a stable contract with sizes in bytes.")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE", help="Also write the JSON to FILE (atomically; nothing is written when the run fails).")
+@click.option("--output", type=click.Path(dir_okay=False), metavar="FILE", help="Also write the JSON to FILE (atomically; nothing is written when the run fails); - writes it to standard output and the table to standard error.")
 @click.option("--units", type=click.Choice(REPORT_UNITS), default="GiB", show_default=True, help=REPORT_UNITS_HELP)
 def command(**options: Any) -> None:
     """Run real training steps of MODEL on --nproc ranks and print the memory each rank used,
@@ -59,10 +58,10 @@ def command(**options: Any) -> None:
     """
     from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
     from zeroplan.measure.launcher import DEFAULT_RECIPE, choose_backend, measured_device, run_measurement
-    from zeroplan.spec.files import writable_file
+    from zeroplan.spec.files import is_stdout, writable_file
 
     if options["output"] is not None:
-        writable_file(options["output"], "--output")  # before the run, not after it
+        writable_file(options["output"], "--output", stdout=True)  # before the run, not after it
     nproc, simulate = options["nproc"], options["simulate"]
     if simulate and options["backend"]:
         raise click.UsageError(f"--simulate runs the fake backend; leave out --backend {options['backend']}")
@@ -110,19 +109,17 @@ def command(**options: Any) -> None:
     measured = result.to_json_dict()
     comparison = compare(estimated["phases"], run_peaks(measured))
     data = report_data(estimated, measured, comparison)
+    import json
+
     if options["output"] is not None:
-        from zeroplan.measure.worker import write_json_atomic  # temp file + os.replace
+        from zeroplan.spec.files import write_atomic  # temp file + os.replace, through symlinks; - is stdout
 
-        try:
-            write_json_atomic(str(options["output"]), data)
-        except OSError as error:
-            raise SpecError(f"--output: cannot write {options['output']}: {error.strerror or error}") from None
+        write_atomic(options["output"], json.dumps(data), "--output")
+    report_to_stderr = is_stdout(options["output"])  # `--output -`: standard output holds the JSON alone
     if options["output_format"] == "json":
-        import json
-
-        click.echo(json.dumps(data, indent=2))
+        click.echo(json.dumps(data, indent=2), err=report_to_stderr)
     else:
-        click.echo(render_table(data, comparison, options["units"]), nl=False)
+        click.echo(render_table(data, comparison, options["units"]), nl=False, err=report_to_stderr)
     if not result.fits:
         sys.exit(EXIT_DOES_NOT_FIT)
 

@@ -80,10 +80,12 @@ def command(**options: Any) -> None:
     from zeroplan.spec.training import Checkpointing, Engine, Offload
     from zeroplan.spec.units import parse_size_bytes
 
-    from zeroplan.spec.files import writable_file
+    from zeroplan.spec.files import is_stdout, writable_file
 
     if options["emit"]:
-        writable_file(options["emit"][1], "--emit")  # before the search, not after it
+        writable_file(options["emit"][1], "--emit", stdout=True)  # before the search, not after it
+    # `--emit KIND -` puts the file on standard output, so the table goes to standard error
+    options["table_to_stderr"] = bool(options["emit"]) and is_stdout(options["emit"][1])
     preset, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     if gpu_memory is None:
         raise click.UsageError("give the GPU: --gpu NAME (e.g. h100-80gb) or --gpu-memory SIZE (e.g. 80GiB)")
@@ -132,7 +134,7 @@ def command(**options: Any) -> None:
     if emit and emit[0] == "fsdp" and base.engine != Engine.FSDP2:
         raise SpecError("--emit fsdp: plan with --engine fsdp2, so that the plan models FSDP2's memory")
     result = plan(model, base, space, limits, assumptions, top=options["top"])
-    click.echo(render_plan(result, options["output_format"], options["units"]), nl=False)
+    click.echo(render_plan(result, options["output_format"], options["units"]), nl=False, err=options["table_to_stderr"])
     if emit:
         if not result.top:
             raise SpecError(f"--emit {emit[0]}: nothing fits, so there is no plan to write")
@@ -150,15 +152,23 @@ def _emit(kind: str, path: str, training) -> None:
     else:
         text = write_fsdp2_snippet(training)
     write_atomic(path, text, "--emit")
+    where, path = _written(path, kind)
     extra = f" --checkpointing {training.checkpointing.value}" if training.checkpointing.value != "none" else ""
     from zeroplan.importers.lora_options import lora_command_options
 
     extra += lora_command_options(training)  # a DeepSpeed JSON carries no adapters
     click.echo(
-        f"wrote {path} ({kind}, plan #1); check it with: zeroplan estimate MODEL --config {path} --gpus {training.gpus} "
-        f"--seq-len {training.seq_len}{extra}" if kind == "deepspeed" else f"wrote {path} ({kind}, plan #1)",
+        f"wrote {where} ({kind}, plan #1); check it with: zeroplan estimate MODEL --config {path} --gpus {training.gpus} "
+        f"--seq-len {training.seq_len}{extra}" if kind == "deepspeed" else f"wrote {where} ({kind}, plan #1)",
         err=True,
     )
+
+
+def _written(path: str, kind: str) -> tuple[str, str]:
+    """(what was written where, the name to give it back as) for the message after --emit: `-` is standard output."""
+    from zeroplan.spec.files import is_stdout
+
+    return (f"the {kind} file to standard output", "FILE") if is_stdout(path) else (path, path)
 
 
 def _config_engine(options: dict, space, gpus: int, model) -> str | None:
@@ -205,7 +215,8 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
     result = plan_mesh(model, base, limits.budget_bytes, assumptions, space.checkpointing,
                        max_micro_batch=min(space.max_micro_batch, 64), global_batch=space.global_batch, top=options["top"],
                        given=given, fixed=fixed)
-    click.echo(render_mesh_plan(mesh_plan_to_dict(result), options["output_format"], options["units"]), nl=False)
+    click.echo(render_mesh_plan(mesh_plan_to_dict(result), options["output_format"], options["units"]), nl=False,
+               err=options["table_to_stderr"])
     if emit:
         if not result.top:
             raise SpecError(f"--emit {emit[0]}: nothing fits, so there is no plan to write")
@@ -221,6 +232,9 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
 
         best = result.top[0]
         write_atomic(emit[1], write_torchtitan_toml(best.training, result.model_name), "--emit")
+        if options["table_to_stderr"]:  # nothing to read back from standard output
+            return click.echo(f"wrote the torchtitan TOML to standard output (plan #1); check it with: zeroplan "
+                              f"estimate --config FILE --gpus {best.training.gpus}", err=True)
         # read it back as `zeroplan estimate --config` does: the same per-rank peaks, or say where it differs
         back = estimate_mesh(model, training_spec_from_options({"gpus": best.training.gpus}, emit[1], model))
         peaks = [rank.estimate.peak_bytes for rank in back.ranks]
