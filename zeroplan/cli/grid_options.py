@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import click
 
-from zeroplan.cli.common import GPU_MEMORY_OPTION, MODEL_OPTIONS, TRAINING_OPTIONS
+from zeroplan.cli.common import GPU_MEMORY_OPTION, MODEL_OPTIONS, TRAINING_OPTIONS, names_sources
 from zeroplan.errors import SpecError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -32,6 +32,7 @@ def estimate_options_except(names: Iterable[str]) -> Callable[[F], F]:
     kept = [d for d in MODEL_OPTIONS + TRAINING_OPTIONS if _option_name(d) not in excluded]
 
     def apply(function: F) -> F:
+        function = names_sources(function)
         for decorator in reversed(kept):
             function = decorator(function)
         return function

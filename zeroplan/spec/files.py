@@ -35,7 +35,7 @@ def is_stdout(path: str | Path | None) -> bool:
 def _short(path: str | Path) -> str:
     """The path as a message shows it: a name of thousands of characters is cut, with its length."""
     text = str(path)
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(text):,} characters)"
+    return text if len(text) <= 200 else f"{text[:180]}... ({len(text):,} characters)"
 
 
 def _target(path: str | Path, field: str) -> Path:
