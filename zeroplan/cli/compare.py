@@ -14,7 +14,8 @@ from zeroplan.cli.mesh_options import mesh_options
 @click.command("compare")
 @estimate_options_except({"gpus", "zero_stage", "offload_optimizer", "offload_params", "gpu_memory"})
 @click.option("--zero", "zero_stages", default="0,1,2,3", show_default=True, metavar="LIST", help="ZeRO stages to compare, e.g. 0,1,2,3.")
-@click.option("--gpus", "gpu_counts", default="8", show_default=True, metavar="LIST", help="GPU counts to compare, e.g. 8,64.")
+@click.option("--gpus", "gpu_counts", default="8", show_default=True, metavar="N|LIST|A-B",
+              help="GPU counts to compare: a count, a list (8,64) or a doubling range (8-64 = 8,16,32,64).")
 @click.option("--offload", "offloads", default="none", show_default=True, metavar="LIST",
               help="Offload choices: none, cpu, nvme (optimizer states at stages 1-2, optimizer states and parameters at "
                    "stage 3), cpu-optimizer, nvme-optimizer (optimizer states only, any stage >= 1).")
@@ -39,6 +40,7 @@ def command(**options: Any) -> None:
     """
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.plan.grid import OFFLOAD_CHOICES, compare
+    from zeroplan.plan.search import parse_gpu_counts
     from zeroplan.report.compare import render_comparison
     from zeroplan.importers.options import load_config, model_from_options
 
@@ -50,7 +52,7 @@ def command(**options: Any) -> None:
         writable_file(options["plot_file"], "--plot")
         check_plotting()
     stages = parse_int_list(options["zero_stages"], "--zero", 0, 3)
-    gpu_counts = parse_int_list(options["gpu_counts"], "--gpus", 1)
+    gpu_counts = parse_gpu_counts(options["gpu_counts"])  # plan's parser: a list, or a doubling range 8-64
     offloads = parse_choice_list(options["offloads"], "--offload", OFFLOAD_CHOICES)
     _, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     options["config_file"] = config = load_config(options["config_file"])  # read once, for every grid point

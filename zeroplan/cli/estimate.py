@@ -33,12 +33,13 @@ def command(**options: Any) -> None:
       zeroplan estimate llama-3-70b --gpus 64 --tp 8 --zero 3 --engine fsdp2 --seq-len 8192
       zeroplan estimate llama-3-70b --gpus 64 --tp 8 --pp 4 --grad-accum 8 --zero 3 --engine fsdp2
     """
-    from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
+    from zeroplan.importers.options import input_notes, load_config, model_from_options, training_spec_from_options
 
     config = load_config(options["config_file"])
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
     training = training_spec_from_options(options, config, model)
+    notes = input_notes(model, training, config, options["model"])
 
     if not training.mesh.is_trivial:  # tp, cp, pp, ep or HSDP: one estimate per rank kind (issue 14)
         from zeroplan.estimate.mesh import estimate_mesh
@@ -46,7 +47,7 @@ def command(**options: Any) -> None:
         from zeroplan.report.mesh import render_mesh_estimate
 
         data = mesh_estimate_to_dict(estimate_mesh(model, training), training, gpu_memory_bytes=options["gpu_memory"],
-                                     notes=config.notes if config else ())
+                                     notes=notes)
         click.echo(render_mesh_estimate(data, options["output_format"], options["units"]), nl=False)
         return
 
@@ -55,5 +56,5 @@ def command(**options: Any) -> None:
     from zeroplan.report.estimate import render_estimate
 
     data = estimate_to_dict(estimate(model, training), training, gpu_memory_bytes=options["gpu_memory"],
-                            notes=config.notes if config else ())
+                            notes=notes)
     click.echo(render_estimate(data, options["output_format"], options["units"]), nl=False)

@@ -21,7 +21,8 @@ def _rate(name: str, field: str, unit: str, help_text: str):
 @click.option("--gpus", "gpu_counts", default="8", show_default=True, metavar="N|LIST|A-B",
               help="GPU count, a list (8,16,64) or a doubling range (8-64 = 8,16,32,64).")
 @gpu_memory_options
-@click.option("--cpu-memory", "cpu_memory", metavar="SIZE", help="Host memory per node for offload (e.g. 1TiB); unlimited if not given.")
+@click.option("--cpu-memory", "cpu_memory", metavar="SIZE", help="Host memory per node for offload (e.g. 1TiB). "
+              "[default: twice the node's GPU memory, an assumption the plan states]")
 @click.option("--nvme", "nvme", metavar="SIZE", help="NVMe space per node; NVMe offload is searched only when given.")
 @click.option("--headroom", type=FiniteFloatRange(0, 1, max_open=True), default=0.05, show_default=True,
               help="Fraction of GPU memory kept free: a config fits when its peak <= (1 - headroom) x GPU memory.")
@@ -74,7 +75,7 @@ def command(**options: Any) -> None:
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.plan.cost import assumptions_for
     from zeroplan.errors import SpecError
-    from zeroplan.importers.options import load_config, model_from_options
+    from zeroplan.importers.options import host_memory_bytes, load_config, model_from_options
     from zeroplan.plan.search import Limits, SearchSpace, parse_gpu_counts, plan
     from zeroplan.report.plan import render_plan
     from zeroplan.spec.training import Checkpointing, Engine, Offload
@@ -104,10 +105,13 @@ def command(**options: Any) -> None:
         micro_batches=options["micro_batches"],
         global_batch=options["global_batch"],
     )
+    # the host of a server's size, not an unlimited one, unless --cpu-memory says (importers/options.py)
+    cpu_memory, cpu_memory_note = host_memory_bytes(options["cpu_memory"], gpu_memory, max(gpu_counts),
+                                                    options["gpus_per_node"])
     limits = Limits(
         gpu_memory_bytes=gpu_memory,
         headroom=options["headroom"],
-        cpu_memory_bytes=None if options["cpu_memory"] is None else parse_size_bytes(options["cpu_memory"], "--cpu-memory"),
+        cpu_memory_bytes=cpu_memory,
         nvme_bytes=None if options["nvme"] is None else parse_size_bytes(options["nvme"], "--nvme"),
     )
     rates = ("gpu_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps", "cpu_memory_gbps", "nvme_gbps",
@@ -135,6 +139,9 @@ def command(**options: Any) -> None:
         raise SpecError("--emit fsdp: plan with --engine fsdp2, so that the plan models FSDP2's memory")
     result = plan(model, base, space, limits, assumptions, top=options["top"])
     click.echo(render_plan(result, options["output_format"], options["units"]), nl=False, err=options["table_to_stderr"])
+    if cpu_memory_note and "cpu" in offload_choices and options["output_format"] in ("table", "markdown"):
+        # the assumption bounds what CPU offload may use: say it (the json carries it as cpu_memory_per_node)
+        click.echo(f"note: {cpu_memory_note}", err=True)
     if emit:
         if not result.top:
             raise SpecError(f"--emit {emit[0]}: nothing fits, so there is no plan to write")
@@ -157,9 +164,14 @@ def _emit(kind: str, path: str, training) -> None:
     from zeroplan.importers.lora_options import lora_command_options
 
     extra += lora_command_options(training)  # a DeepSpeed JSON carries no adapters
+    nvme = ""
+    if kind == "deepspeed" and "nvme" in (training.offload_optimizer.value, training.offload_params.value):
+        from zeroplan.importers.deepspeed_json import NVME_PATH_PLACEHOLDER
+
+        nvme = f"; set nvme_path (written as {NVME_PATH_PLACEHOLDER}) to a folder on your NVMe drive"
     click.echo(
         f"wrote {where} ({kind}, plan #1); check it with: zeroplan estimate MODEL --config {path} --gpus {training.gpus} "
-        f"--seq-len {training.seq_len}{extra}" if kind == "deepspeed" else f"wrote {where} ({kind}, plan #1)",
+        f"--seq-len {training.seq_len}{extra}{nvme}" if kind == "deepspeed" else f"wrote {where} ({kind}, plan #1)",
         err=True,
     )
 
@@ -199,6 +211,12 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
     # AutoTP and Ulysses, written as a DeepSpeed JSON (issue 14): --engine deepspeed, or a DeepSpeed --config
     deepspeed = options["engine"] == "deepspeed" or (options["engine"] is None and options["config_file"] is not None
                                                      and _config_engine(options, space, gpu_counts[0], model) == "deepspeed")
+    if emit and options["engine"] is None and options["config_file"] is None:
+        # no engine named: the file asked for names it (a torchtitan TOML runs FSDP2), rather than the default
+        # engine (deepspeed) refusing the torchtitan recipe after --emit deepspeed was refused for the mesh
+        deepspeed = emit[0] == "deepspeed"
+        if not deepspeed:
+            options = {**options, "engine": "fsdp2"}
     wanted = "deepspeed" if deepspeed else "torchtitan"
     if emit and emit[0] != wanted:
         raise click.UsageError(f"{'a mesh plan' if fixed else '--mesh'} writes a "

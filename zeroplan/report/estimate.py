@@ -64,22 +64,24 @@ def _optimizer_step(data: dict[str, Any]) -> str:
     return f"{step['impl']} {data['config']['optimizer']}" + (f" ({step['via']})" if step["via"] else "")
 
 
-def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
-    model, per_gpu, per_node = data["model"], data["per_gpu"], data["per_node"]
+def estimate_header(data: dict[str, Any], markdown: bool = False) -> list[str]:
+    """The lines that say what was estimated: the model, the configuration, the program."""
+    model = data["model"]
+    # A model given by its count alone is named after it ("7,500,000,000 params"): no need to repeat.
+    name = "" if model["name"] == f"{model['params']:,} params" else f"{model['name']}: "
+    first = f"{name}{model['params']:,} parameters ({model['trainable_params']:,} trainable); activation model: " \
+            f"{model['implementation']}"
+    return [f"### {first}" if markdown else first, _describe_config(data), _describe_program(data)]
+
+
+def _estimate_text(data: dict[str, Any], units: str, markdown: bool, header: bool = True) -> str:
+    per_gpu, per_node = data["per_gpu"], data["per_node"]
 
     def heading(text: str) -> str:
         return f"### {text}" if markdown else text
 
-    # A model given by its count alone is named after it ("7,500,000,000 params"): no need to repeat.
-    name = "" if model["name"] == f"{model['params']:,} params" else f"{model['name']}: "
     out = [
-        heading(
-            f"{name}{model['params']:,} parameters ({model['trainable_params']:,} trainable);"
-            f" activation model: {model['implementation']}"
-        ),
-        _describe_config(data),
-        _describe_program(data),
-        "",
+        *(estimate_header(data, markdown) + [""] if header else []),
         heading(f"Per GPU at the peak ({per_gpu['peak_step']} step, {per_gpu['peak_phase']})"),
         table(
             [[label, amount(per_gpu[key], units)] for key, label in CATEGORY_LABELS.items()]
@@ -96,8 +98,9 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
                 + [amount(row["total"], units), _peak_marker(row, per_gpu)]
                 for row in data["phases"]
             ],
-            ["step phase", *_SHORT_LABELS.values(), "total", ""],
+            ["step phase", *_SHORT_LABELS.values(), "total", "peak"],
             markdown,
+            colalign=("left",) + ("right",) * (len(_SHORT_LABELS) + 1) + ("left",),
         ),
         "",
         heading("Per node"),
@@ -121,7 +124,7 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool) -> str:
 
 def _peak_marker(row: dict[str, Any], per_gpu: dict[str, Any]) -> str:
     is_peak = (row["step"], row["phase"]) == (per_gpu["peak_step"], per_gpu["peak_phase"])
-    return "<- peak" if is_peak else ""
+    return "<-" if is_peak else ""  # under the column "peak"
 
 
 def _estimate_csv(data: dict[str, Any], units: str) -> str:
@@ -141,15 +144,16 @@ def _estimate_csv(data: dict[str, Any], units: str) -> str:
     return buffer.getvalue()
 
 
-def render_estimate(data: dict[str, Any], output_format: str = "table", units: str = "GiB") -> str:
-    """`data` from `estimate_to_dict`, as text in `output_format` (one of FORMATS)."""
+def render_estimate(data: dict[str, Any], output_format: str = "table", units: str = "GiB", header: bool = True) -> str:
+    """`data` from `estimate_to_dict`, as text in `output_format` (one of FORMATS); `header`: begin with what was
+    estimated (`estimate_header`; a mesh estimate prints it first itself)."""
     if output_format == "json":
         import json
 
         return json.dumps(data, indent=2) + "\n"
     if output_format == "csv":
         return _estimate_csv(data, units)
-    return _estimate_text(data, units, markdown=output_format == "markdown")
+    return _estimate_text(data, units, markdown=output_format == "markdown", header=header)
 
 
 def render_models(rows: Sequence[dict[str, Any]], output_format: str = "table") -> str:

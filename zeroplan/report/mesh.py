@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeroplan.report.common import CATEGORY_LABELS, amount, table
-from zeroplan.report.estimate import render_estimate
+from zeroplan.report.estimate import estimate_header, render_estimate
 
 
 def describe_mesh(mesh: dict[str, Any]) -> str:
@@ -28,8 +28,9 @@ def _ranks_table(data: dict[str, Any], units: str, markdown: bool) -> str:
         rows.append([rank["kind"], rank["ranks"], rank["micro_batches_in_flight"]]
                     + [amount(per_gpu[key], units) for key in CATEGORY_LABELS]
                     + [amount(per_gpu["peak"], units), f"{per_gpu['peak_step']} {per_gpu['peak_phase']}",
-                       "<- worst" if index == data["worst_rank"] else ""])
-    return table(rows, ["rank kind", "GPUs", "in flight", *CATEGORY_LABELS.values(), "peak", "at", ""], markdown)
+                       "<-" if index == data["worst_rank"] else ""])
+    return table(rows, ["rank kind", "GPUs", "in flight", *CATEGORY_LABELS.values(), "peak", "at", "worst"], markdown,
+                 colalign=("left",) + ("right",) * (len(CATEGORY_LABELS) + 4) + ("left",))
 
 
 def render_mesh_estimate(data: dict[str, Any], output_format: str = "table", units: str = "GiB") -> str:
@@ -39,9 +40,10 @@ def render_mesh_estimate(data: dict[str, Any], output_format: str = "table", uni
     markdown = output_format == "markdown"
     worst = data["ranks"][data["worst_rank"]]["kind"]
     heading = "### " if markdown else ""
-    out = [describe_mesh(data["mesh"]), "", f"{heading}Per GPU at the peak, by rank kind ({units})",
-           _ranks_table(data, units, markdown), "", f"{heading}Worst rank: {worst}", ""]
-    return "\n".join(out) + render_estimate(data, output_format, units)
+    out = [*estimate_header(data, markdown), "", describe_mesh(data["mesh"]), "",
+           f"{heading}Per GPU at the peak, by rank kind ({units})", _ranks_table(data, units, markdown), "",
+           f"{heading}Worst rank: {worst}", ""]
+    return "\n".join(out) + render_estimate(data, output_format, units, header=False)
 
 
 def render_mesh_plan(data: dict[str, Any], output_format: str = "table", units: str = "GiB") -> str:
@@ -67,5 +69,11 @@ def render_mesh_plan(data: dict[str, Any], output_format: str = "table", units: 
                  "(a bound on their cost) and were not checked")
     if not rows:
         return head + "; none fits\n"
-    return head + "\n\n" + table(rows, ["#", "mesh", "stage", "ckpt", "micro", "accum", f"worst peak {units}",
-                                          "tokens/s/GPU", "why"], markdown, left=2) + "\n"
+    headers = ["#", "mesh", "stage", "ckpt", "micro", "accum", f"worst peak {units}", "tokens/s/GPU", "why it ranks here"]
+    # the reason reads as text, from the left, broken into lines that a terminal shows whole
+    return head + "\n\n" + table(rows, headers, markdown, colalign=("right", "left", "left", "left") + ("right",) * 4
+                                   + ("left",), wrap=[None] * 8 + [_WHY_WIDTH]) + "\n"
+
+
+_WHY_WIDTH = 80
+"""Characters per line of the mesh plan's "why it ranks here" column."""
