@@ -12,13 +12,13 @@ from zeroplan.api.results import CompareResult, EstimateResult
 def estimate_from_options(options: dict[str, Any]) -> EstimateResult:
     """One estimate: the model and training options over a --config file; every rank kind's (one on plain data
     parallelism), the worst at the top level (issue 14)."""
-    from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
+    from zeroplan.importers.options import input_notes, load_config, model_from_options, training_spec_from_options
 
     config = load_config(options["config_file"])
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
     training = training_spec_from_options(options, config, model)
-    notes = config.notes if config else ()
+    notes = input_notes(model, training, config, options["model"])
     from zeroplan.estimate import estimate_mesh
     from zeroplan.estimate.serialize import estimate_to_dict
 
@@ -32,12 +32,16 @@ def compare_from_options(options: dict[str, Any]) -> CompareResult:
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.importers.options import load_config, model_from_options
     from zeroplan.plan.grid import OFFLOAD_CHOICES, compare
+    from zeroplan.plan.search import parse_gpu_counts
     from zeroplan.spec.files import writable_file
 
-    if options["plot_file"]:
-        writable_file(options["plot_file"], "--plot")  # before the grid is estimated
+    if options["plot_file"]:  # before the grid is estimated
+        from zeroplan.report.plot import check_plotting
+
+        writable_file(options["plot_file"], "--plot")
+        check_plotting()
     stages = parse_int_list(options["zero_stages"], "--zero", 0, 3)
-    gpu_counts = parse_int_list(options["gpu_counts"], "--gpus", 1)
+    gpu_counts = parse_gpu_counts(options["gpu_counts"])  # plan's parser: a list, or a doubling range 8-64
     offloads = parse_choice_list(options["offloads"], "--offload", OFFLOAD_CHOICES)
     _, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     options = {**options, "config_file": load_config(options["config_file"])}  # read once, for every grid point

@@ -14,7 +14,7 @@ from zeroplan.errors import SpecError
 
 def plan_from_options(options: dict[str, Any]) -> PlanResult:
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
-    from zeroplan.importers.options import load_config, model_from_options
+    from zeroplan.importers.options import host_memory_bytes, load_config, model_from_options
     from zeroplan.plan.cost import assumptions_for
     from zeroplan.plan.search import Limits, SearchSpace, parse_gpu_counts, plan
     from zeroplan.spec.files import writable_file
@@ -41,9 +41,10 @@ def plan_from_options(options: dict[str, Any]) -> PlanResult:
         gpu_counts=gpu_counts, max_micro_batch=options["max_micro_batch"], micro_batches=options["micro_batches"],
         global_batch=options["global_batch"],
     )
+    # the host of a server's size, not an unlimited one, unless --cpu-memory says (importers/options.py)
+    cpu_memory, _ = host_memory_bytes(options["cpu_memory"], gpu_memory, max(gpu_counts), options["gpus_per_node"])
     limits = Limits(
-        gpu_memory_bytes=gpu_memory, headroom=options["headroom"],
-        cpu_memory_bytes=None if options["cpu_memory"] is None else parse_size_bytes(options["cpu_memory"], "--cpu-memory"),
+        gpu_memory_bytes=gpu_memory, headroom=options["headroom"], cpu_memory_bytes=cpu_memory,
         nvme_bytes=None if options["nvme"] is None else parse_size_bytes(options["nvme"], "--nvme"),
     )
     rates = ("gpu_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps", "cpu_memory_gbps", "nvme_gbps",

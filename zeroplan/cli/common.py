@@ -7,14 +7,15 @@ over a `--config` file and the spec's defaults. Help texts are the spec's field 
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
-from typing import Any, TypeVar, get_args
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import click
 
 from zeroplan.cli.lora_options import LORA_OPTIONS
-from zeroplan.errors import FieldError, ZeroplanError
+from zeroplan.errors import FieldError, SpecError, ZeroplanError
 from zeroplan.report.common import FORMATS
 from zeroplan.spec.program import ActivationOffload, GradSync, Loss, ModelInit, OptimizerImpl, Recipe
 from zeroplan.spec.training import (
@@ -28,7 +29,8 @@ from zeroplan.spec.training import (
     TrainingSpec,
 )
 from zeroplan.spec.program import FSDP2Units
-from zeroplan.spec.training import FSDP2Knobs
+from zeroplan.spec.training import FREEZE_GROUPS, FSDP2Knobs
+from zeroplan.spec.limits import field_bounds
 from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,11 +47,33 @@ OPTION_OF_FIELD = {
 no command line)."""
 
 
-def user_message(error: ZeroplanError) -> str:
-    """The error as a user of the command line reads it: a library field named by its option."""
-    if isinstance(error, FieldError) and error.field in OPTION_OF_FIELD:
-        return f"{OPTION_OF_FIELD[error.field]}: {error.problem}"
+def user_message(error: ZeroplanError, options: Mapping[str, Any] | None = None) -> str:
+    """The error as a user of the command line reads it: a library field named by its option, or, where a
+    file gave the value (`options`: the command's), by the file and its key."""
+    if isinstance(error, FieldError):
+        if options is not None:
+            from zeroplan.importers.lora_options import lora_field_source
+
+            source = lora_field_source(error.field, options)
+            if source is not None:
+                return f"{source}: {error.problem}"
+        if error.field in OPTION_OF_FIELD:
+            return f"{OPTION_OF_FIELD[error.field]}: {error.problem}"
     return str(error)
+
+
+def names_sources(function: F) -> F:
+    """A command whose library errors name a field by where its value came from: the option, or the file
+    and key (a --lora adapter_config.json's `r`), which only the command's options tell."""
+
+    @functools.wraps(function)
+    def command(**options: Any) -> Any:
+        try:
+            return function(**options)
+        except FieldError as error:
+            raise SpecError(user_message(error, options)) from None
+
+    return command  # type: ignore[return-value]
 
 
 class CountType(click.ParamType):
@@ -108,6 +132,8 @@ def _choice(enum: type) -> click.Choice:
 
 
 def _apply(decorators: list[Callable[[F], F]], function: F) -> F:
+    """The options, on a command that names its errors' sources (`names_sources`)."""
+    function = names_sources(function)
     for decorator in reversed(decorators):
         function = decorator(function)
     return function
@@ -118,7 +144,10 @@ def _fsdp2_help(knob: str) -> str:
     return f"Engine fsdp2: {FSDP2Knobs.model_fields[knob].description}"
 
 
-_POSITIVE = click.IntRange(min=1)
+def _count(field: str) -> click.IntRange:
+    """The range of a TrainingSpec count, as the spec bounds it (zeroplan/spec/limits.py)."""
+    return click.IntRange(*field_bounds(TrainingSpec, field))
+
 
 MODEL_OPTIONS = [
     click.argument("model", required=False, metavar="[MODEL]"),
@@ -128,16 +157,16 @@ MODEL_OPTIONS = [
 ]
 
 TRAINING_OPTIONS = [
-    click.option("--gpus", "gpus", type=_POSITIVE, help=_help("gpus")),
-    click.option("--gpus-per-node", "gpus_per_node", type=_POSITIVE, help=_help("gpus_per_node")),
+    click.option("--gpus", "gpus", type=_count("gpus"), help=_help("gpus")),
+    click.option("--gpus-per-node", "gpus_per_node", type=_count("gpus_per_node"), help=_help("gpus_per_node")),
     click.option("--zero", "zero_stage", type=click.IntRange(0, 3), metavar="{0,1,2,3}", help=_help("zero_stage")),
     click.option("--offload-optimizer", "offload_optimizer", type=_choice(Offload), help=_help("offload_optimizer")),
     click.option("--offload-params", "offload_params", type=_choice(Offload), help=_help("offload_params")),
     click.option("--precision", "precision", type=_choice(Precision), help=_help("precision")),
     click.option("--optimizer", "optimizer", type=_choice(Optimizer), help=_help("optimizer")),
-    click.option("--micro-batch", "micro_batch", type=_POSITIVE, help=_help("micro_batch")),
-    click.option("--seq-len", "seq_len", type=_POSITIVE, help=_help("seq_len")),
-    click.option("--grad-accum", "grad_accum", type=_POSITIVE, help=_help("grad_accum")),
+    click.option("--micro-batch", "micro_batch", type=_count("micro_batch"), help=_help("micro_batch")),
+    click.option("--seq-len", "seq_len", type=_count("seq_len"), help=_help("seq_len")),
+    click.option("--grad-accum", "grad_accum", type=_count("grad_accum"), help=_help("grad_accum")),
     click.option("--checkpointing", "checkpointing", type=_choice(Checkpointing), help=_help("checkpointing")),
     click.option("--attention", "attention", type=_choice(Attention), help=_help("attention")),
     click.option("--engine", "engine", type=_choice(Engine), help=_help("engine")),
@@ -152,9 +181,9 @@ TRAINING_OPTIONS = [
     click.option("--optimizer-in-backward/--no-optimizer-in-backward", "optimizer_in_backward", default=None,
                  help=_help("optimizer_in_backward")),
     click.option("--loss", "loss", type=_choice(Loss), help=_help("loss")),
-    click.option("--loss-chunks", "loss_chunks", type=_POSITIVE, metavar="N", help=_help("loss_chunks")),
+    click.option("--loss-chunks", "loss_chunks", type=_count("loss_chunks"), metavar="N", help=_help("loss_chunks")),
     click.option("--activation-offload", "activation_offload", type=_choice(ActivationOffload), help=_help("activation_offload")),
-    click.option("--checkpoint-every", "checkpoint_every", type=_POSITIVE, metavar="N", help=_help("checkpoint_every")),
+    click.option("--checkpoint-every", "checkpoint_every", type=_count("checkpoint_every"), metavar="N", help=_help("checkpoint_every")),
     # FSDP2 wrapping (TrainingSpec.fsdp2, FSDP2Knobs): options named fsdp2_<knob>, nested by training_spec_from_options
     click.option("--fsdp2-units", "fsdp2_units", type=_choice(FSDP2Units), help=_fsdp2_help("units")),
     click.option("--fsdp2-reshard-root/--no-fsdp2-reshard-root", "fsdp2_reshard_root_after_forward", default=None,
@@ -165,8 +194,7 @@ TRAINING_OPTIONS = [
                  help=_fsdp2_help("reshard_last_block")),
     click.option(
         "--freeze", "freeze", multiple=True, metavar="GROUP",
-        # tuple[Literal["embeddings", "blocks", "final"], ...] -> the literal's values
-        type=click.Choice(get_args(get_args(TrainingSpec.model_fields["freeze"].annotation)[0])),
+        type=click.Choice(FREEZE_GROUPS),
         help="Module group that does not train (no gradients, no optimizer states); repeat for several:"
         " embeddings, blocks, final. [default: none]",
     ),

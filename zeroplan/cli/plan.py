@@ -21,7 +21,8 @@ def _rate(name: str, field: str, unit: str, help_text: str):
 @click.option("--gpus", "gpu_counts", default="8", show_default=True, metavar="N|LIST|A-B",
               help="GPU count, a list (8,16,64) or a doubling range (8-64 = 8,16,32,64).")
 @gpu_memory_options
-@click.option("--cpu-memory", "cpu_memory", metavar="SIZE", help="Host memory per node for offload (e.g. 1TiB); unlimited if not given.")
+@click.option("--cpu-memory", "cpu_memory", metavar="SIZE", help="Host memory per node for offload (e.g. 1TiB). "
+              "[default: twice the node's GPU memory, an assumption the plan states]")
 @click.option("--nvme", "nvme", metavar="SIZE", help="NVMe space per node; NVMe offload is searched only when given.")
 @click.option("--headroom", type=FiniteFloatRange(0, 1, max_open=True), default=0.05, show_default=True,
               help="Fraction of GPU memory kept free: a config fits when its peak <= (1 - headroom) x GPU memory.")
@@ -74,16 +75,18 @@ def command(**options: Any) -> None:
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.plan.cost import assumptions_for
     from zeroplan.errors import SpecError
-    from zeroplan.importers.options import load_config, model_from_options
+    from zeroplan.importers.options import host_memory_bytes, load_config, model_from_options
     from zeroplan.plan.search import Limits, SearchSpace, parse_gpu_counts, plan
     from zeroplan.report.plan import render_plan
     from zeroplan.spec.training import Checkpointing, Engine, Offload
     from zeroplan.spec.units import parse_size_bytes
 
-    from zeroplan.spec.files import writable_file
+    from zeroplan.spec.files import is_stdout, writable_file
 
     if options["emit"]:
-        writable_file(options["emit"][1], "--emit")  # before the search, not after it
+        writable_file(options["emit"][1], "--emit", stdout=True)  # before the search, not after it
+    # `--emit KIND -` puts the file on standard output, so the table goes to standard error
+    options["table_to_stderr"] = bool(options["emit"]) and is_stdout(options["emit"][1])
     preset, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     if gpu_memory is None:
         raise click.UsageError("give the GPU: --gpu NAME (e.g. h100-80gb) or --gpu-memory SIZE (e.g. 80GiB)")
@@ -102,10 +105,13 @@ def command(**options: Any) -> None:
         micro_batches=options["micro_batches"],
         global_batch=options["global_batch"],
     )
+    # the host of a server's size, not an unlimited one, unless --cpu-memory says (importers/options.py)
+    cpu_memory, cpu_memory_note = host_memory_bytes(options["cpu_memory"], gpu_memory, max(gpu_counts),
+                                                    options["gpus_per_node"])
     limits = Limits(
         gpu_memory_bytes=gpu_memory,
         headroom=options["headroom"],
-        cpu_memory_bytes=None if options["cpu_memory"] is None else parse_size_bytes(options["cpu_memory"], "--cpu-memory"),
+        cpu_memory_bytes=cpu_memory,
         nvme_bytes=None if options["nvme"] is None else parse_size_bytes(options["nvme"], "--nvme"),
     )
     rates = ("gpu_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps", "cpu_memory_gbps", "nvme_gbps",
@@ -132,7 +138,10 @@ def command(**options: Any) -> None:
     if emit and emit[0] == "fsdp" and base.engine != Engine.FSDP2:
         raise SpecError("--emit fsdp: plan with --engine fsdp2, so that the plan models FSDP2's memory")
     result = plan(model, base, space, limits, assumptions, top=options["top"])
-    click.echo(render_plan(result, options["output_format"], options["units"]), nl=False)
+    click.echo(render_plan(result, options["output_format"], options["units"]), nl=False, err=options["table_to_stderr"])
+    if cpu_memory_note and "cpu" in offload_choices and options["output_format"] in ("table", "markdown"):
+        # the assumption bounds what CPU offload may use: say it (the json carries it as cpu_memory_per_node)
+        click.echo(f"note: {cpu_memory_note}", err=True)
     if emit:
         if not result.top:
             raise SpecError(f"--emit {emit[0]}: nothing fits, so there is no plan to write")
@@ -150,15 +159,28 @@ def _emit(kind: str, path: str, training) -> None:
     else:
         text = write_fsdp2_snippet(training)
     write_atomic(path, text, "--emit")
+    where, path = _written(path, kind)
     extra = f" --checkpointing {training.checkpointing.value}" if training.checkpointing.value != "none" else ""
     from zeroplan.importers.lora_options import lora_command_options
 
     extra += lora_command_options(training)  # a DeepSpeed JSON carries no adapters
+    nvme = ""
+    if kind == "deepspeed" and "nvme" in (training.offload_optimizer.value, training.offload_params.value):
+        from zeroplan.importers.deepspeed_json import NVME_PATH_PLACEHOLDER
+
+        nvme = f"; set nvme_path (written as {NVME_PATH_PLACEHOLDER}) to a folder on your NVMe drive"
     click.echo(
-        f"wrote {path} ({kind}, plan #1); check it with: zeroplan estimate MODEL --config {path} --gpus {training.gpus} "
-        f"--seq-len {training.seq_len}{extra}" if kind == "deepspeed" else f"wrote {path} ({kind}, plan #1)",
+        f"wrote {where} ({kind}, plan #1); check it with: zeroplan estimate MODEL --config {path} --gpus {training.gpus} "
+        f"--seq-len {training.seq_len}{extra}{nvme}" if kind == "deepspeed" else f"wrote {where} ({kind}, plan #1)",
         err=True,
     )
+
+
+def _written(path: str, kind: str) -> tuple[str, str]:
+    """(what was written where, the name to give it back as) for the message after --emit: `-` is standard output."""
+    from zeroplan.spec.files import is_stdout
+
+    return (f"the {kind} file to standard output", "FILE") if is_stdout(path) else (path, path)
 
 
 def _config_engine(options: dict, space, gpus: int, model) -> str | None:
@@ -189,6 +211,12 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
     # AutoTP and Ulysses, written as a DeepSpeed JSON (issue 14): --engine deepspeed, or a DeepSpeed --config
     deepspeed = options["engine"] == "deepspeed" or (options["engine"] is None and options["config_file"] is not None
                                                      and _config_engine(options, space, gpu_counts[0], model) == "deepspeed")
+    if emit and options["engine"] is None and options["config_file"] is None:
+        # no engine named: the file asked for names it (a torchtitan TOML runs FSDP2), rather than the default
+        # engine (deepspeed) refusing the torchtitan recipe after --emit deepspeed was refused for the mesh
+        deepspeed = emit[0] == "deepspeed"
+        if not deepspeed:
+            options = {**options, "engine": "fsdp2"}
     wanted = "deepspeed" if deepspeed else "torchtitan"
     if emit and emit[0] != wanted:
         raise click.UsageError(f"{'a mesh plan' if fixed else '--mesh'} writes a "
@@ -205,7 +233,8 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
     result = plan_mesh(model, base, limits.budget_bytes, assumptions, space.checkpointing,
                        max_micro_batch=min(space.max_micro_batch, 64), global_batch=space.global_batch, top=options["top"],
                        given=given, fixed=fixed)
-    click.echo(render_mesh_plan(mesh_plan_to_dict(result), options["output_format"], options["units"]), nl=False)
+    click.echo(render_mesh_plan(mesh_plan_to_dict(result), options["output_format"], options["units"]), nl=False,
+               err=options["table_to_stderr"])
     if emit:
         if not result.top:
             raise SpecError(f"--emit {emit[0]}: nothing fits, so there is no plan to write")
@@ -221,6 +250,9 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
 
         best = result.top[0]
         write_atomic(emit[1], write_torchtitan_toml(best.training, result.model_name), "--emit")
+        if options["table_to_stderr"]:  # nothing to read back from standard output
+            return click.echo(f"wrote the torchtitan TOML to standard output (plan #1); check it with: zeroplan "
+                              f"estimate --config FILE --gpus {best.training.gpus}", err=True)
         # read it back as `zeroplan estimate --config` does: the same per-rank peaks, or say where it differs
         back = estimate_mesh(model, training_spec_from_options({"gpus": best.training.gpus}, emit[1], model))
         peaks = [rank.estimate.peak_bytes for rank in back.ranks]

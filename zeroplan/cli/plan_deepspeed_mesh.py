@@ -19,16 +19,19 @@ def emit_deepspeed_mesh(path: str, model, best) -> None:
     from zeroplan.estimate import estimate_mesh
     from zeroplan.importers.options import training_spec_from_options
     from zeroplan.importers.training_config import write_deepspeed_config
-    from zeroplan.spec.files import write_atomic
+    from zeroplan.spec.files import is_stdout, write_atomic
 
     training = best.training
     write_atomic(path, json.dumps(write_deepspeed_config(training), indent=2) + "\n", "--emit")
     options = readback_options(training)
+    flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in options.items())
+    if is_stdout(path):  # nothing to read back from standard output
+        return click.echo(f"wrote the DeepSpeed config to standard output (deepspeed, plan #1); check it with: "
+                          f"zeroplan estimate {model.name} --config FILE {flags}", err=True)
     back = estimate_mesh(model, training_spec_from_options(options, path, model))
     same = [r.estimate.peak_bytes for r in back.ranks] == [r.estimate.peak_bytes for r in best.estimate.ranks]
     verdict = "it reads back to the same estimate" if same else (
         f"it reads back to a worst rank of {back.worst.estimate.peak_bytes:,} bytes, not "
         f"{best.estimate.worst.estimate.peak_bytes:,}")
-    flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in options.items())
     click.echo(f"wrote {path} (deepspeed, plan #1); {verdict}; check it with: zeroplan estimate {model.name} "
                f"--config {path} {flags}", err=True)

@@ -58,18 +58,20 @@ _DISTRIBUTED_ONLY = ("fsdp_cpu_offload", "fsdp_reshard_after_forward", "custom_s
 # optimizer._component_ -> (zeroplan optimizer, keyword arguments of its constructor or None where not checked).
 _TORCH_ADAM = {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable", "differentiable",
                "fused"}  # torch 2.13 torch/optim/adamw.py AdamW.__init__ (Adam adds decoupled_weight_decay)
+_BNB_ADAM = frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad", "optim_bits", "args", "min_8bit_size", "is_paged"})
 OPTIMIZERS: dict[str, tuple[str, frozenset[str] | None]] = {
     "torch.optim.AdamW": ("adamw", frozenset(_TORCH_ADAM)),
     "torch.optim.Adam": ("adam", frozenset(_TORCH_ADAM | {"decoupled_weight_decay"})),
     "torch.optim.SGD": ("sgd", frozenset({"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize",
                                           "foreach", "differentiable", "fused"})),
-    # bitsandbytes/optim: the 8-bit ones keep two 1-byte states; the paged ones live in unified memory.
-    "bitsandbytes.optim.AdamW8bit": ("adam8bit", None),
-    "bitsandbytes.optim.PagedAdamW8bit": ("adam8bit", None),
-    "bitsandbytes.optim.Adam8bit": ("adam8bit", None),
-    "bitsandbytes.optim.PagedAdam8bit": ("adam8bit", None),
-    "bitsandbytes.optim.AdamW": ("adamw", None),
-    "bitsandbytes.optim.PagedAdamW": ("adamw", None),
+    # bitsandbytes/optim: the 8-bit ones keep two 1-byte states; the paged ones live in unified memory. Their
+    # arguments: bitsandbytes 0.50.2 optim/adam.py and adamw.py, __init__ (the Paged*W ones take no is_paged).
+    "bitsandbytes.optim.AdamW8bit": ("adam8bit", _BNB_ADAM),
+    "bitsandbytes.optim.PagedAdamW8bit": ("adam8bit", _BNB_ADAM - {"is_paged"}),
+    "bitsandbytes.optim.Adam8bit": ("adam8bit", _BNB_ADAM),
+    "bitsandbytes.optim.PagedAdam8bit": ("adam8bit", _BNB_ADAM),
+    "bitsandbytes.optim.AdamW": ("adamw", _BNB_ADAM),
+    "bitsandbytes.optim.PagedAdamW": ("adamw", _BNB_ADAM - {"is_paged"}),
 }
 _CHUNKED_LOSS = "torchtune.modules.loss.CEWithChunkedOutputLoss"  # __init__(num_output_chunks=8, ignore_index=-100)
 _STANDARD_LOSS = "torch.nn.CrossEntropyLoss"
@@ -238,6 +240,10 @@ def _optimizer(optimizer: object, where: Where) -> dict[str, object]:
     settings: dict[str, object] = {"optimizer": name}
     if known is not None:
         _check_arguments(arguments, known, "optimizer", where)
+        if component.startswith("bitsandbytes.") and arguments.get("optim_bits", 32) != 32:
+            # AdamW(optim_bits=8) keeps 8-bit states, which "adamw" does not count; AdamW8bit refuses anything but 32
+            raise fail(where, "optimizer.optim_bits", f"{arguments['optim_bits']!r} is not modelled: for 8-bit states "
+                       "use bitsandbytes.optim.AdamW8bit")
         # torch/optim/optimizer.py: fused=True runs the fused kernel; foreach=False with fused unset, the for-loop.
         if arguments.get("fused") is True:
             settings["optimizer_impl"] = "fused"

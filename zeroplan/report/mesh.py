@@ -31,5 +31,11 @@ def render_mesh_plan(data: dict[str, Any], output_format: str = "table", units: 
                  "(a bound on their cost) and were not checked")
     if not rows:
         return head + "; none fits\n"
-    return head + "\n\n" + table(rows, ["#", "mesh", "stage", "ckpt", "micro", "accum", f"worst peak {units}",
-                                          "tokens/s/GPU", "why"], markdown, left=2) + "\n"
+    headers = ["#", "mesh", "stage", "ckpt", "micro", "accum", f"worst peak {units}", "tokens/s/GPU", "why it ranks here"]
+    # the reason reads as text, from the left, broken into lines that a terminal shows whole
+    return head + "\n\n" + table(rows, headers, markdown, colalign=("right", "left", "left", "left") + ("right",) * 4
+                                   + ("left",), wrap=[None] * 8 + [_WHY_WIDTH]) + "\n"
+
+
+_WHY_WIDTH = 80
+"""Characters per line of the mesh plan's "why it ranks here" column."""
