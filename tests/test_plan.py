@@ -271,16 +271,18 @@ def test_emitted_deepspeed_config_reads_back_to_the_same_estimate(tmp_path):
     assert config["train_micro_batch_size_per_gpu"] == planned["micro_batch"]
     assert config["gradient_accumulation_steps"] == planned["grad_accum"]
     # what a DeepSpeed config does not hold (sequence length, checkpointing) comes from the command line
-    options = {"gpus": 8, "seq_len": 4096, "checkpointing": planned["checkpointing"]}
+    options = {"gpus": 8, "seq_len": 4096, "checkpointing": planned["checkpointing"], "gpu": "a100-40gb"}
     training = training_spec_from_options(options, path)
     again = estimate(resolve_model("llama-2-7b"), training)
     assert again.peak_bytes == planned["per_gpu"]["peak"]
     # and through the estimate command, as a user would check it
     checked = runner.invoke(_cli(), ["estimate", "llama-2-7b", "--config", str(path), "--gpus", "8", "--seq-len", "4096",
-                                     "--checkpointing", planned["checkpointing"], "--format", "json"])
+                                     "--checkpointing", planned["checkpointing"], "--gpu-memory", "a100-40gb",
+                                     "--format", "json"])
     assert checked.exit_code == 0, checked.output
     checked = json.loads(checked.stdout)
-    assert (checked["per_gpu"], checked["per_node"]) == (planned["per_gpu"], planned["per_node"])  # one JSON shape
+    tensors = {key: checked["per_gpu"][key] for key in planned["per_gpu"]}  # estimate adds the figures on the GPU
+    assert (tensors, checked["per_node"]) == (planned["per_gpu"], planned["per_node"])  # one JSON shape
 
 
 def test_cli_plan_errors_are_one_line():

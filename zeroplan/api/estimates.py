@@ -23,8 +23,29 @@ def estimate_from_options(options: dict[str, Any]) -> EstimateResult:
     from zeroplan.estimate.serialize import estimate_to_dict
 
     # one estimate per rank kind (tp, cp, pp, ep, HSDP: issue 14); plain data parallelism has one
-    data = estimate_to_dict(estimate_mesh(model, training), training, gpu_memory_bytes=options["gpu_memory"], notes=notes)
+    result = estimate_mesh(model, training)
+    data = estimate_to_dict(result, training, gpu_memory_bytes=options["gpu_memory"], notes=notes,
+                            figures=gpu_figures_of(result, training))
     return EstimateResult(data)
+
+
+def gpu_figures_of(result, training):
+    """Each rank kind's allocated, reserved and device bytes on the run's GPU (estimate/device/estimate.py), with
+    the allocator settings of this process's environment, or the recipe's (torchtitan turns expandable segments
+    on: torchtitan/train.py sets PYTORCH_CUDA_ALLOC_CONF); None for a CPU run, whose one memory has no allocator."""
+    if training.device.value != "cuda" or any(rank.estimate.ledger is None for rank in result.ranks):
+        return None
+    import os
+
+    from zeroplan.estimate.device.alloc_conf import RECIPE_ALLOC_CONF, parse_alloc_conf, settings_from_environment
+    from zeroplan.estimate.device.estimate import device_figures
+
+    settings = settings_from_environment(os.environ)
+    if not any(variable in os.environ for variable in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        recipe_default = RECIPE_ALLOC_CONF.get(training.recipe.value)
+        if recipe_default is not None:
+            settings = parse_alloc_conf(recipe_default)
+    return device_figures(result, training, training.gpu, settings=settings)
 
 
 def compare_from_options(options: dict[str, Any]) -> CompareResult:

@@ -254,7 +254,7 @@ def _plan_mesh(options: dict, model, space, limits, assumptions, gpu_counts: tup
             return click.echo(f"wrote the torchtitan TOML to standard output (plan #1); check it with: zeroplan "
                               f"estimate --config FILE --gpus {best.training.gpus}", err=True)
         # read it back as `zeroplan estimate --config` does: the same per-rank peaks, or say where it differs
-        back = estimate_mesh(model, training_spec_from_options({"gpus": best.training.gpus}, emit[1], model))
+        back = estimate_mesh(model, training_spec_from_options({"gpus": best.training.gpus, "gpu": options["gpu"]}, emit[1], model))
         peaks = [rank.estimate.peak_bytes for rank in back.ranks]
         same = peaks == [rank.estimate.peak_bytes for rank in best.estimate.ranks]
         verdict = "it reads back to the same estimate" if same else (

@@ -11,8 +11,9 @@ import click
 
 def readback_options(training) -> dict:
     """What a DeepSpeed JSON cannot carry, given beside it on the command line."""
-    return {"gpus": training.gpus, "seq_len": training.seq_len, "checkpointing": training.checkpointing.value,
-            "recipe": training.recipe.value}
+    options = {"gpus": training.gpus, "seq_len": training.seq_len, "checkpointing": training.checkpointing.value,
+               "recipe": training.recipe.value}
+    return options | ({"gpu": training.gpu.name} if training.gpu is not None else {})
 
 
 def emit_deepspeed_mesh(path: str, model, best) -> None:
@@ -24,7 +25,8 @@ def emit_deepspeed_mesh(path: str, model, best) -> None:
     training = best.training
     write_atomic(path, json.dumps(write_deepspeed_config(training), indent=2) + "\n", "--emit")
     options = readback_options(training)
-    flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in options.items())
+    # the GPU is named to estimate by --gpu-memory NAME
+    flags = " ".join(f"--{'gpu-memory' if name == 'gpu' else name.replace('_', '-')} {value}" for name, value in options.items())
     if is_stdout(path):  # nothing to read back from standard output
         return click.echo(f"wrote the DeepSpeed config to standard output (deepspeed, plan #1); check it with: "
                           f"zeroplan estimate {model.name} --config FILE {flags}", err=True)

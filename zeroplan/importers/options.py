@@ -46,19 +46,41 @@ def parse_count(text: str, field: str) -> int:
     return int(number)
 
 
-def gpu_memory_bytes(text: str, field: str = "--gpu-memory") -> int:
+class GpuMemory(int):
+    """A GPU's memory in bytes that remembers the preset it was read from (`gpu`, None for a size): the
+    estimate takes the GPU's architecture from it (zeroplan/spec/gpu.py)."""
+
+    gpu: str | None = None
+
+    def __new__(cls, size_bytes: int, gpu: str | None = None) -> GpuMemory:
+        value = super().__new__(cls, size_bytes)
+        value.gpu = gpu
+        return value
+
+
+def gpu_memory_bytes(text: str, field: str = "--gpu-memory") -> GpuMemory:
     """The memory of one GPU: a size ('80GiB', '40GB', '24e9' bytes) or a GPU preset name
     ('h100-80gb', `zeroplan.importers.gpus`), whose datasheet capacity is used."""
     from zeroplan.spec.units import parse_size_bytes
 
     try:
-        return parse_size_bytes(text, field)
+        return GpuMemory(parse_size_bytes(text, field))
     except SpecError as size_error:
         from zeroplan.importers.gpus import get_gpu, gpu_names
 
         if str(text).strip().lower() in gpu_names():
-            return get_gpu(text).memory_bytes
+            preset = get_gpu(text)
+            return GpuMemory(preset.memory_bytes, preset.name)
         raise SpecError(f"{size_error}, or name a GPU: {', '.join(gpu_names())}") from None
+
+
+def gpu_spec(gpu: str | None, gpu_memory: int | None):
+    """The GPU the run names (zeroplan/spec/gpu.py GpuSpec): a --gpu preset, or the preset --gpu-memory was given
+    as; None when neither names one (a size alone, or nothing)."""
+    from zeroplan.importers.gpus import get_gpu
+
+    name = gpu or getattr(gpu_memory, "gpu", None)
+    return None if name is None else get_gpu(name).spec()
 
 
 HOST_MEMORY_PER_GPU_MEMORY = 2
@@ -101,7 +123,11 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
         config = config_file if not isinstance(config_file, (str, Path)) else load_config(config_file)
         # --gpus lets a DeepSpeed train_batch_size be split into micro-batch and accumulation.
         values.update(config.settings(options.get("gpus"), getattr(model, "hidden_size", None)))
-    values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) not in (None, ())})
+    values.update({name: options[name] for name in TrainingSpec.model_fields
+                   if options.get(name) not in (None, ()) and name != "gpu"})
+    gpu = gpu_spec(options.get("gpu"), options.get("gpu_memory"))  # --gpu NAME, or --gpu-memory NAME
+    if gpu is not None:
+        values["gpu"] = gpu
     from zeroplan.importers.lora_options import lora_values
 
     values.update(lora_values(options, model, values))  # --lora-*, --base-precision: importers/lora_options.py

@@ -154,6 +154,8 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool, explain: bo
             f" NVMe {amount(per_node['nvme'], units)} {units}"
         ),
     ]
+    if "device_memory" in data:
+        out += ["", heading(f"On the GPU ({units})"), *_device_lines(data, units)]
     if "fits" in data:
         free = gpu_memory_left_bytes(data)
         verdict = (
@@ -165,6 +167,20 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool, explain: bo
     if data["notes"]:
         out += ["", heading("Notes")] + [f"- {note}" for note in data["notes"]]
     return "\n".join(out) + "\n"
+
+
+def _device_lines(data: dict[str, Any], units: str) -> list[str]:
+    """The worst rank's three figures on the GPU: what torch.cuda and nvidia-smi would report."""
+    per_gpu, device = data["per_gpu"], data["device_memory"]
+    outside = ", ".join(f"{term['name']} {amount(term['bytes'], units)}" for term in device["outside"])
+    lines = [f"allocated {amount(per_gpu['allocated'], units)} (torch.cuda.max_memory_allocated: the tensors as the caching "
+             f"allocator rounds them, and cuBLAS's workspaces)",
+             f"reserved  {amount(per_gpu['reserved'], units)} (torch.cuda.max_memory_reserved: its segments, "
+             f"{device['segments']} at the end; {device['num_alloc_retries']} retries after freeing its cache)",
+             f"device    {amount(per_gpu['device'], units)} (nvidia-smi: reserved and, outside the allocator, {outside})"]
+    if device["ran_out_of_memory"]:
+        lines.append("the allocator runs out of this GPU's memory: the figures are what the run would need")
+    return lines
 
 
 def _peak_marker(row: dict[str, Any], per_gpu: dict[str, Any]) -> str:

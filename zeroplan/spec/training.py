@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from zeroplan.errors import SpecError
 from zeroplan.spec.limits import (MAX_CHUNKS, MAX_COUNT, MAX_GPUS, MAX_GRAD_ACCUM, MAX_LAYERS, MAX_MICRO_BATCH, MAX_SEQ_LEN,
                                   MAX_SMALL_COUNT)
+from zeroplan.spec.gpu import GpuSpec
 from zeroplan.spec.lora import LoraSpec, QuantSpec, check_training_lora
 from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.validation import describe_validation_error
@@ -213,6 +214,9 @@ class TrainingSpec(BaseModel):
     fsdp2: FSDP2Knobs = Field(default_factory=FSDP2Knobs, description="FSDP2 knobs.")
     lora: LoraSpec | None = Field(None, description="LoRA adapters (PEFT): the base is frozen, the adapters train.")
     quant: QuantSpec | None = Field(None, description="Storage of the frozen base (bf16 ... or bitsandbytes nf4).")
+    gpu: GpuSpec | None = Field(None, description="The GPU the run uses (a preset: --gpu, --gpu-memory NAME); its "
+                                "architecture sizes the CUDA context and NCCL's buffers. [default: none named: the stated "
+                                "defaults of docs/engines/allocator.md]")
     mesh: MeshSpec = Field(default_factory=MeshSpec, description="Tensor, context, pipeline and expert parallelism "
                            "and HSDP replicas around the data-parallel sharding (all ones: data parallelism only).")
 
