@@ -27,17 +27,20 @@ if TYPE_CHECKING:
 __all__ = ["estimate", "compare", "plan", "measure", "ZeroplanCallback", "track"]
 
 
-def estimate(model: str | None = None, **options: Any) -> EstimateResult:
+def estimate(model: str | None = None, *, snapshot: str | None = None, **options: Any) -> EstimateResult:
     """`zeroplan estimate MODEL [OPTIONS]`: the memory per GPU of one training configuration.
 
     `model` is a catalogue name, a model spec file or a Hugging Face config.json (or give
-    `params=7.5e9`, or a `config=` file that names the model). Options: `zeroplan estimate --help`."""
+    `params=7.5e9`, or a `config=` file that names the model). `snapshot="step.pickle"` also writes
+    the predicted step for PyTorch's memory viewer (`--snapshot FILE`; `result.snapshot(path)` later).
+    Options: `zeroplan estimate --help`."""
     from zeroplan.api.estimates import estimate_from_options
     from zeroplan.api.keywords import options_from_keywords, parameters
     from zeroplan.cli.common import estimate_option_list
 
     keywords = {"model": model, **options}
-    return estimate_from_options(options_from_keywords("estimate", parameters(estimate_option_list()), keywords))
+    return estimate_from_options(options_from_keywords("estimate", parameters(estimate_option_list()), keywords),
+                                 snapshot=None if snapshot is None else str(snapshot))
 
 
 def compare(model: str | None = None, **options: Any) -> CompareResult:

@@ -6,18 +6,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from zeroplan.api.device import check_snapshot, gpu_figures_of
 from zeroplan.api.results import CompareResult, EstimateResult
 
 
-def estimate_from_options(options: dict[str, Any]) -> EstimateResult:
+def estimate_from_options(options: dict[str, Any], snapshot: str | None = None) -> EstimateResult:
     """One estimate: the model and training options over a --config file; every rank kind's (one on plain data
-    parallelism), the worst at the top level (issue 14)."""
+    parallelism), the worst at the top level (issue 14). `snapshot`: also write the predicted step for PyTorch's
+    memory viewer there (`EstimateResult.snapshot`), its folder checked before anything is estimated."""
     from zeroplan.importers.options import input_notes, load_config, model_from_options, training_spec_from_options
 
+    if snapshot is not None:
+        from zeroplan.spec.files import writable_file
+
+        writable_file(snapshot, "--snapshot")
     config = load_config(options["config_file"])
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
     training = training_spec_from_options(options, config, model)
+    if snapshot is not None:
+        check_snapshot(training)
     notes = input_notes(model, training, config, options["model"])
     from zeroplan.estimate import estimate_mesh
     from zeroplan.estimate.serialize import estimate_to_dict
@@ -26,26 +34,10 @@ def estimate_from_options(options: dict[str, Any]) -> EstimateResult:
     result = estimate_mesh(model, training)
     data = estimate_to_dict(result, training, gpu_memory_bytes=options["gpu_memory"], notes=notes,
                             figures=gpu_figures_of(result, training))
-    return EstimateResult(data)
-
-
-def gpu_figures_of(result, training):
-    """Each rank kind's allocated, reserved and device bytes on the run's GPU (estimate/device/estimate.py), with
-    the allocator settings of this process's environment, or the recipe's (torchtitan turns expandable segments
-    on: torchtitan/train.py sets PYTORCH_CUDA_ALLOC_CONF); None for a CPU run, whose one memory has no allocator."""
-    if training.device.value != "cuda" or any(rank.estimate.ledger is None for rank in result.ranks):
-        return None
-    import os
-
-    from zeroplan.estimate.device.alloc_conf import RECIPE_ALLOC_CONF, parse_alloc_conf, settings_from_environment
-    from zeroplan.estimate.device.estimate import device_figures
-
-    settings = settings_from_environment(os.environ)
-    if not any(variable in os.environ for variable in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
-        recipe_default = RECIPE_ALLOC_CONF.get(training.recipe.value)
-        if recipe_default is not None:
-            settings = parse_alloc_conf(recipe_default)
-    return device_figures(result, training, training.gpu, settings=settings)
+    estimated = EstimateResult(data, result, training)
+    if snapshot is not None:
+        estimated.snapshot(snapshot)
+    return estimated
 
 
 def compare_from_options(options: dict[str, Any]) -> CompareResult:

@@ -4,7 +4,11 @@ alike: the estimate of the configuration, the real run on local ranks, and the r
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from zeroplan.api.results import MeasureReport
@@ -22,8 +26,13 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
 
     if options["output"] is not None:
         writable_file(options["output"], "--output", stdout=True)  # before the run, not after it; - is standard output
+    snapshot = options.get("snapshot")
+    if snapshot is not None:
+        writable_file(snapshot, "--snapshot")
     nproc, simulate = options["nproc"], options["simulate"]
     nodes = _nodes(options)
+    if snapshot is not None and nodes is not None:
+        raise SpecError("--snapshot: each node keeps its ranks' streams; measure on one node to draw them")
     world = nproc * (nodes.nnodes if nodes else 1)
     if simulate and options["backend"]:
         raise SpecError(f"--simulate runs the fake backend; leave out --backend {options['backend']}")
@@ -41,6 +50,8 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
     recipe = options["recipe"] or DEFAULT_RECIPE
+    if snapshot is not None and recipe == "hf-trainer":
+        raise SpecError("--snapshot: the Trainer's allocation stream is not kept; measure the plain loop (--recipe plain)")
     given = {"gpus": world, "device": device, "recipe": recipe}
     if nodes is not None:  # the estimate's nodes are the run's
         if options["gpus_per_node"] not in (None, nproc):
@@ -69,7 +80,9 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
            "check_memory": options["memory_check"],
            **({"announce": progress.announce} if progress is not None else {})}
     if nodes is None:
-        result = run_measurement(model, training, simulate=simulate, **run)
+        with _snapshot_parts(snapshot) as parts:
+            result = run_measurement(model, training, simulate=simulate, snapshot=parts and parts.pattern, **run)
+            notes = parts.write(snapshot, result) if parts else []
     else:
         from zeroplan.measure.nodes import run_nodes
 
@@ -83,6 +96,8 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
     measured = result.to_json_dict()
     comparison = compare(estimated["phases"], run_peaks(measured), engine=training.engine.value)
     data = report_data(estimated, measured, comparison)
+    if nodes is None and notes:
+        data["notes"] = data.get("notes", []) + notes
     if nodes is not None:
         data["nodes"] = {"nnodes": nodes.nnodes, "nproc_per_node": nproc, "rdzv_endpoint": str(nodes.endpoint)}
     if options["output"] is not None:
@@ -92,6 +107,40 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
 
         write_atomic(options["output"], json.dumps(data), "--output")
     return MeasureReport(data, comparison)
+
+
+class _Parts:
+    """Where the ranks write their snapshots (a temporary folder), and their assembly into one file."""
+
+    def __init__(self, folder: str):
+        self.folder, self.pattern = folder, os.path.join(folder, "rank{rank}.pickle")
+
+    def write(self, path: str, result) -> list[str]:
+        """Merge the ranks' snapshots into `path`; the notes of ranks that left none (a stream cut short)."""
+        import pickle
+
+        from zeroplan.estimate.device.snapshot import merge_snapshots, write_snapshot
+
+        found, notes = [], []
+        for rank in result.ranks:
+            try:
+                with open(self.pattern.replace("{rank}", str(rank.rank)), "rb") as part:
+                    found.append(pickle.load(part))
+            except FileNotFoundError:
+                notes.append(f"--snapshot: rank {rank.rank} allocated more storages than the accounting keeps events "
+                             "for; its device in the snapshot is empty")
+        write_snapshot(path, merge_snapshots(found))
+        return notes
+
+
+@contextlib.contextmanager
+def _snapshot_parts(snapshot: str | None) -> Iterator[_Parts | None]:
+    """A temporary folder for the ranks' snapshots (None without --snapshot), removed afterwards."""
+    if snapshot is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="zeroplan-snapshot-") as folder:
+        yield _Parts(folder)
 
 
 def _nodes(options: dict[str, Any]):

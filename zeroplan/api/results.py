@@ -9,13 +9,12 @@ plan and report modules).
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zeroplan.errors import FieldError
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from zeroplan.measure.comparison import Comparison as MeasuredComparison
     from zeroplan.plan.grid import Comparison
     from zeroplan.plan.mesh import MeshPlan
@@ -41,12 +40,28 @@ class EstimateResult:
     """`zeroplan.estimate(...)`: the memory per GPU of one training configuration (on a mesh, the
     worst rank at the top level and every rank kind in `ranks`, as `zeroplan estimate` prints it)."""
 
-    def __init__(self, data: dict[str, Any]):
+    def __init__(self, data: dict[str, Any], estimate: Any = None, training: Any = None):
         self._data = data
+        self._estimate, self._training = estimate, training  # what `snapshot` replays
 
     def to_dict(self) -> dict[str, Any]:
         """The document `zeroplan estimate --format json` prints (a copy: bytes as ints)."""
         return copy.deepcopy(self._data)
+
+    def snapshot(self, path: str | Path) -> Path:
+        """Write the predicted step as `torch.cuda.memory._snapshot()` pickles it (`--snapshot FILE`), for
+        pytorch.org/memory_viz and `python -m torch.cuda._memory_viz`: one device per rank kind (device i is
+        `to_dict()["ranks"][i]`), the segments and trace of the caching-allocator replay behind `per_gpu.allocated`
+        and `reserved`, each allocation named by its ledger term. Needs no torch; a GPU run only."""
+        from zeroplan.api.device import gpu_snapshot_of
+        from zeroplan.estimate.device.snapshot import write_snapshot
+        from zeroplan.spec.files import writable_file
+
+        writable_file(path, "--snapshot")
+        if self._estimate is None:
+            raise FieldError("snapshot", "this result holds no estimate to replay; make it with zeroplan.estimate(...)")
+        write_snapshot(path, gpu_snapshot_of(self._estimate, self._training))
+        return Path(path)
 
     @property
     def peak_bytes(self) -> int:

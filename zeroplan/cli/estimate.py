@@ -13,6 +13,10 @@ from zeroplan.cli.common import apply_options, estimate_option_list
 @apply_options(estimate_option_list())
 @click.option("--explain", "explain", is_flag=True, help="Also list the terms live at the peak (name, category, bytes, "
               "source), largest first; with --format csv, the terms instead of the phases. The JSON always has them.")
+@click.option("--snapshot", "snapshot", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write the predicted step as torch.cuda.memory._snapshot() pickles it, for pytorch.org/memory_viz "
+              "and python -m torch.cuda._memory_viz: one device per rank kind, the caching allocator's segments and "
+              "trace behind allocated and reserved, each allocation named by its term (needs no torch; GPU runs).")
 def command(**options: Any) -> None:
     """Estimate the memory per GPU of training MODEL: by category at the peak, phase by phase,
     and per node under offload.
@@ -34,9 +38,10 @@ def command(**options: Any) -> None:
       zeroplan estimate llama-3-70b --gpus 64 --tp 8 --zero 3 --engine fsdp2 --seq-len 8192
       zeroplan estimate llama-3-70b --gpus 64 --tp 8 --pp 4 --grad-accum 8 --zero 3 --engine fsdp2
       zeroplan estimate llama-2-7b --gpus 8 --zero 3 --explain
+      zeroplan estimate llama-2-7b --gpus 8 --zero 3 --snapshot step.pickle
     """
     from zeroplan.api.estimates import estimate_from_options
 
-    explain = options.pop("explain")
-    result = estimate_from_options(options)
+    explain, snapshot = options.pop("explain"), options.pop("snapshot")
+    result = estimate_from_options(options, snapshot=snapshot)
     click.echo(result.render(options["output_format"], options["units"], explain=explain), nl=False)

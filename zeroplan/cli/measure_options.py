@@ -34,6 +34,10 @@ MEASURE_OPTIONS = [
                  help="Also write the JSON to FILE (atomically; nothing is written when the run fails); - writes it to "
                       "standard output and the table to standard error."),
     units_option(),
+    click.option("--snapshot", "snapshot", type=click.Path(dir_okay=False), metavar="FILE",
+                 help="Also write every rank's allocation stream, replayed through the caching allocator model, as "
+                      "torch.cuda.memory._snapshot() pickles it (device i is rank i), for pytorch.org/memory_viz and "
+                      "python -m torch.cuda._memory_viz. The plain loop on one node."),
     click.option("--memory-check/--no-memory-check", "memory_check", default=True, show_default=True,
                  help="Refuse a run whose estimated host memory (every local rank; on CPU the device is the host) "
                       "exceeds what this machine has available (MemAvailable, or a container's limit)."),

@@ -149,6 +149,7 @@ def run_measurement(
     fork_workers: bool | None = None,
     progress: Progress | None = None,
     check_memory: bool = True,
+    snapshot: str | None = None,
 ) -> MeasureResult:
     """Run `steps` training steps of `model` under `training` on `nproc` local ranks and return
     what every rank measured. `backend` None picks nccl where GPUs are visible, else gloo;
@@ -158,6 +159,7 @@ def run_measurement(
     nccl workers start as fresh processes, see `_start_worker`). `progress` is told of a build's
     seconds and of each rank's phases (the ranks write them to a file the launcher polls). `check_memory`:
     refuse a run whose estimated host bytes exceed what this machine has available (measure/host_memory.py).
+    `snapshot`: a path with "{rank}" where each rank writes its stream for PyTorch's memory viewer (run_snapshot.py).
 
     Raises MeasureError when a rank fails (naming it and its exception) or the run times out."""
     backend = check_runnable(model, training, nproc=nproc, backend=backend, simulate=simulate, steps=steps,
@@ -166,7 +168,7 @@ def run_measurement(
         check_host_memory(model, training, nproc, backend)
     outcomes = run_ranks(model, training, nproc=nproc, backend=backend, steps=steps, timeout_s=timeout_s,
                          implementation=implementation, engine_config=engine_config, announce=announce,
-                         fork_workers=fork_workers, progress=progress)
+                         fork_workers=fork_workers, progress=progress, snapshot=snapshot)
     return assemble_result(outcomes, model, training, backend, nproc, steps)
 
 
@@ -247,6 +249,7 @@ def run_ranks(
     model: TransformerSpec, training: TrainingSpec, *, nproc: int, backend: str, steps: int, timeout_s: float,
     implementation: str, engine_config: dict | None, announce: Callable[[str], None] = _announce,
     fork_workers: bool | None = None, progress: Progress | None = None, node: NodeRanks | None = None,
+    snapshot: str | None = None,
 ) -> list[dict]:
     """Start this machine's workers, wait for them, leave nothing running; return their outcomes (the
     workers' `ok` objects; only those that ran out of memory when one did). Without `node`, the
@@ -265,6 +268,8 @@ def run_ranks(
         job_path = workdir / "job.json"
         init_method = (workdir / "store").as_uri() if backend == "gloo" and node is None else None
         extra = {"progress": str(workdir / "rank{rank}.phase")} if progress is not None else {}
+        if snapshot is not None:
+            extra["snapshot"] = snapshot
         write_job(
             job_path, model, training, backend=backend, steps=steps, world_size=world_size,
             init_method=init_method, implementation=implementation, engine_config=engine_config, **extra,

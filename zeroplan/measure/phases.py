@@ -14,6 +14,7 @@ class PhaseRecorder:
         self.on_phase = on_phase  # told (step, phase) as each opens: the launcher's progress (worker.py)
         self.phases = {}  # (step, phase) -> PhaseResult, in the order first seen
         self.open = None
+        self.marks: list[tuple[int, int, str]] = []  # (index of its first event in accounting.events, step, phase)
 
     @contextlib.contextmanager
     def phase(self, step: int, name: str, *, default_category: str, born_as: str | None = None):
@@ -29,6 +30,7 @@ class PhaseRecorder:
         self.close()
         self.probe.begin_phase()
         self.accounting.begin_phase(name, default_category=default_category, born_as=born_as)
+        self.marks.append((len(self.accounting.events), step, name))
         self.open = (step, name)
         if self.on_phase is not None:
             self.on_phase(step, name)

@@ -182,6 +182,8 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
             fits, oom_message = False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         classifications = accounting.classifications
     replayed = replay_summary(accounting.events, truncated=accounting.events_truncated, environ=os.environ)
+    if job.get("snapshot"):  # the stream for PyTorch's memory viewer (measure/run_snapshot.py), where it was asked
+        write_snapshot_part(job["snapshot"], rank, accounting, recorder.marks)
     result = RankResult(rank, list(recorder.phases.values()), step_times, fits, oom_message, classifications, replayed)
     notes = []
     if backend == "fake":
@@ -195,6 +197,19 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     if training.recipe.value in REPRODUCED:  # torchtitan, torchtune: their flow in this loop (programs/reproduction.py)
         implementation = reproduction_name(training, implementation)
     return {"ok": True, "result": result.to_json_dict(), "implementation": implementation, "notes": notes}
+
+
+def write_snapshot_part(pattern: str, rank: int, accounting, marks) -> None:
+    """This rank's snapshot at `pattern` ("{rank}" replaced); nothing where the stream was cut short (event_limit):
+    the launcher's assembly says so."""
+    if accounting.events_truncated:
+        return
+    import pickle
+
+    from zeroplan.measure.run_snapshot import rank_snapshot
+    from zeroplan.spec.files import write_atomic
+
+    write_atomic(pattern.replace("{rank}", str(rank)), pickle.dumps(rank_snapshot(accounting.events, marks, rank, os.environ)))
 
 
 def main(argv: list[str] | None = None) -> None:

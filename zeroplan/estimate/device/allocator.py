@@ -9,6 +9,12 @@ fractions changed at run time). The constants are c10/core/AllocatorConfig.h's.
 Memory the driver hands out: a cudaMalloc (or an expandable segment's page) succeeds while the
 bytes reserved plus the request fit in `capacity_bytes`, the device memory left to the allocator
 (the GPU's memory minus what lives outside it: estimate/device/outside.py). None: no limit.
+
+What it did, step by step (`replay(..., record_history=True)`): the entries `torch.cuda.memory._record_memory_history()`
+records (`record_trace` in CUDACachingAllocator.cpp: alloc, free_requested, free_completed, segment_alloc,
+segment_free, segment_map, segment_unmap, oom), and the segments with their blocks at the end, as
+`torch.cuda.memory._snapshot()` lists them (`snapshot`): what estimate/device/snapshot.py writes for
+PyTorch's memory viewer.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from bisect import bisect_left, insort
 from collections import defaultdict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate.device.alloc_conf import DEFAULT_SETTINGS, SIZE_MAX, AllocatorSettings
@@ -62,6 +69,38 @@ def allocation_size(size: int, settings: AllocatorSettings = DEFAULT_SETTINGS) -
     return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
 
 
+class TraceEntry(NamedTuple):
+    """One entry of the allocator's history (`TraceEntry` of CUDACachingAllocator.h, as `record_trace` fills it)."""
+
+    action: str  # alloc, free_requested, free_completed, segment_alloc, segment_free, segment_map, segment_unmap, oom
+    address: int  # the block's or segment's address; for oom the bytes the device had free (`device_free`)
+    size_bytes: int  # alloc and frees: the size requested; segment actions: the bytes mapped or freed; oom: asked
+    stream: int
+    key: Hashable  # the allocation it serves: its own, or the one whose request made the segment (None: none)
+
+
+class BlockState(NamedTuple):
+    """One block of a segment at the end of the stream (`BlockInfo` of `snapshot()`)."""
+
+    address: int
+    size_bytes: int
+    requested_bytes: int  # what the allocation asked for (0 for an inactive block)
+    state: str  # active_allocated, active_pending_free (freed, waiting for another stream) or inactive
+    key: Hashable  # the allocation (None for an inactive block)
+
+
+class SegmentState(NamedTuple):
+    """One segment at the end of the stream (`SegmentInfo` of `snapshot()`): a cudaMalloc, or one mapped range
+    of an expandable segment, as `snapshot()` reports each contiguous mapped range of one."""
+
+    address: int
+    size_bytes: int
+    stream: int
+    small: bool  # the small pool's (segment_type "small"), else "large"
+    expandable: bool
+    blocks: tuple[BlockState, ...]  # in address order, covering the segment
+
+
 @dataclass(frozen=True)
 class AllocatorReplay:
     """What the allocator reports after a stream (`torch.cuda.memory_stats()` names in comments)."""
@@ -78,6 +117,10 @@ class AllocatorReplay:
     first_oom_event: int | None  # index of the first Alloc that ran out of memory (the run stops there)
     allocated_after: tuple[int, ...]  # per event: allocated bytes once it is done
     reserved_after: tuple[int, ...]  # per event: reserved bytes once it is done
+    # with replay(..., record_history=True), else empty: what the allocator did, in order, and the segments
+    # with their blocks once the stream is done
+    history: tuple[TraceEntry, ...] = ()
+    segments_at_end: tuple[SegmentState, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -95,13 +138,14 @@ class _Segment:
 
 class _Block:
     __slots__ = ("size", "counter", "stream", "small", "ptr", "prev", "next", "allocated", "events",
-                 "uses", "segment", "mapped", "gc_base")
+                 "uses", "segment", "mapped", "gc_base", "requested", "key")
 
     def __init__(self, size, counter, stream, small, ptr, segment=None):
         self.size, self.counter, self.stream, self.small, self.ptr = size, counter, stream, small, ptr
         self.prev = self.next = None
         self.allocated, self.events, self.uses = False, 0, None
         self.segment, self.mapped, self.gc_base = segment, True, 0
+        self.requested, self.key = 0, None  # Block::requested_size, and the allocation it serves
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
@@ -111,7 +155,7 @@ class CachingAllocatorModel:
     """One device's `DeviceCachingAllocator`; feed it events with `apply`, read `stats()`."""
 
     def __init__(self, settings: AllocatorSettings = DEFAULT_SETTINGS, *, capacity_bytes: int | None = None,
-                 device_total_bytes: int | None = None):
+                 device_total_bytes: int | None = None, history: list[TraceEntry] | None = None):
         if settings.backend != "native":
             raise SpecError(f"{settings.variable or 'PYTORCH_CUDA_ALLOC_CONF'}: backend:{settings.backend} "
                             "(cudaMallocAsync) is not modelled; only the native caching allocator is")
@@ -141,6 +185,8 @@ class CachingAllocatorModel:
         self.peak_reserved = self.peak_allocated = self.peak_inactive_split = 0
         self.cuda_segments = self.expandable_segments = 0
         self.retries = self.ooms = self.rejections = 0
+        self.history = history  # `record_trace` appends here when given (`_record_memory_history`)
+        self._key: Hashable = None  # the allocation being served (a segment made for it names it in the history)
 
     # -- the free-block sets (BlockPool::blocks, ordered by stream, size, registration counter) --
     def _insert(self, block: _Block) -> None:
@@ -185,6 +231,9 @@ class CachingAllocatorModel:
         """`malloc`; False when it ran out of memory (torch raises OutOfMemoryError there)."""
         if self.synced:
             self._process_events()
+        requested = size
+        if self.history is not None:
+            self._key = key
         if self.plain_rounding:  # round_size without roundup_power2_divisions
             size = -(-size // K_MIN_BLOCK) * K_MIN_BLOCK or K_MIN_BLOCK
         else:
@@ -205,8 +254,15 @@ class CachingAllocatorModel:
             if block is None:
                 if not rejected:  # a rejection raises without counting an OOM
                     self.ooms += 1
+                if self.history is not None:  # malloc's OOM entry: what the device had free, what was asked
+                    limit = self.capacity if self.capacity is not None else self.allowed_max
+                    free = 0 if limit is None else max(limit - self.reserved, 0)
+                    self.history.append(TraceEntry("oom", free, requested, stream, key))
                 return False
-        self.live[key] = self._alloc_found_block(block, size, stream, small, self._should_split(block, size))
+        block = self.live[key] = self._alloc_found_block(block, size, stream, small, self._should_split(block, size))
+        block.requested, block.key = requested, key
+        if self.history is not None:  # alloc_found_block: TraceEntry::ALLOC with the size asked for
+            self.history.append(TraceEntry("alloc", block.ptr, requested, stream, key))
         return True
 
     def _should_split(self, block: _Block, size: int) -> bool:
@@ -269,6 +325,8 @@ class CachingAllocatorModel:
         self.next_address += alloc_size
         self.cuda_segments += 1
         self._reserve(alloc_size)
+        if self.history is not None:  # alloc_block: TraceEntry::SEGMENT_ALLOC
+            self.history.append(TraceEntry("segment_alloc", block.ptr, alloc_size, stream, self._key))
         return block, False
 
     def _alloc_found_block(self, block: _Block, size: int, stream: int, small: bool, split: bool) -> _Block:
@@ -303,6 +361,8 @@ class CachingAllocatorModel:
             return  # an allocation that never happened (size 0, or out of memory)
         block.allocated = False
         self.allocated -= block.size
+        if self.history is not None:  # free: TraceEntry::FREE_REQUESTED
+            self.history.append(TraceEntry("free_requested", block.ptr, block.requested, block.stream, key))
         if block.uses:  # insert_events: one event per stream that used the block
             for stream in block.uses:
                 block.events += 1
@@ -336,6 +396,9 @@ class CachingAllocatorModel:
 
     def _free_block(self, block: _Block) -> None:
         """`free_block`: merge with free neighbours (`try_merge_blocks`), back into the pool."""
+        if self.history is not None:  # free_block: TraceEntry::FREE_COMPLETED
+            self.history.append(TraceEntry("free_completed", block.ptr, block.requested, block.stream, block.key))
+        block.requested, block.key = 0, None
         net = 0
         for neighbour in (block.prev, block.next):
             net -= self._merge(block, neighbour)
@@ -370,6 +433,8 @@ class CachingAllocatorModel:
         self._remove(block)
         self.reserved -= block.size
         self.cuda_segments -= 1
+        if self.history is not None:  # release_block: TraceEntry::SEGMENT_FREE
+            self.history.append(TraceEntry("segment_free", block.ptr, block.size, block.stream, None))
 
     def _release_available_cached_blocks(self, size: int, stream: int, small: bool) -> bool:
         """`release_available_cached_blocks`: with max_split_size set, free the smallest oversize
@@ -507,6 +572,8 @@ class CachingAllocatorModel:
         self._merge(block, block.next)
         self._insert(block)
         self._reserve(mapped)
+        if self.history is not None:  # map_block: TraceEntry::SEGMENT_MAP of the pages just mapped
+            self.history.append(TraceEntry("segment_map", segment.base + offset, mapped, block.stream, self._key))
         return True
 
     def _unmap_block(self, block: _Block) -> None:
@@ -535,6 +602,8 @@ class CachingAllocatorModel:
             self._insert(tail)
         block.ptr, block.size, block.mapped = segment.base + begin, end - begin, False
         self.reserved -= end - begin
+        if self.history is not None:  # unmap_block: TraceEntry::SEGMENT_UNMAP
+            self.history.append(TraceEntry("segment_unmap", block.ptr, block.size, block.stream, None))
         self._merge(block, block.prev)
         self._merge(block, block.next)
         self._insert_unmapped(block)
@@ -543,6 +612,30 @@ class CachingAllocatorModel:
     def segments(self) -> int:
         return self.cuda_segments + self.expandable_segments
 
+    def segment_states(self) -> tuple[SegmentState, ...]:
+        """The segments and their blocks now, in address order (`DeviceCachingAllocator::snapshot`: every block
+        from each segment's head; an expandable segment as one segment per contiguous mapped range)."""
+        blocks = {id(b): b for b in (*self.live.values(), *self.free_blocks.values(), *self.unmapped_blocks.values(),
+                                     *(b for queue in self.pending.values() for b in queue))}
+        pending = {id(b) for b in blocks.values() if not b.allocated and (b.events or b.uses)}
+        states = []
+        for head in sorted((b for b in blocks.values() if b.prev is None), key=lambda b: b.ptr):
+            run: list[BlockState] = []
+            block = head
+            while block is not None:
+                if block.mapped:
+                    state = ("active_allocated" if block.allocated
+                             else "active_pending_free" if id(block) in pending else "inactive")
+                    live = state != "inactive"
+                    run.append(BlockState(block.ptr, block.size, block.requested if live else 0, state,
+                                          block.key if live else None))
+                if run and (not block.mapped or block.next is None):
+                    states.append(SegmentState(run[0].address, sum(b.size_bytes for b in run), head.stream, head.small,
+                                               head.segment is not None, tuple(run)))
+                    run = []
+                block = block.next
+        return tuple(states)
+
 
 def _expandable_size(block: _Block) -> int:
     following = block.next
@@ -550,10 +643,14 @@ def _expandable_size(block: _Block) -> int:
 
 
 def replay(events: Iterable[Event], settings: AllocatorSettings = DEFAULT_SETTINGS, *,
-           capacity_bytes: int | None = None, device_total_bytes: int | None = None) -> AllocatorReplay:
+           capacity_bytes: int | None = None, device_total_bytes: int | None = None,
+           record_history: bool = False) -> AllocatorReplay:
     """Replay `events` on a fresh allocator; an allocation that runs out of memory ends the run
-    (torch raises there), and the figures are those reached until then."""
-    model = CachingAllocatorModel(settings, capacity_bytes=capacity_bytes, device_total_bytes=device_total_bytes)
+    (torch raises there), and the figures are those reached until then. `record_history`: keep the
+    allocator's trace entries and the segments at the end in the result."""
+    history: list[TraceEntry] | None = [] if record_history else None
+    model = CachingAllocatorModel(settings, capacity_bytes=capacity_bytes, device_total_bytes=device_total_bytes,
+                                  history=history)
     allocated_after, reserved_after = array("q"), array("q")
     malloc, free = model.malloc, model.free
     first_oom = None
@@ -580,4 +677,5 @@ def replay(events: Iterable[Event], settings: AllocatorSettings = DEFAULT_SETTIN
         allocated_end_bytes=model.allocated, reserved_end_bytes=model.reserved, segments=model.segments(),
         peak_inactive_split_bytes=model.peak_inactive_split, num_alloc_retries=model.retries,
         num_ooms=model.ooms, num_oom_rejections=model.rejections, first_oom_event=first_oom,
-        allocated_after=tuple(allocated_after), reserved_after=tuple(reserved_after))
+        allocated_after=tuple(allocated_after), reserved_after=tuple(reserved_after),
+        history=tuple(history or ()), segments_at_end=model.segment_states() if record_history else ())

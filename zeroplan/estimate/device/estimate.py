@@ -46,14 +46,17 @@ def _pieces(size: int, name: str, sizes: PieceSizes | None) -> list[int]:
     return [piece] * whole + ([rest] if rest else [])
 
 
-def ledger_events(ledger: Iterable[Moment], sizes: PieceSizes | None = None) -> list[Event]:
+def ledger_events(ledger: Iterable[Moment], sizes: PieceSizes | None = None,
+                  moments: list[int] | None = None) -> list[Event]:
     """The ledger as allocations and frees in program order (module docstring): a term grows by tensors of its
     kind's size (`sizes`; None: by one block each time), each one block the allocator hands out, keyed by (term,
-    category, piece)."""
+    category, piece). `moments`, if given, receives the index of each moment's first event."""
     pieces: dict[tuple[str, str], list[tuple[int, int]]] = {}  # (name, category) -> [(piece number, bytes)], oldest first
     counter = 0
     events: list[Event] = []
     for moment in ledger:
+        if moments is not None:
+            moments.append(len(events))
         now: dict[tuple[str, str], int] = {}
         for term in moment.terms:
             if term.category != "overhead":  # not a tensor: outside the allocator (figures.py adds it)
@@ -114,18 +117,20 @@ def outside_memory(training) -> int:
 
 def device_figures(result: MeshEstimate, training, gpu: GpuFacts | None = None, *,
                    settings: AllocatorSettings = DEFAULT_SETTINGS,
-                   environ: Mapping[str, str] | None = None) -> dict[str, DeviceFigures]:
+                   environ: Mapping[str, str] | None = None, record_history: bool = False) -> dict[str, DeviceFigures]:
     """Allocated, reserved and device bytes of each rank kind of `result` (by its label), on `gpu` (None: a GPU
     known by nothing, `UnnamedGpu`); `settings` are PYTORCH_CUDA_ALLOC_CONF's (with the recipe's default), `environ`
-    the NCCL_* and CUBLAS_WORKSPACE_CONFIG values the run sets."""
+    the NCCL_* and CUBLAS_WORKSPACE_CONFIG values the run sets; `record_history` keeps each replay's trace."""
     events = {rank.kind.label: ledger_events(rank.estimate.ledger, rank.estimate.piece_sizes) for rank in result.ranks}
     groups = process_groups(training.mesh, training.gpus, training.node_gpus)
     gpu = gpu or UnnamedGpu()
-    figures = gpu_figures(events, gpu, process_groups=groups, settings=settings, environ=environ)
+    figures = gpu_figures(events, gpu, process_groups=groups, settings=settings, environ=environ,
+                          record_history=record_history)
     short = {kind: events[kind] for kind, found in figures.items() if not found.fits}
     if short:  # what those ranks would need: the same replay on the same GPU without its limit
         unlimited = _Unlimited(gpu)
-        needs = gpu_figures(short, unlimited, process_groups=groups, settings=settings, environ=environ)
+        needs = gpu_figures(short, unlimited, process_groups=groups, settings=settings, environ=environ,
+                            record_history=record_history)
         figures |= {kind: replace(found, ran_out=True) for kind, found in needs.items()}
     return figures
 

@@ -27,6 +27,8 @@ from zeroplan.estimate.device.outside import OutsideTerm, ProcessGroup, cublas_w
 # the autograd engine's device thread (torch/csrc/autograd/engine.cpp, one thread per CUDA device),
 # both on the default stream: two workspaces.
 DEFAULT_CUBLAS_HANDLES = 2
+WORKSPACE_KEY = "zeroplan:cublas_workspace"
+"""The first part of the key of each cuBLAS workspace's allocation: (WORKSPACE_KEY, handle number)."""
 
 
 class GpuFacts(Protocol):
@@ -84,7 +86,7 @@ def gpu_figures(events_by_rank_kind: Mapping[str, Sequence[Event]], gpu: GpuFact
                 process_groups: Sequence[ProcessGroup], settings: AllocatorSettings = DEFAULT_SETTINGS,
                 cuda_version: tuple[int, int] | None = None, environ: Mapping[str, str] | None = None,
                 cublas_handles: int = DEFAULT_CUBLAS_HANDLES, module_loading: str = "lazy",
-                overrides: Mapping[str, int] | None = None) -> dict[str, DeviceFigures]:
+                overrides: Mapping[str, int] | None = None, record_history: bool = False) -> dict[str, DeviceFigures]:
     """Allocated, reserved and device bytes of each rank kind.
 
     events_by_rank_kind: rank kind (e.g. "rank0", "first-stage", "last-stage") -> that rank's
@@ -97,6 +99,7 @@ def gpu_figures(events_by_rank_kind: Mapping[str, Sequence[Event]], gpu: GpuFact
     environ: NCCL_* and CUBLAS_WORKSPACE_CONFIG values, if set.
     cublas_handles: cuBLAS workspaces allocated (one per thread and stream running matmuls).
     overrides: bytes for any outside term by name (outside.outside_terms).
+    record_history: keep each replay's trace and its segments at the end (allocator.py; snapshot.py draws them).
     """
     environ = environ or {}
     outside = rank_outside_terms(gpu, process_groups, cuda_version=cuda_version, environ=environ,
@@ -110,8 +113,9 @@ def gpu_figures(events_by_rank_kind: Mapping[str, Sequence[Event]], gpu: GpuFact
                        for i in range(cublas_handles))
     figures = {}
     for kind, events in events_by_rank_kind.items():
-        stream = [Alloc(("zeroplan:cublas_workspace", i), workspace) for i in range(cublas_handles)] + list(events)
-        result = replay(stream, settings, capacity_bytes=capacity, device_total_bytes=gpu.memory_bytes)
+        stream = [Alloc((WORKSPACE_KEY, i), workspace) for i in range(cublas_handles)] + list(events)
+        result = replay(stream, settings, capacity_bytes=capacity, device_total_bytes=gpu.memory_bytes,
+                        record_history=record_history)
         figures[kind] = DeviceFigures(kind, tensor_peak(events), result.peak_allocated_bytes, result.peak_reserved_bytes,
                                       result.peak_reserved_bytes + outside_bytes, capacity, workspaces, outside, result)
     return figures
