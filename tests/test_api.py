@@ -123,7 +123,7 @@ def test_checks_that_the_command_made_itself_are_the_api_s():
 
 def test_render_checks_its_format_and_units():
     result = zeroplan.estimate("gpt2", gpus=2)
-    with pytest.raises(FieldError, match=r"^format: 'yaml' is not one of table, json, csv, markdown$"):
+    with pytest.raises(FieldError, match=r"^format: 'yaml' is not one of table, json, csv, markdown, html$"):
         result.render("yaml")
     with pytest.raises(FieldError, match=r"^units: 'KiB' is not one of"):
         result.render("table", "KiB")
@@ -158,7 +158,7 @@ def test_the_measure_command_prints_the_api_s_report(monkeypatch):
     printed = CliRunner().invoke(cli, ["measure", *args, "--format", "json"])
     assert printed.stdout == report.render("json") == json.dumps(report.to_dict(), indent=2) + "\n"
     assert CliRunner().invoke(cli, ["measure", *args]).stdout == report.render("table")
-    with pytest.raises(FieldError, match=r"^format: 'csv' is not one of table, json$"):
+    with pytest.raises(FieldError, match=r"^format: 'csv' is not one of table, json, html$"):
         report.render("csv")
 
 

@@ -31,9 +31,9 @@ def _checked(output_format: str, units: str, formats: tuple[str, ...]) -> None:
 
 
 def _formats() -> tuple[str, ...]:
-    from zeroplan.report.common import FORMATS
+    from zeroplan.report.common import REPORT_FORMATS
 
-    return FORMATS
+    return REPORT_FORMATS
 
 
 class EstimateResult:
@@ -74,8 +74,9 @@ class EstimateResult:
         return self._data.get("fits")
 
     def render(self, format: str = "table", units: str = "GiB", explain: bool = False) -> str:  # noqa: A002 - the option's name
-        """As `zeroplan estimate --format FORMAT --units UNITS [--explain]` prints it: table, json, csv or markdown;
-        `explain` adds the terms live at the peak (the JSON always has them)."""
+        """As `zeroplan estimate --format FORMAT --units UNITS [--explain]` prints it: table, json, csv, markdown or
+        html (one self-contained page); `explain` adds the terms live at the peak (the JSON and the page always have
+        them)."""
         _checked(format, units, _formats())
         from zeroplan.report.estimate import render_estimate
 
@@ -152,7 +153,7 @@ class PlanResult:
 class MeasureReport:
     """`zeroplan.measure(...)`: what every rank measured beside the estimate, with the errors."""
 
-    FORMATS = ("table", "json")
+    FORMATS = ("table", "json", "html")
 
     def __init__(self, data: dict[str, Any], comparison: MeasuredComparison):
         self._data, self.comparison = data, comparison
@@ -172,12 +173,16 @@ class MeasureReport:
         return self._data["peak"]
 
     def render(self, format: str = "table", units: str = "GiB") -> str:  # noqa: A002
-        """As `zeroplan measure --format FORMAT --units UNITS` prints it: table or json."""
+        """As `zeroplan measure --format FORMAT --units UNITS` prints it: table, json or html (one page)."""
         _checked(format, units, self.FORMATS)
         if format == "json":
             import json
 
             return json.dumps(self._data, indent=2) + "\n"
+        if format == "html":
+            from zeroplan.report.html.measure import measure_page
+
+            return measure_page(self._data, units)
         from zeroplan.report.measure import render_table
 
         return render_table(self._data, self.comparison, units)

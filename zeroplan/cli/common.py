@@ -16,7 +16,7 @@ import click
 
 from zeroplan.cli.lora_options import LORA_OPTIONS
 from zeroplan.errors import FieldError, SpecError, ZeroplanError
-from zeroplan.report.common import FORMATS
+from zeroplan.report.common import REPORT_FORMATS
 from zeroplan.spec.program import ActivationOffload, GradSync, Loss, ModelInit, OptimizerImpl, Recipe
 from zeroplan.spec.training import (
     Attention,
@@ -220,7 +220,7 @@ def units_option(default: str = "GiB", more_help: str = "") -> Callable[[F], F]:
 
 
 OUTPUT_OPTIONS = [
-    click.option("--format", "output_format", type=click.Choice(FORMATS), default="table", show_default=True, help="Output format; json is a stable contract with sizes in bytes."),
+    click.option("--format", "output_format", type=click.Choice(REPORT_FORMATS), default="table", show_default=True, help="Output format; json is a stable contract with sizes in bytes."),
     units_option(),
 ]
 

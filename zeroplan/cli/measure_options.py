@@ -28,8 +28,9 @@ MEASURE_OPTIONS = [
                  help="Seconds before every worker is stopped."),
     click.option("--implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True,
                  help="Model code: hf (transformers), reference (zeroplan's own), auto (hf where installed)."),
-    click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table", show_default=True,
-                 help="Output on stdout; json is a stable contract with sizes in bytes."),
+    click.option("--format", "output_format", type=click.Choice(["table", "json", "html"]), default="table",
+                 show_default=True, help="Output on stdout; json is a stable contract with sizes in bytes; html one "
+                 "self-contained page of it."),
     click.option("--output", type=click.Path(dir_okay=False), metavar="FILE",
                  help="Also write the JSON to FILE (atomically; nothing is written when the run fails); - writes it to "
                       "standard output and the table to standard error."),

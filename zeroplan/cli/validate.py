@@ -39,9 +39,12 @@ from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S
               help="JSON report, also the measurement cache [default: docs/accuracy.json; docs/accuracy_gpu.json with nccl].")
 @click.option("--reasons", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Why rows miss the targets: \"row id or glob\" = \"reason\" [default: the checkout's docs/accuracy_reasons.toml].")
+@click.option("--format", "output_format", type=click.Choice(["table", "html"]), default="table", show_default=True,
+              help="What standard output gets at the end: the table of the rows run, or the whole JSON report as one "
+                   "self-contained HTML page (the error distribution, every row, the published runs).")
 @units_option("MiB", " The terminal's table and progress lines; the markdown report is in MiB.")
 def command(patterns, quick, grid_name, skip_deepspeed_offload, backend, measure, steps, timeout_s, output_md, output_json,
-            reasons, units):
+            reasons, output_format, units):
     """Estimate and measure a grid of configurations (models x engines x stages x precision x offload x
     checkpointing x batch x world size), one row at a time, and report the estimate's error per row
     and category with its distribution. Measurements are cached by row id in the JSON report.
@@ -52,6 +55,7 @@ def command(patterns, quick, grid_name, skip_deepspeed_offload, backend, measure
       zeroplan validate --quick                      # the CI slice, a couple of minutes
       zeroplan validate --rows 'tiny-llama/fsdp2-*'  # re-measure some rows, keep the rest
       zeroplan validate --measure none               # re-estimate against cached measurements
+      zeroplan validate --measure none --format html > accuracy.html
       zeroplan validate --backend nccl               # the same grid on 2 GPUs
       zeroplan validate --backend nccl --grid gpu-8  # allocated/reserved/device on 8 GPUs
     """
@@ -108,7 +112,13 @@ def command(patterns, quick, grid_name, skip_deepspeed_offload, backend, measure
     whole = measure == "all" and len(selected) == len(grid)
     report = update(time.monotonic() - started if whole else None)
     shown = v.Report([r for r in report.rows if r.row in selected], backend, command_text, steps)
-    click.echo(render_terminal(shown, report, units))
+    if output_format == "html":
+        from zeroplan.report.accuracy import report_json
+        from zeroplan.report.html.validate import validate_page
+
+        click.echo(validate_page(report_json(report), units), nl=False)
+    else:
+        click.echo(render_terminal(shown, report, units))
     failed = [r.row.id for r in shown.rows if r.status == "failed"]
     click.echo(f"wrote {output_md} and {output_json}", err=True)
     if failed:  # a grid with holes is not a result: the status says so, not only the text

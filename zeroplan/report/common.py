@@ -8,6 +8,8 @@ from typing import Any
 from zeroplan.spec.units import bytes_in_unit
 
 FORMATS = ("table", "json", "csv", "markdown")
+REPORT_FORMATS = (*FORMATS, "html")
+"""The formats of estimate, compare and plan: html is one self-contained page of the JSON (report/html/)."""
 
 CATEGORY_LABELS = {
     "params": "params",

@@ -14,6 +14,10 @@ def render_mesh_plan(data: dict[str, Any], output_format: str = "table", units: 
         import json
 
         return json.dumps(data, indent=2) + "\n"
+    if output_format == "html":
+        from zeroplan.report.html.plan import plan_page
+
+        return plan_page(data, units)
     markdown = output_format == "markdown"
     rows = [[row["rank"], f"tp {row['mesh']['tp']} cp {row['mesh']['cp']} pp {row['mesh']['pp']}"
              + (f" {row['mesh']['pp_schedule']}" if row["mesh"]["pp"] > 1 else "") + f" dp {row['mesh']['dp_shard']}"

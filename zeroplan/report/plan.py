@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate.serialize import per_gpu_to_dict, per_node_to_dict
-from zeroplan.report.common import FORMATS, amount, table
+from zeroplan.report.common import FORMATS, REPORT_FORMATS, amount, table
 
 if TYPE_CHECKING:
     from zeroplan.plan.search import Plan, RankedConfig
@@ -73,6 +73,10 @@ def _assumption_lines(plan: Plan) -> list[str]:
 def render_plan(plan: Plan, fmt: str = "table", units: str = "GiB") -> str:
     if fmt == "json":
         return json.dumps(plan_to_dict(plan), indent=2) + "\n"
+    if fmt == "html":
+        from zeroplan.report.html.plan import plan_page
+
+        return plan_page(plan_to_dict(plan), units)
     configs = list(plan.top)
     if fmt == "csv":
         out = io.StringIO()
@@ -86,7 +90,7 @@ def render_plan(plan: Plan, fmt: str = "table", units: str = "GiB") -> str:
                              f"{config.cost.step_s:.6g}", f"{data['gpu_seconds_per_million_tokens']:.6g}", data["reason"]])
         return out.getvalue()
     if fmt not in FORMATS:
-        raise SpecError(f"--format: unknown format {fmt!r}; use {', '.join(FORMATS)}")
+        raise SpecError(f"--format: unknown format {fmt!r}; use {', '.join(REPORT_FORMATS)}")
     limits = plan.limits
     lines = [
         f"{plan.model_name}: {amount(limits.gpu_memory_bytes, units)} {units} per GPU, budget {amount(limits.budget_bytes, units)} {units} "
