@@ -42,30 +42,3 @@ def render_mesh_estimate(data: dict[str, Any], output_format: str = "table", uni
     out = [describe_mesh(data["mesh"]), "", f"{heading}Per GPU at the peak, by rank kind ({units})",
            _ranks_table(data, units, markdown), "", f"{heading}Worst rank: {worst}", ""]
     return "\n".join(out) + render_estimate(data, output_format, units)
-
-
-def render_mesh_plan(data: dict[str, Any], output_format: str = "table", units: str = "GiB") -> str:
-    """`data` from `zeroplan.plan.mesh.mesh_plan_to_dict`: json, or one row per mesh with why it ranks there."""
-    if output_format == "json":
-        import json
-
-        return json.dumps(data, indent=2) + "\n"
-    markdown = output_format == "markdown"
-    rows = [[row["rank"], f"tp {row['mesh']['tp']} cp {row['mesh']['cp']} pp {row['mesh']['pp']}"
-             + (f" {row['mesh']['pp_schedule']}" if row["mesh"]["pp"] > 1 else "") + f" dp {row['mesh']['dp_shard']}"
-             + (f" x {row['mesh']['dp_replicate']} replicas" if row["mesh"]["dp_replicate"] > 1 else "")
-             + (f" ep {row['mesh']['ep']}" if row["mesh"]["ep"] > 1 else ""),
-             f"ZeRO-{row['zero_stage']}", row["checkpointing"], row["micro_batch"], row["grad_accum"],
-             amount(row["per_gpu"]["peak"], units), f"{row['tokens_per_s_per_gpu']:,.0f}", row["reason"]]
-            for row in data["top"]]
-    # fitting and cost_bounded count mesh and checkpointing choices; evaluated counts fit checks (one per
-    # micro-batch the search tried of a choice)
-    head = (f"{data['model']} on {data['gpus']} GPUs: {data['fitting']:,} mesh and checkpointing choices fit in "
-            f"{amount(data['budget'], units)} {units} per GPU ({data['evaluated']:,} fit checks)")
-    if data.get("cost_bounded"):
-        head += (f"; {data['cost_bounded']:,} more could not rank in the top {len(data['top'])} at any micro-batch "
-                 "(a bound on their cost) and were not checked")
-    if not rows:
-        return head + "; none fits\n"
-    return head + "\n\n" + table(rows, ["#", "mesh", "stage", "ckpt", "micro", "accum", f"worst peak {units}",
-                                          "tokens/s/GPU", "why"], markdown, left=2) + "\n"
