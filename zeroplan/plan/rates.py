@@ -2,7 +2,8 @@
 
 A GPU's memory, datasheet peak and bandwidths come from its preset (zeroplan/data/gpus/); its
 compute rates from zeroplan/data/gpu_speeds/ (one file per preset, each figure sourced there):
-- the maximum achievable matmul rate (MAMF, measured over many torch.mm shapes) in bf16 and FP8;
+- the maximum achievable matmul rate (MAMF, measured over many torch.mm shapes) in bf16 (and FP8, for reference);
+- the speed of a float8 linear over a bf16 one, casts and scaling included (torchao's measurement);
 - the FlashAttention utilisation of the GPU (forward and backward);
 - the model FLOPs utilisation a well-tuned training step reaches on the GPU kind (`step_mfu`),
   from a published run that the published throughput table (tests/data/throughput.toml) does not
@@ -46,6 +47,8 @@ class GpuSpeeds(BaseModel):
     matmul_bf16_tflops: float = Field(gt=0, description="Maximum achievable bf16 matmul TFLOPS (measured).")
     matmul_fp8_tflops: float = Field(ge=0, description="Maximum achievable FP8 matmul TFLOPS (0: none measured).")
     matmul_source: str
+    float8_linear_speedup: float = Field(ge=0, description="A float8 linear's speed over a bf16 one, casts included (0: none).")
+    float8_source: str
     attention_utilization: float = Field(gt=0, le=1, description="FlashAttention forward+backward share of peak.")
     attention_source: str
     step_mfu: float = Field(gt=0, le=1, description="Model FLOPs utilisation of a well-tuned training step.")
@@ -78,7 +81,8 @@ class Rates(BaseModel):
     gpu_flops_per_s: float = Field(gt=0, description="Peak dense BF16 FLOP/s of one GPU (datasheet).")
     fp32_flops_per_s: float = Field(gt=0, description="Peak FP32 FLOP/s (datasheet): the peak of an fp32 run.")
     matmul_flops_per_s: float = Field(gt=0, description="Maximum achievable bf16 matmul FLOP/s (measured).")
-    fp8_matmul_flops_per_s: float = Field(0.0, ge=0, description="Maximum achievable FP8 matmul FLOP/s (0: none).")
+    float8_linear_speedup: float = Field(0.0, ge=0, description="A float8 linear's speed over a bf16 one, casts and "
+                                         "scaling included, measured (0: none measured, float8 refused).")
     step_efficiency: float = Field(gt=0, le=1, description="Model FLOPs utilisation of a well-tuned step's compute.")
     attention_utilization: float = Field(gt=0, le=1, description="FlashAttention forward+backward share of peak.")
     hbm_bytes_per_s: float = Field(gt=0, description="GPU memory bandwidth, bytes/s (datasheet).")
@@ -101,6 +105,13 @@ class Rates(BaseModel):
         description="NVMe bandwidth per node, bytes/s: one PCIe Gen4 SSD, about 7 GB/s sequential "
         "(e.g. Samsung 990 PRO datasheet: 7,450 MB/s read).",
     )
+    ring_base_latency_s: float = Field(
+        8.4e-6, ge=0, description="Latency of launching one ring collective (NCCL src/graph/tuning.cc baseLat, Ring, "
+        "Simple protocol: 8.4 us).")
+    ring_step_latency_intra_s: float = Field(
+        3.4e-6, ge=0, description="Latency of one ring step over NVLink (NCCL tuning.cc hwLat, NVLink, Ring, Simple: 3.4 us).")
+    ring_step_latency_inter_s: float = Field(
+        14e-6, ge=0, description="Latency of one ring step over the network (NCCL tuning.cc hwLat, NET, Ring, Simple: 14 us).")
     compile: bool = Field(False, description="torch.compile on the model: its compute runs COMPILE_SPEEDUP faster.")
     float8: bool = Field(False, description="float8 linears (torchao): their matmuls at the FP8 matmul rate.")
     async_tp: bool = Field(False, description="Async tensor parallelism: TP collectives overlap the block's matmuls.")
@@ -144,7 +155,7 @@ def rates_for(gpu, **overrides) -> Rates:
         "gpu_flops_per_s": gpu.bf16_flops_per_s,
         "fp32_flops_per_s": speeds.fp32_tflops * _TFLOPS,
         "matmul_flops_per_s": speeds.matmul_bf16_tflops * _TFLOPS,
-        "fp8_matmul_flops_per_s": speeds.matmul_fp8_tflops * _TFLOPS,
+        "float8_linear_speedup": speeds.float8_linear_speedup,
         "step_efficiency": speeds.step_mfu,
         "attention_utilization": speeds.attention_utilization,
         "hbm_bytes_per_s": gpu.hbm_bytes_per_s,
@@ -160,10 +171,10 @@ def rates_for(gpu, **overrides) -> Rates:
             value = value * scale
         if name == "gpu_flops_per_s":
             clock = value / values["gpu_flops_per_s"]
-            for scaled in ("fp32_flops_per_s", "matmul_flops_per_s", "fp8_matmul_flops_per_s"):
+            for scaled in ("fp32_flops_per_s", "matmul_flops_per_s"):
                 values[scaled] *= clock
         values[name] = value
-    if values.get("float8") and not values["fp8_matmul_flops_per_s"]:
-        known = ", ".join(name for name, speed in sorted(_speeds().items()) if speed.matmul_fp8_tflops)
-        raise FieldError("float8", f"no measured FP8 matmul rate for {gpu.name} (known for {known}); drop --float8")
+    if values.get("float8") and not values["float8_linear_speedup"]:
+        known = ", ".join(name for name, speed in sorted(_speeds().items()) if speed.float8_linear_speedup)
+        raise FieldError("float8", f"no measured float8 linear speedup for {gpu.name} (known for {known}); drop --float8")
     return Rates.model_validate(values)

@@ -11,7 +11,8 @@ Terms of one optimizer step of `grad_accum` micro-batches on the slowest rank:
 - compute: matmul FLOPs at the GPU's step efficiency (published MFU), scaled by the roofline of the
   micro-batch's matmul shapes (a matmul whose operands take longer to read from HBM than to multiply runs
   at the memory's pace: Williams et al. 2009, "Roofline"), and FlashAttention at its own utilisation;
-  float8 runs the blocks' linears at the FP8 matmul rate, torch.compile the compute COMPILE_SPEEDUP faster.
+  float8 runs the blocks' linears at torchao's measured float8 speed, torch.compile the compute COMPILE_SPEEDUP
+  faster.
 - recompute: the checkpointing policy's FLOPs (zeroplan/plan/work.py), at the same rates.
 - data parallel: ring collectives ((N-1)/N of the data per rank, NCCL's ring algorithm) of ZeRO's volumes
   (Rajbhandari et al. 2020 section 7): stages 0-1 reduce gradients at the accumulation boundary (DeepSpeed
@@ -29,8 +30,8 @@ Terms of one optimizer step of `grad_accum` micro-batches on the slowest rank:
   (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce`), under backward too.
 - tp: with or without sequence parallelism four collectives per block and pass moving (t-1)/t of the
   block's activations (Korthikanti et al. 2022 section 4.2.2), on the critical path unless async TP
-  decomposes them under the block's matmuls (Wang et al. 2022, "Overlap communication with dependent
-  computation via decomposition"; torchtitan enable_async_tensor_parallel).
+  decomposes them into tp chunks under the block's matmuls (Wang et al. 2022, "Overlap communication with
+  dependent computation via decomposition"; torchtitan enable_async_tensor_parallel): the first chunk exposed.
 - cp: the ring passes keys and values cp - 1 times per block in forward, and keys, values and their
   gradients in backward (torch _context_parallel/_attention.py), under the attention of the block held
   (ring attention: Liu et al. 2023); DeepSpeed's Ulysses all-to-alls q, k, v and the output (Jacobs et al.
@@ -44,7 +45,8 @@ Terms of one optimizer step of `grad_accum` micro-batches on the slowest rank:
   (Rajbhandari et al. 2021), NVMe swapping; not overlapped.
 - optimizer: the update reads and writes the master weights and states and reads the gradient, over HBM,
   or over the node's CPU memory (shared by its GPUs) when offloaded (DeepSpeed's CPU Adam is memory-bound).
-A collective over a group whose GPUs span more than a node runs at the network's bandwidth per GPU, once.
+A collective over a group whose GPUs span more than a node runs at the network's bandwidth per GPU, once, and
+pays NCCL's ring latency (`ring_latency`) per call: one per FSDP unit, bucket or TP collective.
 """
 
 from __future__ import annotations
@@ -110,6 +112,17 @@ def _link(span: int, training: TrainingSpec, rates: Rates) -> float:
     return rates.intra_node_bytes_per_s if span <= training.node_gpus else rates.inter_node_bytes_per_s
 
 
+def ring_latency(ranks: int, span: int, training: TrainingSpec, rates: Rates) -> float:
+    """The latency of one ring all-gather or reduce-scatter over `ranks` GPUs spanning `span` consecutive ones, as
+    NCCL's tuning model adds it (src/graph/tuning.cc `ncclTopoTuneModel`: the base latency, then each of the
+    ranks - 1 steps at the latency of its hop, nodes - 1 of them across the network)."""
+    if ranks <= 1:
+        return 0.0
+    nodes = max(1, -(-span // training.node_gpus))
+    return (rates.ring_base_latency_s + (ranks - nodes) * rates.ring_step_latency_intra_s
+            + (nodes - 1) * rates.ring_step_latency_inter_s)
+
+
 def _updated_weight_bytes(sizes: StateBytes) -> int:
     """Bytes of the weight the optimizer updates: the fp32 master in mixed precision, else the parameter."""
     return sizes.master or sizes.param
@@ -158,12 +171,13 @@ class StepModel:
         # FlashAttention at its own utilisation, keeping the share of the matmul rate the step keeps
         self.attention_rate = peak * rates.attention_utilization * rates.step_efficiency / rates.matmul_efficiency * speed
         self.roofline_rate = peak * rates.matmul_efficiency  # what a matmul reaches when it is compute-bound
-        fp8 = rates.fp8_matmul_flops_per_s / rates.matmul_flops_per_s if rates.float8 else 1.0
-        # float8 linears: the blocks' matmuls at the FP8 rate, the head's at bf16 (torchtao's converters skip it)
+        fp8 = rates.float8_linear_speedup if rates.float8 else 1.0
+        # float8 linears: the blocks' linears at the measured float8 speed, the head's at bf16 (torchtitan's float8
+        # converter skips the output layer: components/quantization/float8.py `filter_fqns` default ["output"])
         self.matmul_scale = self.work.linear_share / fp8 + (1 - self.work.linear_share)
         self.units = slowest.layers + 2 if self.work.shape.q_width else 2  # blocks, embedding and head units
         self.sizes = sizes = state_bytes(training.precision, training.optimizer)
-        self.collectives = self._collectives(training, rates, slowest.params, slowest.trained_params, sizes)
+        self.collectives = self._collectives(training, rates, slowest, sizes)
         self.offload_step, self.offload_micro, self.optimizer_s = self._offload(training, rates, slowest, sizes)
         self._mesh_traffic(model, training, rates)
 
@@ -211,9 +225,9 @@ class StepModel:
         step_data_parallel = (exposed(c.step_forward, forward, c.units) + exposed(c.step_backward, backward, c.units)
                               + c.step_exposed)
         replicate = exposed(c.replicate, backward, c.units) * (grad_accum if c.replicate_per_micro else 1)
-        tp = self.tp_bytes_per_token * tokens / self.tp_link
-        if rates.async_tp:
-            tp = max(0.0, tp - matmul - recompute)
+        tp = self.tp_bytes_per_token * tokens / self.tp_link + self.tp_latency
+        if rates.async_tp:  # each collective cut in tp chunks, each under a chunk of its matmul (the first exposed)
+            tp = exposed(tp, matmul + recompute, self.tp)
         cp = self.cp_bytes_per_token * tokens / self.cp_link
         if self.cp_ring:
             cp = exposed(cp, attention + recompute_attention, self.cp)
@@ -227,32 +241,37 @@ class StepModel:
         return sum(terms), terms
 
     # -- the choice's constants -------------------------------------------------------------------
-    def _collectives(self, training: TrainingSpec, rates: Rates, params: int, trained: int,
-                     sizes: StateBytes) -> _Collectives:
+    def _collectives(self, training: TrainingSpec, rates: Rates, slowest: Pace, sizes: StateBytes) -> _Collectives:
         mesh, gpus = training.mesh, training.gpus
+        params, trained = slowest.params, slowest.trained_params
         shards = mesh.fsdp_degree(gpus) if not mesh.is_trivial else gpus
         if shards <= 1 and mesh.dp_replicate <= 1:
             return _Collectives()
         span = mesh.tp * mesh.cp * mesh.dp_shard(gpus) if not mesh.is_trivial else gpus
         link = _link(span, training, rates)
         ring = (shards - 1) / shards
-        gather = ring * params * sizes.param / link  # every parameter the rank holds, for compute
-        reduce = ring * trained * sizes.grad / link  # the trained parameters' gradients
-        updated = ring * trained * sizes.param / link  # the updated shards, shared after the step
         stage, engine = training.zero_stage, training.engine
+        units = self.units  # FSDP2: one collective per unit (blocks, embedding, head)
+        if engine == Engine.DEEPSPEED and stage == 3:  # one per parameter tensor above the persistence threshold
+            units = float(slowest.gathered_tensors)
+        elif engine == Engine.DEEPSPEED:  # stages 1-2 reduce and gather in buckets of reduce_bucket_size elements
+            units = max(1.0, trained / training.deepspeed.reduce_bucket_size)
+        latency = units * ring_latency(shards, span, training, rates)
+        gather = ring * params * sizes.param / link + latency  # every parameter the rank holds, for compute
+        reduce = ring * trained * sizes.grad / link + latency  # the trained parameters' gradients
+        updated = ring * trained * sizes.param / link + latency  # the updated shards, shared after the step
         program = training.program
         pipeline = mesh.pp > 1
         # pipelines reduce once per step (torch pipelining stage.py: no gradient sync before the last backward)
         per_micro_sync = program.grad_sync == GradSync.EVERY and engine != Engine.DEEPSPEED and not pipeline
         overlap = training.deepspeed.overlap_comm if training.deepspeed.overlap_comm is not None else stage == 3
-        units = self.units
         replicate = 0.0
         if mesh.dp_replicate > 1:
             replicas = mesh.dp_replicate
             replicate = 2 * (replicas - 1) / replicas * trained / shards * sizes.grad / _link(gpus, training, rates)
         if stage == 0 or (stage == 1 and engine == Engine.TORCH):
-            all_reduce = 2 * reduce
             buckets = max(1.0, trained * sizes.grad / DDP_BUCKET_BYTES)
+            all_reduce = 2 * (reduce - latency + buckets * ring_latency(shards, span, training, rates))
             broadcast = updated if stage == 1 else 0.0  # ZeroRedundancyOptimizer broadcasts each updated shard
             if engine == Engine.DEEPSPEED and not overlap:
                 return _Collectives(step_exposed=all_reduce, units=buckets)
@@ -319,6 +338,7 @@ class StepModel:
         recompute = recompute_share(training, layers) if training.checkpointing == Checkpointing.FULL else 0.0
         passes = 2 + recompute  # forward, backward, and the recomputed forward of checkpointed blocks
         self.tp_bytes_per_token = self.cp_bytes_per_token = self.ep_bytes_per_token = self.pp_bytes_per_token = 0.0
+        self.tp_latency = 4 * layers * passes * ring_latency(mesh.tp, mesh.tp, training, rates)
         self.tp_link = _link(mesh.tp, training, rates)
         self.cp_link = _link(mesh.tp * mesh.cp, training, rates)
         self.ep_link = _link(mesh.ep, training, rates)

@@ -92,64 +92,112 @@ class Suggestion(NamedTuple):
     peak_bytes: int
 
 
-def suggest_changes(model, training: TrainingSpec, budget_bytes: int, max_gpus: int = MAX_SUGGESTED_GPUS) -> list[Suggestion]:
-    """For one configuration over `budget_bytes`: the first change of each kind that fits, each checked by an
-    estimate (`zeroplan.estimate.fit`, or the worst rank's on a mesh)."""
-    found: list[Suggestion] = []
+class _Option(NamedTuple):
+    what: str
+    change: str
+    fields: dict
 
-    def peak(changed: TrainingSpec) -> int | None:
+
+def _dimensions(training: TrainingSpec) -> list[list[_Option]]:
+    """The memory-saving changes of one configuration, each dimension's options weakest first: a smaller
+    micro-batch (the same sequences per step: accumulation makes up the rest), checkpointing, a higher ZeRO stage,
+    CPU offload."""
+    micro = [_Option(f"micro-batch {m} x {training.grad_accum * training.micro_batch // m} accumulation steps "
+                     "(the same batch)", f"--micro-batch {m} --grad-accum {training.grad_accum * training.micro_batch // m}",
+                     {"micro_batch": m, "grad_accum": training.grad_accum * training.micro_batch // m})
+             for m in (training.micro_batch // 2**k for k in range(1, training.micro_batch.bit_length()))
+             if m >= 1 and training.micro_batch % m == 0]
+    ckpt = [_Option(f"{mode.value} activation checkpointing", f"--checkpointing {mode.value}",
+                    {"checkpointing": mode, "checkpoint_every": None})
+            for mode in (Checkpointing.SELECTIVE, Checkpointing.OP, Checkpointing.FULL) if mode != training.checkpointing]
+    stages = [_Option(f"ZeRO stage {stage}", f"--zero {stage}", {"zero_stage": stage})
+              for stage in ENGINE_STAGES[training.engine] if stage > training.zero_stage]
+    offload = []
+    if training.engine == Engine.DEEPSPEED:
+        offload = [_Option("CPU offload of the optimizer states", "--offload-optimizer cpu",
+                           {"offload_optimizer": Offload.CPU, "zero_stage": max(training.zero_stage, 1)}),
+                   _Option("CPU offload of the optimizer and parameters (ZeRO-Infinity)",
+                           "--zero 3 --offload-optimizer cpu --offload-params cpu",
+                           {"offload_optimizer": Offload.CPU, "offload_params": Offload.CPU, "zero_stage": 3})]
+    elif training.engine == Engine.FSDP2:  # CPUOffloadPolicy moves parameters and optimizer together
+        offload = [_Option("CPU offload of the optimizer and parameters (FSDP2 CPUOffloadPolicy)",
+                           "--offload-optimizer cpu --offload-params cpu",
+                           {"offload_optimizer": Offload.CPU, "offload_params": Offload.CPU})]
+    return [dim for dim in (micro, ckpt, stages, offload) if dim]
+
+
+def suggest_changes(model, training: TrainingSpec, budget_bytes: int, max_gpus: int = MAX_SUGGESTED_GPUS) -> list[Suggestion]:
+    """For one configuration over `budget_bytes`: the smallest changes that fit, each checked by an estimate
+    (`zeroplan.estimate.fit`, or the worst rank's on a mesh). First the single changes (the weakest option of
+    each kind that fits, and the fewest GPUs by doubling); if none fits, the kinds combined: every kind's strongest
+    option, then each kind backed off to its weakest option that still fits, and the fewest GPUs with them."""
+    def peak(fields: dict) -> int | None:
         from zeroplan.estimate import fit
         from zeroplan.plan.mesh_fit import worst_within
 
         try:
+            changed = training.varied(**fields)
             if changed.mesh.is_trivial:
-                return fit(model, changed).peak_bytes
+                found = fit(model, changed).peak_bytes
+                return found if found <= budget_bytes else None
             worst = worst_within(model, changed, budget_bytes)
         except SpecError:
             return None
         return None if worst is None else worst.estimate.peak_bytes
 
-    def attempt(what: str, change: str, **fields) -> bool:
-        try:
-            changed = training.varied(**fields)
-        except SpecError:
-            return False
-        bytes_ = peak(changed)
-        if bytes_ is not None and bytes_ <= budget_bytes:
-            found.append(Suggestion(change, what, bytes_))
-            return True
-        return False
+    def fewest_gpus(fields: dict) -> tuple[int, int] | None:
+        gpus = training.gpus
+        while gpus * 2 <= max_gpus:
+            gpus *= 2
+            found = peak({**fields, "gpus": gpus})
+            if found is not None:
+                return gpus, found
+        return None
 
-    micro = training.micro_batch // 2
-    while micro >= 1:  # the same sequences per step: accumulation makes up the rest
-        accum = training.grad_accum * training.micro_batch // micro
-        if training.micro_batch % micro == 0 and attempt(
-                f"a smaller micro-batch ({micro}, {accum} accumulation steps for the same batch)",
-                f"--micro-batch {micro} --grad-accum {accum}", micro_batch=micro, grad_accum=accum):
-            break
-        micro //= 2
-    for mode in (Checkpointing.SELECTIVE, Checkpointing.OP, Checkpointing.FULL):
-        if mode != training.checkpointing and attempt(f"{mode.value} activation checkpointing",
-                                                      f"--checkpointing {mode.value}", checkpointing=mode,
-                                                      checkpoint_every=None):
-            break
-    for stage in ENGINE_STAGES[training.engine]:
-        if stage > training.zero_stage and attempt(f"ZeRO stage {stage}", f"--zero {stage}", zero_stage=stage):
-            break
-    if training.engine != Engine.TORCH and training.offload_optimizer == Offload.NONE:
-        stage = max(training.zero_stage, 1)
-        both = training.engine == Engine.FSDP2  # CPUOffloadPolicy moves parameters and optimizer together
-        if not (both and attempt("CPU offload of the optimizer and parameters (FSDP2 CPUOffloadPolicy)",
-                                 "--offload-optimizer cpu --offload-params cpu", offload_optimizer=Offload.CPU,
-                                 offload_params=Offload.CPU, zero_stage=max(stage, 2))):
-            if not attempt("CPU offload of the optimizer states", f"--offload-optimizer cpu --zero {stage}",
-                           offload_optimizer=Offload.CPU, zero_stage=stage) and training.engine == Engine.DEEPSPEED:
-                attempt("CPU offload of the optimizer and parameters (ZeRO-Infinity)",
-                        "--zero 3 --offload-optimizer cpu --offload-params cpu", zero_stage=3,
-                        offload_optimizer=Offload.CPU, offload_params=Offload.CPU)
-    gpus = training.gpus
-    while gpus * 2 <= max_gpus:
-        gpus *= 2
-        if attempt(f"{gpus} GPUs", f"--gpus {gpus}", gpus=gpus):
+    def describe(options: list[_Option], gpus: int | None, bytes_: int) -> Suggestion:
+        whats = [option.what for option in options] + ([f"{gpus} GPUs"] if gpus else [])
+        flags: dict[str, str] = {}  # an option given twice (ZeRO-Infinity's --zero 3 and a stage's) once
+        for option in options:
+            words = option.change.split()
+            flags.update(zip(words[::2], words[1::2]))
+        if gpus:
+            flags["--gpus"] = str(gpus)
+        return Suggestion(" ".join(f"{flag} {value}" for flag, value in flags.items()), " + ".join(whats), bytes_)
+
+    found: list[Suggestion] = []
+    dimensions = _dimensions(training)
+    for options in dimensions:
+        for option in options:
+            bytes_ = peak(option.fields)
+            if bytes_ is not None:
+                found.append(describe([option], None, bytes_))
+                break
+    more = fewest_gpus({})
+    if more:
+        found.append(describe([], *more))
+    if found:
+        return found
+    strongest = [options[-1] for options in dimensions]
+    combined = {key: value for option in strongest for key, value in option.fields.items()}
+    if peak(combined) is not None:  # back each kind off to its weakest option that still fits with the others
+        chosen = list(strongest)
+        for index, options in enumerate(dimensions):
+            for option in options:
+                trial = chosen[:index] + [option] + chosen[index + 1:]
+                if peak({key: value for o in trial for key, value in o.fields.items()}) is not None:
+                    chosen = trial
+                    break
+        for index in reversed(range(len(chosen))):  # and drop the kinds it fits without
+            trial = chosen[:index] + chosen[index + 1:]
+            if peak({key: value for o in trial for key, value in o.fields.items()}) is not None:
+                chosen = trial
+        fields = {key: value for option in chosen for key, value in option.fields.items()}
+        found.append(describe(chosen, None, peak(fields)))
+    for options in ([], [dim[-1] for dim in dimensions if "zero_stage" in dim[-1].fields][:1],
+                    [dim[-1] for dim in dimensions if {"zero_stage", "checkpointing"} & set(dim[-1].fields)][:2]):
+        # more GPUs: as configured, then with the highest stage, then with full checkpointing too
+        more = fewest_gpus({key: value for option in options for key, value in option.fields.items()})
+        if more:
+            found.append(describe(options, *more))
             break
     return found

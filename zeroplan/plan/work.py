@@ -100,21 +100,34 @@ class Pace:
     head: bool  # it holds the output head
     params: int  # parameters it holds before data-parallel sharding (what its FSDP unit gathers)
     trained_params: int
+    gathered_tensors: int  # its tensors DeepSpeed ZeRO-3 gathers one by one (above stage3_param_persistence_threshold)
 
 
 def pace(model, training: TrainingSpec) -> Pace:
     """The slowest pipeline rank of `training.mesh`: the most matmul work per micro-batch (blocks, and the
     head); its parameters as the estimate counts a rank's (`rank_params`)."""
     mesh = training.mesh
+    facts = model_facts(model, training)
+    threshold = training.deepspeed.stage3_param_persistence_threshold
     if mesh.is_trivial or not isinstance(model, TransformerSpec):
-        facts = model_facts(model, training)
         layers = model.num_layers if isinstance(model, TransformerSpec) else 1
-        return Pace(layers, True, _gathered(facts), facts.trainable_params)
+        return Pace(layers, True, _gathered(facts), facts.trainable_params, _large_tensors(facts, threshold, 1.0))
     shape = model_shape(model, training)
     kinds = rank_kinds(model, mesh, 1)
     slowest = max(kinds, key=lambda kind: kind.layers * shape.layer_params + kind.head * shape.head_params)
     held = max(rank_params(model, training, kind) for kind in kinds)
-    return Pace(slowest.layers, slowest.head, held, int(held * shape.trained_share))
+    return Pace(slowest.layers, slowest.head, held, int(held * shape.trained_share),
+                _large_tensors(facts, threshold, slowest.layers / model.num_layers))
+
+
+def _large_tensors(facts, threshold: int, block_share: float) -> int:
+    """Parameter tensors at or above DeepSpeed's persistence threshold (stage3.py: smaller ones stay whole on every
+    rank), the blocks' scaled to the share a rank holds."""
+    found = 0.0
+    for group in facts.groups:
+        large = sum(1 for tensor in group.tensors if tensor.numel >= threshold)
+        found += large * group.count * (block_share if group.role == "block" else 1.0)
+    return max(1, round(found))
 
 
 def _gathered(facts) -> int:
