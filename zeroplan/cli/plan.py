@@ -131,7 +131,7 @@ def command(**options: Any) -> None:
     rates, notes = rates_from_options(options, preset, model)
     if options["mesh_search"]:
         options = {**options, **{f"mesh_{name}": None for name in MESH_DIMENSIONS}}  # searched, not the base's
-    stages = space.zero_stages or ((2, 1, 3) if deepspeed_mesh else (0, 1, 2, 3))
+    stages = space.zero_stages or ((2, 1, 3) if deepspeed_mesh else (3, 2, 1, 0))  # the base validates; the search varies it
     base = base_training(options, stages, max(gpu_counts), model)
     if options["mesh_search"] and base.engine not in (Engine.FSDP2, Engine.DEEPSPEED):
         raise SpecError("--mesh: meshes are searched with FSDP2 (torchtitan) or DeepSpeed (AutoTP, Ulysses); give "

@@ -40,7 +40,7 @@ def measured_step_seconds(measure: dict) -> float:
             medians.append(statistics.median(steady))
     if not medians:
         raise FieldError("calibrate", "the measurement has no steady step times (ranks[].step_times_s from step 2 on): "
-                         "measure with --steps 3 or more")
+                         "a measurement of 3 steps or more is needed")
     return max(medians)
 
 

@@ -176,5 +176,5 @@ def rates_for(gpu, **overrides) -> Rates:
         values[name] = value
     if values.get("float8") and not values["float8_linear_speedup"]:
         known = ", ".join(name for name, speed in sorted(_speeds().items()) if speed.float8_linear_speedup)
-        raise FieldError("float8", f"no measured float8 linear speedup for {gpu.name} (known for {known}); drop --float8")
+        raise FieldError("float8", f"no measured float8 linear speedup for {gpu.name} (known for {known})")
     return Rates.model_validate(values)

@@ -39,7 +39,7 @@ from zeroplan.plan.policies import DEFAULT_POLICIES, Policy
 from zeroplan.plan.rates import Rates
 from zeroplan.plan.step_time import SharedWork, StepModel, StepTime
 from zeroplan.plan.work import Pace, pace, work
-from zeroplan.spec.mesh import MeshSpec
+from zeroplan.spec.mesh import MeshSpec, check_mesh
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import ENGINE_STAGES, Checkpointing, Engine, Offload, TrainingSpec, config_label
 
@@ -360,13 +360,28 @@ class Planner:
                     for opt, params in offloads:
                         for policy in space.checkpointing:
                             choice = Choice(stage, opt, params, policy.mode, gpus, mesh, policy.every)
-                            spec = self._checked(choice)
-                            if isinstance(spec, str):
-                                if spec not in notes:
-                                    notes.append(spec)
-                            else:
+                            refused = self.refused(choice)
+                            if refused is None:
                                 valid.append(choice)
+                            elif refused not in notes:
+                                notes.append(refused)
+        if not valid and notes:  # nothing to search: every candidate refused, and the first reason is the answer
+            raise SpecError(notes[0])
         return valid, notes
+
+    def refused(self, choice: Choice) -> str | None:
+        """Why the training spec or, on a mesh, the model's rules refuse `choice` (None: they accept it)."""
+        spec = self._checked(choice)
+        if isinstance(spec, str):
+            return spec
+        if choice.mesh.is_trivial:
+            return None
+        accum = max(self.base.grad_accum, 2 * choice.mesh.pp) if choice.mesh.pp > 1 else self.base.grad_accum
+        try:
+            check_mesh(self.model, self.training(choice, self.base.micro_batch, accum))
+        except SpecError as error:
+            return f"{self.describe(choice)} skipped: {error}"
+        return None
 
     def meshes(self, space: SearchSpace, gpus: int) -> list[MeshSpec]:
         """The meshes of `gpus` GPUs the space searches: the base's own (all ones without --mesh), or every
@@ -498,9 +513,10 @@ def _bisect_prefix(length: int, fits: Callable[[int], bool], hint: int | None) -
 
 
 def plan(model, base: TrainingSpec, space: SearchSpace, limits: Limits, rates: Rates, top: int = 5,
-         estimator: Estimator | None = None, planner: Planner | None = None) -> Plan:
+         estimator: Estimator | None = None, planner: Planner | None = None, cost_bound: bool = True) -> Plan:
     """Search `space` for configurations of `model` that fit `limits`, cheapest first: each choice shown once,
-    at its cheapest micro-batch."""
+    at its cheapest micro-batch. A mesh search checks choices cheapest first and leaves out those that cannot
+    rank in the top (`cost_bound`; without it every choice is checked: the same plan, tests/test_mesh_plan_speed.py)."""
     from zeroplan.plan.reasons import reason
     from zeroplan.plan.suggest import suggest
 
@@ -511,7 +527,7 @@ def plan(model, base: TrainingSpec, space: SearchSpace, limits: Limits, rates: R
         raise FieldError("global_batch", f"{space.global_batch} is not divisible by the GPU count ({counts})")
     planner = planner or Planner(model, base, rates, estimator)
     searching = space.mesh == "search"
-    evaluated, fitting, notes, bounded = planner.search(space, limits, top=top if searching else None)
+    evaluated, fitting, notes, bounded = planner.search(space, limits, top=top if searching and cost_bound else None)
     # A configuration whose memory twin is another choice (selective checkpointing under fused attention)
     # fits exactly where its twin does and costs at least as much (it only adds recomputation): counted, not ranked.
     candidates = [hit for hit in fitting if planner.memory_twin(hit.choice) == hit.choice]

@@ -123,15 +123,15 @@ def ring_latency(ranks: int, span: int, training: TrainingSpec, rates: Rates) ->
             + (nodes - 1) * rates.ring_step_latency_inter_s)
 
 
-def _updated_weight_bytes(sizes: StateBytes) -> int:
+def updated_weight_bytes(sizes: StateBytes) -> int:
     """Bytes of the weight the optimizer updates: the fp32 master in mixed precision, else the parameter."""
     return sizes.master or sizes.param
 
 
-def _optimizer_bytes_per_param(sizes: StateBytes) -> float:
+def optimizer_bytes_per_param(sizes: StateBytes) -> float:
     """Bytes the update touches per trained parameter: read and write the updated weight and each state, read
     the gradient at the weight's width, write the 16-bit working copy in mixed precision."""
-    weight = _updated_weight_bytes(sizes)
+    weight = updated_weight_bytes(sizes)
     return 2 * weight + 2 * sizes.optimizer_states + weight + (sizes.param if sizes.master else 0)
 
 
@@ -175,7 +175,8 @@ class StepModel:
         # float8 linears: the blocks' linears at the measured float8 speed, the head's at bf16 (torchtitan's float8
         # converter skips the output layer: components/quantization/float8.py `filter_fqns` default ["output"])
         self.matmul_scale = self.work.linear_share / fp8 + (1 - self.work.linear_share)
-        self.units = slowest.layers + 2 if self.work.shape.q_width else 2  # blocks, embedding and head units
+        # FSDP units: the blocks, the embedding and the head (a model known by its size: one per largest layer)
+        self.units = slowest.layers + 2 if self.work.shape.q_width else slowest.gathered_tensors
         self.sizes = sizes = state_bytes(training.precision, training.optimizer)
         self.collectives = self._collectives(training, rates, slowest, sizes)
         self.offload_step, self.offload_micro, self.optimizer_s = self._offload(training, rates, slowest, sizes)
@@ -309,7 +310,7 @@ class StepModel:
         element = sizes.param
         node_share = training.node_gpus  # GPUs of a node share its CPU memory and NVMe bandwidth
         step = micro = 0.0
-        optimizer_bytes = _optimizer_bytes_per_param(sizes) * trained_partition
+        optimizer_bytes = optimizer_bytes_per_param(sizes) * trained_partition
         if training.offload_optimizer != Offload.NONE:
             grads_out = trained_partition * element / rates.pcie_bytes_per_s
             step += trained_partition * element / rates.pcie_bytes_per_s  # the updated 16-bit parameters come back
@@ -319,7 +320,7 @@ class StepModel:
                 step += grads_out
             optimizer = optimizer_bytes / (rates.cpu_memory_bytes_per_s / node_share)
             if training.offload_optimizer == Offload.NVME:
-                swapped = (_updated_weight_bytes(sizes) + sizes.optimizer_states) * trained_partition
+                swapped = (updated_weight_bytes(sizes) + sizes.optimizer_states) * trained_partition
                 step += 2 * swapped / (rates.nvme_bytes_per_s / node_share)  # read and write back
         else:
             optimizer = optimizer_bytes / rates.hbm_bytes_per_s

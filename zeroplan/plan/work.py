@@ -60,10 +60,11 @@ class ModelShape:
 
 def model_shape(model, training: TrainingSpec) -> ModelShape:
     """`model`'s shape for the step-time model; `training` decides which parameters train (freeze, LoRA)."""
+    if not isinstance(model, TransformerSpec):  # a parameter count: every parameter a matmul weight, one block
+        trained = model.params if model.trainable_params is None else model.trainable_params
+        return ModelShape(1, float(model.params), 0, trained / model.params, 0, 0, 0, 0, False, 0, 1, 1, None, 0.0)
     facts = model_facts(model, training)
     trained_share = facts.trainable_params / facts.total_params if facts.total_params else 1.0
-    if not isinstance(model, TransformerSpec):  # a parameter count: every parameter a matmul weight, one block
-        return ModelShape(1, float(facts.total_params), 0, trained_share, 0, 0, 0, 0, False, 0, 1, 1, None, 0.0)
     h, vocab = model.hidden_size, model.vocab_size
     active = facts.total_params
     inner = model.intermediate_size
@@ -107,11 +108,14 @@ def pace(model, training: TrainingSpec) -> Pace:
     """The slowest pipeline rank of `training.mesh`: the most matmul work per micro-batch (blocks, and the
     head); its parameters as the estimate counts a rank's (`rank_params`)."""
     mesh = training.mesh
+    if not isinstance(model, TransformerSpec):  # a parameter count: gathered a largest layer at a time
+        trained = model.params if model.trainable_params is None else model.trainable_params
+        layers = -(-model.params // (model.largest_layer_params or model.params))
+        return Pace(1, False, model.params, trained, layers)
     facts = model_facts(model, training)
     threshold = training.deepspeed.stage3_param_persistence_threshold
-    if mesh.is_trivial or not isinstance(model, TransformerSpec):
-        layers = model.num_layers if isinstance(model, TransformerSpec) else 1
-        return Pace(layers, True, _gathered(facts), facts.trainable_params, _large_tensors(facts, threshold, 1.0))
+    if mesh.is_trivial:
+        return Pace(model.num_layers, True, _gathered(facts), facts.trainable_params, _large_tensors(facts, threshold, 1.0))
     shape = model_shape(model, training)
     kinds = rank_kinds(model, mesh, 1)
     slowest = max(kinds, key=lambda kind: kind.layers * shape.layer_params + kind.head * shape.head_params)
