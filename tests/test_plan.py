@@ -306,3 +306,24 @@ def test_search_is_exact_without_convexity(budget_gib):
         if _concave_standin(None, planner.training(choice, micro, accum)).peak_bytes <= limits.budget_bytes
     }
     assert found == brute
+
+
+def test_every_policy_is_searched_and_checkpoint_every_turns_full_into_every_nth_block():
+    runner = CliRunner()
+    common = ["plan", "llama-3.1-8b", "--gpu", "h100-80gb", "--gpus", "8", "--engine", "fsdp2", "--recipe", "torchtitan",
+              "--seq-len", "8192", "--format", "json", "--top", "60"]
+    rows = json.loads(runner.invoke(_cli(), common).stdout)["top"]
+    policies = {(row["checkpointing"], row["checkpoint_every"]) for row in rows}
+    assert {("op", None), ("full", 2), ("full", None), ("none", None)} <= policies  # op and every-2 by default
+    every = runner.invoke(_cli(), [*common, "--checkpointing", "full", "--checkpoint-every", "4"])
+    assert every.exit_code == 0, every.output
+    assert {(row["checkpointing"], row["checkpoint_every"]) for row in json.loads(every.stdout)["top"]} == {("full", 4)}
+    refused = runner.invoke(_cli(), [*common, "--checkpointing", "none,op", "--checkpoint-every", "4"])
+    assert refused.exit_code == 2
+    assert "--checkpoint-every chooses which blocks full checkpointing recomputes: put full in --checkpointing" in refused.output
+
+
+def test_a_gpu_count_that_is_no_multiple_of_a_node_is_searched():
+    result = CliRunner().invoke(_cli(), ["plan", "llama-3.1-8b", "--gpu", "h100-80gb", "--gpus", "24,12", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert {row["gpus"] for row in json.loads(result.stdout)["top"]} <= {24, 12}

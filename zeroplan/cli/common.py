@@ -39,6 +39,7 @@ OPTION_OF_FIELD = {
     "offloads": "--offload",
     "headroom": "--headroom",
     "global_batch": "--global-batch",
+    "checkpointing": "--checkpointing", "calibrate": "--calibrate", "float8": "--float8",
     "lora.targets": "--lora-targets", "lora.rank": "--lora-rank", "lora.modules_to_save": "--modules-to-save",
 }
 """The option that sets each field a library function names in a `FieldError` (the library knows
