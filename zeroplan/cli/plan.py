@@ -14,6 +14,7 @@ from zeroplan.cli.plan_options import step_options
 from zeroplan.plan.limits import MAX_MICRO_BATCH
 
 MESH_DIMENSIONS = ("tp", "cp", "pp", "ep", "dp_replicate")
+DEFAULT_CHECKPOINTING = "none,selective,op,full,every-2"
 
 
 @click.command("plan")
@@ -30,10 +31,10 @@ MESH_DIMENSIONS = ("tp", "cp", "pp", "ep", "dp_replicate")
 @click.option("--zero", "zero_stages", metavar="LIST", help="ZeRO stages to search [default: every stage the engine runs].")
 @click.option("--offload", "offloads", default="none,cpu", show_default=True, metavar="LIST",
               help="Offload targets to search (none, cpu, nvme); nvme also needs --nvme.")
-@click.option("--checkpointing", "checkpointing_modes", default="none,selective,op,full,every-2", show_default=True,
-              metavar="LIST", help="Activation checkpointing policies to search: none, selective, op (torchtitan's "
-              "per-op policy), full, every-N (full checkpointing of every Nth block); --checkpoint-every N turns full "
-              "into every-N.")
+@click.option("--checkpointing", "checkpointing_modes", default=None, metavar="LIST",
+              help="Activation checkpointing policies to search: none, selective, op (torchtitan's per-op policy), full, "
+              "every-N (full checkpointing of every Nth block); --checkpoint-every N turns full into every-N. "
+              "[default: none,selective,op,full,every-2; none,full with --emit torchtitan, what its TOML writes]")
 @click.option("--micro-batches", "micro_batches", type=click.Choice(["pow2", "all"]), default="pow2", show_default=True,
               help="Micro-batches searched: powers of two, or every whole number, up to --max-micro-batch.")
 @click.option("--max-micro-batch", "max_micro_batch", type=click.IntRange(1, MAX_MICRO_BATCH), default=1024, show_default=True, metavar="N",
@@ -95,7 +96,10 @@ def command(**options: Any) -> None:
     offload_choices = parse_choice_list(options["offloads"], "--offload", [o.value for o in Offload])
     if "nvme" in offload_choices and options["nvme"] is None:
         raise click.UsageError("--offload nvme needs --nvme SIZE, the NVMe space per node (e.g. --nvme 8TB)")
-    policies = [Policy.parse(text) for text in list_items(options["checkpointing_modes"], "--checkpointing")]
+    modes = options["checkpointing_modes"]
+    if modes is None:  # torchtitan v0.2.2's TOML states mode none or full (importers/torchtitan_write.py)
+        modes = "none,full" if emit and emit[0] == "torchtitan" else DEFAULT_CHECKPOINTING
+    policies = [Policy.parse(text) for text in list_items(modes, "--checkpointing")]
     if options["checkpoint_every"] is not None:  # full checkpointing of every Nth block, not of every block
         if Policy(Checkpointing.FULL) not in policies:
             raise click.UsageError("--checkpoint-every chooses which blocks full checkpointing recomputes: put full in "

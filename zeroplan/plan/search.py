@@ -205,7 +205,7 @@ class Planner:
                                     offload_params=choice.offload_params, checkpointing=Checkpointing.NONE,
                                     checkpoint_every=None, gpus=choice.gpus, mesh=choice.mesh)
         except SpecError as error:
-            return f"{self.describe(choice, policy=False)} skipped: {error}"
+            return str(error)
 
     def describe(self, choice: Choice, policy: bool = True) -> str:
         """A choice in a note: its label, mesh and GPU count."""
@@ -216,7 +216,7 @@ class Planner:
     def training(self, choice: Choice, micro_batch: int, grad_accum: int) -> TrainingSpec:
         checked = self._checked(choice)
         if isinstance(checked, str):
-            raise SpecError(checked)
+            raise SpecError(f"{self.describe(choice, policy=False)} skipped: {checked}")
         # the policy no validator reads (checkpoint_every with full, by construction), micro_batch and grad_accum
         # validated (>= 1) by construction here: copying skips re-validation
         return checked.model_copy(update={"checkpointing": choice.checkpointing, "checkpoint_every": choice.checkpoint_every,
@@ -340,7 +340,8 @@ class Planner:
     def choices(self, space: SearchSpace, limits: Limits) -> tuple[list[Choice], list[str]]:
         """Every valid choice of `space`, and a note for each combination skipped (one per reason)."""
         targets = [t for t in space.offload_targets if t != Offload.NVME or limits.nvme_bytes is not None]
-        valid, notes = [], []
+        valid: list[Choice] = []
+        reasons: dict[str, list[str]] = {}  # why candidates were refused: the choices described
         engine = self.base.engine
         for gpus in space.gpu_counts:
             for mesh in self.meshes(space, gpus):
@@ -363,24 +364,29 @@ class Planner:
                             refused = self.refused(choice)
                             if refused is None:
                                 valid.append(choice)
-                            elif refused not in notes:
-                                notes.append(refused)
-        if not valid and notes:  # nothing to search: every candidate refused, and the first reason is the answer
-            raise SpecError(notes[0])
+                            else:
+                                reasons.setdefault(refused[1], []).append(refused[0])
+        if not valid and reasons:  # nothing to search: every candidate refused, and the first reason is the answer
+            reason, described = next(iter(reasons.items()))
+            raise SpecError(f"{described[0]} skipped: {reason}")
+        # one note per reason, however many candidates it refused
+        notes = [f"{described[0]} skipped: {reason}" if len(described) == 1 else
+                 f"{len(described)} choices skipped (e.g. {described[0]}): {reason}" for reason, described in reasons.items()]
         return valid, notes
 
-    def refused(self, choice: Choice) -> str | None:
-        """Why the training spec or, on a mesh, the model's rules refuse `choice` (None: they accept it)."""
+    def refused(self, choice: Choice) -> tuple[str, str] | None:
+        """Why the training spec or, on a mesh, the model's rules refuse `choice`: (the choice described, the
+        reason); None where they accept it."""
         spec = self._checked(choice)
         if isinstance(spec, str):
-            return spec
+            return self.describe(choice, policy=False), spec
         if choice.mesh.is_trivial:
             return None
         accum = max(self.base.grad_accum, 2 * choice.mesh.pp) if choice.mesh.pp > 1 else self.base.grad_accum
         try:
             check_mesh(self.model, self.training(choice, self.base.micro_batch, accum))
         except SpecError as error:
-            return f"{self.describe(choice)} skipped: {error}"
+            return self.describe(choice), str(error)
         return None
 
     def meshes(self, space: SearchSpace, gpus: int) -> list[MeshSpec]:
