@@ -14,6 +14,10 @@ def estimate_from_options(options: dict[str, Any]) -> EstimateResult:
     parallelism), the worst at the top level (issue 14)."""
     from zeroplan.importers.options import input_notes, load_config, model_from_options, training_spec_from_options
 
+    from zeroplan.cli.grid_options import resolve_gpu
+    from zeroplan.api.pricing import priced
+
+    preset, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     config = load_config(options["config_file"])
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
@@ -24,9 +28,10 @@ def estimate_from_options(options: dict[str, Any]) -> EstimateResult:
 
     # one estimate per rank kind (tp, cp, pp, ep, HSDP: issue 14); plain data parallelism has one
     result = estimate_mesh(model, training)
-    data = estimate_to_dict(result, training, gpu_memory_bytes=options["gpu_memory"], notes=notes,
+    data = estimate_to_dict(result, training, gpu_memory_bytes=gpu_memory, notes=notes,
                             figures=gpu_figures_of(result, training))
-    return EstimateResult(data)
+    lines = priced(data, model, training, preset, gpu_memory, options)  # `step` (with --gpu), `suggestions` (issue 24)
+    return EstimateResult(data, lines)
 
 
 def gpu_figures_of(result, training):
