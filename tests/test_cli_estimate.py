@@ -309,7 +309,7 @@ BAD_INPUTS = {
     "neither MODEL nor --params": (["estimate"], r"missing MODEL"),
     "--largest-layer without --params": (["estimate", "gpt2", "--largest-layer", "1000"], r"--largest-layer and --trainable-params describe a --params model"),
     "largest layer above params": (["estimate", "--params", "1000", "--largest-layer", "2000"], r"largest_layer_params 2000 exceeds params 1000"),
-    "unknown option, close name suggested": (["estimate", "gpt2", "--gpu", "8"], r"No such option '--gpu'. \(?Did you mean (one of: .*)?'--gpus'"),
+    "unknown option, close name suggested": (["estimate", "gpt2", "--gpsu", "8"], r"No such option '--gpsu'. \(?Did you mean (one of: .*)?'--gpus'"),
     "unknown command": (["estimat"], r"No such command 'estimat'"),
 }
 

@@ -366,7 +366,8 @@ def test_the_mesh_plan_reason_is_left_aligned_and_wrapped():
     header = next(line for line in lines if line.lstrip().startswith("#"))
     assert header.endswith("why it ranks here")  # was "why", right-aligned over a column padded to ~300 characters
     column = header.index("why it ranks here")
-    rows = [line for line in lines[lines.index(header) + 2:] if line.strip()]
+    below = lines[lines.index(header) + 2:]
+    rows = [line for line in below[:next(i for i, line in enumerate(below) if line.startswith("assumptions"))] if line.strip()]
     assert rows and all(len(line) <= column + 80 for line in rows)
     first = next(line for line in rows if line.lstrip().startswith("1 "))
     assert first[column:].startswith("cheapest")  # left-aligned under its header

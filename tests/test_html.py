@@ -138,6 +138,17 @@ def test_estimate_page_has_phases_terms_ranks_and_the_gpu(tmp_path):
     assert "Fits in 80.00 GiB per GPU: yes" in "".join(page.text)
 
 
+def test_an_estimate_that_does_not_fit_shows_its_step_and_the_changes_that_would(tmp_path):
+    args = ["estimate", "llama-2-70b", "--gpus", "8", "--zero", "3", "--gpu", "h100-80gb"]
+    data = json.loads(run(*args, "--format", "json"))
+    assert data["fits"] is False and data["suggestions"]
+    page, _ = browse(tmp_path, run(*args, "--format", "html"))
+    shown = figures(page, data)
+    assert {f"suggestions.{i}.peak" for i in range(len(data["suggestions"]))} <= shown
+    assert {"step.seconds"} | {f"step.terms.{t}" for t, seconds in data["step"]["terms"].items() if seconds > 0} <= shown
+    assert "Fits in 80.00 GiB per GPU: no" in "".join(page.text)
+
+
 def test_a_mesh_estimate_shows_every_rank_kind(tmp_path):
     args = ["estimate", "llama-3-8b", "--gpus", "32", "--pp", "4", "--grad-accum", "8", "--zero", "3", "--engine",
             "fsdp2", "--recipe", "torchtitan", "--units", "GB"]
@@ -159,11 +170,10 @@ def test_plan_page_ranks_with_reasons(tmp_path, mesh):
     shown = figures(page, data)
     assert data["top"]
     for i, plan in enumerate(data["top"]):
-        assert {f"top.{i}.rank", f"top.{i}.reason", f"top.{i}.per_gpu.peak"} <= shown
-        costs = plan["cost_terms_s"] if mesh else {k: v for k, v in plan["step_seconds"].items() if k != "total"}
-        prefix = f"top.{i}.cost_terms_s" if mesh else f"top.{i}.step_seconds"
-        assert {f"{prefix}.{term}" for term, seconds in costs.items() if seconds > 0} <= shown
+        assert {f"top.{i}.rank", f"top.{i}.reason", f"top.{i}.per_gpu.peak", f"top.{i}.step.seconds"} <= shown
+        assert {f"top.{i}.step.terms.{term}" for term, seconds in plan["step"]["terms"].items() if seconds > 0} <= shown
         assert plan["reason"] in "".join(page.text)
+    assert {f"assumptions.{name}" for name in data["assumptions"]} <= shown
 
 
 def test_plan_page_when_nothing_fits_lists_the_changes(tmp_path):

@@ -20,6 +20,10 @@ def estimate_from_options(options: dict[str, Any], snapshot: str | None = None) 
         from zeroplan.spec.files import writable_file
 
         writable_file(snapshot, "--snapshot")
+    from zeroplan.cli.grid_options import resolve_gpu
+    from zeroplan.api.pricing import priced
+
+    preset, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     config = load_config(options["config_file"])
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
@@ -32,9 +36,10 @@ def estimate_from_options(options: dict[str, Any], snapshot: str | None = None) 
 
     # one estimate per rank kind (tp, cp, pp, ep, HSDP: issue 14); plain data parallelism has one
     result = estimate_mesh(model, training)
-    data = estimate_to_dict(result, training, gpu_memory_bytes=options["gpu_memory"], notes=notes,
+    data = estimate_to_dict(result, training, gpu_memory_bytes=gpu_memory, notes=notes,
                             figures=gpu_figures_of(result, training))
-    estimated = EstimateResult(data, result, training)
+    lines = priced(data, model, training, preset, gpu_memory, options)  # `step` (with --gpu), `suggestions` (issue 24)
+    estimated = EstimateResult(data, lines, result, training)
     if snapshot is not None:
         estimated.snapshot(snapshot)
     return estimated

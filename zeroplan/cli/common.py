@@ -8,13 +8,13 @@ over a `--config` file and the spec's defaults. Help texts are the spec's field 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import click
 
 from zeroplan.cli.lora_options import LORA_OPTIONS
+from zeroplan.cli.types import FiniteFloatRange
 from zeroplan.errors import FieldError, SpecError, ZeroplanError
 from zeroplan.report.common import REPORT_FORMATS
 from zeroplan.spec.program import ActivationOffload, GradSync, Loss, ModelInit, OptimizerImpl, Recipe
@@ -41,6 +41,7 @@ OPTION_OF_FIELD = {
     "offloads": "--offload",
     "headroom": "--headroom",
     "global_batch": "--global-batch",
+    "checkpointing": "--checkpointing", "calibrate": "--calibrate", "float8": "--float8",
     "lora.targets": "--lora-targets", "lora.rank": "--lora-rank", "lora.modules_to_save": "--modules-to-save",
 }
 """The option that sets each field a library function names in a `FieldError` (the library knows
@@ -106,16 +107,6 @@ class GpuMemoryType(click.ParamType):
             return gpu_memory_bytes(value, param.opts[0] if param else "size")
         except ZeroplanError as error:
             self.fail(str(error).split(": ", 1)[-1], param, ctx)
-
-
-class FiniteFloatRange(click.FloatRange):
-    """click's FloatRange without nan and infinity: its range checks compare, and nan passes every comparison."""
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return number
 
 
 def _help(field: str) -> str:
@@ -244,8 +235,9 @@ def estimate_option_list() -> list[Callable[[F], F]]:
     """Every option of `zeroplan estimate`: model, training, mesh, --gpu-memory, then --format and --units
     (also what `zeroplan.estimate(...)` reads its keyword arguments by: zeroplan/api/keywords.py)."""
     from zeroplan.cli.mesh_options import MESH_OPTIONS
+    from zeroplan.cli.plan_options import ESTIMATE_STEP_OPTIONS  # --gpu and the step-time model's (issue 24)
 
-    return MODEL_OPTIONS + TRAINING_OPTIONS + MESH_OPTIONS + [GPU_MEMORY_OPTION] + OUTPUT_OPTIONS
+    return MODEL_OPTIONS + TRAINING_OPTIONS + MESH_OPTIONS + [GPU_MEMORY_OPTION] + ESTIMATE_STEP_OPTIONS + OUTPUT_OPTIONS
 
 
 def output_options(function: F) -> F:

@@ -11,8 +11,9 @@ from typing import Any, TypeVar
 
 import click
 
-from zeroplan.cli.common import GPU_MEMORY_OPTION, MODEL_OPTIONS, OUTPUT_OPTIONS, TRAINING_OPTIONS, FiniteFloatRange, names_sources
+from zeroplan.cli.common import GPU_MEMORY_OPTION, MODEL_OPTIONS, OUTPUT_OPTIONS, TRAINING_OPTIONS, names_sources
 from zeroplan.cli.mesh_options import MESH_OPTIONS
+from zeroplan.cli.types import FiniteFloatRange
 from zeroplan.errors import SpecError
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import click
 
-from zeroplan.cli.common import MODEL_OPTIONS, TRAINING_OPTIONS, FiniteFloatRange, units_option
+from zeroplan.cli.common import MODEL_OPTIONS, TRAINING_OPTIONS, units_option
 from zeroplan.cli.mesh_options import MESH_OPTIONS
+from zeroplan.cli.types import FiniteFloatRange
 
 IMPLEMENTATIONS = ("auto", "hf", "reference")  # zeroplan.measure.workload.IMPLEMENTATIONS (that module imports torch)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from zeroplan.errors import SpecError
 from zeroplan.estimate.result import CATEGORY_NAMES
 from zeroplan.estimate.serialize import per_gpu_to_dict, per_node_to_dict
-from zeroplan.report.common import FORMATS, REPORT_FORMATS, amount, table
+from zeroplan.report.common import FORMATS, amount, table
 from zeroplan.spec.units import UNIT_POWERS
 
 if TYPE_CHECKING:
@@ -80,12 +80,8 @@ def render_comparison(comparison: Comparison, fmt: str = "table", units: str = "
                              data["per_node"]["nvme"], "" if data["saving_vs_stage0_percent"] is None else data["saving_vs_stage0_percent"],
                              "" if data["fits"] is None else data["fits"]])
         return out.getvalue()
-    if fmt == "html":
-        from zeroplan.report.html.compare import compare_page
-
-        return compare_page(comparison_to_dict(comparison), units)
     if fmt not in FORMATS:
-        raise SpecError(f"--format: unknown format {fmt!r}; use {', '.join(REPORT_FORMATS)}")
+        raise SpecError(f"--format: unknown format {fmt!r}; use {', '.join(FORMATS)}")
     headers = [h if h in ("config", "GPUs", "peak phase", "saving", "fits") else f"{h} ({units})" for h in _HEADERS]
     text = table(_table_rows(comparison, units), headers, markdown=fmt == "markdown")
     lines = [f"{comparison.model_name}: per-GPU memory at the peak, {units} ({UNIT_POWERS[units]} bytes); "

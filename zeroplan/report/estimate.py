@@ -227,10 +227,6 @@ def render_estimate(data: dict[str, Any], output_format: str = "table", units: s
         return json.dumps(data, indent=2) + "\n"
     if output_format == "csv":
         return _terms_csv(data, units) if explain else _estimate_csv(data, units)
-    if output_format == "html":  # the terms are always on the page
-        from zeroplan.report.html.estimate import estimate_page
-
-        return estimate_page(data, units, estimate_header(data) + ([describe_mesh(data["mesh"])] if _is_mesh(data) else []))
     return _estimate_text(data, units, markdown=output_format == "markdown", explain=explain)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from zeroplan.estimate.serialize import gpu_memory_left_bytes
 from zeroplan.report.common import CATEGORY_LABELS, amount
+from zeroplan.report.estimate import describe_mesh, estimate_header
 from zeroplan.report.html.page import (
     FIGURE_COLORS,
     Bar,
@@ -16,6 +17,7 @@ from zeroplan.report.html.page import (
     legend,
     notes,
     page,
+    palette,
     paragraph,
     section,
     size,
@@ -26,9 +28,11 @@ from zeroplan.report.html.page import (
 )
 
 
-def estimate_page(data: dict[str, Any], units: str, lead: list[str]) -> str:
-    """`data` from `estimate_to_dict` (what `--format json` prints) as a self-contained HTML page, under the lines
-    that say what was estimated (`lead`: report/estimate.py writes them, as for every format)."""
+def estimate_page(data: dict[str, Any], units: str = "GiB") -> str:
+    """`data` from `estimate_to_dict` (what `--format json` prints) as a self-contained HTML page."""
+    lead = estimate_header(data)
+    if len(data["ranks"]) > 1 or any(data["mesh"][d] > 1 for d in ("tp", "cp", "pp", "ep", "dp_replicate")):
+        lead.append(describe_mesh(data["mesh"]))
     return page(f"zeroplan estimate: {data['model']['name']}", lead, [
         peak_section(data, units),
         phases_section(data, units),
@@ -36,6 +40,7 @@ def estimate_page(data: dict[str, Any], units: str, lead: list[str]) -> str:
         terms_section(data, units),
         device_section(data, units),
         node_section(data, units),
+        step_section(data, units),
         section("Notes", notes(data["notes"])) if data["notes"] else "",
     ])
 
@@ -139,6 +144,23 @@ def device_section(data: dict[str, Any], units: str) -> str:
                    stacked_bars(bars, units, colors=FIGURE_COLORS, limit_bytes=data.get("gpu_memory"),
                                 limit_label="GPU memory"),
                    table(["outside the allocator", units, "source"], rows), facts)
+
+
+def step_section(data: dict[str, Any], units: str) -> str:
+    """With --gpu: the step's time by term (the planner's step-time model), and the smallest changes that would fit."""
+    parts = []
+    step = data.get("step")
+    if step is not None:
+        colors = palette(term for term, seconds in step["terms"].items() if seconds > 0)
+        bar = Bar(f"{step['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, {step['mfu']:.1%} MFU",
+                  [Part(term, seconds, f"step.terms.{term}") for term, seconds in step["terms"].items() if seconds > 0],
+                  step["seconds"], "step.seconds")
+        parts += [legend(colors, colors), stacked_bars([bar], units, colors=colors, shown=lambda s: f"{s:.3f} s")]
+    if data.get("suggestions"):
+        parts.append(table(["smallest change that would fit", "options", f"peak ({units})"], [
+            [text(s["what"], f"suggestions.{i}.what"), text(s["change"], f"suggestions.{i}.change"),
+             size(s["peak"], units, f"suggestions.{i}.peak")] for i, s in enumerate(data["suggestions"])]))
+    return section("Step time (seconds) and what would fit", *parts) if parts else ""
 
 
 def node_section(data: dict[str, Any], units: str) -> str:
