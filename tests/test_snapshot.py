@@ -226,3 +226,16 @@ def test_a_block_another_stream_uses_waits_and_an_oom_is_an_entry():
     drawn = snapshot_of({0: DeviceHistory(short, lambda key: [])}, DEFAULT_SETTINGS)
     assert drawn["device_traces"][0][-1] == {"action": "oom", "device_free": 10 * mib, "size": 30 * mib, "stream": 0,
                                              "frames": []}
+
+
+@pytest.mark.parametrize("case", ["the Trainer", "across nodes", "a missing folder"])
+def test_measure_refuses_a_snapshot_it_cannot_write_before_the_run(tmp_path, case):
+    extra, message = {
+        "the Trainer": (["--recipe", "hf-trainer"], "--snapshot: the Trainer's allocation stream is not kept"),
+        "across nodes": (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:9"], "--snapshot: each node keeps its ranks'"),
+        "a missing folder": ([], "--snapshot: directory"),
+    }[case]
+    target = tmp_path / ("no" if case == "a missing folder" else ".") / "s.pickle"
+    result = CliRunner().invoke(main, ["measure", "tiny-llama", "--nproc", "1", *extra, "--snapshot", str(target)])
+    assert result.exit_code == 2 and result.stderr.startswith(f"Error: {message}"), result.stderr
+    assert len(result.stderr.splitlines()) == 1 and not target.exists()

@@ -50,14 +50,14 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
     recipe = options["recipe"] or DEFAULT_RECIPE
-    if snapshot is not None and recipe == "hf-trainer":
-        raise SpecError("--snapshot: the Trainer's allocation stream is not kept; measure the plain loop (--recipe plain)")
     given = {"gpus": world, "device": device, "recipe": recipe}
     if nodes is not None:  # the estimate's nodes are the run's
         if options["gpus_per_node"] not in (None, nproc):
             raise SpecError(f"--gpus-per-node {options['gpus_per_node']} must equal --nproc {nproc} across nodes; leave it out")
         given["gpus_per_node"] = nproc
     training = training_spec_from_options(options | given, config, model)
+    if snapshot is not None and training.recipe.value == "hf-trainer":
+        raise SpecError("--snapshot: the Trainer's allocation stream is not kept; measure the plain loop (--recipe plain)")
     engine_config = None
     if training.engine.value == "deepspeed":
         _require("deepspeed", "engine deepspeed needs DeepSpeed; install it with: pip install 'zeroplan[deepspeed]'")
