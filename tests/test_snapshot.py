@@ -163,11 +163,15 @@ def test_through_the_api(tmp_path):
     check_against(result.to_dict(), pickle.loads((tmp_path / "a.pickle").read_bytes()))
 
 
-@pytest.mark.parametrize("where", ["missing directory", "a file as the directory", "a directory as the file"])
+@pytest.mark.parametrize("where", ["missing directory", "a file as the directory", "a directory as the file",
+                                   "read-only directory"])
 def test_a_place_it_cannot_be_written_is_refused_before_any_work(tmp_path, where):
     (tmp_path / "file").write_text("")
+    (tmp_path / "locked").mkdir(mode=0o500)
+    if where == "read-only directory" and os.geteuid() == 0:
+        pytest.skip("running as root: a read-only directory is still writable")
     target = {"missing directory": tmp_path / "no" / "s.pickle", "a file as the directory": tmp_path / "file" / "s.pickle",
-              "a directory as the file": tmp_path}[where]
+              "a directory as the file": tmp_path, "read-only directory": tmp_path / "locked" / "s.pickle"}[where]
     result = CliRunner().invoke(main, ["estimate", "llama-2-7b", "--gpus", "8", "--snapshot", str(target)])
     assert result.exit_code == 2 and result.stdout == ""
     assert "--snapshot" in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
