@@ -346,6 +346,7 @@ def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str, prefix: str = "m
 
 _TINY_LLAMA_4L = "tests/data/tiny-llama-4l.toml"  # relative to the repository root, where validate runs
 _TINY_LLAMA_16K = "tests/data/tiny-llama-16k.toml"
+_TINY_LLAMA_16K_KV4 = "tests/data/tiny-llama-16k-kv4.toml"
 
 
 def mesh_rows() -> list[Row]:
@@ -379,6 +380,20 @@ def mesh_rows() -> list[Row]:
         Row(_TINY_LLAMA_16K, "fsdp2", 3, "fp32", mesh=(("tp", 2),), **titan),
         # every other block checkpointed under sequence parallelism: two kinds of block, each cut by SP as it keeps
         Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", checkpointing="full", checkpoint_every=2, mesh=(("tp", 2),), **titan),
+        *_loss_parallel_rows(titan),
+    ]
+
+
+def _loss_parallel_rows(titan: dict) -> list[Row]:
+    """A 16k vocabulary, where loss_parallel()'s handlers dominate the peak (estimate/parallel/mesh.py
+    `_loss_parallel_changes`): tp 2 and 4, bf16 logits under FSDP2's mixed precision (tp 2 x dp 2), bf16 asked
+    of TP alone (torchtitan then trains in fp32: maybe_enable_amp), and the same vocabulary without loss
+    parallelism (the logits all-gathered, aten's log_softmax and nll_loss)."""
+    return [
+        Row(_TINY_LLAMA_16K, "fsdp2", 3, "bf16", mesh=(("tp", 2),), world=4, **titan),
+        Row(_TINY_LLAMA_16K_KV4, "fsdp2", 3, "fp32", mesh=(("tp", 4),), world=4, **titan),
+        Row(_TINY_LLAMA_16K, "fsdp2", 3, "bf16", mesh=(("tp", 2),), **titan),
+        Row(_TINY_LLAMA_16K, "fsdp2", 3, "fp32", mesh=(("tp", 2), ("loss_parallel", False)), **titan),
     ]
 
 

@@ -36,9 +36,9 @@ from zeroplan.estimate.result import (CategoryBytes, Estimate, MeshEstimate, Mod
                                       RankKind)
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
-from zeroplan.spec.program import GradSync
+from zeroplan.spec.program import GradSync, Loss
 from zeroplan.spec.training import Checkpointing, Engine, TrainingSpec
-from zeroplan.estimate.terms import named, naming, register
+from zeroplan.estimate.terms import named, naming, register, relabel
 
 register({
     "zero bubble: output gradients kept from I to W": "torch/distributed/pipelining/_backward.py stage_backward_input "
@@ -46,6 +46,11 @@ register({
     "pipeline sends pending": "torch/distributed/pipelining/schedules.py _step_microbatches (sends waited at the step's end)",
     "pipeline receive buffers": "torch/distributed/pipelining/stage.py _prepare_forward_infra, _create_grad_recv_info",
     "Ulysses all-to-all buffers": "deepspeed/sequence/layer.py _SeqAllToAll",
+    "loss parallel: log_softmax's shifted logits (fp32)": "torch/distributed/tensor/parallel/loss.py _log_softmax "
+                                                          "(docs/engines/mesh.md, Loss parallelism)",
+    "loss parallel: nll_loss and log_softmax backward (fp32)": "torch/distributed/tensor/parallel/loss.py "
+                                                               "_nll_loss_and_log_softmax_backward (docs/engines/mesh.md, "
+                                                               "Loss parallelism)",
 })
 
 # Tensor-parallel plans (torchtitan v0.2.2 models/llama3/infra/parallelize.py `apply_tp`; 0.3.0
@@ -232,9 +237,7 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         per_token = FP32_BYTES * h + act_bytes * h + FP32_BYTES if model.norm == "rmsnorm" else act_bytes * h + 2 * FP32_BYTES
         changes.update(final_norm=acts.final_norm - tokens * per_token * (mesh.tp - 1) // mesh.tp)
     if mesh.tp > 1 and mesh.loss_parallel and kind.head:
-        # loss_parallel fuses nll_loss's and log_softmax's backward into one gradient; the log_softmax handler
-        # returns it as it is (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`)
-        changes.update(logits_grad=acts.logits_grad // 2)
+        changes.update(_loss_parallel_changes(acts, training))
     if mesh.ep > 1 and kind.layers:  # the busiest EP rank's received pairs (estimate/parallel/experts.py)
         kept = "recompute_block" if training.checkpointing in (Checkpointing.FULL, Checkpointing.OP) else "saved_per_block"
         changes.update({kept: changes.get(kept, getattr(acts, kept)) + saved_per_block_delta(model, mesh, tokens, act_bytes)},
@@ -279,6 +282,21 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         micro_batches = training.grad_accum
         acts = acts.replaced(embedding=acts.embedding + (micro_batches - max(kind.in_flight // chunks, 1) + 1) * acts.logits)
     return acts
+
+
+def _loss_parallel_changes(acts: ActivationBytes, training: TrainingSpec) -> dict[str, int]:
+    """What loss_parallel()'s handlers (torch/distributed/tensor/parallel/loss.py) change in the loss of the
+    rank's vocabulary shard (docs/engines/mesh.md, "Loss parallelism"). A standard loss: `_log_softmax` keeps
+    `x - x_max` beside its exp and then beside the result, one fp32 shard more than aten's kernel while it
+    runs; nll_loss's backward handler does log_softmax's too (`_nll_loss_and_log_softmax_backward`:
+    zeros_like(x), exp(x) and their sum, then the sum and its product with the gradient: three fp32 shards
+    where aten's two kernels keep two) and log_softmax's handler returns that product as it is."""
+    if training.program.loss != Loss.STANDARD:
+        # the chunked losses' gradients are one chunk's at a time: one fp32 gradient in place of two
+        return dict(logits_grad=acts.logits_grad // 2)
+    shard = acts.logits_grad // 2  # one fp32 tensor of the rank's logits: aten's backward keeps two
+    return dict(loss_transient=acts.loss_transient + relabel("loss parallel: log_softmax's shifted logits (fp32)", shard),
+                logits_grad=relabel("loss parallel: nll_loss and log_softmax backward (fp32)", 3 * shard))
 
 
 # every rank kind of one mesh estimate asks for the same one; copied, not validated again: no validator reads
