@@ -63,25 +63,25 @@ class FSDP2Runner(TorchOptimizerSteps):
         mesh = _device_mesh(training, ctx)
         reshard = training.zero_stage == 3
         wrapping = training.fsdp2_wrapping
-        policies = policies(training, ctx)
+        wrap_policies = policies(training, ctx)  # (the module's function keeps its name)
         blocks = transformer_blocks(model)
         for i, block in enumerate(blocks):
             last = i == len(blocks) - 1
-            fully_shard(block, mesh=mesh, reshard_after_forward=wrapping.reshard_last_block if last else reshard, **policies)
+            fully_shard(block, mesh=mesh, reshard_after_forward=wrapping.reshard_last_block if last else reshard, **wrap_policies)
         if wrapping.units == FSDP2Units.SPLIT:
             embeddings, head = outer_modules(model)
             if any(p is q for p in head[-1].parameters() for q in embeddings[0].parameters()):  # tied
-                fully_shard(embeddings + head, mesh=mesh, reshard_after_forward=wrapping.reshard_head, **policies)
+                fully_shard(embeddings + head, mesh=mesh, reshard_after_forward=wrapping.reshard_head, **wrap_policies)
             else:
-                fully_shard(embeddings, mesh=mesh, reshard_after_forward=reshard, **policies)
-                fully_shard(head, mesh=mesh, reshard_after_forward=wrapping.reshard_head, **policies)
-            fully_shard(model, mesh=mesh, **policies)  # holds no parameters
+                fully_shard(embeddings, mesh=mesh, reshard_after_forward=reshard, **wrap_policies)
+                fully_shard(head, mesh=mesh, reshard_after_forward=wrapping.reshard_head, **wrap_policies)
+            fully_shard(model, mesh=mesh, **wrap_policies)  # holds no parameters
         else:
-            fully_shard(model, mesh=mesh, reshard_after_forward=wrapping.reshard_root, **policies)
+            fully_shard(model, mesh=mesh, reshard_after_forward=wrapping.reshard_root, **wrap_policies)
         if any(p.is_meta for p in model.parameters()):
             # model_init meta (engines.model_device): allocate this rank's shards only
             # (FSDPModule._apply resets each FSDPParam's sharded data), then fill them
-            offloaded = isinstance(policies["offload_policy"], CPUOffloadPolicy)
+            offloaded = isinstance(wrap_policies["offload_policy"], CPUOffloadPolicy)
             model.to_empty(device="cpu" if offloaded else ctx.device)
             if offloaded:  # the shards stay on the host; module buffers are used on the device
                 for module in model.modules():
