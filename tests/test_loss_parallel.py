@@ -54,20 +54,25 @@ def _allocated_peak(run) -> int:
     return peak
 
 
-def test_the_accounting_counts_the_shards_loss_parallel_handlers_allocate(one_rank_mesh):
+def count_loss_parallel(store: str) -> list[tuple[int, int]]:
+    """(forward peak over its start, backward peak over the forward's start) of two loss_parallel() steps on one
+    rank, counted by measure's accounting: run in a fresh process (`test_the_accounting_counts_...`)."""
     import torch
+    import torch.distributed as dist
     import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from zeroplan.measure.accounting import TensorAccounting
     from zeroplan.measure.engines.mesh import counted_loss_parallel
 
-    tokens, vocab = 256, 4096
-    shard = tokens * vocab * 4  # one fp32 tensor of the rank's logits
-    labels = torch.randint(vocab, (tokens,))
+    dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    labels = torch.randint(4096, (256,))
+    counts = []
     for _ in range(2):  # the first call propagates the sharding on fake tensors: nothing more is counted
         with TensorAccounting() as accounting:  # the logits made inside it, as a run's are
-            logits = distribute_tensor(torch.randn(tokens, vocab), one_rank_mesh, [Shard(1)]).requires_grad_()
+            logits = distribute_tensor(torch.randn(256, 4096), mesh, [Shard(1)]).requires_grad_()
             accounting.begin_phase("forward", default_category="activations")
             with counted_loss_parallel():
                 loss = F.cross_entropy(logits, labels)
@@ -75,10 +80,29 @@ def test_the_accounting_counts_the_shards_loss_parallel_handlers_allocate(one_ra
                 accounting.begin_phase("backward", default_category="temporaries")
                 loss.backward()
             backward = accounting.end_phase()
+        counts.append((forward.peak_bytes - forward.start_bytes, backward.peak_bytes - forward.start_bytes))
+    dist.destroy_process_group()
+    return counts
+
+
+def test_the_accounting_counts_the_shards_loss_parallel_handlers_allocate(tmp_path):
+    # in a fresh process: after torch.profiler has run in a process (test_compiled.py), the handlers' forward
+    # allocations reach the accounting one shard short (not understood; measure's workers never profile a mesh run)
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_loss_parallel as t; "
+            f"print(json.dumps(t.count_loss_parallel({str(tmp_path / 'store')!r})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    shard = 256 * 4096 * 4  # one fp32 tensor of the rank's logits
+    for forward, backward in json.loads(done.stdout.strip().splitlines()[-1]):
         # _log_softmax: x - x_max beside its exp, then beside the result (the logits were there before)
-        assert forward.peak_bytes - forward.start_bytes == pytest.approx(2 * shard, abs=16 * 1024)
+        assert forward == pytest.approx(2 * shard, abs=16 * 1024)
         # the logits and the saved result, then zeros_like, exp and their sum (_nll_loss_and_log_softmax_backward)
-        assert backward.peak_bytes - forward.start_bytes == pytest.approx(4 * shard, abs=16 * 1024)
+        assert backward == pytest.approx(4 * shard, abs=16 * 1024)
 
 
 def test_the_allocator_sees_the_same_peak_as_the_accounting(one_rank_mesh):

@@ -33,7 +33,8 @@ from zeroplan.estimate.result import (Estimate, MeshEstimate, ModelSummary, Node
 from zeroplan.estimate.terms import naming
 from zeroplan.spec.mesh import PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
-from zeroplan.spec.program import Recipe
+from zeroplan.estimate.activations.compiled import compiles_block
+from zeroplan.spec.program import Loss, Recipe
 from zeroplan.spec.training import Attention, Device, Engine, Precision, TrainingSpec
 
 IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, with the model's dropout rates
@@ -95,6 +96,12 @@ def _program_notes(model: ModelSpec, training: TrainingSpec) -> tuple[str, ...]:
     elif training.checkpoint_every and training.checkpoint_every > model.num_layers:
         notes = (f"checkpoint_every {training.checkpoint_every} exceeds the {model.num_layers} blocks: no block is "
                  "checkpointed",)
+    if "model" in training.compile and not compiles_block(model, training):
+        notes += ("torch.compile of the blocks: what a compiled block keeps is modelled for dense Llama-family blocks "
+                  "with fused attention, no dropout and checkpointing none or full; these blocks are estimated as eager",)
+    if "loss" in training.compile and training.program.loss != Loss.STANDARD:
+        notes += (f"torch.compile of the loss is modelled for the standard loss; the {training.program.loss.value} "
+                  "loss is estimated as eager",)
     if attention_kernel(model, training) == "math":
         notes += ("attention dropout on cpu: SDPA has no fused kernel with dropout there, so its math path "
                   "runs and keeps the attention matrices (fp32)",)

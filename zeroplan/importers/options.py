@@ -82,9 +82,12 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
         # --gpus lets a DeepSpeed train_batch_size be split into micro-batch and accumulation.
         values.update(config.settings(options.get("gpus"), getattr(model, "hidden_size", None)))
     values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) not in (None, ())})
+    if options.get("compile") == ():  # --compile none: eager, over a config that compiles
+        values["compile"] = ()
     from zeroplan.importers.lora_options import lora_values
 
     values.update(lora_values(options, model, values))  # --lora-*, --base-precision: importers/lora_options.py
+    float8_values(options, values)  # --float8 and --float8-* over the config file's float8 settings
     fsdp2 = {knob: options[f"fsdp2_{knob}"] for knob in FSDP2Knobs.model_fields if options.get(f"fsdp2_{knob}") is not None}
     if fsdp2:  # --fsdp2-* options (cli/common.py) over the config file's fsdp2 settings
         values["fsdp2"] = {**(values.get("fsdp2") or {}), **fsdp2}
@@ -98,6 +101,30 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
     if config_file is not None:
         config.warn()
     return training
+
+
+def float8_values(options: Mapping[str, Any], values: dict[str, Any]) -> None:
+    """Set `values["float8"]` from --float8 RECIPE (none: off) and the --float8-* knobs, over the config file's."""
+    from zeroplan.spec.training import Float8Knobs
+
+    recipe = options.get("float8_recipe")
+    knobs = {knob: options[f"float8_{knob}"] for knob in Float8Knobs.model_fields
+             if knob != "recipe" and options.get(f"float8_{knob}") is not None}
+    if recipe == "none":
+        if knobs:
+            raise SpecError(f"--float8 none turns float8 off; drop --float8-{next(iter(knobs)).replace('_', '-')}")
+        values["float8"] = None
+        return
+    base = values.get("float8")
+    if recipe is None and not knobs:
+        return
+    if recipe is None and base is None:
+        raise SpecError(f"--float8-{next(iter(knobs)).replace('_', '-')} sets a knob of float8 training; give --float8 "
+                        "RECIPE (tensorwise, rowwise, rowwise_with_gw_hp) too")
+    merged = {**(base.model_dump() if hasattr(base, "model_dump") else base or {}), **knobs}
+    if recipe is not None:
+        merged["recipe"] = recipe
+    values["float8"] = merged
 
 
 def load_config(config_file: str | Path | None) -> TrainingConfig | None:

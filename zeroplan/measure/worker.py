@@ -78,6 +78,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     import torch
 
     from zeroplan.measure.accounting import TensorAccounting
+    from zeroplan.measure.allocations import AllocatorAccounting
     from zeroplan.measure.context import device_for, init_process_group, make_probe
     from zeroplan.measure.engines.common import RunContext, module_buffers
     from zeroplan.measure.engines import build_runner, model_context, model_device
@@ -124,8 +125,10 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
         fake_mode = fake_tensor_mode()
     step_times: list[float] = []
     fits, oom_message = True, None
-    # The accounting is entered inside the fake mode, so it sees the fake tensors it makes.
-    with fake_mode, TensorAccounting() as accounting:
+    # The accounting is entered inside the fake mode, so it sees the fake tensors it makes. A compiled run is
+    # counted from the allocator's records: under a dispatch mode Dynamo runs the eager ops (allocations.py).
+    deferred = bool(training.compile)
+    with fake_mode, (AllocatorAccounting(device) if deferred else TensorAccounting()) as accounting:
         accounting.set_classifier(classify)
         recorder = PhaseRecorder(accounting, probe)
         try:
@@ -161,6 +164,8 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
             recorder.close()
             fits, oom_message = False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         classifications = accounting.classifications
+    if deferred:
+        recorder.rebuild(accounting.finish())
     result = RankResult(rank, list(recorder.phases.values()), step_times, fits, oom_message, classifications)
     notes = []
     if backend == "fake":

@@ -46,6 +46,8 @@ register({
     "pipeline sends pending": "torch/distributed/pipelining/schedules.py _step_microbatches (sends waited at the step's end)",
     "pipeline receive buffers": "torch/distributed/pipelining/stage.py _prepare_forward_infra, _create_grad_recv_info",
     "Ulysses all-to-all buffers": "deepspeed/sequence/layer.py _SeqAllToAll",
+    "async TP symmetric-memory workspace": "torch/distributed/_symmetric_memory/__init__.py get_symm_mem_workspace, "
+                                           "_pipelined_produce_and_all2all (docs/engines/programs.md, async TP)",
     "loss parallel: log_softmax's shifted logits (fp32)": "torch/distributed/tensor/parallel/loss.py _log_softmax "
                                                           "(docs/engines/mesh.md, Loss parallelism)",
     "loss parallel: nll_loss and log_softmax backward (fp32)": "torch/distributed/tensor/parallel/loss.py "
@@ -236,7 +238,8 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         h = model.hidden_size
         per_token = FP32_BYTES * h + act_bytes * h + FP32_BYTES if model.norm == "rmsnorm" else act_bytes * h + 2 * FP32_BYTES
         changes.update(final_norm=acts.final_norm - tokens * per_token * (mesh.tp - 1) // mesh.tp)
-    if mesh.tp > 1 and mesh.loss_parallel and kind.head:
+    if mesh.tp > 1 and mesh.loss_parallel and kind.head and "loss" not in training.compile:
+        # (a compiled loss traces the handlers' ops into its own fused graph: estimate/activations/compiled.py)
         changes.update(_loss_parallel_changes(acts, training))
     if mesh.ep > 1 and kind.layers:  # the busiest EP rank's received pairs (estimate/parallel/experts.py)
         kept = "recompute_block" if training.checkpointing in (Checkpointing.FULL, Checkpointing.OP) else "saved_per_block"
@@ -441,6 +444,13 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
         receives = stage_count - (1 if kind.embedding else 0)
         grad_receives = stage_count - (1 if kind.head else 0)
         steady += named("pipeline receive buffers", micro_batches * boundary * (receives + grad_receives))
+    if mesh.async_tp and kind.layers:
+        # torch/distributed/_symmetric_memory/__init__.py `get_symm_mem_workspace`: one workspace per TP group,
+        # grown to the largest request and kept; `_pipelined_all_gather_and_consume` asks for the local shard of
+        # the all-gathered input, `_pipelined_produce_and_all2all` (matmul + reduce-scatter) for two output chunks:
+        # 2 x tokens / tp x h. Allocated by symmetric memory, outside the caching allocator (docs/engines/programs.md)
+        shard = tokens * model.hidden_size * act_bytes // mesh.tp
+        steady += named("async TP symmetric-memory workspace", 2 * shard)
     # EP's dispatch and combine outputs are activations, none in flight at the peaks (estimate/parallel/experts.py)
     return MeshBuffers(forward, backward, steady)
 
