@@ -96,6 +96,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     import torch
 
     from zeroplan.measure.accounting import TensorAccounting
+    from zeroplan.measure.allocations import AllocatorAccounting
     from zeroplan.measure.allocator_replay import replay_summary
     from zeroplan.measure.context import device_for, init_process_group, make_probe
     from zeroplan.measure.engines.common import RunContext, module_buffers
@@ -144,8 +145,10 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
         fake_mode = fake_tensor_mode()
     step_times: list[float] = []
     fits, oom_message = True, None
-    # The accounting is entered inside the fake mode, so it sees the fake tensors it makes.
-    with fake_mode, TensorAccounting() as accounting:
+    # The accounting is entered inside the fake mode, so it sees the fake tensors it makes. A compiled run is
+    # counted from the allocator's records: under a dispatch mode Dynamo runs the eager ops (allocations.py).
+    deferred = bool(training.compile)
+    with fake_mode, (AllocatorAccounting(device) if deferred else TensorAccounting()) as accounting:
         accounting.set_classifier(classify)
         recorder = PhaseRecorder(accounting, probe, phase_writer(job, rank))
         try:
@@ -183,7 +186,12 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
             recorder.close()
             fits, oom_message = False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         classifications = accounting.classifications
-    replayed = replay_summary(accounting.events, truncated=accounting.events_truncated, environ=os.environ)
+    if deferred:
+        recorder.rebuild(accounting.finish())
+        replayed = {"replayed": False, "events": 0, "reason": "a compiled run is counted from the allocator's records "
+                    "(measure/allocations.py), which keep no stream of the program's allocations to replay"}
+    else:
+        replayed = replay_summary(accounting.events, truncated=accounting.events_truncated, environ=os.environ)
     result = RankResult(rank, list(recorder.phases.values()), step_times, fits, oom_message, classifications, replayed)
     notes = []
     if backend == "fake":
