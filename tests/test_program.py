@@ -78,4 +78,4 @@ def test_the_estimate_says_which_recipe_and_knobs_it_used():
                                "loss_chunks": 1, "activation_offload": "none",
                                "fsdp2": {"units": "split", "reshard_root": True, "reshard_head": False,
                                          "reshard_last_block": True},
-                               "optimizer_step": {"impl": "fused", "via": None}}
+                               "optimizer_step": {"impl": "fused", "via": None}, "compile": [], "float8": None}

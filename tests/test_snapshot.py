@@ -232,10 +232,11 @@ def test_a_block_another_stream_uses_waits_and_an_oom_is_an_entry():
                                              "frames": []}
 
 
-@pytest.mark.parametrize("case", ["the Trainer", "across nodes", "a missing folder"])
+@pytest.mark.parametrize("case", ["the Trainer", "a compiled run", "across nodes", "a missing folder"])
 def test_measure_refuses_a_snapshot_it_cannot_write_before_the_run(tmp_path, case):
     extra, message = {
         "the Trainer": (["--recipe", "hf-trainer"], "--snapshot: the Trainer's allocation stream is not kept"),
+        "a compiled run": (["--engine", "fsdp2", "--zero", "3", "--compile", "model"], "--snapshot: a compiled run is counted from the allocator's records"),
         "across nodes": (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:9"], "--snapshot: each node keeps its ranks'"),
         "a missing folder": ([], "--snapshot: directory"),
     }[case]

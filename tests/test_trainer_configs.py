@@ -93,13 +93,68 @@ def test_torchtitan_keys(tmp_path, lines, expected):
     assert {key: settings.get(key) for key in expected} == expected
 
 
-def test_torchtitan_compile_and_float8_are_notes(tmp_path):
-    text = '[model]\nname = "llama3"\nflavor = "8B"\nconverters = ["quantize.linear.float8"]\n[compile]\nenable = true\n'
-    notes = load(write(tmp_path, "job.toml", text)).notes
-    assert any(note.startswith("torch.compile is not modelled") for note in notes)
-    assert any(note.startswith("float8 training (torchao Float8Linear) is not modelled") for note in notes)
+def test_torchtitan_compile_and_float8_of_v022(tmp_path):
+    # v0.2.2 job_config.py: [compile] components default ["model", "loss"]; float8 through the
+    # quantize.linear.float8 converter and its section (recipe_name None: tensorwise)
+    text = ('[model]\nname = "llama3"\nflavor = "8B"\nconverters = ["quantize.linear.float8"]\n[compile]\nenable = true\n'
+            '[quantize.linear.float8]\nrecipe_name = "rowwise"\n')
+    config = load(write(tmp_path, "job.toml", text))
+    settings = config.settings(gpus=8)
+    assert settings["compile"] == ("model", "loss")
+    assert settings["float8"] == {"recipe": "rowwise", "saved": "high-precision", "fsdp_all_gather": False,
+                                  "precompute_scale": False}
+    assert any(note.startswith("torch.compile of the blocks and the loss") for note in config.notes)
     data = estimate_json("--config", str(tmp_path / "job.toml"), "--gpus", "8")
-    assert [note for note in data["notes"] if "not modelled" in note] == [note for note in notes if "not modelled" in note]
+    assert data["program"]["compile"] == ["model", "loss"] and data["program"]["float8"]["recipe"] == "rowwise"
+
+
+def test_torchtitan_2025_schema_with_compile_and_float8_estimates_llama_2_7b():
+    # issue 23's "done when": a torchtitan TOML with [compile] and [float8] (the typed schema of 08b8b244f)
+    path = DATA / "torchtitan_2025_llama3_8b_compile_float8.toml"
+    settings = load(path).settings(gpus=2)
+    assert settings["compile"] == ("model", "loss")
+    assert settings["float8"] == {"recipe": "tensorwise", "saved": "high-precision", "fsdp_all_gather": True,
+                                  "precompute_scale": True}
+    data = estimate_json("llama-2-7b", "--gpus", "2", "--config", str(path))
+    assert data["model"]["name"] == "llama-2-7b" and data["program"]["compile"] == ["model", "loss"]
+    eager = estimate_json("llama-2-7b", "--gpus", "2", "--config", str(path), "--compile", "none", "--float8", "none")
+    assert eager["program"]["compile"] == [] and eager["program"]["float8"] is None
+    assert data["per_gpu"]["peak"] < eager["per_gpu"]["peak"]  # compiled blocks and loss keep less
+
+
+def test_torchtitan_2024_tensor_parallel_compile_float8_and_async_tp(tmp_path):
+    # 9dec370 config_manager.py: [training] tensor_parallel_degree and compile, [experimental]
+    # enable_async_tensor_parallel, [float8] (the Dec-2024 torchao saved float8 casts)
+    text = ('[model]\nname = "llama3"\nflavor = "70B"\n[training]\nbatch_size = 16\nseq_len = 8192\n'
+            'tensor_parallel_degree = 8\ndata_parallel_shard_degree = 32\ncompile = true\n'
+            '[experimental]\nenable_async_tensor_parallel = true\n[activation_checkpoint]\nmode = "full"\n'
+            '[float8]\nenable_float8_linear = true\nenable_fsdp_float8_all_gather = true\n'
+            'precompute_float8_dynamic_scale_for_fsdp = true\n')
+    settings = load(write(tmp_path, "job.toml", text)).settings(gpus=None)
+    assert settings["gpus"] == 256 and settings["mesh"]["tp"] == 8 and settings["mesh"]["async_tp"] is True
+    assert settings["compile"] == ("model",)
+    assert settings["float8"]["saved"] == "float8" and settings["float8"]["fsdp_all_gather"] is True
+    data = estimate_json("--config", str(tmp_path / "job.toml"))
+    assert data["mesh"]["async_tp"] is True
+
+
+@pytest.mark.parametrize("lines,message", [
+    ('[compile]\nenable = true\ncomponents = ["blocks"]\n', r'job\.toml: compile\.components must be a list of "model"'),
+    ('[model]\nconverters = ["mx"]\n', r"model\.converters .*MX \(mxfp8\) training is not modelled"),
+    ('[float8]\nrecipe_name = "blockwise"\n', r"float8\.recipe_name must be tensorwise, rowwise or rowwise_with_gw_hp"),
+])
+def test_torchtitan_compile_and_float8_bad_input(tmp_path, lines, message):
+    converters = 'converters = ["float8"]\n' if "recipe_name" in lines else ""
+    text = '[model]\nname = "llama3"\nflavor = "8B"\n' + converters + lines.replace("[model]\n", "")
+    with pytest.raises(SpecError, match=message):
+        load(write(tmp_path, "job.toml", text)).settings(gpus=8)
+
+
+def test_torchtitan_2024_delayed_float8_scaling_is_refused(tmp_path):
+    text = ('[model]\nname = "llama3"\nflavor = "8B"\n[float8]\nenable_float8_linear = true\n'
+            'scaling_type_weight = "delayed"\n')
+    with pytest.raises(SpecError, match=r"float8\.scaling_type_weight 'delayed': delayed scaling is not modelled"):
+        load(write(tmp_path, "job.toml", text)).settings(gpus=8)
 
 
 # ---------------------------------------------------------------- torchtune

@@ -58,6 +58,9 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
     training = training_spec_from_options(options | given, config, model)
     if snapshot is not None and training.recipe.value == "hf-trainer":
         raise SpecError("--snapshot: the Trainer's allocation stream is not kept; measure the plain loop (--recipe plain)")
+    if snapshot is not None and training.compile:
+        raise SpecError("--snapshot: a compiled run is counted from the allocator's records, which keep no stream of "
+                        "its allocations to draw; leave out --compile")
     engine_config = None
     if training.engine.value == "deepspeed":
         _require("deepspeed", "engine deepspeed needs DeepSpeed; install it with: pip install 'zeroplan[deepspeed]'")

@@ -78,11 +78,11 @@ def plan_from_options(options: dict[str, Any]) -> PlanResult:
     options["config_file"] = config = load_config(options["config_file"])  # read once, for every grid point
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
-    rates, notes = rates_from_options(options, preset, model)
     if options["mesh_search"]:
         options = {**options, **{f"mesh_{name}": None for name in MESH_DIMENSIONS}}  # searched, not the base's
     stages = space.zero_stages or ((2, 1, 3) if deepspeed_mesh else (3, 2, 1, 0))  # the base validates; the search varies it
     base = base_training(options, stages, max(gpu_counts), model)
+    rates, notes = rates_from_options(options, preset, model, base)
     if options["mesh_search"] and base.engine not in (Engine.FSDP2, Engine.DEEPSPEED):
         raise SpecError("--mesh: meshes are searched with FSDP2 (torchtitan) or DeepSpeed (AutoTP, Ulysses); give "
                         "--engine fsdp2 or deepspeed")

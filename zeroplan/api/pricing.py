@@ -7,15 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 
-def rates_from_options(options: dict, preset, model) -> tuple[Any, tuple[str, ...]]:
-    """The step-time rates of `preset` (None: the default preset's speeds) with the options' overrides and knobs,
-    calibrated when --calibrate is given; and the notes to print (the calibration's)."""
+def rates_from_options(options: dict, preset, model, training) -> tuple[Any, tuple[str, ...]]:
+    """The step-time rates of `preset` (None: the default preset's speeds) with the options' overrides and the
+    speed knobs of `training`'s program (torch.compile of the blocks, torchao float8, async TP), calibrated when
+    --calibrate is given; and the notes to print (the calibration's)."""
     from zeroplan.plan.rates import rates_for
 
     names = ("gpu_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps", "cpu_memory_gbps", "nvme_gbps",
              "max_efficiency")
-    rates = rates_for(preset, **{name: options.get(name) for name in names}, compile=options.get("compile_model"),
-                      float8=options.get("float8"), async_tp=options.get("async_tp"))
+    rates = rates_for(preset, **{name: options.get(name) for name in names}, compile="model" in training.compile,
+                      float8=training.float8 is not None, async_tp=training.mesh.async_tp)
     if not options.get("calibrate_file"):
         return rates, ()
     from zeroplan.plan.calibrate import calibrate, read_measurement
@@ -34,7 +35,7 @@ def priced(data: dict, model, training, preset, gpu_memory: int | None, options:
     if preset is not None:
         from zeroplan.plan.step_time import step_time
 
-        rates, notes = rates_from_options(options, preset, model)
+        rates, notes = rates_from_options(options, preset, model, training)
         data["step"] = step_to_dict(step_time(model, training, rates), rates)
         lines.append(step_line(data["step"]))
         lines.extend(f"note: {note}" for note in notes)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import click
 
@@ -29,7 +29,7 @@ from zeroplan.spec.training import (
     TrainingSpec,
 )
 from zeroplan.spec.program import FSDP2Units
-from zeroplan.spec.training import FREEZE_GROUPS, FSDP2Knobs
+from zeroplan.spec.training import FREEZE_GROUPS, Float8Knobs, FSDP2Knobs
 from zeroplan.spec.limits import field_bounds
 from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
@@ -140,6 +140,22 @@ def _count(field: str) -> click.IntRange:
     return click.IntRange(*field_bounds(TrainingSpec, field))
 
 
+# --compile: torchtitan's [compile] components (TrainingSpec.compile), none for eager
+COMPILE_CHOICES = {"none": (), "model": ("model",), "loss": ("loss",), "model,loss": ("model", "loss")}
+
+
+def _compiled(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
+    return None if value is None else COMPILE_CHOICES[value]
+
+
+def _float8_values(knob: str) -> list[str]:
+    return list(get_args(Float8Knobs.model_fields[knob].annotation))
+
+
+def _float8_help(knob: str) -> str:
+    """A float8 knob's description (with --float8)."""
+    return f"With --float8: {Float8Knobs.model_fields[knob].description}"
+
 MODEL_OPTIONS = [
     click.argument("model", required=False, metavar="[MODEL]"),
     click.option("--params", type=CountType(), help="Estimate a model known by its parameter count only (e.g. 7.5e9, 7B); model states only, no activations. Not with MODEL."),
@@ -175,6 +191,17 @@ TRAINING_OPTIONS = [
     click.option("--loss-chunks", "loss_chunks", type=_count("loss_chunks"), metavar="N", help=_help("loss_chunks")),
     click.option("--activation-offload", "activation_offload", type=_choice(ActivationOffload), help=_help("activation_offload")),
     click.option("--checkpoint-every", "checkpoint_every", type=_count("checkpoint_every"), metavar="N", help=_help("checkpoint_every")),
+    # torch.compile and torchao float8 (issue 23): float8 knobs named float8_<knob>, nested by training_spec_from_options
+    click.option("--compile", "compile", type=click.Choice(list(COMPILE_CHOICES)), callback=_compiled,
+                 help=_help("compile") + " [default: none]"),
+    click.option("--float8", "float8_recipe", type=click.Choice(["none", *_float8_values("recipe")]),
+                 help="torchao float8 training of the blocks' linears with this scaling recipe (none: off). "
+                 + Float8Knobs.model_fields["recipe"].description),
+    click.option("--float8-all-gather/--no-float8-all-gather", "float8_fsdp_all_gather", default=None,
+                 help=_float8_help("fsdp_all_gather")),
+    click.option("--float8-precompute-scale/--no-float8-precompute-scale", "float8_precompute_scale", default=None,
+                 help=_float8_help("precompute_scale")),
+    click.option("--float8-saved", "float8_saved", type=click.Choice(_float8_values("saved")), help=_float8_help("saved")),
     # FSDP2 wrapping (TrainingSpec.fsdp2, FSDP2Knobs): options named fsdp2_<knob>, nested by training_spec_from_options
     click.option("--fsdp2-units", "fsdp2_units", type=_choice(FSDP2Units), help=_fsdp2_help("units")),
     click.option("--fsdp2-reshard-root/--no-fsdp2-reshard-root", "fsdp2_reshard_root_after_forward", default=None,

@@ -32,6 +32,7 @@ MESH_OPTIONS = [
     click.option("--sequence-parallel/--no-sequence-parallel", "mesh_sequence_parallel", default=None,
                  help=_help("sequence_parallel")),
     click.option("--loss-parallel/--no-loss-parallel", "mesh_loss_parallel", default=None, help=_help("loss_parallel")),
+    click.option("--async-tp/--no-async-tp", "mesh_async_tp", default=None, help=_help("async_tp")),
     click.option("--moe-imbalance", "mesh_moe_imbalance", type=click.FloatRange(min=1.0), metavar="F",
                  help=_help("moe_imbalance")),
 ]

@@ -1,5 +1,6 @@
-"""Options of the step-time model, shared by `plan` and `estimate --gpu`: rate overrides, the program knobs that
-change speed but not memory (torch.compile, float8, async TP), and a calibration from a measured step."""
+"""Options of the step-time model, shared by `plan` and `estimate --gpu`: rate overrides and a calibration from a
+measured step. The program knobs that change speed (--compile, --float8, --async-tp) are the training spec's
+(cli/common.py, cli/mesh_options.py): they change memory too, and the step is priced from the spec."""
 
 from __future__ import annotations
 
@@ -27,13 +28,6 @@ STEP_OPTIONS = [
     click.option("--max-efficiency", type=FiniteFloatRange(0, 1, min_open=True),
                  help="Model FLOPs utilisation of a well-tuned step's compute on this GPU [default: the GPU's published "
                  "MFU, zeroplan/data/gpu_speeds/]."),
-    click.option("--compile/--no-compile", "compile_model", default=False, show_default=True,
-                 help="torch.compile on the model: its compute priced 1.165x faster (docs/throughput.md). Speed only."),
-    click.option("--float8", is_flag=True, default=False,
-                 help="float8 linears (torchao): the blocks' matmuls at the GPU's measured FP8 rate. Speed only: memory is "
-                 "estimated in the run's precision."),
-    click.option("--async-tp", is_flag=True, default=False,
-                 help="Async tensor parallelism: TP collectives overlap the block's matmuls."),
     click.option("--calibrate", "calibrate_file", type=click.Path(exists=True, dir_okay=False), metavar="MEASURE.json",
                  help="Rescale the compute efficiency so that the configuration of a `zeroplan measure --output` file "
                  "is priced at its measured step time (the same model)."),

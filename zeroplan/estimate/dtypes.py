@@ -18,6 +18,7 @@ from zeroplan.spec.training import Optimizer, Precision
 
 FP32_BYTES = 4
 HALF_BYTES = 2  # fp16 and bf16
+FLOAT8_BYTES = 1  # float8_e4m3fn / float8_e5m2 (torchao float8 training)
 ADAM_8BIT_BLOCK = 2048  # bitsandbytes blockwise quantisation block (one fp32 absmax per block)
 
 

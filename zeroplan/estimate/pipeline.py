@@ -33,7 +33,9 @@ from zeroplan.estimate.result import (Estimate, MeshEstimate, ModelSummary, Node
 from zeroplan.estimate.terms import naming
 from zeroplan.spec.mesh import PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
-from zeroplan.spec.training import Attention, Device, Engine, TrainingSpec
+from zeroplan.estimate.activations.compiled import compiles_block
+from zeroplan.spec.program import Loss, Recipe
+from zeroplan.spec.training import Attention, Device, Engine, Precision, TrainingSpec
 
 IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, with the model's dropout rates
 _IMPLEMENTATIONS = {attention: f"{IMPLEMENTATION}/{attention.value}" for attention in Attention}
@@ -94,6 +96,12 @@ def _program_notes(model: ModelSpec, training: TrainingSpec) -> tuple[str, ...]:
     elif training.checkpoint_every and training.checkpoint_every > model.num_layers:
         notes = (f"checkpoint_every {training.checkpoint_every} exceeds the {model.num_layers} blocks: no block is "
                  "checkpointed",)
+    if "model" in training.compile and not compiles_block(model, training):
+        notes += ("torch.compile of the blocks: what a compiled block keeps is modelled for dense Llama-family blocks "
+                  "with fused attention, no dropout and checkpointing none or full; these blocks are estimated as eager",)
+    if "loss" in training.compile and training.program.loss != Loss.STANDARD:
+        notes += (f"torch.compile of the loss is modelled for the standard loss; the {training.program.loss.value} "
+                  "loss is estimated as eager",)
     if attention_kernel(model, training) == "math":
         notes += ("attention dropout on cpu: SDPA has no fused kernel with dropout there, so its math path "
                   "runs and keeps the attention matrices (fp32)",)
@@ -152,6 +160,9 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
     trivial = training.mesh.is_trivial
     if not trivial and training.engine == Engine.DEEPSPEED:  # AutoTP's plan is not torchtitan's (engines/deepspeed_mesh.py)
         training = autotp_training(training)
+    unmixed = not trivial and _mixed_precision_disabled(training)
+    if unmixed:
+        training = training.model_copy(update={"precision": Precision.FP32})
     mesh = training.mesh
     if trivial:
         run = _single_run(model, training)
@@ -183,12 +194,23 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
         per_node, offload_notes = _with_offloaded_activations(per_node, run.acts.host_bytes, training)
         notes += offload_notes
     notes += result.notes
+    if unmixed:
+        notes += ("torchtitan trains in fp32 here: with tp or pp and nothing for FSDP to shard, mixed precision is "
+                  "disabled (distributed/utils.py maybe_enable_amp)",)
     parts = None
     if training.lora is not None and isinstance(model, TransformerSpec):
         from zeroplan.estimate.adapters.program import adapter_param_parts
 
         parts = adapter_param_parts(phases, facts, training, run.setup)
     return Profile(facts, kind, phases, per_node, notes, parts)
+
+
+def _mixed_precision_disabled(training: TrainingSpec) -> bool:
+    """torchtitan v0.2.2 distributed/utils.py `maybe_enable_amp`: mixed precision is FSDP's (MixedPrecisionPolicy);
+    without FSDP (dp_shard x cp of 1) under TP or PP it is disabled, with a warning, and the run is fp32."""
+    mesh = training.mesh
+    return (training.recipe == Recipe.TORCHTITAN and training.engine == Engine.FSDP2 and (mesh.tp > 1 or mesh.pp > 1)
+            and mesh.fsdp_degree(training.gpus) == 1 and training.precision in (Precision.BF16, Precision.FP16))
 
 
 def _with_offloaded_activations(per_node: NodeBytes, host_bytes: int, training: TrainingSpec) -> tuple[NodeBytes, tuple[str, ...]]:

@@ -164,7 +164,9 @@ def _rank_estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memor
         "per_node": per_node_to_dict(estimate.per_node),
         "config": config,
         "program": program_to_dict(training.program) | {"fsdp2": program_to_dict(training.fsdp2_wrapping),
-                                                         "optimizer_step": program_to_dict(training_optimizer_step(training))},
+                                                         "optimizer_step": program_to_dict(training_optimizer_step(training)),
+                                                         "compile": list(training.compile),
+                                                         "float8": training.float8.model_dump() if training.float8 else None},
         "notes": [*estimate.notes, *notes],
     }
     if estimate.param_parts is not None:

@@ -41,32 +41,37 @@ _TORCHTITAN_SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "i
                          "interleavedzerobubble": "zero-bubble"}
 
 
-def torchtitan_mesh(parallelism: Mapping[str, object], layers: int | None, where: Any) -> dict[str, Any]:
+def torchtitan_mesh(parallelism: Mapping[str, object], layers: int | None, where: Any,
+                    paths: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The mesh a torchtitan `[parallelism]` table gives (torchtitan config/configs.py `ParallelismConfig`);
     `layers` (the model's, when known) turns pipeline_parallel_layers_per_stage into virtual stages
     (distributed/pipeline_parallel.py: ceil((layers + 2) / layers_per_stage) stages over pp ranks, else 1 per
-    rank for a single-stage schedule and 2 for a looped one)."""
+    rank for a single-stage schedule and 2 for a looped one). `paths`: each key's path in the file, where it is
+    not parallelism.<key> (the 2024 schema's [training] and [experimental] keys)."""
     from zeroplan.importers.values import as_bool, as_int, fail
 
+    def path(key: str) -> str:
+        return (paths or {}).get(key, f"parallelism.{key}")
+
     def degree(key: str) -> int:
-        return as_int(parallelism.get(key, 1), f"parallelism.{key}", where, 1)
+        return as_int(parallelism.get(key, 1), path(key), where, 1)
 
     mesh: dict[str, Any] = {"tp": degree("tensor_parallel_degree"), "cp": degree("context_parallel_degree"),
                             "pp": degree("pipeline_parallel_degree"), "ep": degree("expert_parallel_degree"),
                             "dp_replicate": degree("data_parallel_replicate_degree")}
     if degree("expert_tensor_parallel_degree") > 1:
-        raise fail(where, "parallelism.expert_tensor_parallel_degree", "is more than 1: not modelled (experts are "
+        raise fail(where, path("expert_tensor_parallel_degree"), "is more than 1: not modelled (experts are "
                    "cut by ep only, as torchtitan 0.3.0 does)")
     if "enable_sequence_parallel" in parallelism:  # 0.3.0; v0.2.2 always runs SP under TP
         mesh["sequence_parallel"] = as_bool(parallelism["enable_sequence_parallel"],
-                                            "parallelism.enable_sequence_parallel", where)
+                                            path("enable_sequence_parallel"), where)
     if "disable_loss_parallel" in parallelism:
-        mesh["loss_parallel"] = not as_bool(parallelism["disable_loss_parallel"], "parallelism.disable_loss_parallel", where)
+        mesh["loss_parallel"] = not as_bool(parallelism["disable_loss_parallel"], path("disable_loss_parallel"), where)
     if mesh["pp"] > 1:
         name = str(parallelism.get("pipeline_parallel_schedule", "1F1B"))
         schedule = _TORCHTITAN_SCHEDULES.get(name.lower())
         if schedule is None:
-            raise fail(where, "parallelism.pipeline_parallel_schedule", f"{name!r} is not modelled; use GPipe, 1F1B, "
+            raise fail(where, path("pipeline_parallel_schedule"), f"{name!r} is not modelled; use GPipe, 1F1B, "
                        "Interleaved1F1B or InterleavedZeroBubble")
         looped = schedule in ("interleaved-1f1b", "zero-bubble")
         virtual = 2 if looped else 1

@@ -125,12 +125,15 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
         values.update(config.settings(options.get("gpus"), getattr(model, "hidden_size", None)))
     values.update({name: options[name] for name in TrainingSpec.model_fields
                    if options.get(name) not in (None, ()) and name != "gpu"})
+    if options.get("compile") == ():  # --compile none: eager, over a config that compiles
+        values["compile"] = ()
     gpu = gpu_spec(options.get("gpu"), options.get("gpu_memory"))  # --gpu NAME, or --gpu-memory NAME
     if gpu is not None:
         values["gpu"] = gpu
     from zeroplan.importers.lora_options import lora_values
 
     values.update(lora_values(options, model, values))  # --lora-*, --base-precision: importers/lora_options.py
+    float8_values(options, values)  # --float8 and --float8-* over the config file's float8 settings
     fsdp2 = {knob: options[f"fsdp2_{knob}"] for knob in FSDP2Knobs.model_fields if options.get(f"fsdp2_{knob}") is not None}
     if fsdp2:  # --fsdp2-* options (cli/common.py) over the config file's fsdp2 settings
         values["fsdp2"] = {**(values.get("fsdp2") or {}), **fsdp2}
@@ -185,6 +188,30 @@ def input_notes(model: ModelSpec, training: TrainingSpec, config: TrainingConfig
                      f"{model.max_position_embeddings:,}: transformers runs it (rotary positions are computed for any "
                      "length), but the model was not trained on sequences that long")
     return tuple(notes)
+
+
+def float8_values(options: Mapping[str, Any], values: dict[str, Any]) -> None:
+    """Set `values["float8"]` from --float8 RECIPE (none: off) and the --float8-* knobs, over the config file's."""
+    from zeroplan.spec.training import Float8Knobs
+
+    recipe = options.get("float8_recipe")
+    knobs = {knob: options[f"float8_{knob}"] for knob in Float8Knobs.model_fields
+             if knob != "recipe" and options.get(f"float8_{knob}") is not None}
+    if recipe == "none":
+        if knobs:
+            raise SpecError(f"--float8 none turns float8 off; drop --float8-{next(iter(knobs)).replace('_', '-')}")
+        values["float8"] = None
+        return
+    base = values.get("float8")
+    if recipe is None and not knobs:
+        return
+    if recipe is None and base is None:
+        raise SpecError(f"--float8-{next(iter(knobs)).replace('_', '-')} sets a knob of float8 training; give --float8 "
+                        "RECIPE (tensorwise, rowwise, rowwise_with_gw_hp) too")
+    merged = {**(base.model_dump() if hasattr(base, "model_dump") else base or {}), **knobs}
+    if recipe is not None:
+        merged["recipe"] = recipe
+    values["float8"] = merged
 
 
 def load_config(config_file: str | Path | None) -> TrainingConfig | None:

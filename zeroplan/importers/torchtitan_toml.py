@@ -107,20 +107,73 @@ _2024_SECTIONS = {
     "comm": {"init_timeout_seconds", "trace_buf_size", "train_timeout_seconds"},
     "memory_estimation": {"disable_fake_mode", "enabled"},
 }
+# 08b8b244f (2025-08-20) torchtitan/config/job_config.py JobConfig, read with ast: the typed schema between the
+# 2024 one and v0.2.2, with [compile] (enable, components) and [float8] / [mx] (float8 and MX converters named in
+# [model] converters as "float8" / "mx"); its ConfigManager refuses unknown keys, as v0.2.2's does.
+_2025_SECTIONS: dict[str, object] = {
+    **{name: keys for name, keys in _V022_SECTIONS.items() if name not in ("quantize", "debug")},
+    "job": {"config_file", "description", "dump_folder", "print_args", "use_for_integration_test"},
+    "metrics": {"disable_color_printing", "enable_tensorboard", "enable_wandb", "log_freq", "save_for_all_ranks",
+                "save_tb_folder"},
+    "profiling": {"enable_memory_snapshot", "enable_profiling", "profile_freq", "save_memory_snapshot_folder",
+                  "save_traces_folder"},
+    "lr_scheduler": {"decay_ratio", "decay_type", "min_lr_factor", "warmup_steps"},
+    "training": {"dataset", "dataset_path", "deterministic", "enable_cpu_offload", "gc_debug", "gc_freq",
+                 "global_batch_size", "local_batch_size", "max_norm", "mixed_precision_param", "mixed_precision_reduce",
+                 "seed", "seq_len", "steps"},
+    "parallelism": {"context_parallel_degree", "context_parallel_rotate_method", "data_parallel_replicate_degree",
+                    "data_parallel_shard_degree", "disable_loss_parallel", "enable_async_tensor_parallel",
+                    "enable_compiled_autograd", "expert_parallel_degree", "expert_tensor_parallel_degree",
+                    "fsdp_reshard_after_forward", "module_fqns_per_model_part", "pipeline_parallel_degree",
+                    "pipeline_parallel_first_stage_less_layers", "pipeline_parallel_last_stage_less_layers",
+                    "pipeline_parallel_layers_per_stage", "pipeline_parallel_microbatch_size",
+                    "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv", "pipeline_parallel_split_points",
+                    "tensor_parallel_degree"},
+    "checkpoint": {"async_mode", "create_seed_checkpoint", "enable_checkpoint", "enable_first_step_checkpoint",
+                   "exclude_from_loading", "export_dtype", "folder", "initial_load_in_hf", "initial_load_model_only",
+                   "initial_load_path", "interval", "keep_latest_k", "last_save_in_hf", "last_save_model_only",
+                   "load_step"},
+    "activation_checkpoint": {"mode", "per_op_sac_force_recompute_mm_shapes_by_fqns", "selective_ac_option"},
+    "compile": {"components", "enable"},
+    "float8": {"emulate", "enable_fsdp_float8_all_gather", "filter_fqns", "moe_fqns_prototype",
+               "precompute_float8_dynamic_scale_for_fsdp", "recipe_name"},
+    "mx": {"filter_fqns", "moe_fqns_prototype", "mxfp8_dim1_cast_kernel_choice", "recipe_name"},
+    "validation": {"dataset", "dataset_path", "enabled", "freq", "local_batch_size", "seq_len", "steps"},
+}
+
 # Keys that only the 2024 schema has: one of them marks a TOML of that era.
 _2024_MARKERS = {("training", "batch_size"), ("training", "compile"), ("training", "data_parallel_shard_degree"),
-                 ("training", "tensor_parallel_degree"), ("optimizer", "fused"), ("float8", None),
-                 ("checkpoint", "enable_checkpoint"), ("experimental", "pipeline_parallel_degree"),
+                 ("training", "tensor_parallel_degree"), ("optimizer", "fused"), ("float8", "enable_float8_linear"),
+                 ("float8", "scaling_type_input"), ("float8", "scaling_type_weight"),
+                 ("float8", "scaling_type_grad_output"), ("experimental", "pipeline_parallel_degree"),
                  ("experimental", "context_parallel_degree")}
-TORCHTITAN_SECTIONS = frozenset(_V022_SECTIONS) | frozenset(_2024_SECTIONS)
+# Sections only the 2025 typed schema has (or [checkpoint] enable_checkpoint without a 2024 marker)
+_2025_MARKERS = {("float8", None), ("mx", None), ("checkpoint", "enable_checkpoint")}
+TORCHTITAN_SECTIONS = frozenset(_V022_SECTIONS) | frozenset(_2024_SECTIONS) | frozenset(_2025_SECTIONS)
 
-_NOT_MODELLED = "not modelled yet: issue 14 (zeroplan models data parallelism only)"
 _OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam"}  # components/optimizer.py build_optimizers: optimizer_classes
 
 
-def is_2024_schema(document: Mapping[str, object]) -> bool:
+def is_torchtitan(document: Mapping[str, object]) -> bool:
+    """A TOML is torchtitan's when it has its [model] or [training] table (every train_configs/*.toml does)."""
+    return isinstance(document.get("model"), Mapping) or isinstance(document.get("training"), Mapping)
+
+
+def _marked(document: Mapping[str, object], markers) -> bool:
     return any(isinstance(document.get(section), Mapping) and (key is None or key in document[section])
-               for section, key in _2024_MARKERS)
+               for section, key in markers)
+
+
+def is_2024_schema(document: Mapping[str, object]) -> bool:
+    return _marked(document, _2024_MARKERS)
+
+
+def schema_of(document: Mapping[str, object]) -> str:
+    """"2024" (9dec370's argparse loader), "2025" (the typed JobConfig of 08b8b244f, [float8] and [compile]) or
+    "v0.2.2" ([quantize.linear.float8])."""
+    if is_2024_schema(document):
+        return "2024"
+    return "2025" if _marked(document, _2025_MARKERS) else "v0.2.2"
 
 
 def model_from_torchtitan(document: Mapping[str, object], where: Where) -> str:
@@ -142,21 +195,23 @@ def model_from_torchtitan(document: Mapping[str, object], where: Where) -> str:
 
 
 def check_torchtitan(document: Mapping[str, object], where: Where) -> tuple[str, ...]:
-    """Refuse (v0.2.2) or warn about (2024) unknown keys; the notes on what the run does that is not modelled."""
-    old = is_2024_schema(document)
-    _check_keys(document, _2024_SECTIONS if old else _V022_SECTIONS, where, strict=not old)
+    """Refuse (v0.2.2, 2025) or warn about (2024) unknown keys; the notes on what the estimate assumes of the run."""
+    schema = schema_of(document)
+    sections = {"2024": _2024_SECTIONS, "2025": _2025_SECTIONS, "v0.2.2": _V022_SECTIONS}[schema]
+    _check_keys(document, sections, where, strict=schema != "2024", schema=schema)
     section = _sections(document, where)
     notes = []
     model = model_from_torchtitan(document, where)
     if model == "llama-3-8b":  # torchtitan's train_configs/llama3_8b.toml trains Llama 3.1 8B
         notes.append("llama3 8B is estimated as llama-3-8b: Llama 3 and 3.1 8B have the same layers and sizes")
-    compiled = (as_bool(section["training"].get("compile", False), "training.compile", where) if old
-                else as_bool(section["compile"].get("enable", False), "compile.enable", where))
-    if compiled:
-        notes.append("torch.compile is not modelled: estimated as the eager program (the published torchtitan runs "
-                     "show compile lowering the peak)")
-    if _float8(section, where, old):
-        notes.append("float8 training (torchao Float8Linear) is not modelled: estimated with bf16 matmuls")
+    components = _compiled(section, where, schema)
+    if components:
+        notes.append(f"torch.compile of the {' and the '.join('blocks' if c == 'model' else c for c in components)}: "
+                     "estimated from what the compiled graphs keep (docs/engines/programs.md)")
+    float8 = _float8(section, where, schema)
+    if float8 is not None:
+        notes.append(f"float8 training ({float8['recipe']}, torchao Float8Linear): derived from torchao's source, "
+                     "not measured (docs/engines/programs.md)")
     return tuple(notes)
 
 
@@ -167,9 +222,11 @@ def _sections(document: Mapping[str, object], where: Where) -> dict[str, Mapping
 def settings_from_torchtitan(document: Mapping[str, object], where: Where, gpus: int | None) -> dict[str, object]:
     """Partial TrainingSpec mapping for one torchtitan job TOML (checked by `check_torchtitan`). `gpus`
     is --gpus, which a data_parallel_shard_degree of -1 ("all the ranks") needs."""
-    old = is_2024_schema(document)
+    schema = schema_of(document)
+    old = schema == "2024"
     section = _sections(document, where)
-    training, parallelism = section["training"], section["experimental" if old else "parallelism"]
+    training = section["training"]
+    parallelism = _parallelism_2024(section) if old else section["parallelism"]
     settings: dict[str, object] = {"recipe": RECIPE}
 
     def integer(table: str, key: str, default: int, minimum: int = 1) -> int:
@@ -177,15 +234,11 @@ def settings_from_torchtitan(document: Mapping[str, object], where: Where, gpus:
         return as_int(value, f"{table}.{key}", where, minimum)
 
     # Parallel degrees other than data parallelism (v0.2.2 [parallelism]; 2024: [training] tp, [experimental] pp, cp).
-    others = ([("training", "tensor_parallel_degree"), ("experimental", "pipeline_parallel_degree"),
-               ("experimental", "context_parallel_degree"), ("training", "data_parallel_replicate_degree")] if old else
-              [("parallelism", f"{kind}_parallel_degree") for kind in ("tensor", "pipeline", "context", "expert")]
-              + [("parallelism", "data_parallel_replicate_degree")])
-    if old:
-        for table, key in others:
-            if integer(table, key, 1) > 1:
-                raise fail(where, f"{table}.{key}", f"is {section[table][key]}: {_NOT_MODELLED}")
-    mesh = {} if old else torchtitan_mesh(parallelism, _model_layers(document, where), where)  # issue 14
+    mesh = torchtitan_mesh(parallelism, _model_layers(document, where), where, _2024_PATHS if old else None)  # issue 14
+    if mesh.get("tp", 1) > 1 and "enable_async_tensor_parallel" in parallelism:
+        # parallelize.py: async TP is applied with TP only (and needs compile: TrainingSpec checks it)
+        mesh["async_tp"] = as_bool(parallelism["enable_async_tensor_parallel"],
+                                   ("experimental" if old else "parallelism") + ".enable_async_tensor_parallel", where)
     model_ranks = mesh.get("tp", 1) * mesh.get("cp", 1) * mesh.get("pp", 1) * mesh.get("dp_replicate", 1)
     if model_ranks > 1 or mesh.get("ep", 1) > 1:
         settings["mesh"] = mesh
@@ -236,7 +289,8 @@ def settings_from_torchtitan(document: Mapping[str, object], where: Where, gpus:
         settings["grad_accum"] = global_batch // (micro * world)
     if mesh.get("pp", 1) > 1:
         # the pipeline runs each local batch as micro-batches, which zeroplan counts as accumulation steps
-        size, count = pipeline_micro_batch(parallelism, micro, where)
+        size, count = (_pipeline_micro_batch_2024(parallelism, micro, mesh["pp"], where) if old
+                       else pipeline_micro_batch(parallelism, micro, where))
         settings.update(micro_batch=size, grad_accum=settings.get("grad_accum", 1) * count)
     settings["precision"] = _precision(training, where)
     if as_bool(training.get("enable_cpu_offload", False), "training.enable_cpu_offload", where):
@@ -245,7 +299,52 @@ def settings_from_torchtitan(document: Mapping[str, object], where: Where, gpus:
     settings.update(_optimizer(section["optimizer"], where, old))
     # v0.2.2 components/loss.py and 9dec370 train.py: cross_entropy over the whole fp32-upcast logits.
     settings["loss"] = "standard"
+    components = _compiled(section, where, schema)
+    if components:
+        settings["compile"] = components
+    float8 = _float8(section, where, schema)
+    if float8 is not None:
+        settings["float8"] = float8
     return settings
+
+
+# 9dec370's names of the mesh keys (config_manager.py), by v0.2.2's [parallelism] name
+_2024_KEYS = {"tensor_parallel_degree": "training", "data_parallel_replicate_degree": "training",
+              "disable_loss_parallel": "training", "pipeline_parallel_degree": "experimental",
+              "context_parallel_degree": "experimental", "pipeline_parallel_schedule": "experimental",
+              "enable_async_tensor_parallel": "experimental"}
+_2024_PATHS = {key: f"{table}.{key}" for key, table in _2024_KEYS.items()}
+
+
+def _parallelism_2024(section: Mapping[str, Mapping[str, object]]) -> dict[str, object]:
+    """The 2024 schema's mesh keys under v0.2.2's names (sequence parallelism is always on under its TP)."""
+    found = {key: section[table][key] for key, table in _2024_KEYS.items() if key in section[table]}
+    if "pipeline_parallel_microbatches" in section["experimental"]:
+        found["pipeline_parallel_microbatches"] = section["experimental"]["pipeline_parallel_microbatches"]
+    return found
+
+
+def _pipeline_micro_batch_2024(parallelism: Mapping[str, object], local_batch: int, pp: int, where: Where) -> tuple[int, int]:
+    """9dec370 parallelisms/pipelining_utils: n_microbatches = pipeline_parallel_microbatches, or the pp degree."""
+    count = as_int(parallelism.get("pipeline_parallel_microbatches", pp) or pp, "experimental.pipeline_parallel_microbatches",
+                   where, 1)
+    if local_batch % count:
+        raise fail(where, "experimental.pipeline_parallel_microbatches", f"{count} does not divide batch_size {local_batch}")
+    return local_batch // count, count
+
+
+def _compiled(section: Mapping[str, Mapping[str, object]], where: Where, schema: str) -> tuple[str, ...]:
+    """The compiled components: 2024 `[training] compile` compiles the blocks only (9dec370 train.py leaves the
+    loss's compile commented out); [compile] enable with its components (default ["model", "loss"], 08b8b244f)."""
+    if schema == "2024":
+        return ("model",) if as_bool(section["training"].get("compile", False), "training.compile", where) else ()
+    table = section["compile"]
+    if not as_bool(table.get("enable", False), "compile.enable", where):
+        return ()
+    components = table.get("components", ["model", "loss"])
+    if not isinstance(components, list) or any(item not in ("model", "loss") for item in components):
+        raise fail(where, "compile.components", f"must be a list of \"model\" and \"loss\", got {components!r}")
+    return tuple(dict.fromkeys(components))
 
 
 def _model_layers(document: Mapping[str, object], where: Where) -> int | None:
@@ -259,9 +358,10 @@ def _model_layers(document: Mapping[str, object], where: Where) -> int | None:
         return None
 
 
-def _check_keys(document: Mapping[str, object], sections: Mapping[str, object], where: Where, strict: bool) -> None:
-    """v0.2.2 refuses unknown keys (config/manager.py `_dict_to_dataclass`: "Invalid field names");
-    the 2024 loader never reads them."""
+def _check_keys(document: Mapping[str, object], sections: Mapping[str, object], where: Where, strict: bool,
+                schema: str = "v0.2.2") -> None:
+    """v0.2.2 and the 2025 typed schema refuse unknown keys (config/manager.py `_dict_to_dataclass`: "Invalid
+    field names"); the 2024 loader never reads them."""
 
     def check(table: Mapping[str, object], known: object, prefix: str) -> None:
         names = set(known)
@@ -271,7 +371,7 @@ def _check_keys(document: Mapping[str, object], sections: Mapping[str, object], 
                 close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.6)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 if strict:
-                    raise fail(where, path, f"is not a torchtitan v0.2.2 option{hint}")
+                    raise fail(where, path, f"is not a torchtitan {schema} option{hint}")
                 warnings.warn(f"{where(path)}: {path} is not read by torchtitan (2024 schema){hint}: ignored",
                               ZeroplanWarning)
                 continue
@@ -340,14 +440,46 @@ def _optimizer(optimizer: Mapping[str, object], where: Where, old: bool) -> dict
     return settings
 
 
-def _float8(section: Mapping[str, Mapping[str, object]], where: Where, old: bool) -> bool:
-    """Whether the run converts its linears to float8: 2024 `[float8] enable_float8_linear`; v0.2.2
-    `[model] converters` naming a float8 or mx converter (components/quantization)."""
-    if old:
-        return as_bool(section["float8"].get("enable_float8_linear", False), "float8.enable_float8_linear", where)
+def _float8(section: Mapping[str, Mapping[str, object]], where: Where, schema: str) -> dict[str, object] | None:
+    """The float8 knobs of the run (TrainingSpec.float8), or None. 2024: `[float8] enable_float8_linear`, dynamic
+    tensorwise scaling, torchao of that era saving float8 casts; 2025 and v0.2.2: a float8 converter named in
+    `[model] converters` ("float8"; v0.2.2 "quantize.linear.float8") with its section's recipe_name (None:
+    tensorwise) and FSDP knobs, torchao saving the high-precision tensors. MX converters are not modelled."""
+    if schema == "2024":
+        table = section["float8"]
+        if not as_bool(table.get("enable_float8_linear", False), "float8.enable_float8_linear", where):
+            return None
+        for key in ("scaling_type_input", "scaling_type_weight", "scaling_type_grad_output"):
+            if table.get(key, "dynamic") != "dynamic":
+                raise fail(where, f"float8.{key}", f"{table[key]!r}: delayed scaling is not modelled; use dynamic")
+        return _float8_knobs(table, "float8", where, recipe=None, saved="float8")
     converters = section["model"].get("converters", [])
     if isinstance(converters, str):
         converters = converters.split(",")
     if not isinstance(converters, list) or not all(isinstance(item, str) for item in converters):
         raise fail(where, "model.converters", f"must be a list of converter names, got {converters!r}")
-    return any("float8" in item or "mx" in item for item in converters)
+    if any("mx" in item for item in converters):
+        raise fail(where, "model.converters", f"{converters!r}: MX (mxfp8) training is not modelled; float8 is")
+    if not any("float8" in item for item in converters):
+        return None
+    path = "float8" if schema == "2025" else "quantize.linear.float8"
+    table = section["float8"] if schema == "2025" else _nested(section["quantize"], ("linear", "float8"), where)
+    return _float8_knobs(table, path, where, recipe=table.get("recipe_name"), saved="high-precision")
+
+
+def _nested(table: Mapping[str, object], keys: tuple[str, ...], where: Where) -> Mapping[str, object]:
+    path = "quantize"
+    for key in keys:
+        path += f".{key}"
+        table = as_section(table.get(key, {}), path, where)
+    return table
+
+
+def _float8_knobs(table: Mapping[str, object], path: str, where: Where, recipe: object, saved: str) -> dict[str, object]:
+    if recipe not in (None, "tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        raise fail(where, f"{path}.recipe_name", f"must be tensorwise, rowwise or rowwise_with_gw_hp, got {recipe!r}")
+    return {"recipe": recipe or "tensorwise", "saved": saved,
+            "fsdp_all_gather": as_bool(table.get("enable_fsdp_float8_all_gather", False),
+                                       f"{path}.enable_fsdp_float8_all_gather", where),
+            "precompute_scale": as_bool(table.get("precompute_float8_dynamic_scale_for_fsdp", False),
+                                        f"{path}.precompute_float8_dynamic_scale_for_fsdp", where)}

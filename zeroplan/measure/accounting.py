@@ -10,9 +10,13 @@ How it counts (the method of torch/distributed/_tools/mem_tracker.py, `MemTracke
   (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `free_storage` / `alloc_storage`).
 Enter it before the model is built and before the engine wraps it, or the engine's buffers
 (DDP's buckets, DeepSpeed's reduce bucket) are missed; in a program that built the model already
-(measure/live/), `track_existing` counts the tensors that were there before. What it cannot see: memory a kernel uses
-internally without returning it as a tensor, and tensors created on threads other than the one
-that entered the mode (gloo's worker threads allocate none that outlive a collective).
+(measure/live/), `track_existing` counts the tensors that were there before. What it cannot see: memory a kernel
+uses internally without returning it as a tensor, tensors created on threads other than the one
+that entered the mode (gloo's worker threads allocate none that outlive a collective), and what
+a tensor subclass's own dispatch allocates on its local tensors: a mode is switched off while it
+handles an op, so the mode sees a DTensor op's output, not the local ops DTensor runs for it.
+Where those local ops allocate more than the output (`loss_parallel()`'s handlers: several
+logits-sized shards), `counted_inside` wraps the handler so that they are counted too.
 
 Categories at the peak. Only the engine runner knows which live tensors are parameters,
 gradients, optimizer states or engine buffers (`EngineRunner.tensors_by_category`), and that
@@ -79,6 +83,32 @@ def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 _ACTIVE: list["TensorAccounting"] = []  # the accountings entered, innermost last
+
+
+class _Inside(TorchDispatchMode):
+    """Pushed inside a subclass's op handler, where the accounting's own mode is off: hands every
+    op the handler runs on local tensors to the accounting, which runs it and records its outputs."""
+
+    def __init__(self, accounting: "TensorAccounting"):
+        super().__init__()
+        self.accounting = accounting
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.accounting.__torch_dispatch__(func, types, args, kwargs)
+
+
+def counted_inside(handler: Callable) -> Callable:
+    """A DTensor custom op handler (op, args, kwargs) -> output, run so that the active accounting
+    counts what it allocates on the local shards, not only the output DTensor it returns (see the
+    module docstring). Without an active accounting it is the handler itself."""
+
+    def counted(op_call, args, kwargs):
+        if not _ACTIVE:
+            return handler(op_call, args, kwargs)
+        with _Inside(_ACTIVE[-1]):
+            return handler(op_call, args, kwargs)
+
+    return counted
 
 
 def active_accounting() -> "TensorAccounting | None":

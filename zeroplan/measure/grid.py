@@ -98,6 +98,8 @@ class Row:
     activation_offload: str | None = None  # none or cpu (torchtune's OffloadActivations); None: the recipe's
     mesh: tuple[tuple[str, Any], ...] = ()  # spec/mesh.py MeshSpec fields beyond data parallelism, e.g. (("tp", 2),)
     lora: LoraRow | None = None  # PEFT adapters and a quantized base (ids "lora-..." / "qlora-...")
+    compile: tuple[str, ...] = ()  # torch.compile components: model (each block), loss (measure/compiled.py)
+    float8: tuple[tuple[str, Any], ...] = ()  # spec/training.py Float8Knobs fields, e.g. (("recipe", "rowwise"),); GPU rows
 
     @property
     def id(self) -> str:
@@ -116,7 +118,10 @@ class Row:
             + ((f"{self.loss}-loss",) if self.loss else ()) \
             + ((f"units-{self.fsdp2_units}",) if self.fsdp2_units else ()) \
             + (("keeplast",) if self.reshard_last_block is False else ()) \
-            + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ())
+            + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ()) \
+            + ((f"compile-{'+'.join(self.compile)}",) if self.compile else ()) \
+            + (("float8-" + "-".join(str(v) if not isinstance(v, bool) else k for k, v in self.float8 if v),)
+               if self.float8 else ())
         row_id = "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
         row_id = mesh_row_id(self.mesh, row_id, "mesh-ds" if self.engine == "deepspeed" else "mesh") if self.mesh else row_id
         trainer = "trainer-" if self.recipe == "hf-trainer" else ""  # the Trainer's adapter rows apart from the loop's
@@ -159,6 +164,10 @@ class Row:
                 fields[knob] = getattr(self, knob)
         if self.optimizer_in_backward:
             fields["optimizer_in_backward"] = True
+        if self.compile:
+            fields["compile"] = list(self.compile)
+        if self.float8:
+            fields["float8"] = dict(self.float8)
         if self.mesh:
             fields["mesh"] = dict(self.mesh)
         if self.model_init is None and self.engine == "deepspeed" and self.recipe == "plain":
@@ -326,12 +335,34 @@ def _grid() -> tuple[Row, ...]:
                                                ("deepspeed", 3, "bf16", "none")):
             rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, attention=attention,
                             small_buckets=engine == "deepspeed"))  # buffers the size of the model, not of 5e8 elements
+    rows.extend(_issue23_rows())
     rows.extend(mesh_rows())
     rows.extend(deepspeed_mesh_rows())
     rows.extend(ep_rows(Row))  # expert parallelism (measure/engines/mesh_moe.py)
     rows += _dense_family_rows()
     rows.extend(_lora_rows())
     return tuple(rows)
+
+
+def _issue23_rows() -> list[Row]:
+    """The programs of issue 23 measured with the real libraries on CPU:
+    - torch.compile (inductor's CPU backend) of each block and of the loss, on one rank without DDP (measure/
+      compiled.py; counted from the allocator's records, which miss frees on gloo's threads: one rank has none),
+      fp32 and under autocast;
+    - the CPU misses it lists: DeepSpeed stage 0 in bf16 with full checkpointing (a block's recomputation with the
+      gradients so far beats the loss's backward), ZeRO-2 in bf16 under the Trainer, DeepSeek-V3's latent
+      attention under eager attention."""
+    one = {"world": 1, "ddp": False}
+    return [
+        Row("tiny-llama", "torch", 0, "fp32", compile=("model",), **one),
+        Row("tiny-llama", "torch", 0, "fp32", compile=("model", "loss"), **one),
+        Row("tiny-llama", "torch", 0, "bf16", compile=("model",), **one),
+        Row("tiny-llama", "torch", 0, "bf16", compile=("model", "loss"), **one),
+        Row("tiny-gpt2", "deepspeed", 0, "bf16", checkpointing="full", micro_batch=4, seq_len=256),
+        Row("tiny-llama", "deepspeed", 2, "bf16", recipe="hf-trainer"),
+        Row("dsv3-tiny", "fsdp2", 3, "fp32", attention="eager"),
+        Row("dsv3-tiny", "torch", 0, "bf16", attention="eager"),
+    ]
 
 
 def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str, prefix: str = "mesh") -> str:
@@ -367,6 +398,9 @@ def missing_files(rows: Sequence[Row]) -> dict[Path, list[str]]:
     return missing
 
 
+_TINY_LLAMA_16K_KV4 = "tests/data/tiny-llama-16k-kv4.toml"
+
+
 def mesh_rows() -> list[Row]:
     """Tensor, sequence and pipeline parallelism with FSDP2 (issue 14, measure/engines/mesh.py): torchtitan's
     loop with its standard loss, tiny-llama (2 KV heads: tp 2 at most), real gloo ranks and one
@@ -398,6 +432,20 @@ def mesh_rows() -> list[Row]:
         Row(_TINY_LLAMA_16K, "fsdp2", 3, "fp32", mesh=(("tp", 2),), **titan),
         # every other block checkpointed under sequence parallelism: two kinds of block, each cut by SP as it keeps
         Row(_TINY_LLAMA_4L, "fsdp2", 3, "fp32", checkpointing="full", checkpoint_every=2, mesh=(("tp", 2),), **titan),
+        *_loss_parallel_rows(titan),
+    ]
+
+
+def _loss_parallel_rows(titan: dict) -> list[Row]:
+    """A 16k vocabulary, where loss_parallel()'s handlers dominate the peak (estimate/parallel/mesh.py
+    `_loss_parallel_changes`): tp 2 and 4, bf16 logits under FSDP2's mixed precision (tp 2 x dp 2), bf16 asked
+    of TP alone (torchtitan then trains in fp32: maybe_enable_amp), and the same vocabulary without loss
+    parallelism (the logits all-gathered, aten's log_softmax and nll_loss)."""
+    return [
+        Row(_TINY_LLAMA_16K, "fsdp2", 3, "bf16", mesh=(("tp", 2),), world=4, **titan),
+        Row(_TINY_LLAMA_16K_KV4, "fsdp2", 3, "fp32", mesh=(("tp", 4),), world=4, **titan),
+        Row(_TINY_LLAMA_16K, "fsdp2", 3, "bf16", mesh=(("tp", 2),), **titan),
+        Row(_TINY_LLAMA_16K, "fsdp2", 3, "fp32", mesh=(("tp", 2), ("loss_parallel", False)), **titan),
     ]
 
 

@@ -32,7 +32,9 @@ def is_mesh_run(training: TrainingSpec) -> bool:
 
 
 def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate: bool = False) -> None:
-    """Raise MeasureError for a mesh run that measure/engines/mesh.py cannot run."""
+    """Raise MeasureError for a mesh run that measure/engines/mesh.py cannot run (and for torch.compile and
+    float8 where measure does not run them: issue 23, measure/compiled.py)."""
+    _refuse_programs(training, simulate)
     if not is_mesh_run(training):
         return
     if training.engine.value == "deepspeed":  # AutoTP and Ulysses (measure/engines/deepspeed_mesh.py)
@@ -67,6 +69,20 @@ def refuse_unmeasurable(model: TransformerSpec, training: TrainingSpec, simulate
     if mesh.dp_replicate > 1 and mesh.dp_shard(training.gpus) == 1:
         raise MeasureError("mesh.dp_replicate: without data-parallel sharding torchtitan replicates with DDP "
                            "(parallelize.py apply_ddp), which is not measured on a mesh; leave dp_shard above 1")
+
+def _refuse_programs(training: TrainingSpec, simulate: bool) -> None:
+    if training.compile and (is_mesh_run(training) or simulate):
+        # the mesh runners build their own stages (not the workload's blocks); fake tensors do not compile
+        raise MeasureError("compile: torch.compile is measured without a mesh and on real ranks (measure/compiled.py); "
+                           "drop --tp/--cp/--pp/--ep/--dp-replicate and --simulate, or --compile")
+    if training.compile and training.device.value == "cpu" and training.gpus > 1:
+        # a compiled run is counted from the allocator's records, which miss the frees on gloo's threads
+        raise MeasureError("compile: a compiled run on CPU is measured on one rank (--nproc 1, engine torch --no-ddp): "
+                           "the allocator's records it is counted from miss the frees on gloo's threads")
+    if training.float8 is not None and training.float8.precompute_scale:
+        raise MeasureError("float8.precompute_scale: measure does not call precompute_float8_dynamic_scale_for_fsdp "
+                           "after the optimizer step; drop --float8-precompute-scale")
+
 
 def _refuse_context_parallel(training: TrainingSpec, simulate: bool) -> None:
     """What measure/cp_cpu.py does not run: its ring is torch's SDPA one on real ranks, without pipeline stages."""

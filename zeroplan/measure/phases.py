@@ -14,7 +14,7 @@ class PhaseRecorder:
         self.on_phase = on_phase  # told (step, phase) as each opens: the launcher's progress (worker.py)
         self.phases = {}  # (step, phase) -> PhaseResult, in the order first seen
         self.open = None
-        self.marks: list[tuple[int, int, str]] = []  # (index of its first event in accounting.events, step, phase)
+        self.closed = []  # (step, phase, device stats) of every phase closed, in order: `rebuild`
 
     @contextlib.contextmanager
     def phase(self, step: int, name: str, *, default_category: str, born_as: str | None = None):
@@ -30,7 +30,6 @@ class PhaseRecorder:
         self.close()
         self.probe.begin_phase()
         self.accounting.begin_phase(name, default_category=default_category, born_as=born_as)
-        self.marks.append((len(self.accounting.events), step, name))
         self.open = (step, name)
         if self.on_phase is not None:
             self.on_phase(step, name)
@@ -39,12 +38,23 @@ class PhaseRecorder:
         """End the open phase (also when it raised: an out-of-memory result keeps how far it got)."""
         if self.open is None:
             return
-        from zeroplan.measure.result import PhaseResult
-
         step, name = self.open
         self.open = None
         memory = self.accounting.end_phase()
         device = self.probe.end_phase()
+        self.closed.append((step, name, device))
+        self._store(step, name, memory, device)
+
+    def rebuild(self, memories) -> None:
+        """The phases again from `memories`, one per phase closed, in order: an accounting that knows its
+        figures only once the run has ended (allocations.py `AllocatorAccounting.finish`)."""
+        self.phases = {}
+        for (step, name, device), memory in zip(self.closed, memories):
+            self._store(step, name, memory, device)
+
+    def _store(self, step: int, name: str, memory, device) -> None:
+        from zeroplan.measure.result import PhaseResult
+
         new = PhaseResult(step, name, memory.live_bytes, memory.peak_bytes, memory.peak_categories, device,
                           memory.adapter_params_bytes)
         old = self.phases.get((step, name))

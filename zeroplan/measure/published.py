@@ -59,6 +59,39 @@ RUNS: tuple[PublishedRun, ...] = (
          "recipe": "torchtitan", "checkpointing": "op", "loss": "standard"},
         gpu_memory_bytes=96 * GIB, published_bytes=int(67.0 * GIB),
         not_modelled="as above"),
+    # Tables 4-6 (TP): the 2024 programs' float8 is torchao's tensorwise path of eab345c, which saved float8
+    # casts (docs/engines/programs.md, float8), with float8 all-gather and precomputed scales (torchtitan's
+    # float8 docs of that time); their blocks are compiled, their loss is not (9dec370 train.py).
+    PublishedRun(
+        "torchtitan-70b-fsdp32-tp8", "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 4, 2D (runs at 9dec370)",
+        "peak reserved", "llama-3-70b",
+        {"engine": "fsdp2", "zero_stage": 3, "gpus": 256, "micro_batch": 16, "seq_len": 8192, "precision": "bf16",
+         "recipe": "torchtitan", "checkpointing": "full", "loss": "standard", "mesh": {"tp": 8},
+         "compile": ["model"], "float8": {"fsdp_all_gather": True, "precompute_scale": True, "saved": "float8"}},
+        gpu_memory_bytes=96 * GIB, published_bytes=int(71.9 * GIB),
+        not_modelled="reserved includes the allocator's cache: its four logits-sized fp32 loss tensors (7.8 GiB each) "
+                     "come and go every step",
+        settings={"seq_len": "8192, from its llama3_70b.toml", "float8": "tensorwise, float8 all-gather, saved in float8"}),
+    PublishedRun(
+        "torchtitan-70b-fsdp32-tp8-async", "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 4, 2D + AsyncTP",
+        "peak reserved", "llama-3-70b",
+        {"engine": "fsdp2", "zero_stage": 3, "gpus": 256, "micro_batch": 16, "seq_len": 8192, "precision": "bf16",
+         "recipe": "torchtitan", "checkpointing": "full", "loss": "standard", "mesh": {"tp": 8, "async_tp": True},
+         "compile": ["model"], "float8": {"fsdp_all_gather": True, "precompute_scale": True, "saved": "float8"}},
+        gpu_memory_bytes=96 * GIB, published_bytes=int(67.6 * GIB),
+        not_modelled="as above; async TP's symmetric-memory workspace is outside the caching allocator, so outside "
+                     "reserved, while the estimate counts it"),
+    PublishedRun(
+        "torchtitan-405b-fsdp8-tp8-pp8", "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 5, 1F1B",
+        "peak reserved", "llama-3.1-405b",
+        {"engine": "fsdp2", "zero_stage": 2, "gpus": 512, "micro_batch": 4, "grad_accum": 8, "seq_len": 8192,
+         "precision": "bf16", "recipe": "torchtitan", "checkpointing": "full", "loss": "standard",
+         "mesh": {"tp": 8, "pp": 8, "pp_schedule": "1f1b", "async_tp": True},
+         "compile": ["model"], "float8": {"fsdp_all_gather": True, "precompute_scale": True, "saved": "float8"}},
+        gpu_memory_bytes=96 * GIB, published_bytes=int(82.5 * GIB),
+        not_modelled="as above",
+        settings={"grad_accum": "8: pipeline_parallel_microbatches left at the pp degree, local batch 32 in 8",
+                  "zero_stage": "2: fsdp_reshard_after_forward default is no resharding under pipeline parallelism"}),
     PublishedRun(
         "torchtune-3b-packed", "torchtune README (v0.6.1), table \"Optimization flags\", row +Packed",
         "peak active", "llama-3.2-3b",

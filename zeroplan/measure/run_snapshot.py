@@ -2,9 +2,10 @@
 and freed (measure/accounting.py), replayed through the caching allocator model with its history kept, as
 `torch.cuda.memory._snapshot()` pickles it (zeroplan/estimate/device/snapshot.py); device i is rank i.
 
-Each allocation is named by the phase of the step it was made in (phases.py marks where each phase's events
-begin). On CPU the segments are what a GPU's allocator would have made of this stream; on CUDA they sit beside
-the real allocator's (measure's `allocator_replay` compares their peaks).
+Each allocation is named by the phase of the step it was made in (the worker marks where each phase's events
+begin as the recorder opens it). On CPU the segments are what a GPU's allocator would have made of this stream;
+on CUDA they sit beside the real allocator's (measure's `allocator_replay` compares their peaks). A compiled run
+is counted from the allocator's own records (allocations.py), which keep no stream: measure refuses to draw it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from zeroplan.estimate.device.snapshot import DeviceHistory, Frame, frame, snaps
 def rank_snapshot(events: Sequence, marks: Sequence[tuple[int, int, str]], rank: int,
                   environ: Mapping[str, str]) -> dict:
     """The snapshot of one rank (device `rank`): `events` the accounting's Alloc/Free stream, `marks` (event index,
-    step, phase) where each phase began (PhaseRecorder.marks), `environ` the rank's PYTORCH_CUDA_ALLOC_CONF."""
+    step, phase) where each phase began, `environ` the rank's PYTORCH_CUDA_ALLOC_CONF."""
     settings = settings_from_environment(environ)
     starts = [index for index, _, _ in marks]
     born = {event.key: index for index, event in enumerate(events) if type(event) is Alloc}

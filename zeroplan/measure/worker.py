@@ -96,6 +96,7 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     import torch
 
     from zeroplan.measure.accounting import TensorAccounting
+    from zeroplan.measure.allocations import AllocatorAccounting
     from zeroplan.measure.allocator_replay import replay_summary
     from zeroplan.measure.context import device_for, init_process_group, make_probe
     from zeroplan.measure.engines.common import RunContext, module_buffers
@@ -144,10 +145,19 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
         fake_mode = fake_tensor_mode()
     step_times: list[float] = []
     fits, oom_message = True, None
-    # The accounting is entered inside the fake mode, so it sees the fake tensors it makes.
-    with fake_mode, TensorAccounting() as accounting:
+    # The accounting is entered inside the fake mode, so it sees the fake tensors it makes. A compiled run is
+    # counted from the allocator's records: under a dispatch mode Dynamo runs the eager ops (allocations.py).
+    deferred = bool(training.compile)
+    with fake_mode, (AllocatorAccounting(device) if deferred else TensorAccounting()) as accounting:
         accounting.set_classifier(classify)
-        recorder = PhaseRecorder(accounting, probe, phase_writer(job, rank))
+        progress, marks = phase_writer(job, rank), []  # marks: (index of a phase's first event, step, phase)
+
+        def on_phase(step: int, phase: str) -> None:  # where each phase's allocations begin, for --snapshot
+            marks.append((len(accounting.events), step, phase))
+            if progress is not None:
+                progress(step, phase)
+
+        recorder = PhaseRecorder(accounting, probe, on_phase if job.get("snapshot") and not deferred else progress)
         try:
             with recorder.phase(0, "model", default_category="temporaries"):
                 with model_context(training, ctx):
@@ -183,9 +193,14 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
             recorder.close()
             fits, oom_message = False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         classifications = accounting.classifications
-    replayed = replay_summary(accounting.events, truncated=accounting.events_truncated, environ=os.environ)
-    if job.get("snapshot"):  # the stream for PyTorch's memory viewer (measure/run_snapshot.py), where it was asked
-        write_snapshot_part(job["snapshot"], rank, accounting, recorder.marks)
+    if deferred:
+        recorder.rebuild(accounting.finish())
+        replayed = {"replayed": False, "events": 0, "reason": "a compiled run is counted from the allocator's records "
+                    "(measure/allocations.py), which keep no stream of the program's allocations to replay"}
+    else:
+        replayed = replay_summary(accounting.events, truncated=accounting.events_truncated, environ=os.environ)
+        if job.get("snapshot"):  # the stream for PyTorch's memory viewer (measure/run_snapshot.py), where it was asked
+            write_snapshot_part(job["snapshot"], rank, accounting, marks)
     result = RankResult(rank, list(recorder.phases.values()), step_times, fits, oom_message, classifications, replayed)
     notes = []
     if backend == "fake":

@@ -61,6 +61,7 @@ class CausalLM(nn.Module):
         self.loss = loss
         self.loss_chunks = loss_chunks
         self.offload: OffloadActivations | None = None  # `offload_activations`
+        self.compiled_loss = None  # the standard loss compiled (measure/compiled.py), applied to the head's output
 
     def offload_activations(self) -> None:
         """Run the forward under torchtune's activation offloading from now on."""
@@ -85,6 +86,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.offload is not None:
             return self._offloaded_forward(input_ids, labels)
+        if self.compiled_loss is not None:
+            return self.compiled_loss(self._head()(self._hidden(input_ids)), losses.shifted_labels(labels))
         if self.loss == "fused-linear":
             return losses.fused_linear_cross_entropy(self._hidden(input_ids), self._head(), losses.shifted_labels(labels))
         if self.loss == "chunked-torchtitan":
@@ -391,6 +394,11 @@ def build_workload(
     _freeze(lm, blocks, training.freeze)
     with torch.device(device):  # adapters are made where the base is (meta, under model_init meta)
         name += _peft(lm, training, use_hf) or ""
+    if training.float8 is not None:  # torchao Float8Linear in the blocks, before checkpointing and compile
+        from zeroplan.measure.float8 import convert_linears
+
+        convert_linears(lm, training.float8, lm.get_output_embeddings() if use_hf else lm.lm_head)
+        name += f"+float8-{training.float8.recipe}"
     if training.checkpointing.value == "full":
         every = training.checkpoint_every or 1
         for index, block in enumerate(blocks, start=1):
@@ -406,7 +414,17 @@ def build_workload(
     loss = program.loss.value
     if program.loss == Loss.CHUNKED and program.recipe == Recipe.TORCHTITAN:
         loss = "chunked-torchtitan"  # its ChunkedLossWrapper, not torchtune's chunked output (losses.py)
+    if "model" in training.compile:  # after checkpointing, before the engine shards (measure/compiled.py)
+        from zeroplan.measure.compiled import compile_blocks
+
+        compile_blocks(blocks)
     model = CausalLM(lm, blocks, hf=use_hf, loss=loss, loss_chunks=program.loss_chunks)
+    if "loss" in training.compile:
+        if program.loss != Loss.STANDARD:
+            raise MeasureError(f"training.compile: a compiled loss is measured with loss standard, not {program.loss.value}")
+        from zeroplan.measure.compiled import compiled_loss
+
+        model.compiled_loss = compiled_loss()
     if program.activation_offload.value == "cpu":
         model.offload_activations()
     return Workload(model, name)

@@ -54,8 +54,17 @@ def _describe_program(data: dict[str, Any]) -> str:
         "optimizer in backward" if program["optimizer_in_backward"] else None,
         loss,
         "activations offloaded to cpu" if program["activation_offload"] == "cpu" else None,
+        f"torch.compile of {' and '.join('the blocks' if c == 'model' else 'the loss' for c in program['compile'])}"
+        if program.get("compile") else None,
+        _float8(program["float8"]) if program.get("float8") else None,
     ]
     return f"recipe {program['recipe']}: " + ", ".join(part for part in parts if part)
+
+
+def _float8(float8: dict[str, Any]) -> str:
+    extras = ["float8 all-gather"] if float8["fsdp_all_gather"] else []
+    extras += ["float8 saved"] if float8["saved"] == "float8" else []
+    return f"float8 {float8['recipe']}" + (f" ({', '.join(extras)})" if extras else "")
 
 
 def _optimizer_step(data: dict[str, Any]) -> str:
@@ -66,7 +75,8 @@ def _optimizer_step(data: dict[str, Any]) -> str:
 
 def describe_mesh(mesh: dict[str, Any]) -> str:
     """One line: every degree, the schedule, and the data-parallel sharding left."""
-    parts = [f"tp {mesh['tp']}" + (" (sequence parallel)" if mesh["tp"] > 1 and mesh["sequence_parallel"] else ""),
+    parts = [f"tp {mesh['tp']}" + (" (sequence parallel" + (", async" if mesh.get("async_tp") else "") + ")"
+                                   if mesh["tp"] > 1 and mesh["sequence_parallel"] else ""),
              f"cp {mesh['cp']}",
              f"pp {mesh['pp']}" + (f" ({mesh['pp_schedule']}" + (f", {mesh['pp_virtual_stages']} stages per rank"
                                     if mesh["pp_virtual_stages"] > 1 else "") + ")" if mesh["pp"] > 1 else ""),

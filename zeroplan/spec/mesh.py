@@ -65,6 +65,8 @@ class MeshSpec(BaseModel):
                                     "sequence (torchtitan enable_sequence_parallel).")
     loss_parallel: bool = Field(True, description="Under TP, keep the logits sharded over the vocabulary into the "
                                 "loss (torchtitan's default; disable_loss_parallel turns it off).")
+    async_tp: bool = Field(False, description="Under TP, micro-pipeline the all-gather and reduce-scatter with the "
+                           "matmuls through symmetric memory (torchtitan enable_async_tensor_parallel; needs compile).")
     moe_imbalance: float = Field(1.0, ge=1.0, description="Under EP, the token-expert pairs the busiest expert-parallel "
                                  "rank receives over the mean (1: balanced routing; at most ep).")
 
@@ -99,6 +101,8 @@ class MeshSpec(BaseModel):
     def check_world(self, gpus: int, engine: str, zero_stage: int, recipe: str = "torchtitan") -> None:
         """The rules that need only the training spec: the degrees fill `gpus`, the engine runs them.
         Raises ValueError (TrainingSpec's validator turns it into one line naming the field)."""
+        if self.async_tp and self.tp == 1:
+            raise ValueError("mesh.async_tp: async tensor parallelism needs tp above 1")
         if self.is_trivial:
             return
         product = self.model_ranks * self.dp_replicate

@@ -129,6 +129,38 @@ class DeepSpeedKnobs(BaseModel):
     offload_max_in_cpu: int = Field(1_000_000_000, ge=0, le=MAX_COUNT, description="offload_param.max_in_cpu elements.")
 
 
+class Float8Knobs(BaseModel):
+    """torchao float8 training of the blocks' linears (torchao/float8/float8_linear.py Float8Linear, config.py
+    Float8LinearConfig; torchtitan's float8 converter), as torchtitan's [float8] (2025) or
+    [quantize.linear.float8] (v0.2.2) section sets it. The output head is left in high precision, as
+    torchtitan's configs filter it (filter_fqns ["output"]). Derivation: docs/engines/programs.md."""
+
+    model_config = _STRICT
+
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(
+        "tensorwise", description="Scaling recipe (Float8LinearRecipeName): tensorwise (one scale per tensor, the "
+        "default config), rowwise or rowwise_with_gw_hp (axiswise scales).")
+    fsdp_all_gather: bool = Field(False, description="enable_fsdp_float8_all_gather: FSDP2 all-gathers the linears' "
+                                  "weights in float8 (tensorwise only).")
+    precompute_scale: bool = Field(False, description="precompute_float8_dynamic_scale_for_fsdp: the weights' scales "
+                                   "computed once per step for all of them (with fsdp_all_gather).")
+    saved: Literal["high-precision", "float8"] = Field(
+        "high-precision", description="What each Float8Linear saves for backward: its high-precision input and weight "
+        "(torchao since 2025-01-13, 12396c64) or their float8 casts (torchao of 2024, tensorwise).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "Float8Knobs":
+        if self.fsdp_all_gather and self.recipe != "tensorwise":
+            # torchao config.py Float8LinearConfig.__post_init__
+            raise ValueError(f"float8.fsdp_all_gather: torchao all-gathers in float8 with tensorwise scaling only, "
+                             f"not recipe {self.recipe}")
+        if self.precompute_scale and not self.fsdp_all_gather:
+            raise ValueError("float8.precompute_scale applies to float8 all-gather: set fsdp_all_gather true")
+        if self.saved == "float8" and self.recipe != "tensorwise":
+            raise ValueError("float8.saved float8: torchao of 2024 saved float8 casts on its tensorwise path only")
+        return self
+
+
 class FSDP2Knobs(BaseModel):
     """fully_shard settings that change memory (torch/distributed/fsdp/_fully_shard/_fully_shard.py)."""
 
@@ -217,6 +249,11 @@ class TrainingSpec(BaseModel):
     gpu: GpuSpec | None = Field(None, description="The GPU the run uses (a preset: --gpu, --gpu-memory NAME); its "
                                 "architecture sizes the CUDA context and NCCL's buffers. [default: none named: the stated "
                                 "defaults of docs/engines/allocator.md]")
+    compile: tuple[Literal["model", "loss"], ...] = Field(
+        (), description="torch.compile of the transformer blocks, one graph each (model: torchtitan `apply_compile`) "
+        "and of the loss function (loss), as torchtitan's [compile] components; none: eager.")
+    float8: Float8Knobs | None = Field(None, description="torchao float8 training of the blocks' linears "
+                                       "(torchtitan's float8 converter); none: high-precision matmuls.")
     mesh: MeshSpec = Field(default_factory=MeshSpec, description="Tensor, context, pipeline and expert parallelism "
                            "and HSDP replicas around the data-parallel sharding (all ones: data parallelism only).")
 
@@ -247,6 +284,7 @@ class TrainingSpec(BaseModel):
                 # CPUOffloadPolicy moves sharded parameters, gradients and the optimizer step together.
                 raise ValueError("engine fsdp2 offloads parameters and optimizer together: set offload_optimizer cpu too")
         self._check_program()
+        self._check_compiled()
         check_training_lora(self)  # spec/lora.py
         self.mesh.check_world(self.gpus, self.engine.value, self.zero_stage, self.recipe.value)
         return self
@@ -295,6 +333,26 @@ class TrainingSpec(BaseModel):
         self._check_fsdp2()
         if self.checkpoint_every is not None and self.checkpointing != Checkpointing.FULL:
             raise ValueError("checkpoint_every chooses which blocks full checkpointing recomputes: set checkpointing full")
+
+    def _check_compiled(self) -> None:
+        """torch.compile, float8 and async TP (issue 23): the engines and devices that run them."""
+        if len(set(self.compile)) != len(self.compile):
+            raise ValueError(f"compile: {', '.join(self.compile)} names a component twice")
+        if self.compile and self.engine not in (Engine.FSDP2, Engine.TORCH):
+            raise ValueError(f"compile: torch.compile of the blocks and the loss is modelled for engines fsdp2 and torch "
+                             f"(torchtitan), not {self.engine.value}")
+        if self.float8 is not None:
+            if self.device == Device.CPU:
+                # torchao float8 matmuls run torch._scaled_mm, which needs an sm_89+ GPU
+                raise ValueError("float8: torchao's float8 matmuls (torch._scaled_mm) do not run on CPU; use device cuda")
+            if self.engine not in (Engine.FSDP2, Engine.TORCH):
+                raise ValueError(f"float8: torchao float8 training is modelled for engines fsdp2 and torch, not "
+                                 f"{self.engine.value}")
+            if self.float8.fsdp_all_gather and self.engine != Engine.FSDP2:
+                raise ValueError("float8.fsdp_all_gather: float8 all-gather is FSDP2's (fsdp_pre_all_gather); use engine fsdp2")
+        if self.mesh.async_tp and "model" not in self.compile:
+            # torchtitan v0.2.2 parallelize.py: "Async TP requires 'model' in --compile.components"
+            raise ValueError("mesh.async_tp: async tensor parallelism is an inductor pass: set compile to include model")
 
     def _check_fsdp2(self) -> None:
         """FSDP2 wrapping knobs that do not apply."""

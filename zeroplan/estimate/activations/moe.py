@@ -209,6 +209,19 @@ def mla_saved_per_token(spec: TransformerSpec, comp: int) -> int:
     return q_path + kv_norm + qk + value_storage + out + FP32_BYTES * heads
 
 
+def mla_eager_saved_per_token(spec: TransformerSpec, comp: int) -> int:
+    """DeepseekV3Attention under eager attention (modeling_deepseek_v3.eager_attention_forward), per token and
+    without the s x s probabilities (the caller's), as its saved tensors showed (torch 2.13.0, transformers
+    5.23.0): q @ k^T keeps the assembled query and a contiguous copy of the transposed key (heads x (nope + rope)
+    each); probs @ v keeps a contiguous copy of the value (heads x v), not kv_b_proj's whole output as the fused
+    kernel's view does; the matmul's output is read by `.transpose(1, 2).contiguous()` alone, whose copy o_proj
+    keeps; no kernel output or log-sum-exp. So: `mla_saved_per_token` less kv_b_proj's output and the kernel's
+    output and log-sum-exp, plus the value's copy."""
+    mla, heads = spec.mla, spec.num_heads
+    return (mla_saved_per_token(spec, comp) - comp * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+            - comp * heads * mla.v_head_dim - FP32_BYTES * heads + comp * heads * mla.v_head_dim)
+
+
 def sinks_probs_saved(comp: int) -> tuple[int, int]:
     """GPT-OSS eager attention with sinks (modeling_gpt_oss.eager_attention_forward): the softmax
     output over s + 1 logits in the scores' dtype (no fp32 upcast), which the matmul with v reads

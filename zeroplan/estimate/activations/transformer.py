@@ -422,6 +422,9 @@ def attention_saved_per_token(spec: TransformerSpec, core: AttentionCore, checkp
     lse = FP32_BYTES * spec.num_heads if core.kernel == "fused" else 0
     if spec.mla is not None and core.kernel == "fused" and checkpointing != Checkpointing.SELECTIVE:
         return moe.mla_saved_per_token(spec, w.comp)  # DeepSeek's latent attention
+    if spec.mla is not None and core.kernel == "eager" and checkpointing != Checkpointing.SELECTIVE:
+        # its eager core: the latent path and q, k, v as above, and the softmax's s x s probabilities
+        return moe.mla_eager_saved_per_token(spec, w.comp) + core.probs_saved * spec.num_heads * seq_len
     if checkpointing == Checkpointing.SELECTIVE:
         # The core runs under checkpoint: its inputs stay alive for the recomputation (q, and k
         # and v before repeat_kv), nothing it saves does (measured: docs/engines/activations.md).
@@ -686,6 +689,16 @@ def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: i
     rest = (training.attention, runs_autocast(training), act_bytes, dropout_of(spec, training), program.loss, program.loss_chunks,
             "torchtitan" if titan else "torchtune", fp32_head_grad)
     acts = _checkpointed_bytes(args, training.checkpointing, training.checkpoint_every, rest)
+    if training.compile:  # what inductor's graphs keep instead (estimate/activations/compiled.py)
+        from zeroplan.estimate.activations.compiled import compiled_changes
+
+        changes = compiled_changes(acts, spec, training, act_bytes, FP32_BYTES if runs_autocast(training) else act_bytes)
+        if changes:
+            acts = acts.replaced(**changes)
+    if training.float8 is not None:  # torchao Float8Linear's casts (estimate/activations/float8.py)
+        from zeroplan.estimate.activations.float8 import float8_changes
+
+        acts = acts.with_each_kind(lambda kind: kind.replaced(**float8_changes(kind, spec, training, act_bytes)))
     if program.activation_offload == ActivationOffload.CPU:
         return _offloaded(acts, spec, training, act_bytes)
     return acts

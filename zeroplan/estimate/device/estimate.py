@@ -17,10 +17,10 @@ from typing import NamedTuple
 from zeroplan.estimate.device.alloc_conf import DEFAULT_SETTINGS, AllocatorSettings
 from zeroplan.estimate.device.events import Alloc, Event, Free
 from zeroplan.estimate.device.figures import DeviceFigures, GpuFacts, gpu_figures, rank_outside_terms
-from zeroplan.estimate.device.outside import ProcessGroup
+from zeroplan.estimate.device.outside import OutsideTerm, ProcessGroup
 from zeroplan.estimate.ledger import Moment
 from zeroplan.estimate.result import MeshEstimate, PieceSizes
-from zeroplan.estimate.terms import named, pieces_of, register
+from zeroplan.estimate.terms import named, pieces_of, register, source_of
 
 UNKNOWN_GPU_BYTES = 1 << 50  # no GPU named: nothing runs out of memory (the figures are the program's own)
 
@@ -101,9 +101,21 @@ def process_groups(mesh: object, gpus: int, node_gpus: int) -> tuple[ProcessGrou
 
 _GROUPS = ("world", "tp", "cp", "dp_shard", "dp_replicate", "pp")
 _OUTSIDE = "estimate/device/outside.py (docs/engines/allocator.md, Memory outside the allocator)"
-register({"cuda_context": f"{_OUTSIDE}: the CUDA context, by compute capability",
-          **{f"nccl_{kind}:{group}": f"{_OUTSIDE}: NCCL's {kind} buffers of the {group} communicator"
-             for kind in ("ring", "nvls", "p2p") for group in _GROUPS}})
+_DEVICE_TERMS = register({"cuda_context": f"{_OUTSIDE}: the CUDA context, by compute capability",
+                          **{f"nccl_{kind}:{group}": f"{_OUTSIDE}: NCCL's {kind} buffers of the {group} communicator"
+                             for kind in ("ring", "nvls", "p2p") for group in _GROUPS}})
+
+
+def program_outside_terms(ledger: Iterable[Moment]) -> tuple[OutsideTerm, ...]:
+    """What a rank's program keeps outside the allocator besides the CUDA context and NCCL's buffers (outside.py
+    sizes those from the GPU): the overhead category's other named terms (async TP's symmetric-memory workspace),
+    each at its largest."""
+    largest: dict[str, int] = {}
+    for moment in ledger:
+        for term in moment.terms:
+            if term.category == "overhead" and term.name not in _DEVICE_TERMS:
+                largest[term.name] = max(largest.get(term.name, 0), term.bytes)
+    return tuple(OutsideTerm(name, size, source_of(name)) for name, size in largest.items() if size > 0)
 
 
 def outside_memory(training) -> int:
@@ -122,15 +134,16 @@ def device_figures(result: MeshEstimate, training, gpu: GpuFacts | None = None, 
     known by nothing, `UnnamedGpu`); `settings` are PYTORCH_CUDA_ALLOC_CONF's (with the recipe's default), `environ`
     the NCCL_* and CUBLAS_WORKSPACE_CONFIG values the run sets; `record_history` keeps each replay's trace."""
     events = {rank.kind.label: ledger_events(rank.estimate.ledger, rank.estimate.piece_sizes) for rank in result.ranks}
+    program = {rank.kind.label: program_outside_terms(rank.estimate.ledger) for rank in result.ranks}
     groups = process_groups(training.mesh, training.gpus, training.node_gpus)
     gpu = gpu or UnnamedGpu()
     figures = gpu_figures(events, gpu, process_groups=groups, settings=settings, environ=environ,
-                          record_history=record_history)
+                          program_outside=program, record_history=record_history)
     short = {kind: events[kind] for kind, found in figures.items() if not found.fits}
     if short:  # what those ranks would need: the same replay on the same GPU without its limit
         unlimited = _Unlimited(gpu)
         needs = gpu_figures(short, unlimited, process_groups=groups, settings=settings, environ=environ,
-                            record_history=record_history)
+                            program_outside=program, record_history=record_history)
         figures |= {kind: replace(found, ran_out=True) for kind, found in needs.items()}
     return figures
 

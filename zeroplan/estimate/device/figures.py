@@ -86,7 +86,9 @@ def gpu_figures(events_by_rank_kind: Mapping[str, Sequence[Event]], gpu: GpuFact
                 process_groups: Sequence[ProcessGroup], settings: AllocatorSettings = DEFAULT_SETTINGS,
                 cuda_version: tuple[int, int] | None = None, environ: Mapping[str, str] | None = None,
                 cublas_handles: int = DEFAULT_CUBLAS_HANDLES, module_loading: str = "lazy",
-                overrides: Mapping[str, int] | None = None, record_history: bool = False) -> dict[str, DeviceFigures]:
+                overrides: Mapping[str, int] | None = None,
+                program_outside: Mapping[str, Sequence[OutsideTerm]] | None = None,
+                record_history: bool = False) -> dict[str, DeviceFigures]:
     """Allocated, reserved and device bytes of each rank kind.
 
     events_by_rank_kind: rank kind (e.g. "rank0", "first-stage", "last-stage") -> that rank's
@@ -99,13 +101,13 @@ def gpu_figures(events_by_rank_kind: Mapping[str, Sequence[Event]], gpu: GpuFact
     environ: NCCL_* and CUBLAS_WORKSPACE_CONFIG values, if set.
     cublas_handles: cuBLAS workspaces allocated (one per thread and stream running matmuls).
     overrides: bytes for any outside term by name (outside.outside_terms).
+    program_outside: rank kind -> what its program keeps outside the allocator besides the CUDA context and
+      NCCL (async TP's symmetric memory: estimate/parallel/mesh.py).
     record_history: keep each replay's trace and its segments at the end (allocator.py; snapshot.py draws them).
     """
     environ = environ or {}
-    outside = rank_outside_terms(gpu, process_groups, cuda_version=cuda_version, environ=environ,
-                                 module_loading=module_loading, overrides=overrides)
-    outside_bytes = sum(t.size_bytes for t in outside)
-    capacity = max(gpu.memory_bytes - outside_bytes, 0)
+    common = rank_outside_terms(gpu, process_groups, cuda_version=cuda_version, environ=environ,
+                                module_loading=module_loading, overrides=overrides)
     workspace = cublas_workspace_bytes(gpu.compute_capability_pair, environ)
     workspaces = tuple(OutsideTerm(f"cublas_workspace:{i}", workspace,
                                    "aten/src/ATen/cuda/CublasHandlePool.cpp parseChosenWorkspaceSize, allocated from "
@@ -113,6 +115,9 @@ def gpu_figures(events_by_rank_kind: Mapping[str, Sequence[Event]], gpu: GpuFact
                        for i in range(cublas_handles))
     figures = {}
     for kind, events in events_by_rank_kind.items():
+        outside = common + tuple((program_outside or {}).get(kind, ()))
+        outside_bytes = sum(t.size_bytes for t in outside)
+        capacity = max(gpu.memory_bytes - outside_bytes, 0)
         stream = [Alloc((WORKSPACE_KEY, i), workspace) for i in range(cublas_handles)] + list(events)
         result = replay(stream, settings, capacity_bytes=capacity, device_total_bytes=gpu.memory_bytes,
                         record_history=record_history)

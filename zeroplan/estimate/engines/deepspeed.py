@@ -371,6 +371,20 @@ def _forward_activations(acts: ActivationBytes | None) -> int:
     return acts.forward_peak if acts is not None else 0
 
 
+def _block_moment(run: _Run, acts: ActivationBytes | None, grads_along: tuple[tuple[int, int], ...]) -> Point | None:
+    """Stages 0 and 1, where every gradient stays in .grad until backward ends: the largest block moment of
+    backward. At a block's backward peak, the gradients of the modules before it exist, and the block's
+    output projection's (common.py `early_gradients`, its first gradients); `grads_along` is `_stage1_grads`."""
+    best: tuple[int, int] | None = None
+    for index, grads_now in grads_along:
+        along = _activation_along(run, acts, index)
+        if best is None or along + grads_now > best[0] + best[1]:
+            best = (along, grads_now)
+    if best is None:
+        return None
+    return {"activations": best[0], "grads": named("gradients (.grad)", best[1])}
+
+
 # -- stage 0 --------------------------------------------------------------------------------------
 
 
@@ -385,6 +399,9 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
     states = _states(run, psi)
     fwd = _forward_activations(acts)
     bwd = _backward_start(acts)
+    # a block's backward, the gradients of the groups before it in .grad (under checkpointing the recomputed
+    # block can hold more than the loss's backward)
+    block = _block_moment(run, acts, _stage1_grads(run.layout, b)) if acts is not None else None
     phases = []
     if run.setup.precision == Precision.FP32:
         # No wrapper: torch AdamW/FusedAdam on the module parameters, states at the first step;
@@ -397,7 +414,8 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
             phases.append(phase(step, Phase.FORWARD, params=params, optimizer_states=held, activations=fwd))
             end = {"params": params, "optimizer_states": held, "grads": grads, "buffers": flat_allreduce}
             start = {"params": params, "optimizer_states": held, "activations": bwd}
-            phases.append(phase(step, Phase.BACKWARD, **largest_point(start, end)))
+            blocks = {"params": params, "optimizer_states": held, **(block or {})}
+            phases.append(phase(step, Phase.BACKWARD, **largest_point(start, end, *([blocks] if block else []))))
             phases.append(phase(step, Phase.OPTIMIZER_STEP, params=params, grads=grads, optimizer_states=states,
                                 temporaries=temps))
         return phases
@@ -429,7 +447,8 @@ def _stage0(run: _Run, acts: ActivationBytes | None) -> list[PhaseBytes]:
             phases.append(phase(step, Phase.INIT, **base, **init_extra))
         phases.append(phase(step, Phase.FORWARD, **base, activations=fwd))
         end = {"grads": grads, "buffers": flat_allreduce}
-        phases.append(phase(step, Phase.BACKWARD, **base, **largest_point({"activations": bwd}, end)))
+        phases.append(phase(step, Phase.BACKWARD, **base, **largest_point({"activations": bwd}, end,
+                                                                          *([block] if block else []))))
         phases.append(phase(step, Phase.OPTIMIZER_STEP, **base, grads=step_grads, temporaries=step_temps))
     return phases
 
@@ -611,16 +630,9 @@ def _stage12(run: _Run, acts: ActivationBytes | None) -> tuple[list[PhaseBytes],
     else:
         # Stage 1: the hooks only allocate the bucket; every gradient stays in .grad until the
         # boundary's `reduce_gradients` walks them through the bucket (`_stage12_fixed`).
-        # At a block's backward peak, the gradients of the modules before it exist, and the
-        # block's output projection's (common.py `early_gradients`, its first gradients).
-        best: tuple[int, int] | None = None
-        for index, grads_now in fixed.grads_along:
-            along = _activation_along(run, acts, index)
-            if best is None or along + grads_now > best[0] + best[1]:
-                best = (along, grads_now)
-        if best is not None:
-            grads = named("gradients (.grad)", best[1])
-            points.append({"activations": best[0], "buffers": bucket_now, "grads": grads})
+        moment = _block_moment(run, acts, fixed.grads_along)
+        if moment is not None:
+            points.append({**moment, "buffers": bucket_now})
     moment = largest_point(*points)
     phases = [fixed.init]
     for step, during, settled, optimizer_step in fixed.steps:

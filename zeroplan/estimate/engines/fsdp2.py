@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from zeroplan.estimate.activations.transformer import ActivationBytes
 from zeroplan.estimate.caches import memo
-from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
+from zeroplan.estimate.dtypes import FLOAT8_BYTES, FP32_BYTES, HALF_BYTES, optimizer_state_bytes
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
     Point,
@@ -54,6 +54,8 @@ _FSDP = "torch/distributed/fsdp/_fully_shard/"
 register({
     "sharded parameters": f"{_FSDP}_fsdp_param.py FSDPParam._sharded_param_data",
     "unsharded parameters": f"{_FSDP}_fsdp_collectives.py foreach_all_gather_copy_out",
+    "unsharded float8 weights": "torchao/float8/fsdp_utils.py WeightWithDynamicFloat8CastTensor fsdp_pre_all_gather, "
+                                "fsdp_post_all_gather (docs/engines/programs.md, float8)",
     "sharded gradients": f"{_FSDP}_fsdp_collectives.py foreach_reduce (the reduce-scatter output)",
     "unsharded gradients": "torch/csrc/autograd (the gradients of unsharded parameters, before their post-backward)",
     "accumulated unsharded gradients": f"{_FSDP}_fsdp_param.py to_accumulated_grad_if_needed",
@@ -94,6 +96,7 @@ class _Units(NamedTuple):
     block_trainable_unsharded: int
     block_experts_unsharded: int  # of those, the experts' when they are a unit of their own (EP), else 0
     block_experts_trainable_unsharded: int
+    block_linear_unsharded: int = 0  # of `block_unsharded`, the linears' weights (float8 all-gather gathers them in 1 byte)
 
 
 def _units(facts: ModelFacts, n: int, split: bool, expert_n: int = 0) -> _Units:
@@ -135,7 +138,14 @@ def _units(facts: ModelFacts, n: int, split: bool, expert_n: int = 0) -> _Units:
                                     default=0),
         block_experts_trainable_unsharded=max((gathered_elems([t for t in g.trainable_tensors if expert_n and is_expert(t)])
                                                for g in blocks if not g.frozen), default=0),
+        block_linear_unsharded=max((gathered_elems([t for t in g.tensors if _is_linear_weight(t.name) and not is_expert(t)])
+                                    for g in blocks), default=0),
     )
+
+
+def _is_linear_weight(name: str) -> bool:
+    """A block's nn.Linear weight (what torchtitan's float8 converter swaps for Float8Linear), not a norm's."""
+    return name.endswith(".weight") and "norm" not in name
 
 
 class _Sizes(NamedTuple):
@@ -239,14 +249,22 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
         # foreach_reduce casts the reduced shard to the parameters' dtype before it goes to the host
         host_bytes = named("offloaded shards, gradients and states", u.total * storage + u.trainable * storage
                            + optimizer_state_bytes(u.trainable, optimizer, storage))
+    # Float8 all-gather (torchao fsdp_utils.py WeightWithDynamicFloat8CastTensor: fsdp_pre_all_gather casts each
+    # linear weight's shard to float8, fsdp_post_all_gather wraps the gathered bytes): those weights are gathered,
+    # and held unsharded, in 1 byte; the norms in the param dtype (docs/engines/programs.md, float8).
+    float8 = u.block_linear_unsharded if setup.float8_all_gather else 0
+    float8_weights = named("unsharded float8 weights", float8 * FLOAT8_BYTES)
+    block_gathered = named("unsharded parameters", (u.block_unsharded - float8) * gathered) + float8_weights
+    block_prefetched = (named("unsharded parameters", (u.block_unsharded - u.block_experts_unsharded - float8) * gathered)
+                        + float8_weights)
     # Autograd writes unsharded gradients in the unsharded parameters' dtype (param_dtype);
     # foreach_reduce's reduce_scatter_input is in the reduce dtype.
     return _Sizes(
         num_blocks, offloaded, sharded_params, sharded_grads, states, temporaries,
         lead_gathered=named("unsharded parameters", u.lead * n * gathered),
         tail_gathered=named("unsharded parameters", u.tail * n * gathered),
-        block_gathered=named("unsharded parameters", u.block_unsharded * gathered),
-        block_prefetched=named("unsharded parameters", (u.block_unsharded - u.block_experts_unsharded) * gathered),
+        block_gathered=block_gathered,
+        block_prefetched=block_prefetched,
         block_experts_grads=named("unsharded gradients", u.block_experts_trainable_unsharded * gathered),
         block_experts_reduce_in=named("reduce-scatter input", u.block_experts_trainable_unsharded * reduce),
         head_grads=named("unsharded gradients", head_numel * gathered),

@@ -35,9 +35,9 @@ from zeroplan.estimate.result import (CategoryBytes, Estimate, MeshEstimate, Mod
                                       RankKind)
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
-from zeroplan.spec.program import GradSync
+from zeroplan.spec.program import GradSync, Loss
 from zeroplan.spec.training import Checkpointing, Engine, TrainingSpec
-from zeroplan.estimate.terms import named, naming, register
+from zeroplan.estimate.terms import named, naming, register, relabel
 
 register({
     "zero bubble: output gradients kept from I to W": "torch/distributed/pipelining/_backward.py stage_backward_input "
@@ -46,6 +46,17 @@ register({
     "pipeline receive buffers": "torch/distributed/pipelining/stage.py _prepare_forward_infra, _create_grad_recv_info",
     "Ulysses all-to-all buffers": "deepspeed/sequence/layer.py _SeqAllToAll",
 }, pieces="activations")
+register({
+    "async TP symmetric-memory workspace": "torch/distributed/_symmetric_memory/__init__.py get_symm_mem_workspace, "
+                                           "_pipelined_produce_and_all2all (docs/engines/programs.md, async TP)",
+}, pieces="whole")
+register({  # one tensor of the rank's logits shard each (the backward's three are taken as one block)
+    "loss parallel: log_softmax's shifted logits (fp32)": "torch/distributed/tensor/parallel/loss.py _log_softmax "
+                                                          "(docs/engines/mesh.md, Loss parallelism)",
+    "loss parallel: nll_loss and log_softmax backward (fp32)": "torch/distributed/tensor/parallel/loss.py "
+                                                               "_nll_loss_and_log_softmax_backward (docs/engines/mesh.md, "
+                                                               "Loss parallelism)",
+}, pieces="whole")
 
 # Tensor-parallel plans (torchtitan v0.2.2 models/llama3/infra/parallelize.py `apply_tp`; 0.3.0
 # models/common/decoder_sharding.py): layer roles (model/layout.py), by how their weight is cut over tp.
@@ -229,10 +240,9 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         h = model.hidden_size
         per_token = FP32_BYTES * h + act_bytes * h + FP32_BYTES if model.norm == "rmsnorm" else act_bytes * h + 2 * FP32_BYTES
         changes.update(final_norm=acts.final_norm - tokens * per_token * (mesh.tp - 1) // mesh.tp)
-    if mesh.tp > 1 and mesh.loss_parallel and kind.head:
-        # loss_parallel fuses nll_loss's and log_softmax's backward into one gradient; the log_softmax handler
-        # returns it as it is (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`)
-        changes.update(logits_grad=acts.logits_grad // 2)
+    if mesh.tp > 1 and mesh.loss_parallel and kind.head and "loss" not in training.compile:
+        # (a compiled loss traces the handlers' ops into its own fused graph: estimate/activations/compiled.py)
+        changes.update(_loss_parallel_changes(acts, training))
     if mesh.ep > 1 and kind.layers:  # the busiest EP rank's received pairs (estimate/parallel/experts.py)
         kept = "recompute_block" if training.checkpointing in (Checkpointing.FULL, Checkpointing.OP) else "saved_per_block"
         changes.update({kept: changes.get(kept, getattr(acts, kept)) + saved_per_block_delta(model, mesh, tokens, act_bytes)},
@@ -277,6 +287,21 @@ def rank_activations(model: TransformerSpec, training: TrainingSpec, kind: RankK
         micro_batches = training.grad_accum
         acts = acts.replaced(embedding=acts.embedding + (micro_batches - max(kind.in_flight // chunks, 1) + 1) * acts.logits)
     return acts
+
+
+def _loss_parallel_changes(acts: ActivationBytes, training: TrainingSpec) -> dict[str, int]:
+    """What loss_parallel()'s handlers (torch/distributed/tensor/parallel/loss.py) change in the loss of the
+    rank's vocabulary shard (docs/engines/mesh.md, "Loss parallelism"). A standard loss: `_log_softmax` keeps
+    `x - x_max` beside its exp and then beside the result, one fp32 shard more than aten's kernel while it
+    runs; nll_loss's backward handler does log_softmax's too (`_nll_loss_and_log_softmax_backward`:
+    zeros_like(x), exp(x) and their sum, then the sum and its product with the gradient: three fp32 shards
+    where aten's two kernels keep two) and log_softmax's handler returns that product as it is."""
+    if training.program.loss != Loss.STANDARD:
+        # the chunked losses' gradients are one chunk's at a time: one fp32 gradient in place of two
+        return dict(logits_grad=acts.logits_grad // 2)
+    shard = acts.logits_grad // 2  # one fp32 tensor of the rank's logits: aten's backward keeps two
+    return dict(loss_transient=acts.loss_transient + relabel("loss parallel: log_softmax's shifted logits (fp32)", shard),
+                logits_grad=relabel("loss parallel: nll_loss and log_softmax backward (fp32)", 3 * shard))
 
 
 # every rank kind of one mesh estimate asks for the same one; copied, not validated again: no validator reads
@@ -399,6 +424,7 @@ class MeshBuffers(NamedTuple):
     forward: int
     backward: int
     steady: int  # allocated once and kept (the pipeline's receive buffers)
+    outside: int = 0  # kept outside the caching allocator (async TP's symmetric memory): the overhead category
 
 
 def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind, act_bytes: int,
@@ -407,7 +433,7 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
     tokens = training.micro_batch * training.seq_len // mesh.cp
     q_width = model.num_heads * model.dim_per_head // mesh.tp
     kv_width = model.kv_heads * model.dim_per_head // mesh.tp
-    forward = backward = steady = 0
+    forward = backward = steady = outside = 0
     # ring attention's tensors (FSDP2) are moments of a block's attention core: rank_activations, estimate/parallel/context.py
     if mesh.cp > 1 and kind.layers and training.engine.value == "deepspeed":
         # Ulysses (deepspeed/sequence/layer.py _SeqAllToAll): q, k, v and the output re-laid out by all-to-all
@@ -421,12 +447,20 @@ def mesh_buffers(model: TransformerSpec, training: TrainingSpec, kind: RankKind,
         receives = stage_count - (1 if kind.embedding else 0)
         grad_receives = stage_count - (1 if kind.head else 0)
         steady += named("pipeline receive buffers", micro_batches * boundary * (receives + grad_receives))
+    if mesh.async_tp and kind.layers:
+        # torch/distributed/_symmetric_memory/__init__.py `get_symm_mem_workspace`: one workspace per TP group,
+        # grown to the largest request and kept; `_pipelined_all_gather_and_consume` asks for the local shard of
+        # the all-gathered input, `_pipelined_produce_and_all2all` (matmul + reduce-scatter) for two output chunks:
+        # 2 x tokens / tp x h. Allocated by symmetric memory, outside the caching allocator (docs/engines/programs.md)
+        shard = tokens * model.hidden_size * act_bytes // mesh.tp
+        outside += named("async TP symmetric-memory workspace", 2 * shard)
     # EP's dispatch and combine outputs are activations, none in flight at the peaks (estimate/parallel/experts.py)
-    return MeshBuffers(forward, backward, steady)
+    return MeshBuffers(forward, backward, steady, outside)
 
 
 def with_buffers(phases: tuple[PhaseBytes, ...], buffers: MeshBuffers, overhead: int) -> tuple[PhaseBytes, ...]:
-    """`phases` with the mesh's buffers, and `overhead` in every phase."""
+    """`phases` with the mesh's buffers, and `overhead` (with what the mesh keeps outside the allocator) in every phase."""
+    overhead += buffers.outside
     extra = {Phase.FORWARD: buffers.forward + buffers.steady, Phase.BACKWARD: buffers.backward + buffers.steady,
              Phase.OPTIMIZER_STEP: buffers.steady}
     raised = []

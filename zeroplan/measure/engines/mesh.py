@@ -301,6 +301,47 @@ def _dp_mesh(mesh, shape: MeshShape):
 
 # --- the runners -------------------------------------------------------------------------------
 
+def loss_context(shape: MeshShape):
+    """`loss_parallel()` under TP with loss parallelism (torchtitan's default), else nothing."""
+    if shape.tp > 1 and shape.loss_parallel:
+        return counted_loss_parallel()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def counted_loss_parallel():
+    """`loss_parallel()` with its handlers counted by the accounting (accounting.py `counted_inside`):
+    DTensor runs them with the accounting's mode off, and they allocate several logits-sized fp32
+    shards beside the output it would see (torch/distributed/tensor/parallel/loss.py `_log_softmax`:
+    `x - x_max` and its exp; `_nll_loss_and_log_softmax_backward`: zeros_like, exp, the sum and the
+    product). The handlers are those loss_parallel() registers (`customized_loss_ops`), in
+    DTensor's table of custom handlers, which loss_parallel() itself edits. Each handler first runs
+    the op on fake tensors of the global shape to learn its output's metadata (`_propagate_tensor_meta`,
+    under the run's own fake mode in a simulated run): that holds no memory and is not counted."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.distributed.tensor.parallel.loss import customized_loss_ops
+
+    from zeroplan.measure.accounting import counted_inside, uncounted
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagate = propagator._propagate_tensor_meta
+
+    def propagate_uncounted(*args, **kwargs):
+        with uncounted():
+            return propagate(*args, **kwargs)
+
+    with loss_parallel():
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        originals = {op: handlers[op] for op in customized_loss_ops}
+        handlers.update({op: counted_inside(handler) for op, handler in originals.items()})
+        propagator._propagate_tensor_meta = propagate_uncounted
+        try:
+            yield
+        finally:
+            del propagator._propagate_tensor_meta  # the class's method again
+            handlers.update(originals)  # loss_parallel() then removes them as it registered them
+
 def _parallelize(modules: list[nn.Module], mesh, shape: MeshShape, training: TrainingSpec, ctx: RunContext) -> None:
     dp_mesh = _dp_mesh(mesh, shape) if _uses_fsdp(shape, training) else None
     with _fake_mesh_concatenation(ctx):
@@ -362,11 +403,7 @@ class TensorParallelRunner(TorchOptimizerSteps):
             enable_cpu_ring_attention(self.cp_mesh)
 
     def _loss_context(self):
-        if self.shape.tp > 1 and self.shape.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
+        return loss_context(self.shape)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if _uses_fsdp(self.shape, self.training):
@@ -425,11 +462,7 @@ class PipelineRunner:
         self._labels: list[torch.Tensor] = []
 
     def _loss_context(self):
-        if self.shape.tp > 1 and self.shape.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
+        return loss_context(self.shape)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # torchtitan rescale_accumulated_loss: each micro-batch's loss divided by their number
