@@ -144,7 +144,7 @@ def legend(categories: Iterable[str], colors: dict[str, str] = CATEGORY_COLORS) 
         f'<span><i style="background:{colors[c]}"></i>{esc(CATEGORY_LABELS.get(c, c.replace("_", " ")))}</span>' for c in categories) + "</div>"
 
 
-_LABEL_W, _BAR_W, _VALUE_W, _ROW_H = 250, 560, 170, 22
+_LABEL_W, _BAR_W, _VALUE_W, _ROW_H = 310, 560, 170, 22
 
 
 def stacked_bars(bars: Sequence[Bar], units: str, *, colors: dict[str, str] = CATEGORY_COLORS,
@@ -184,7 +184,7 @@ def stacked_bars(bars: Sequence[Bar], units: str, *, colors: dict[str, str] = CA
     return "".join(out)
 
 
-def _clip(label: str, most: int = 38) -> str:
+def _clip(label: str, most: int = 44) -> str:
     return label if len(label) <= most else label[: most - 1] + "…"
 
 

@@ -52,12 +52,22 @@ def plan_page(data: dict[str, Any], units: str = "GiB") -> str:
                                       f"{units}, rank {largest['rank']})"))
     else:
         sections.append(section("Nothing fits. Smallest changes that would", notes(data["suggestions"])))
-    assumptions = [[text(name), text(value, f"assumptions.{name}", "wrap" if isinstance(value, str) else "")]
+    assumptions = [[text(name.replace("_", " ")), Cell(_number(value), f"assumptions.{name}", value,
+                                                        "wrap" if isinstance(value, str) else "")]
                    for name, value in data["assumptions"].items()]
     sections.append(section("Assumptions (override them with options)", table(["assumption", "value"], assumptions)))
     if data["notes"]:
         sections.append(section("Notes", notes(data["notes"])))
     return page(f"zeroplan plan: {data['model']}", lead, sections)
+
+
+def _number(value: Any) -> str:
+    """An assumption as a reader takes it in: whole numbers with separators, yes/no, text as it is."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
+        return f"{int(value):,}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def _ranking(data: dict[str, Any], units: str) -> str:
