@@ -183,6 +183,11 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
         per_node, offload_notes = _with_offloaded_activations(per_node, run.acts.host_bytes, training)
         notes += offload_notes
     notes += result.notes
+    if training.paged_optimizer:  # estimate/engines/bnb_optim.py
+        from zeroplan.estimate.engines.bnb_optim import paged_notes
+
+        notes += paged_notes(training.engine.value, training.device.value, training.deepspeed.client_optimizer,
+                             training.node_gpus, int(per_node.unified_bytes))
     parts = None
     if training.lora is not None and isinstance(model, TransformerSpec):
         from zeroplan.estimate.adapters.program import adapter_param_parts

@@ -82,6 +82,9 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
         # --gpus lets a DeepSpeed train_batch_size be split into micro-batch and accumulation.
         values.update(config.settings(options.get("gpus"), getattr(model, "hidden_size", None)))
     values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) not in (None, ())})
+    from zeroplan.importers.trainer_optim import optim_values  # --optim: TrainingArguments.optim names
+
+    values.update(optim_values(options))
     from zeroplan.importers.lora_options import lora_values
 
     values.update(lora_values(options, model, values))  # --lora-*, --base-precision: importers/lora_options.py

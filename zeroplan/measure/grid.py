@@ -98,6 +98,8 @@ class Row:
     activation_offload: str | None = None  # none or cpu (torchtune's OffloadActivations); None: the recipe's
     mesh: tuple[tuple[str, Any], ...] = ()  # spec/mesh.py MeshSpec fields beyond data parallelism, e.g. (("tp", 2),)
     lora: LoraRow | None = None  # PEFT adapters and a quantized base (ids "lora-..." / "qlora-...")
+    optimizer: str = "adamw"  # adamw, sgd, or bitsandbytes' adam8bit / adam32bit
+    paged: bool = False  # bitsandbytes' paged optimizer (falls back to ordinary states on CPU)
 
     @property
     def id(self) -> str:
@@ -116,7 +118,8 @@ class Row:
             + ((f"{self.loss}-loss",) if self.loss else ()) \
             + ((f"units-{self.fsdp2_units}",) if self.fsdp2_units else ()) \
             + (("keeplast",) if self.reshard_last_block is False else ()) \
-            + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ())
+            + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ()) \
+            + (((f"paged-" if self.paged else "") + self.optimizer,) if self.optimizer != "adamw" else ())
         row_id = "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
         row_id = mesh_row_id(self.mesh, row_id, "mesh-ds" if self.engine == "deepspeed" else "mesh") if self.mesh else row_id
         trainer = "trainer-" if self.recipe == "hf-trainer" else ""  # the Trainer's adapter rows apart from the loop's
@@ -159,6 +162,10 @@ class Row:
                 fields[knob] = getattr(self, knob)
         if self.optimizer_in_backward:
             fields["optimizer_in_backward"] = True
+        if self.optimizer != "adamw":
+            fields["optimizer"] = self.optimizer
+        if self.paged:
+            fields["paged_optimizer"] = True
         if self.mesh:
             fields["mesh"] = dict(self.mesh)
         if self.model_init is None and self.engine == "deepspeed" and self.recipe == "plain":
@@ -310,6 +317,20 @@ def _grid() -> tuple[Row, ...]:
     # without DDP, pure bf16, optimizer in backward, CEWithChunkedOutputLoss).
     rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", checkpointing="op", recipe="torchtitan", fsdp2_units="root"))
     rows.append(Row("tiny-llama", "torch", 0, "pure-bf16", world=1, recipe="torchtune"))
+    # bitsandbytes' optimizers (issue 23; estimate/engines/bnb_optim.py): 8-bit and 32-bit AdamW, paged or not (on
+    # CPU bitsandbytes pages nothing and steps with its CPU kernels), in the loop, in torchtune's single-device
+    # program (paged 8-bit stepped in backward, as llama3_1/8B_full_single_device) and under the Trainer, whose
+    # 8-bit optimizers keep the embeddings' states at 32 bits
+    for model, engine, stage, precision, extra in (
+        ("tiny-llama", "torch", 0, "fp32", {"optimizer": "adam8bit"}),
+        ("tiny-gpt2", "torch", 0, "bf16", {"optimizer": "adam8bit", "paged": True, "world": 1, "ddp": False}),
+        ("tiny-llama", "torch", 1, "fp32", {"optimizer": "adam32bit", "paged": True}),
+        ("tiny-llama", "torch", 0, "pure-bf16", {"optimizer": "adam8bit", "paged": True, "world": 1, "recipe": "torchtune"}),
+        ("tiny-llama", "torch", 0, "fp32", {"optimizer": "adam8bit", "recipe": "hf-trainer"}),
+        ("tiny-gpt2", "torch", 0, "bf16", {"optimizer": "adam8bit", "paged": True, "checkpointing": "full",
+                                          "recipe": "hf-trainer"}),
+    ):
+        rows.append(Row(model, engine, stage, precision, **extra))
     # FSDP2 units outside the blocks (issue 11): accelerate's and torchtitan's split (untied: embeddings,
     # [norm, head]; tied GPT-2: one [embeddings, norm, head] unit), and torchtitan's 2024 last block kept.
     rows.append(Row("tiny-llama", "fsdp2", 3, "fp32", fsdp2_units="split"))

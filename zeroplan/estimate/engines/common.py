@@ -58,6 +58,7 @@ class Setup(NamedTuple):
     program: Program  # the training program around the engine, every knob resolved (spec/program.py)
     expert_gpus: int = 0  # FSDP2 under EP: ranks sharding the expert tensors (efsdp; estimate/parallel/experts.py); 0: gpus
     recompute_held_element: int = 0  # ZeRO-3 keeps a rebuilt LoRA block gathered: its adapters' bytes (estimate/adapters/zero3.py)
+    paged_optimizer: bool = False  # bitsandbytes' paged states (engines/bnb_optim.py)
 
 
 def deepspeed_sizes(knobs: DeepSpeedKnobs) -> DeepSpeedSizes:
@@ -73,7 +74,7 @@ def setup_of(training: TrainingSpec) -> Setup:
     return Setup(training.zero_stage, training.gpus, training.node_gpus, training.precision, training.optimizer,
                  training.offload_optimizer, training.offload_params, training.device, training.grad_accum > 1,
                  deepspeed_sizes(training.deepspeed), training.fsdp2_wrapping, training.program,
-                 recompute_held_element=_recompute_held_element(training))
+                 recompute_held_element=_recompute_held_element(training), paged_optimizer=training.paged_optimizer)
 
 
 def _recompute_held_element(training: TrainingSpec) -> int:
