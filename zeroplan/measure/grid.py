@@ -522,6 +522,10 @@ QLORA_ROWS: tuple = (  # bitsandbytes bases: one rank as the QLoRA scripts run i
     ("tiny-llama", "torch", 0, "bf16", "full", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16"),
      {"world": 1, "ddp": False}),
     ("tiny-llama", "torch", 0, "fp32", "none", LoraRow(8, base_precision="nf4", compute_dtype="fp32"), {"world": 1, "ddp": False}),
+    # an fp32 compute dtype under bf16 autocast (issue 23's CPU miss): Linear4bit returns its input's dtype, fp32
+    ("tiny-llama", "torch", 0, "bf16", "none", LoraRow(8, base_precision="nf4", compute_dtype="fp32"), {"world": 1, "ddp": False}),
+    ("tiny-llama", "torch", 0, "bf16", "full", LoraRow(8, base_precision="nf4", compute_dtype="fp32"),
+     {"world": 1, "ddp": False, "micro_batch": 4, "seq_len": 256}),
     ("tiny-gpt2", "torch", 0, "bf16", "none", LoraRow(8, base_precision="fp4", double_quant=True, compute_dtype="bf16"), {}),
     ("tiny-llama", "torch", 0, "fp32", "full", LoraRow(8, base_precision="int8"), {}),
     ("tiny-llama", "torch", 1, "bf16", "none", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16",

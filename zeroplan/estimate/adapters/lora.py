@@ -30,6 +30,8 @@ from zeroplan.estimate.terms import named, register
 from zeroplan.spec.model import TransformerSpec
 
 register({
+    "4-bit MLP outputs cast back to the model's dtype": "bitsandbytes nn/modules.py Linear4bit.forward "
+                                                       "(`.to(inp_dtype)`; docs/engines/lora.md Activations)",
     "frozen base as stored (bitsandbytes)": "bitsandbytes nn/modules.py Params4bit, Int8Params (docs/engines/lora.md, "
                                             "The base's storage)",
     "frozen base at the engine's element size": "estimate/adapters/lora.py base_params_delta (taken off the engine's parameters)",
@@ -463,6 +465,27 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
     return AdapterActivations(delta, temporary)
 
 
+def kbit_output_element(quant: QuantSpec | None, autocast: bool, comp: int) -> int:
+    """The dtype a quantized base layer returns: bitsandbytes' Linear4bit computes in its compute dtype (autocast's
+    under autocast) and returns `.to(inp_dtype)`, its input's dtype (nn/modules.py `Linear4bit.forward`), which is
+    the dtype the model is built in (`model_element_bytes`); other layers return autocast's dtype (`comp`)."""
+    if not autocast or quant is None or not quant.base_precision.is_4bit:
+        return comp
+    return model_element_bytes(quant, autocast, comp)
+
+
+def kbit_mlp_widening(spec: TransformerSpec, quant: QuantSpec | None, autocast: bool, comp: int) -> int:
+    """Per token of one block, what the MLP's saved elementwise tensors take beyond activations.py's count
+    (autocast's dtype) when its 4-bit linears return the model's wider dtype (`kbit_output_element`): a gated
+    MLP's gate output (SiLU's input), SiLU's output and the up output (mul's inputs); gelu_new's four
+    (docs/engines/lora.md "Activations"). The product is down_proj's input, kept by a frozen base for
+    nothing (lora.py `adapter_activations`); zero for a sparse MLP (its experts are not bitsandbytes layers)."""
+    out = kbit_output_element(quant, autocast, comp)
+    if out == comp or spec.is_moe or spec.moe is not None:
+        return 0
+    return (out - comp) * (3 if spec.mlp == "gated" else 4) * spec.intermediate_size
+
+
 def _layer_norm_narrowing(spec: TransformerSpec, quant: QuantSpec | None, autocast: bool, comp: int) -> int:
     """Per token, the bytes one LayerNorm saves less than activations.py counts under autocast (fp32
     residual) when the model itself is 16-bit (measure/programs/peft_model.py `base_dtype`: a 16-bit base,
@@ -627,6 +650,8 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     # the chunked losses that detach the head's input already dropped it (activations.py `_loss_terms`)
     head_input_kept = program.loss == Loss.STANDARD or (program.loss == Loss.CHUNKED and program.recipe != Recipe.TORCHTITAN)
     narrowed = _layer_norm_narrowing(spec, quant, autocast, comp)
+    extra = extra._replace(saved_per_token=extra.saved_per_token + named(
+        "4-bit MLP outputs cast back to the model's dtype", kbit_mlp_widening(spec, quant, autocast, comp)))
     embedding, final_norm = outside_blocks(spec, lora, autocast, comp, adapter_element, cuda,
                                            training.checkpointing.value != "none", head_input_kept, narrowed)
     # the narrower LayerNorms: two per block (GPT-2 ln_1, ln_2); the first block's first and the final one in outside_blocks
