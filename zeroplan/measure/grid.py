@@ -37,6 +37,7 @@ class LoraRow:
     double_quant: bool = False
     compute_dtype: str | None = None  # bitsandbytes compute dtype; None: the spec's default
     quant_storage: str | None = None  # dtype the packed 4-bit weights are stored in; None: uint8
+    upcast: bool = False  # prepare_model_for_kbit_training: the non-quantized layers cast to fp32
 
     @property
     def id(self) -> str:
@@ -50,6 +51,7 @@ class LoraRow:
         parts += ["dq"] if self.double_quant else []
         parts += [f"compute-{self.compute_dtype}"] if self.compute_dtype else []
         parts += [f"store-{self.quant_storage}"] if self.quant_storage else []
+        parts += ["upcast"] if self.upcast else []
         return "-".join(parts)
 
     def training_fields(self) -> dict[str, Any]:
@@ -61,6 +63,8 @@ class LoraRow:
             for knob in ("compute_dtype", "quant_storage"):
                 if getattr(self, knob) is not None:
                     quant[knob] = getattr(self, knob)
+            if self.upcast:
+                quant["upcast_non_quantized"] = True
             fields["quant"] = quant
         return fields
 
@@ -507,6 +511,9 @@ def _lora_rows() -> list[Row]:
         rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, lora=lora, **extra))
     for engine, stage, precision, ckpt, lora in TRAINER_LORA_ROWS:
         rows.append(Row("tiny-llama", engine, stage, precision, checkpointing=ckpt, lora=lora, recipe="hf-trainer"))
+    # the QLoRA paper's recipe under the Trainer: paged 8-bit AdamW over the adapters (optim paged_adamw_8bit)
+    rows.append(Row("tiny-llama", "torch", 0, "bf16", checkpointing="full", recipe="hf-trainer", optimizer="adam8bit",
+                    paged=True, lora=LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16", upcast=True)))
     # adapted experts: peft's ParamWrapper merges each expert stack in every forward (estimate/adapters/experts.py)
     rows.append(Row("qwen3moe-tiny", "torch", 0, "fp32", checkpointing="none", lora=LoraRow(4), world=1, ddp=False))
     # HSDP: fully_shard over a 2-D (dp_replicate, dp_shard) mesh shards the PEFT model as it shards any other
@@ -547,6 +554,11 @@ TRAINER_LORA_ROWS: tuple = (  # transformers.Trainer given get_peft_model's Peft
     ("deepspeed", 3, "bf16", "none", LoraRow(8)),
     ("fsdp2", 3, "bf16", "none", LoraRow(8)),
     ("torch", 0, "bf16", "none", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16")),
+    # QLoRA as PEFT's and TRL's scripts prepare it (issue 23): prepare_model_for_kbit_training's fp32 embeddings,
+    # norms and head, with and without gradient checkpointing; one rank and DDP; with a paged 8-bit optimizer
+    ("torch", 0, "bf16", "full", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16", upcast=True)),
+    ("torch", 0, "bf16", "none", LoraRow(8, base_precision="nf4", compute_dtype="bf16", upcast=True)),
+    ("torch", 0, "fp32", "full", LoraRow(8, base_precision="nf4", compute_dtype="fp32", upcast=True)),
 )
 
 

@@ -113,7 +113,8 @@ class QuantSpec(BaseModel):
     blocksize: int = Field(64, description="Elements per absmax block of a 4-bit weight (Params4bit's default 64).")
     upcast_non_quantized: bool = Field(
         False, description="prepare_model_for_kbit_training: cast the layers left unquantized (embeddings, norms, "
-        "head) to fp32. [default: off, as the Hugging Face Trainer leaves them]")
+        "head) to fp32, as PEFT's examples, TRL's SFTTrainer and the QLoRA paper's script do. [default: off, as the "
+        "Hugging Face Trainer alone leaves them]")
 
     @field_validator("blocksize")
     @classmethod

@@ -30,6 +30,8 @@ from zeroplan.estimate.terms import named, register
 from zeroplan.spec.model import TransformerSpec
 
 register({
+    "no 16-bit copy of a 16-bit head (autocast)": "aten/src/ATen/autocast_mode.cpp cached_cast (a weight of the "
+                                                 "target dtype is not copied; estimate/adapters/lora.py without_head_cast)",
     "4-bit MLP outputs cast back to the model's dtype": "bitsandbytes nn/modules.py Linear4bit.forward "
                                                        "(`.to(inp_dtype)`; docs/engines/lora.md Activations)",
     "frozen base as stored (bitsandbytes)": "bitsandbytes nn/modules.py Params4bit, Int8Params (docs/engines/lora.md, "
@@ -684,7 +686,28 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     # adapted experts and routers save their merged weight W + s*BA per block (estimate/adapters/experts.py)
     merged_element = comp if autocast else model_element_bytes(quant, autocast, comp)
     casts -= merged_weight_bytes(lora_layout(spec, lora).adapted, merged_element)
-    return with_adapter_activations(acts, training.micro_batch * training.seq_len, extra, casts)
+    acts = with_adapter_activations(acts, training.micro_batch * training.seq_len, extra, casts)
+    return without_head_cast(acts, spec, training, autocast, comp)
+
+
+def without_head_cast(acts, spec: TransformerSpec, training, autocast: bool, comp: int):
+    """`acts` without autocast's 16-bit copy of the output head's weight where the head is stored in that dtype
+    already (a quantized or 16-bit base not upcast to fp32): aten/src/ATen/autocast_mode.cpp `cached_cast`
+    returns a tensor of the target dtype as it is, so nothing is copied (activations.py counts the copy of an
+    fp32 head: the torch engine's parameters, or prepare_model_for_kbit_training's upcast)."""
+    from zeroplan.spec.program import Loss
+
+    quant = training.quant
+    if (acts is None or not autocast or quant is None or unquantized_element_bytes(quant) != comp
+            or any(not t.frozen for t in lora_layout(spec, training.lora).final if t.name.startswith("lm_head"))):
+        return acts
+    head_cast = named("no 16-bit copy of a 16-bit head (autocast)", -comp * spec.vocab_size * spec.hidden_size)
+    loss = training.program.loss
+    if loss == Loss.STANDARD:
+        return replace(acts, final_norm=acts.final_norm + head_cast)
+    if loss == Loss.CHUNKED:
+        return replace(acts, loss_transient=acts.loss_transient + head_cast)
+    return acts
 
 
 def with_dora_weight_norm(acts, temporary: int):
