@@ -191,6 +191,27 @@ def _gemma3(config: Mapping[str, Any]) -> dict[str, Any]:
         "tie_word_embeddings": _value(text, ("tie_word_embeddings",), _value(config, ("tie_word_embeddings",), True))}
 
 
+# SiglipVisionConfig's defaults (transformers models/siglip/configuration_siglip.py)
+_SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_channels": 3,
+                    "image_size": 224, "patch_size": 16, "vision_use_head": True}
+
+
+def vision_tower_params(config: Mapping[str, Any]) -> int:
+    """Parameters of Gemma3ForConditionalGeneration's image side, which the estimate (its language model) leaves
+    out: the SigLIP tower (transformers modeling_siglip.py SiglipVisionTransformer: the patch Conv2d with bias,
+    a position embedding per patch, per layer two LayerNorms, q/k/v/out and fc1/fc2 Linears with biases, the
+    post-LayerNorm; the attention-pooling head when vision_use_head) and Gemma3MultiModalProjector
+    (mm_input_projection_weight, vision x text hidden, and the RMSNorm mm_soft_emb_norm)."""
+    vision = _SIGLIP_DEFAULTS | {k: v for k, v in (config.get("vision_config") or {}).items() if v is not None}
+    h, inner, layers = vision["hidden_size"], vision["intermediate_size"], vision["num_hidden_layers"]
+    patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    embeddings = h * vision["num_channels"] * vision["patch_size"] ** 2 + h + patches * h
+    layer = 4 * (h * h + h) + 2 * 2 * h + 2 * h * inner + inner + h
+    head = (h + 3 * h * h + 3 * h + h * h + h + 2 * h + 2 * h * inner + inner + h) if vision["vision_use_head"] else 0
+    text_hidden = (config.get("text_config") or {}).get("hidden_size", 2304)  # Gemma3TextConfig's default
+    return embeddings + layers * layer + 2 * h + head + h * text_hidden + h
+
+
 def _gpt2(config: Mapping[str, Any]) -> dict[str, Any]:
     # GPT2Config: n_positions 1024, n_inner None -> 4 * n_embd (GPT2Block), tied; its
     # attribute_map lets hidden_size etc. stand for n_embd etc. GPT2Attention's c_attn / c_proj
@@ -296,6 +317,8 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str, source: str | None
             f"{where}: model_type {model_type!r} is not supported{_nearest(model_type)}; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if model_type == "gemma3" and config.get("vision_config") is not None:
+        _note_vision_tower(config, where)
     try:
         # a family may name the model_type of the part it reads (gemma3: its gemma3_text language model)
         fields = {"hf_model_type": model_type} | family(config) | {"name": name, "source": source}
@@ -305,3 +328,15 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str, source: str | None
         return TransformerSpec.model_validate(fields)
     except ValidationError as exc:
         raise SpecError(describe_validation_error(exc, where, TransformerSpec)) from None
+
+
+def _note_vision_tower(config: Mapping[str, Any], where: str) -> None:
+    """One line on what the estimate leaves out of an image-text Gemma 3 (issue 23)."""
+    import warnings
+
+    from zeroplan.errors import ZeroplanWarning
+
+    count = vision_tower_params(config)
+    warnings.warn(f"{where}: vision_config: Gemma3ForConditionalGeneration's SigLIP tower and projector, {count:,} "
+                  f"parameters ({2 * count / 2**30:.2f} GiB in bf16), are not counted: the estimate is its language "
+                  "model, as a text-only fine-tune trains it; loaded whole they sit frozen beside it", ZeroplanWarning)

@@ -339,9 +339,25 @@ def quantized_weight_bytes(numel: int, out_features: int, quant: QuantSpec) -> i
     tables (`quant_state_bytes`). 8-bit (`Int8Params`): int8 weight and one fp32 scale (SCB) per output row."""
     if quant.base_precision.is_4bit:
         return packed_elements(numel, quant) * DTYPE_BYTES[quant.quant_storage] + quant_state_bytes(numel, quant)
+    if quant.base_precision.is_packed_int:
+        return packed_int_weight_bytes(numel // out_features, out_features, quant)
     if quant.base_precision.value == "int8":
         return numel + FP32_BYTES * out_features
     return numel * DTYPE_BYTES[quant.base_precision.value]
+
+
+def packed_int_weight_bytes(in_features: int, out_features: int, quant: QuantSpec) -> int:
+    """A GPTQ or AWQ linear's buffers, `bits` per weight packed in int32 and per group of `group_size` input
+    features one fp16 scale and one packed zero per output feature: GPTQ (gptqmodel QuantLinear) `qweight`
+    (in x bits / 32, out) int32, `qzeros` (ceil(in / g), out x bits / 32) int32, `scales` (ceil(in / g), out)
+    fp16, `g_idx` (in,) int32; AWQ (WQLinear_GEMM) the same without g_idx, qweight (in, out x bits / 32)."""
+    group = in_features if quant.group_size == -1 else quant.group_size
+    groups = -(-in_features // group)
+    weight = -(-in_features * out_features * quant.bits // 32) * FP32_BYTES
+    zeros = -(-groups * out_features * quant.bits // 32) * FP32_BYTES
+    scales = groups * out_features * DTYPE_BYTES["fp16"]
+    g_idx = FP32_BYTES * in_features if quant.base_precision.value == "gptq" else 0
+    return weight + zeros + scales + g_idx
 
 
 def packed_elements(numel: int, quant: QuantSpec) -> int:
@@ -859,7 +875,11 @@ def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:
     share = facts.trainable_params / facts.total_params
     notes = [f"LoRA rank {lora.rank}: {facts.trainable_params:,} of {facts.total_params:,} parameters train "
              f"({share:.4%}); gradients and optimizer states for those only"]
-    if quant is not None and quant.base_precision.is_quantized:
+    if quant is not None and quant.base_precision.is_packed_int:
+        notes.append(f"base {quant.base_precision.value} int{quant.bits} as its checkpoint stores it (packed int32 weights, "
+                     f"fp16 scales and packed zeros per {quant.group_size}-feature group); each layer dequantizes its "
+                     "weight in forward and backward (a temporary: the torch kernel PEFT trains with)")
+    elif quant is not None and quant.base_precision.is_quantized:
         notes.append(f"base {quant.base_precision.value}{' + double quantization' if quant.double_quant else ''} as "
                      f"bitsandbytes stores it; each quantized layer dequantizes its weight to {quant.compute_dtype} in "
                      "forward and backward (a temporary)")

@@ -143,6 +143,9 @@ def apply_peft(lm: nn.Module, training: Any, *, program_checkpoints: bool = Fals
     transformers model, with its adapter modules marked. With `program_checkpoints` step 4 is left
     to the program (the Trainer's `activation_checkpointing_enable` adds the same hook)."""
     quant, lora = getattr(training, "quant", None), getattr(training, "lora", None)
+    if quant is not None and _value(quant.base_precision) in ("gptq", "awq"):
+        raise MeasureError(f"base_precision {_value(quant.base_precision)}: measure builds bitsandbytes bases only (a "
+                           "GPTQ/AWQ checkpoint needs gptqmodel and a GPU); use nf4, fp4 or int8")
     # the launcher refuses these before any worker starts (measure/quant_rules.py); here, the model as built
     if kbit_precision(quant) is not None and any(p.is_meta for p in lm.parameters()):
         # Params4bit.to("meta") does not quantize (bitsandbytes/nn/modules.py): nothing to shard after
