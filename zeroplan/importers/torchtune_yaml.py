@@ -189,7 +189,7 @@ def settings_from_torchtune(document: Mapping[str, object], text: str, where: Wh
     settings["optimizer_in_backward"] = as_bool(document.get("optimizer_in_bwd", False), "optimizer_in_bwd", where)
     settings.update(_loss(document.get("loss"), where))
     settings.update(_optimizer(document.get("optimizer"), where))
-    settings.update(torchtune_lora.lora_settings(document, where, sharded=not single))
+    settings.update(torchtune_lora.lora_settings(document, where))
     return settings
 
 

@@ -41,7 +41,7 @@ class LoraRow:
 
     @property
     def id(self) -> str:
-        kbit = self.base_precision in ("int8", "nf4", "fp4")
+        kbit = self.base_precision in ("int8", "nf4", "fp4", "torchao-nf4")
         targets = self.targets if isinstance(self.targets, str) else "+".join(self.targets)
         parts = [f"{'qlora' if kbit else 'lora'}-r{self.rank}", targets]
         parts += ["dora"] if self.dora else []
@@ -544,6 +544,13 @@ QLORA_ROWS: tuple = (  # bitsandbytes bases: one rank as the QLoRA scripts run i
      {"model_init": "host"}),
     ("tiny-llama", "deepspeed", 2, "fp32", "none", LoraRow(8, base_precision="nf4", compute_dtype="fp32"), {}),
     ("tiny-llama", "deepspeed", 3, "bf16", "none", LoraRow(8, base_precision="nf4", quant_storage="bf16"), {}),
+    # torchao's NF4Tensor (torchtune's QLoRA base, issue 23): one rank, and FSDP2 sharding its data and scalers
+    ("tests/data/tiny-llama-nf4.toml", "torch", 0, "bf16", "none", LoraRow(8, base_precision="torchao-nf4"),
+     {"world": 1, "ddp": False}),
+    ("tests/data/tiny-llama-nf4.toml", "fsdp2", 3, "bf16", "none", LoraRow(8, base_precision="torchao-nf4"),
+     {"model_init": "host"}),
+    ("tests/data/tiny-llama-nf4.toml", "fsdp2", 2, "bf16", "full", LoraRow(8, base_precision="torchao-nf4"),
+     {"model_init": "host"}),
 )
 
 

@@ -85,6 +85,7 @@ class BasePrecision(str, Enum):
     FP4 = "fp4"  # as nf4 with the fp4 code (same bytes)
     GPTQ = "gptq"  # a GPTQ checkpoint (gptqmodel QuantLinear): packed int32 qweight, per-group fp16 scales and qzeros, g_idx
     AWQ = "awq"  # an AWQ checkpoint (WQLinear_GEMM): packed int32 qweight, per-group fp16 scales and qzeros
+    TORCHAO_NF4 = "torchao-nf4"  # torchao NF4Tensor (torchtune's QLoRA): nf4 in blocks of 64, int8 scalers per 256 blocks
 
     @property
     def is_4bit(self) -> bool:
@@ -98,7 +99,8 @@ class BasePrecision(str, Enum):
 
     @property
     def is_quantized(self) -> bool:
-        return self in (BasePrecision.INT8, BasePrecision.NF4, BasePrecision.FP4) or self.is_packed_int
+        return (self in (BasePrecision.INT8, BasePrecision.NF4, BasePrecision.FP4, BasePrecision.TORCHAO_NF4)
+                or self.is_packed_int)
 
 
 FloatDtype = Literal["bf16", "fp16", "fp32"]
@@ -153,7 +155,10 @@ class QuantSpec(BaseModel):
             if self.base_precision == BasePrecision.GPTQ and self.upcast_non_quantized:
                 # peft utils/other.py prepare_model_for_kbit_training: `is_gptq_quantized` skips the fp32 cast
                 raise ValueError("upcast_non_quantized: prepare_model_for_kbit_training casts nothing on a GPTQ model")
-        elif (self.bits, self.group_size) != (4, 128):
+        elif self.base_precision == BasePrecision.TORCHAO_NF4 and self.upcast_non_quantized:
+            # torchtune never calls it, and peft's `is_torchao_quantized` branch casts nothing
+            raise ValueError("upcast_non_quantized: prepare_model_for_kbit_training casts nothing on a torchao model")
+        if not self.base_precision.is_packed_int and (self.bits, self.group_size) != (4, 128):
             raise ValueError(f"bits and group_size describe a GPTQ or AWQ checkpoint, not {self.base_precision.value}")
         return self
 
@@ -260,6 +265,10 @@ def check_training_lora(training: "TrainingSpec") -> None:
     if quant.base_precision == BasePrecision.INT8 and (engine == "fsdp2" or (engine == "deepspeed" and stage == 3)):
         raise ValueError(f"quant.base_precision int8: Int8Params cannot be sharded by engine {engine} at zero_stage "
                          f"{stage} (its row scales live outside the tensor); use nf4 with quant_storage bf16, or ZeRO 0-2")
+    if quant.base_precision == BasePrecision.TORCHAO_NF4 and engine == "deepspeed":
+        # torchao nf4_tensor.py implements FSDP2's extension points (fsdp_pre_all_gather / fsdp_post_all_gather)
+        raise ValueError("quant.base_precision torchao-nf4: torchao's NF4Tensor is sharded by FSDP2 (torchtune's "
+                         "recipes); under DeepSpeed it is not modelled: use engine fsdp2 or torch")
     if quant.base_precision.is_packed_int and (engine == "fsdp2" or (engine == "deepspeed" and stage == 3)):
         # their qweight, qzeros, scales and g_idx are buffers (register_buffer), which neither engine shards
         raise ValueError(f"quant.base_precision {quant.base_precision.value}: its packed weights are module buffers, "
