@@ -81,7 +81,7 @@ def test_the_issue_s_python_line_prints_the_command_s_document():
     ({"zero": 5}, r"^zero: 5 is not in the range 0<=x<=3\.$"),
     ({"gpus": 8.5}, r"^gpus: expected a whole number, got 8\.5$"),
     ({"gpus": True}, r"^gpus: expected a whole number, got True$"),
-    ({"gpus": 0}, r"^gpus: 0 is not in the range x>=1\.$"),
+    ({"gpus": 0}, r"^gpus: 0 is not in the range 1<=x<=1048576\.$"),
     ({"ddp": 1}, r"^ddp: expected True or False, got 1$"),
     ({"precision": "fp8"}, r"^precision: 'fp8' is not one of"),
     ({"freeze": "torso"}, r"^freeze: 'torso' is not one of 'embeddings', 'blocks', 'final'\.$"),

@@ -27,7 +27,7 @@ MAY_IMPORT = {
     "measure": {"estimate", "importers", "spec", "errors", "report.common", "report.measure"},
     "report": {"estimate.result", "estimate.serialize", "spec", "errors"},
     # the Python API reads keyword arguments by the command line's option declarations (not its commands,
-    # which print the API's results); cli.plan until the planner's command line prints plan_from_options
+    # which print the API's results; cli.plan is read for its parameters)
     "api": {"spec", "importers", "estimate", "plan", "measure", "report", "errors", "", "cli.common",
             "cli.grid_options", "cli.mesh_options", "cli.lora_options", "cli.measure_options", "cli.plan"},
     "cli": {"api", "spec", "importers", "estimate", "plan", "measure", "report", "errors", ""},

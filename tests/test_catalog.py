@@ -148,8 +148,11 @@ def test_several_validation_errors_are_counted(in_tmp):
 
 def test_other_files_are_refused(in_tmp):
     (in_tmp / "model.yaml").write_text("name: x\n")
-    with pytest.raises(SpecError, match=r"^model\.yaml: a model file must end in \.toml or \.json$"):
+    with pytest.raises(SpecError, match=r"^model\.yaml: a \.yaml file is a trainer's config .*; give it with --config"):
         resolve_model("model.yaml")
+    (in_tmp / "model.txt").write_text("name: x\n")
+    with pytest.raises(SpecError, match=r"^model\.txt: a model file must end in \.toml or \.json$"):
+        resolve_model("model.txt")
     (in_tmp / "list.json").write_text("[1, 2]")
     with pytest.raises(SpecError, match=r"^list\.json: expected a table of spec fields, got list$"):
         resolve_model("list.json")

@@ -297,9 +297,9 @@ BAD_INPUTS = {
     "fractional --params": (["estimate", "--params", "1.5"], r"'--params': '1.5' is not a whole number"),
     "bad --gpu-memory": (["estimate", "gpt2", "--gpu-memory", "80 apples"], r"'--gpu-memory': unknown unit 'apples'"),
     "unknown GPU name": (["estimate", "gpt2", "--gpu-memory", "h100"], r"cannot read size 'h100'.*or name a GPU: .*h100-80gb"),
-    "zero gpus": (["estimate", "gpt2", "--gpus", "0"], r"'--gpus': 0 is not in the range x>=1"),
-    "negative micro-batch": (["estimate", "gpt2", "--micro-batch", "-1"], r"'--micro-batch': -1 is not in the range x>=1"),
-    "zero seq-len": (["estimate", "gpt2", "--seq-len", "0"], r"'--seq-len': 0 is not in the range x>=1"),
+    "zero gpus": (["estimate", "gpt2", "--gpus", "0"], r"'--gpus': 0 is not in the range 1<=x<=1048576"),
+    "negative micro-batch": (["estimate", "gpt2", "--micro-batch", "-1"], r"'--micro-batch': -1 is not in the range 1<=x<=65536"),
+    "zero seq-len": (["estimate", "gpt2", "--seq-len", "0"], r"'--seq-len': 0 is not in the range 1<=x<=16777216"),
     "zero params": (["estimate", "--params", "0"], r"'--params': must be at least 1"),
     "gpus not divisible by gpus per node": (["estimate", "gpt2", "--gpus", "12", "--gpus-per-node", "8"], r"gpus 12 is not divisible by gpus_per_node 8"),
     "stage outside 0-3": (["estimate", "gpt2", "--zero", "4"], r"'--zero': 4 is not in the range 0<=x<=3"),
@@ -309,7 +309,7 @@ BAD_INPUTS = {
     "neither MODEL nor --params": (["estimate"], r"missing MODEL"),
     "--largest-layer without --params": (["estimate", "gpt2", "--largest-layer", "1000"], r"--largest-layer and --trainable-params describe a --params model"),
     "largest layer above params": (["estimate", "--params", "1000", "--largest-layer", "2000"], r"largest_layer_params 2000 exceeds params 1000"),
-    "unknown option, close name suggested": (["estimate", "gpt2", "--gpu", "8"], r"No such option '--gpu'. \(?Did you mean (one of: .*)?'--gpus'"),
+    "unknown option, close name suggested": (["estimate", "gpt2", "--gpsu", "8"], r"No such option '--gpsu'. \(?Did you mean (one of: .*)?'--gpus'"),
     "unknown command": (["estimat"], r"No such command 'estimat'"),
 }
 

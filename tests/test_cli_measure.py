@@ -11,6 +11,7 @@ import importlib.util
 import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -246,3 +247,22 @@ def test_implementations_match_the_workload():
     from zeroplan.measure.workload import IMPLEMENTATIONS as WORKLOAD
 
     assert IMPLEMENTATIONS == WORKLOAD
+
+
+@pytest.mark.distributed
+def test_output_goes_through_a_symlink_and_dash_is_standard_output(tmp_path):
+    """Issue 21: --output replaced a symlink with a file, made new files 0600 and took - for a file name."""
+    real = tmp_path / "real.json"
+    real.write_text("{}\n")
+    real.chmod(0o644)
+    link = tmp_path / "m.json"
+    link.symlink_to(real)
+    result = measure("--engine", "torch", "--zero", "0", "--nproc", "1", "--output", str(link), *RUN)
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and json.loads(real.read_text())["world_size"] == 1
+    assert real.stat().st_mode & 0o777 == 0o644
+    dash = measure("--engine", "torch", "--zero", "0", "--nproc", "1", "--output", "-", *RUN)
+    assert dash.exit_code == 0, dash.output
+    assert json.loads(dash.stdout)["world_size"] == 1  # standard output holds the JSON alone
+    assert "tiny-llama: torch ZeRO-0, 1 rank" in dash.stderr  # the table went to standard error
+    assert not (Path.cwd() / "-").exists()

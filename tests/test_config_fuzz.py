@@ -253,3 +253,135 @@ def test_random_torchtune_and_accelerate_yaml_never_escape(document, damage):
 def test_random_bytes_as_toml_or_yaml_or_unnamed_never_escape(content):
     check(estimate_with("job.toml", content))
     check(estimate_with("config", content))
+
+
+# ---------------------------------------------------------------- issue 21: an unknown key in every format
+
+from zeroplan.importers.deepspeed_json import TOP_LEVEL_KEYS as DEEPSPEED_TOP_KEYS  # noqa: E402
+from zeroplan.importers.torchtitan_toml import TORCHTITAN_SECTIONS  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data"
+_KNOWN = (DEEPSPEED_TOP_KEYS | ZERO_KEYS | FP16_KEYS | BF16_KEYS | ACCELERATE_KEYS | FSDP_KEYS | ACCELERATE_DEEPSPEED_KEYS
+          | TORCHTUNE_KEYS | TORCHTITAN_SECTIONS | set(_colossalai_keys))
+# a key no reader knows: lower-case words, as a typo or an invented option would be
+_unknown = st.from_regex(r"[a-z][a-z0-9_]{2,24}", fullmatch=True).filter(lambda key: key not in _KNOWN and not any(
+    key in keys for keys in _V022_SECTIONS.values() if isinstance(keys, (set, frozenset))))
+
+
+def refused_or_warned(result, key: str) -> None:
+    """An unknown key is never dropped in silence: an error naming it (exit 2), or an estimate with a warning that
+    names it, where the program itself ignores such a key (torchtune's top level, accelerate's sections)."""
+    check(result)
+    lines = result.stderr.splitlines()
+    prefix = "Error: " if result.exit_code == 2 else "Warning: "
+    assert any(line.startswith(prefix) and key in line for line in lines), (key, result.exit_code, result.stderr)
+
+
+def _estimate(name: str, content: str, *extra: str, gpus: bool = True):
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / name
+        path.write_text(content)
+        return CliRunner().invoke(cli, ["estimate", *extra, *(["--gpus", "8"] if gpus else []), "--config", str(path)])
+
+
+@FUZZ_NEW
+@given(_unknown, st.sampled_from(["top", "zero_optimization", "bf16", "offload_optimizer"]))
+def test_an_unknown_deepspeed_key_is_refused(key, where):
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    section = {"top": config, "zero_optimization": config["zero_optimization"], "bf16": config["bf16"],
+               "offload_optimizer": config["zero_optimization"]["offload_optimizer"]}[where]
+    section[key] = 1
+    refused_or_warned(_estimate("ds.json", json.dumps(config), "llama-100m"), key)
+
+
+@FUZZ_NEW
+@given(_unknown, st.sampled_from(["v0.2.2 top", "v0.2.2 training", "2024 top", "2024 training"]))
+def test_an_unknown_torchtitan_key_is_refused_or_warned(key, where):
+    schema, place = where.split()
+    text = (DATA / "configs" / f"torchtitan_{schema}_llama3_8b.toml").read_text()
+    text = text + f"\n[{key}]\nx = 1\n" if place == "top" else text.replace("[training]\n", f"[training]\n{key} = 1\n", 1)
+    refused_or_warned(_estimate("job.toml", text), key)
+
+
+@FUZZ_NEW
+@given(_unknown, st.sampled_from(["top", "optimizer"]))
+def test_an_unknown_torchtune_key_is_refused_or_warned(key, where):
+    text = (DATA / "configs" / "torchtune_llama3_2_1B_full_single_device.yaml").read_text()
+    text = text + f"\n{key}: 1\n" if where == "top" else text.replace("optimizer:\n", f"optimizer:\n  {key}: 1\n", 1)
+    refused_or_warned(_estimate("recipe.yaml", text, gpus=False), key)  # a single-device recipe
+
+
+@FUZZ_NEW
+@given(_unknown, st.sampled_from(["top", "fsdp_config"]))
+def test_an_unknown_accelerate_key_is_refused_or_warned(key, where):
+    text = (DATA / "configs" / "accelerate_fsdp2.yaml").read_text()
+    text = text + f"{key}: 1\n" if where == "top" else text.replace("fsdp_config:\n", f"fsdp_config:\n  {key}: 1\n", 1)
+    refused_or_warned(_estimate("accelerate.yaml", text, "llama-100m"), key)
+
+
+@FUZZ_NEW
+@given(_unknown)
+def test_an_unknown_colossalai_zero_key_is_refused(key):
+    text = (DATA / "configs" / "colossalai_zero3.py").read_text().replace("zero = dict(\n", f"zero = dict(\n    {key}=1,\n")
+    refused_or_warned(_estimate("zero.py", text, "llama-100m"), key)
+
+
+@FUZZ_NEW
+@given(_unknown)
+def test_an_unknown_lora_or_model_spec_key_is_refused(key):
+    with tempfile.TemporaryDirectory() as folder:
+        adapter = Path(folder) / "adapter_config.json"
+        adapter.write_text(json.dumps({"r": 8, "target_modules": ["q_proj"], key: 1}))
+        refused_or_warned(CliRunner().invoke(cli, ["estimate", "llama-100m", "--lora", str(adapter)]), key)
+        spec = Path(folder) / "model.toml"
+        spec.write_text((Path(__file__).resolve().parent.parent / "model_specs" / "tiny-llama.toml").read_text()
+                        + f"\n{key} = 1\n")
+        refused_or_warned(CliRunner().invoke(cli, ["estimate", str(spec)]), key)
+
+
+def _config_json_estimate(config: dict) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "config.json"
+        path.write_text(json.dumps(config))
+        result = CliRunner().invoke(cli, ["estimate", str(path), "--format", "json"])
+    check(result)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+_LLAMA = json.loads((DATA / "hf_configs" / "llama-100m.json").read_text())
+_LLAMA_ESTIMATE = None
+
+
+@FUZZ_NEW
+@given(st.dictionaries(_unknown.filter(lambda key: key not in _LLAMA and key not in (
+    "quantization_config", "vision_config", "text_config", "layer_types", "mlp_only_layers") and not key.startswith("n_")
+    and key not in __import__("zeroplan.importers.hf_config", fromlist=["_INT_KEYS"])._INT_KEYS),
+                       _json_values, min_size=1, max_size=3))
+def test_keys_a_config_json_holds_beyond_the_read_ones_change_nothing(extra):
+    """A config.json carries many keys zeroplan does not read (rope_theta, hidden_act, ...): they are neither
+    refused nor allowed to change the estimate."""
+    global _LLAMA_ESTIMATE
+    if _LLAMA_ESTIMATE is None:
+        _LLAMA_ESTIMATE = _config_json_estimate(_LLAMA)
+    assert _config_json_estimate({**_LLAMA, **extra})["per_gpu"] == _LLAMA_ESTIMATE["per_gpu"]
+
+
+@FUZZ_NEW
+@given(st.sampled_from(["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                        "tie_word_embeddings", "attention_dropout"]),
+       st.one_of(st.text(max_size=6), st.booleans(), st.lists(st.integers(), max_size=2), st.floats(allow_nan=True),
+                 st.integers(10**15, 10**400)))
+def test_a_read_config_json_key_of_the_wrong_type_is_refused(key, value):
+    if key == "tie_word_embeddings" and isinstance(value, bool):
+        return
+    if key == "attention_dropout" and isinstance(value, float) and 0 <= value < 1:
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "config.json"
+        path.write_text(json.dumps({**_LLAMA, key: value}, allow_nan=True))
+        result = CliRunner().invoke(cli, ["estimate", str(path)])
+    check(result)
+    assert result.exit_code == 2, (key, value, result.output)
+    assert key in result.stderr, result.stderr

@@ -92,7 +92,8 @@ def test_plan_mesh_with_deepspeed_refuses_a_torchtitan_emit(tmp_path):
     result = CliRunner().invoke(cli, ["plan", "tiny-llama", "--gpu-memory", "8GiB", "--gpus", "2", "--mesh",
                                       "--engine", "deepspeed", "--emit", "torchtitan", str(tmp_path / "job.toml")])
     assert result.exit_code == 2
-    assert "--mesh writes a DeepSpeed JSON: use --emit deepspeed FILE, not torchtitan" in result.output
+    assert ("--emit torchtitan: a mesh plan of engine deepspeed writes a DeepSpeed JSON (--emit deepspeed); or give "
+            "--engine fsdp2") in result.output
 
 
 @pytest.mark.parametrize("changes, message", [

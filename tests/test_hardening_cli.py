@@ -31,8 +31,9 @@ BAD = {
     "headroom nan": (["compare", "llama-2-7b", "--headroom", "nan"], r"'--headroom': 'nan' is not a finite number"),
     "efficiency -inf": (["plan", "llama-2-7b", "--gpu", "h100-80gb", "--max-efficiency", "-inf"], r"'--max-efficiency'"),
     # lists: an empty item was skipped, a repeated one counted twice
-    "empty list item": (["compare", "llama-2-7b", "--gpus", "8,,16"], r"--gpus: empty item in '8,,16'"),
-    "repeated GPU count": (["compare", "llama-2-7b", "--gpus", "8,8"], r"--gpus: 8 listed more than once"),
+    # compare reads --gpus with plan's parser (issue 21: it refused ranges)
+    "empty list item": (["compare", "llama-2-7b", "--gpus", "8,,16"], r"--gpus: cannot read '8,,16'; write 8, 8,16,64 or a range"),
+    "repeated GPU count": (["compare", "llama-2-7b", "--gpus", "8,8"], r"--gpus: a count is listed more than once in '8,8'"),
     "repeated stage": (["compare", "llama-2-7b", "--zero", "3,3"], r"--zero: 3 listed more than once"),
     "repeated offload": (["plan", "llama-2-7b", "--gpu", "h100-80gb", "--offload", "cpu,cpu"], r"--offload: cpu listed more than once"),
     "repeated plan GPUs": (["plan", "llama-2-7b", "--gpu", "h100-80gb", "--gpus", "8,16,8"], r"--gpus: a count is listed more than once"),

@@ -123,8 +123,9 @@ def test_missing_required_key_is_named(model_type, key):
         spec_from_hf_config(config, "m")
 
 
-def test_bad_values_name_the_spec_field():
-    with pytest.raises(SpecError, match=r"^c\.json: num_heads: Input should be greater than or equal to 1 \(got 0\)$"):
+def test_bad_values_name_the_config_key():
+    # the key the file has (issue 21: it said num_heads, the spec's name, for num_attention_heads)
+    with pytest.raises(SpecError, match=r"^c\.json: num_attention_heads: Input should be greater than or equal to 1 \(got 0\)$"):
         spec_from_hf_config({"model_type": "llama", **MINIMAL["llama"], "num_attention_heads": 0}, "m", source="c.json")
     with pytest.raises(SpecError, match=r"^c\.json: num_kv_heads 3 does not divide num_heads 4$"):
         spec_from_hf_config({"model_type": "llama", **MINIMAL["llama"], "num_key_value_heads": 3}, "m", source="c.json")

@@ -49,7 +49,10 @@ def test_gemma3_text_and_image_text_configs():
     # the published 4B config.json nests the language model and leaves heads and vocabulary to defaults
     four_b = spec_from_hf_config(_config("gemma-3-4b"), "g")
     assert (four_b.hf_model_type, four_b.num_heads, four_b.kv_heads, four_b.vocab_size) == ("gemma3_text", 8, 4, 262_208)
-    assert four_b == resolve_model("gemma-3-4b").model_copy(update={"name": "g", "source": None, "published_params": None})
+    # the same language model as the catalogue's; the config.json's vision tower is said not to be counted
+    assert four_b == resolve_model("gemma-3-4b").model_copy(update={"name": "g", "source": None, "published_params": None,
+                                                                    "notes": four_b.notes})
+    assert len(four_b.notes) == 1 and "vision tower (vision_config, SigLIP)" in four_b.notes[0]
     with pytest.raises(SpecError, match=r"^config\.json of g: no 'text_config', required for model_type 'gemma3'"):
         spec_from_hf_config({"model_type": "gemma3"}, "g")
 

@@ -4,14 +4,13 @@ packed storage against published checkpoint sizes, the methods read but not mode
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from zeroplan.cli import cli
-from zeroplan.errors import SpecError, ZeroplanWarning
+from zeroplan.errors import SpecError
 from zeroplan.estimate.adapters.lora import base_tensors
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.hf_config import vision_tower_params
@@ -82,15 +81,18 @@ def test_gptq_and_awq_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("quantization, line", [
     ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-     "quantization_config fp8 (e4m3 blocks [128, 128]): transformers dequantizes it to bf16"),
-    ({"quant_method": "torchao", "quant_type": {}}, "quantization_config quant_method 'torchao' is not modelled"),
+     "quantization_config (fp8, e4m3 blocks [128, 128]) is read but not modelled as FP8Linear: transformers "
+     "dequantizes it to bf16"),
+    ({"quant_method": "torchao", "quant_type": {}}, "quantization_config (torchao) is read but not modelled"),
 ])
 def test_methods_read_but_not_modelled_say_so(tmp_path, quantization, line):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        settings = quant_from_checkpoint({"torch_dtype": "bfloat16", "quantization_config": quantization})
-    assert settings == {"base_precision": "bf16"}
-    assert [str(w.message) for w in caught if w.category is ZeroplanWarning][0].startswith(f"config.json: {line}")
+    config = {"torch_dtype": "bfloat16", "quantization_config": quantization}
+    assert quant_from_checkpoint(config) == {"base_precision": "bf16"}
+    result = _estimate(_config(tmp_path, quantization), "--lora-rank", "8")
+    assert result.exit_code == 0, result.output
+    notes = json.loads(result.output)["notes"]
+    assert any(note.startswith(line) for note in notes), notes
+    assert json.loads(result.output)["config"]["quant"]["base_precision"] == "bf16"
 
 
 def test_a_bad_quantization_config_is_one_line():
@@ -123,9 +125,6 @@ def test_gemma3_vision_tower_count_is_transformers(use_head):
 
 
 def test_gemma3_with_a_vision_tower_says_what_is_left_out():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        resolve_model(str(DATA / "gemma-3-4b.json"))
-    lines = [str(w.message) for w in caught if w.category is ZeroplanWarning]
-    assert any("vision_config: Gemma3ForConditionalGeneration's SigLIP tower and projector, 419,816,304 parameters"
-               in line for line in lines)
+    notes = resolve_model(str(DATA / "gemma-3-4b.json")).notes
+    assert any("vision tower (vision_config, SigLIP) and the multimodal projector, 419,816,304 parameters" in note
+               for note in notes), notes

@@ -59,7 +59,7 @@ def test_compare_and_plan_take_the_options():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["llama-3-8b", "--lora-rank", "0"], "Error: --lora-rank: Input should be greater than or equal to 1 (got 0)"),
+    (["llama-3-8b", "--lora-rank", "0"], "Error: Invalid value for '--lora-rank': 0 is not in the range 1<=x<=65536."),
     (["llama-3-8b", "--lora-rank", "8", "--lora-targets", "qkv"],
      "Error: --lora-targets: 'qkv' names no module of llama-3-8b; its modules: q_proj, k_proj, v_proj, o_proj, "
      "gate_proj, up_proj, down_proj, lm_head, embed_tokens"),

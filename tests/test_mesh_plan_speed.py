@@ -1,22 +1,24 @@
 """The mesh search's shortcuts (issue 14's "answers in under a second") change no plan: a mesh the world rule
-refuses is skipped, a selective fit check is its twin's without checkpointing where the two keep the same, a fit check stops at the first rank over the budget and leaves out the pipeline ranks no
-higher than rank 1 (`_may_be_worst`), and the specs of larger micro-batches
-are made only when the first fits. The search without them (every spec made, every rank estimated, fresh
-caches) gives the same plan, the same count of estimates, and the same reasons. The cost bound (`_cost_above`)
-leaves out the meshes that could not be shown: the same plan, fewer meshes checked, and it says so."""
+refuses is skipped, a selective fit check is its twin's without checkpointing where the two keep the same, a fit
+check stops at the first rank over the budget and leaves out the pipeline ranks no higher than rank 1
+(`may_be_worst`). The search without them (every rank estimated, fresh caches) gives the same plan and the same
+reasons. The cost bound (`Planner.search` with `top`) leaves out the choices that could not be shown: the same
+plan, fewer choices checked, and it says so."""
 
 from __future__ import annotations
 
 import pytest
 
-import zeroplan.plan.mesh as mesh_search
+import zeroplan.plan.search as search_module
 from zeroplan.estimate import clear_caches
 from zeroplan.estimate import estimate_mesh, estimate_mesh_within
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.gpus import get_gpu
-from zeroplan.plan.cost import assumptions_for
-from zeroplan.plan.mesh import mesh_plan_to_dict, plan_mesh
-from zeroplan.report.mesh import render_mesh_plan
+from zeroplan.plan.mesh_fit import estimate_groups, may_be_worst, memory_twin
+from zeroplan.plan.rates import rates_for
+from zeroplan.plan.search import Limits, SearchSpace, plan
+from zeroplan.plan.serialize import plan_to_dict
+from zeroplan.report.plan import render_plan
 from zeroplan.spec.mesh import MeshSpec, PPSchedule
 from zeroplan.spec.training import TrainingSpec
 
@@ -24,20 +26,28 @@ H100 = get_gpu("h100-80gb")
 
 
 def _without_shortcuts(monkeypatch) -> None:
-    """The search as first written: every micro-batch's spec made, every rank of every mesh estimated."""
+    """The search as first written: every rank of every mesh estimated, no world rule applied before validation,
+    no fit check shared between memory twins."""
 
     def full_estimate(model, training, budget_bytes):
         whole = estimate_mesh(model, training)
         return whole.worst if whole.worst.estimate.peak_bytes <= budget_bytes else None
 
-    def every_spec(base, mesh, mode, max_micro_batch, global_batch):
-        return iter(list(real_specs(base, mesh, mode, max_micro_batch, global_batch)))
+    def unshared(self, choice, micro_batch, grad_accum, budget_bytes):  # each choice its own check, none cached
+        try:
+            worst = full_estimate(self.model, self.training(choice, micro_batch, grad_accum), budget_bytes)
+        except search_module.SpecError:
+            return None
+        return None if worst is None else worst.estimate.peak_bytes
 
-    real_specs = mesh_search._micro_batch_specs
-    monkeypatch.setattr(mesh_search, "_worst_within", full_estimate)
-    monkeypatch.setattr(mesh_search, "_world_runs", lambda mesh, base: True)
-    monkeypatch.setattr(mesh_search, "_micro_batch_specs", every_spec)
-    monkeypatch.setattr(mesh_search, "_memory_twin", lambda model, training: training)
+    monkeypatch.setattr(search_module, "world_runs", lambda mesh, gpus, base, stage: True)
+    monkeypatch.setattr(search_module.Planner, "mesh_peak", unshared)
+
+
+def _plan(model, base, budget_bytes, top, cost_bound=True):
+    space = SearchSpace(gpu_counts=(base.gpus,), mesh="search", max_micro_batch=8)
+    return plan_to_dict(plan(model, base, space, Limits(budget_bytes, headroom=0.0), rates_for(H100), top=top,
+                             cost_bound=cost_bound))
 
 
 @pytest.mark.parametrize("recipe, gpus, seq_len, budget_gib", [
@@ -54,8 +64,9 @@ def test_the_search_with_its_shortcuts_gives_the_plan_of_the_full_search(monkeyp
 
     def search():
         clear_caches()
-        return mesh_plan_to_dict(plan_mesh(model, base, budget, assumptions_for(H100), max_micro_batch=8, top=8,
-                                           cost_bound=False))
+        found = _plan(model, base, budget, 8, cost_bound=False)
+        del found["estimate_calls"], found["notes"]  # the twins' counted note goes with the shortcut
+        return found
 
     fast = search()
     with monkeypatch.context() as patch:
@@ -93,7 +104,7 @@ def test_no_middle_pipeline_rank_left_out_is_higher_than_rank_1(schedule, pp, la
     training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=8 * pp, seq_len=4096, recipe="torchtitan",
                             micro_batch=2, grad_accum=2 * pp, mesh=MeshSpec(tp=8, pp=pp, pp_schedule=schedule))
     whole = estimate_mesh(model, training)
-    kept = mesh_search._may_be_worst([rank.kind for rank in whole.ranks])
+    kept = may_be_worst([rank.kind for rank in whole.ranks])
     assert len(kept) == 3
     left_out = [rank.estimate.peak_bytes for index, rank in enumerate(whole.ranks) if index not in kept]
     assert max(left_out) <= whole.ranks[1].estimate.peak_bytes
@@ -113,7 +124,7 @@ def test_one_walk_bounds_every_middle_rank_of_an_interleaved_schedule(pp, layers
                             micro_batch=1, grad_accum=2 * pp, checkpointing=checkpointing,
                             mesh=MeshSpec(tp=4, cp=cp, pp=pp, pp_schedule=PPSchedule.INTERLEAVED_1F1B, pp_virtual_stages=2))
     whole = estimate_mesh(model, training)
-    groups = mesh_search._estimate_groups([rank.kind for rank in whole.ranks], list(range(len(whole.ranks))))
+    groups = estimate_groups([rank.kind for rank in whole.ranks], list(range(len(whole.ranks))))
     bounded = [group for group in groups if len(group) > 1]
     assert bounded  # the middle ranks share profiles
     for group in bounded:
@@ -143,7 +154,7 @@ def test_selective_checkpointing_keeps_what_none_keeps_on_every_rank_without_a_r
     model = resolve_model("llama-3-8b")
     training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=16, seq_len=4096, recipe="torchtitan", micro_batch=2,
                             grad_accum=8, mesh=mesh, checkpointing="selective")
-    twin = mesh_search._memory_twin(model, training)
+    twin = memory_twin(model, training)
     assert twin.checkpointing.value == "none"
     selective, none = estimate_mesh(model, training), estimate_mesh(model, twin)
     assert [(r.kind, r.params, r.estimate.phases) for r in selective.ranks] == \
@@ -154,7 +165,7 @@ def test_the_ring_tells_selective_checkpointing_apart():
     model = resolve_model("llama-3-8b")
     training = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=16, seq_len=4096, recipe="torchtitan",
                             mesh=MeshSpec(tp=2, cp=2), checkpointing="selective")
-    assert mesh_search._memory_twin(model, training) is training
+    assert memory_twin(model, training) is training
     none = training.varied(checkpointing="none")
     assert estimate_mesh(model, training).worst.estimate.peak_bytes != estimate_mesh(model, none).worst.estimate.peak_bytes
 
@@ -171,44 +182,20 @@ def test_the_cost_bound_shows_the_plans_of_the_search_without_it(recipe, gpus, s
 
     def search(cost_bound):
         clear_caches()
-        return mesh_plan_to_dict(plan_mesh(model, base, budget_gib * 2**30, assumptions_for(H100), max_micro_batch=8,
-                                           top=top, cost_bound=cost_bound))
+        return _plan(model, base, budget_gib * 2**30, top, cost_bound)
 
     bounded, full = search(True), search(False)
     assert bounded["cost_bounded"] > 0 and full["cost_bounded"] == 0
     assert bounded["evaluated"] < full["evaluated"] and bounded["fitting"] <= full["fitting"]
-    head = render_mesh_plan(bounded).splitlines()[0]
-    # choices that fit and fit checks apart: the first counts mesh and checkpointing choices, the second trials
-    assert f": {bounded['fitting']} mesh and checkpointing choices fit in " in head
-    assert f" per GPU ({bounded['evaluated']} fit checks)" in head
-    assert head.endswith(f"; {bounded['cost_bounded']} more could not rank in the top {top} at any micro-batch (a bound "
-                         "on their cost) and were not checked")
-    assert "more could not rank" not in render_mesh_plan(full).splitlines()[0]
-    for plan in (bounded, full):
-        del plan["evaluated"], plan["fitting"], plan["cost_bounded"]
+    head = render_plan(bounded).splitlines()[0]
+    assert f"searched {bounded['evaluated']:,} configurations" in head and f"{bounded['fitting']:,} fit" in head
+    assert head.endswith(f"; {bounded['cost_bounded']:,} more choices could not rank in the top {top} at any "
+                         "micro-batch (a bound on their cost) and were not checked")
+    assert "more choices could not rank" not in render_plan(full).splitlines()[0]
+    for found in (bounded, full):
+        for key in ("evaluated", "fitting", "cost_bounded", "estimate_calls", "notes"):
+            del found[key]
     assert bounded == full and bounded["top"]
-
-
-@pytest.mark.parametrize("mesh, checkpointing", [
-    (MeshSpec(pp=4), "none"),
-    (MeshSpec(tp=2, pp=4, pp_schedule=PPSchedule.INTERLEAVED_1F1B, pp_virtual_stages=2), "full"),
-    (MeshSpec(tp=4, cp=2, pp=2, dp_replicate=2), "full"),
-    (MeshSpec(tp=2, cp=2), "none"),
-])
-def test_the_cost_bound_is_never_above_the_cost_of_a_rank_kind_at_a_micro_batch(mesh, checkpointing):
-    # `_cost_above` against its definition: every rank kind's own parameters and layers priced at every micro-batch
-    from zeroplan.plan.cost import model_flops
-    from zeroplan.plan.mesh_cost import mesh_step_cost
-
-    model = resolve_model("llama-3-8b")
-    base = TrainingSpec(engine="fsdp2", zero_stage=2, gpus=32, seq_len=4096, recipe="torchtitan")
-    trainings = list(mesh_search._micro_batch_specs(base, mesh, checkpointing, 8, None))
-    flops = model_flops(model, *mesh_search._params(model, base))
-    cheapest = min(mesh_step_cost(model, flops, rank.params, rank.kind.layers, training, assumptions_for(H100)).gpu_seconds_per_token
-                   for training in trainings for rank in estimate_mesh(model, training).ranks)
-    assert len(trainings) > 1
-    assert not mesh_search._cost_above(model, flops, trainings, assumptions_for(H100), cheapest)
-    assert mesh_search._cost_above(model, flops, trainings, assumptions_for(H100), 0.0)
 
 
 @pytest.mark.parametrize("engine, mesh", [

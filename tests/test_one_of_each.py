@@ -151,9 +151,9 @@ def test_a_varied_spec_is_validated_and_keeps_the_rest():
 
 def test_compare_and_plan_skip_an_invalid_combination_for_the_same_reason():
     from zeroplan.importers.catalog import resolve_model
-    from zeroplan.plan.cost import assumptions_for
     from zeroplan.plan.grid import compare
     from zeroplan.importers.gpus import get_gpu
+    from zeroplan.plan.rates import rates_for
     from zeroplan.plan.search import Choice, Planner
     from zeroplan.spec.training import Checkpointing, Offload
 
@@ -161,8 +161,8 @@ def test_compare_and_plan_skip_an_invalid_combination_for_the_same_reason():
     base = TrainingSpec(gpus=8, zero_stage=1)
     reason = "offload_optimizer requires zero_stage 1 or higher (ZeRO-Offload partitions the states)"
     assert f"skipped ZeRO-0 offload cpu on 8 GPUs: {reason}" in compare(model, base, stages=(0, 1), offloads=("cpu",)).skipped
-    planner = Planner(model, base, assumptions_for(get_gpu("h100-80gb")))
-    assert planner._checked(Choice(0, Offload.CPU, Offload.NONE, Checkpointing.NONE, 8)) == f"ZeRO-0 + opt->cpu on 8 GPUs skipped: {reason}"
+    planner = Planner(model, base, rates_for(get_gpu("h100-80gb")))
+    assert planner.refused(Choice(0, Offload.CPU, Offload.NONE, Checkpointing.NONE, 8)) == ("ZeRO-0 + opt->cpu on 8 GPUs", reason)
 
 
 # -- the bytes-per-state table -------------------------------------------------------------------
@@ -177,14 +177,14 @@ def test_compare_and_plan_skip_an_invalid_combination_for_the_same_reason():
 ])
 def test_the_step_cost_reads_the_estimators_bytes_per_state(precision, optimizer, touched):
     from zeroplan.estimate.dtypes import state_bytes
-    from zeroplan.plan.cost import _optimizer_bytes_per_param
+    from zeroplan.plan.step_time import optimizer_bytes_per_param
     from zeroplan.spec.training import Optimizer, Precision
 
-    assert _optimizer_bytes_per_param(state_bytes(Precision(precision), Optimizer(optimizer))) == touched
+    assert optimizer_bytes_per_param(state_bytes(Precision(precision), Optimizer(optimizer))) == touched
 
 
 def test_the_step_cost_keeps_no_table_of_its_own():
-    tree = ast.parse((PACKAGE / "plan" / "cost.py").read_text())
+    tree = ast.parse((PACKAGE / "plan" / "step_time.py").read_text())
     names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
     assert not names & {"Optimizer", "Precision"}  # what a state weighs comes from estimate.dtypes
 
@@ -236,12 +236,13 @@ def test_plan_errors_name_the_option(args, message):
 # -- commands hold no decisions ------------------------------------------------------------------
 def test_the_cost_assumptions_are_made_by_the_library():
     from zeroplan.importers.gpus import get_gpu
-    from zeroplan.plan.cost import DEFAULT_SPEEDS_GPU, assumptions_for
+    from zeroplan.plan.rates import DEFAULT_SPEEDS_GPU, gpu_speeds, rates_for
 
     default = get_gpu(DEFAULT_SPEEDS_GPU)
-    assumed = assumptions_for(None, gpu_tflops=100.0, pcie_gbps=32.0, max_efficiency=None)
+    assumed = rates_for(None, gpu_tflops=100.0, pcie_gbps=32.0, max_efficiency=None)
     assert assumed.gpu_flops_per_s == 100e12 and assumed.pcie_bytes_per_s == 32e9  # TFLOP/s and GB/s, as typed
-    assert assumed.hbm_bytes_per_s == default.hbm_bytes_per_s and assumed.max_efficiency == 0.5  # None: not given
+    assert assumed.hbm_bytes_per_s == default.hbm_bytes_per_s  # None: not given
+    assert assumed.step_efficiency == gpu_speeds(DEFAULT_SPEEDS_GPU).step_mfu
     assert assumed.source.startswith(f"no --gpu given: speeds of {default.label} assumed")
 
 

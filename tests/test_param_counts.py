@@ -124,7 +124,7 @@ def test_hf_configs_cover_every_supported_model_type():
 def test_config_json_and_catalogue_agree(path):
     from_config = spec_from_hf_config(_read(path), path.stem)
     from_catalogue = resolve_model(path.stem)
-    ignore = {"name", "source", "published_params"}
+    ignore = {"name", "source", "published_params", "notes"}  # notes: what the config.json holds beyond the catalogue (a vision tower)
     assert from_config.model_dump(exclude=ignore) == from_catalogue.model_dump(exclude=ignore)
 
 
@@ -185,12 +185,14 @@ def test_tiny_family_models_as_measure_builds_them(name):
 
 
 def _active_params(spec) -> int:
-    """Parameters a token runs through (the planner's cost model counts these): all but the
-    routed experts it is not sent to."""
-    from zeroplan.plan.cost import model_flops
+    """Parameters a token runs through (the step-time model counts these, zeroplan/plan/work.py): all but the
+    routed experts it is not sent to; the input embedding, a lookup the step-time model gives no FLOPs, is added back."""
+    from zeroplan.plan.work import model_shape
+    from zeroplan.spec.training import TrainingSpec
 
-    total = param_layout(spec).total_params
-    return round(model_flops(spec, total, total).dense_flops_per_token / 6)
+    shape = model_shape(spec, TrainingSpec())
+    lookup = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
+    return round(shape.layers * shape.layer_params + shape.head_params + lookup)
 
 
 # Totals and activated parameters as published: Qwen3 model cards (30.5B total, 3.3B activated,

@@ -113,8 +113,11 @@ def test_per_phase_table_has_one_row_per_phase_and_marks_the_peak():
     text = render_estimate(estimate_to_dict(single_rank(ESTIMATE, TRAINING, 32), TRAINING))
     rows = [line for line in text.splitlines() if line.startswith(("first ", "steady "))]
     assert len(rows) == len(PHASES)
-    peak_rows = [row for row in rows if row.endswith("<- peak")]
+    peak_rows = [row for row in rows if row.endswith("<-")]
     assert len(peak_rows) == 1 and peak_rows[0].startswith("steady backward")
+    # the marker's column is named (issue 21: it had an empty header over a row of dashes)
+    header = next(line for line in text.splitlines() if line.startswith("step phase"))
+    assert header.split()[-2:] == ["total", "peak"]
     # columns: step phase, 7 categories, total
     assert peak_rows[0].split()[2:11] == ["1.00", "1.00", "4.00", "5.00", "2.00", "1.00", "1.00", "15.00", "<-"]
 

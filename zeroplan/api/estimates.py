@@ -12,19 +12,45 @@ from zeroplan.api.results import CompareResult, EstimateResult
 def estimate_from_options(options: dict[str, Any]) -> EstimateResult:
     """One estimate: the model and training options over a --config file; every rank kind's (one on plain data
     parallelism), the worst at the top level (issue 14)."""
-    from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
+    from zeroplan.importers.options import input_notes, load_config, model_from_options, training_spec_from_options
 
+    from zeroplan.cli.grid_options import resolve_gpu
+    from zeroplan.api.pricing import priced
+
+    preset, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     config = load_config(options["config_file"])
     model = model_from_options(options["model"], options["params"], options["largest_layer"], options["trainable_params"],
                                config)
     training = training_spec_from_options(options, config, model)
-    notes = config.notes if config else ()
+    notes = input_notes(model, training, config, options["model"])
     from zeroplan.estimate import estimate_mesh
     from zeroplan.estimate.serialize import estimate_to_dict
 
     # one estimate per rank kind (tp, cp, pp, ep, HSDP: issue 14); plain data parallelism has one
-    data = estimate_to_dict(estimate_mesh(model, training), training, gpu_memory_bytes=options["gpu_memory"], notes=notes)
-    return EstimateResult(data)
+    result = estimate_mesh(model, training)
+    data = estimate_to_dict(result, training, gpu_memory_bytes=gpu_memory, notes=notes,
+                            figures=gpu_figures_of(result, training))
+    lines = priced(data, model, training, preset, gpu_memory, options)  # `step` (with --gpu), `suggestions` (issue 24)
+    return EstimateResult(data, lines)
+
+
+def gpu_figures_of(result, training):
+    """Each rank kind's allocated, reserved and device bytes on the run's GPU (estimate/device/estimate.py), with
+    the allocator settings of this process's environment, or the recipe's (torchtitan turns expandable segments
+    on: torchtitan/train.py sets PYTORCH_CUDA_ALLOC_CONF); None for a CPU run, whose one memory has no allocator."""
+    if training.device.value != "cuda" or any(rank.estimate.ledger is None for rank in result.ranks):
+        return None
+    import os
+
+    from zeroplan.estimate.device.alloc_conf import RECIPE_ALLOC_CONF, parse_alloc_conf, settings_from_environment
+    from zeroplan.estimate.device.estimate import device_figures
+
+    settings = settings_from_environment(os.environ)
+    if not any(variable in os.environ for variable in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        recipe_default = RECIPE_ALLOC_CONF.get(training.recipe.value)
+        if recipe_default is not None:
+            settings = parse_alloc_conf(recipe_default)
+    return device_figures(result, training, training.gpu, settings=settings)
 
 
 def compare_from_options(options: dict[str, Any]) -> CompareResult:
@@ -32,12 +58,16 @@ def compare_from_options(options: dict[str, Any]) -> CompareResult:
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.importers.options import load_config, model_from_options
     from zeroplan.plan.grid import OFFLOAD_CHOICES, compare
+    from zeroplan.plan.search import parse_gpu_counts
     from zeroplan.spec.files import writable_file
 
-    if options["plot_file"]:
-        writable_file(options["plot_file"], "--plot")  # before the grid is estimated
+    if options["plot_file"]:  # before the grid is estimated
+        from zeroplan.report.plot import check_plotting
+
+        writable_file(options["plot_file"], "--plot")
+        check_plotting()
     stages = parse_int_list(options["zero_stages"], "--zero", 0, 3)
-    gpu_counts = parse_int_list(options["gpu_counts"], "--gpus", 1)
+    gpu_counts = parse_gpu_counts(options["gpu_counts"])  # plan's parser: a list, or a doubling range 8-64
     offloads = parse_choice_list(options["offloads"], "--offload", OFFLOAD_CHOICES)
     _, gpu_memory = resolve_gpu(options["gpu"], options["gpu_memory"])
     options = {**options, "config_file": load_config(options["config_file"])}  # read once, for every grid point

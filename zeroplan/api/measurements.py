@@ -21,7 +21,7 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
     from zeroplan.spec.files import writable_file
 
     if options["output"] is not None:
-        writable_file(options["output"], "--output")  # before the run, not after it
+        writable_file(options["output"], "--output", stdout=True)  # before the run, not after it; - is standard output
     nproc, simulate = options["nproc"], options["simulate"]
     nodes = _nodes(options)
     world = nproc * (nodes.nnodes if nodes else 1)
@@ -86,12 +86,11 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
     if nodes is not None:
         data["nodes"] = {"nnodes": nodes.nnodes, "nproc_per_node": nproc, "rdzv_endpoint": str(nodes.endpoint)}
     if options["output"] is not None:
-        from zeroplan.measure.worker import write_json_atomic  # temp file + os.replace
+        import json
 
-        try:
-            write_json_atomic(str(options["output"]), data)
-        except OSError as error:
-            raise SpecError(f"--output: cannot write {options['output']}: {error.strerror or error}") from None
+        from zeroplan.spec.files import write_atomic  # temp file + os.replace, through symlinks; - is stdout
+
+        write_atomic(options["output"], json.dumps(data), "--output")
     return MeasureReport(data, comparison)
 
 

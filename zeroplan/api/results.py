@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 
     from zeroplan.measure.comparison import Comparison as MeasuredComparison
     from zeroplan.plan.grid import Comparison
-    from zeroplan.plan.mesh import MeshPlan
     from zeroplan.plan.search import Plan
 
 
@@ -41,8 +40,9 @@ class EstimateResult:
     """`zeroplan.estimate(...)`: the memory per GPU of one training configuration (on a mesh, the
     worst rank at the top level and every rank kind in `ranks`, as `zeroplan estimate` prints it)."""
 
-    def __init__(self, data: dict[str, Any]):
+    def __init__(self, data: dict[str, Any], lines: list[str] | None = None):
         self._data = data
+        self._lines = lines or []  # the step and the suggestions, printed under a table or Markdown
 
     def to_dict(self) -> dict[str, Any]:
         """The document `zeroplan estimate --format json` prints (a copy: bytes as ints)."""
@@ -64,7 +64,10 @@ class EstimateResult:
         _checked(format, units, _formats())
         from zeroplan.report.estimate import render_estimate
 
-        return render_estimate(self._data, format, units, explain)
+        text = render_estimate(self._data, format, units, explain)
+        if self._lines and format in ("table", "markdown"):  # JSON carries them as keys, CSV has no room
+            text += "\n" + "\n".join(self._lines) + "\n"
+        return text
 
     def __repr__(self) -> str:
         return f"<EstimateResult {self._data['model']['name']}: peak {self.peak_bytes:,} bytes per GPU>"
@@ -101,34 +104,31 @@ class CompareResult:
 
 
 class PlanResult:
-    """`zeroplan.plan(...)`: the configurations that fit, ranked by estimated step cost (with `mesh=True`,
-    or a mesh given, the meshes)."""
+    """`zeroplan.plan(...)`: the configurations that fit, ranked by their estimated step time (with
+    `mesh=True`, or a mesh given, the meshes too)."""
 
-    def __init__(self, plan: Plan | MeshPlan, *, mesh: bool, emitted: str | None = None):
-        self.plan, self._mesh = plan, mesh
+    def __init__(self, plan: Plan, *, assumptions: list[str] | None = None, emitted: str | None = None,
+                 emit_message: str | None = None):
+        self.plan = plan
+        self.assumptions = list(assumptions or [])
+        """Assumptions the plan made for what was not given (the command prints them on standard error)."""
         self.emitted = emitted
         """The file `emit=(kind, FILE)` wrote (the best plan's engine config), or None."""
+        self.emit_message = emit_message
+        """What was written and how to check it (the read-back's verdict), or None."""
 
     def to_dict(self) -> dict[str, Any]:
         """The document `zeroplan plan --format json` prints."""
-        if self._mesh:
-            from zeroplan.plan.mesh import mesh_plan_to_dict
-
-            return mesh_plan_to_dict(self.plan)
-        from zeroplan.report.plan import plan_to_dict
+        from zeroplan.plan.serialize import plan_to_dict
 
         return plan_to_dict(self.plan)
 
     def render(self, format: str = "table", units: str = "GiB") -> str:  # noqa: A002
         """As `zeroplan plan --format FORMAT --units UNITS` prints it."""
         _checked(format, units, _formats())
-        if self._mesh:
-            from zeroplan.report.mesh import render_mesh_plan
-
-            return render_mesh_plan(self.to_dict(), format, units)
         from zeroplan.report.plan import render_plan
 
-        return render_plan(self.plan, format, units)
+        return render_plan(self.to_dict(), format, units)
 
     def __repr__(self) -> str:
         return f"<PlanResult {self.plan.model_name}: {len(self.plan.top)} plans shown>"

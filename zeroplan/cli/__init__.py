@@ -29,8 +29,8 @@ COMMANDS = {
     "models": "List the models MODEL can name, with their exact parameter counts (as Hugging Face transformers "
               "instantiates them).",
     "plan": "Find the configurations of MODEL that fit the GPUs (ZeRO stage x offload x checkpointing x micro-batch, "
-            "and GPU counts when a range is given), rank them by an estimated step cost, and say why each ranks "
-            "where it does.",
+            "GPU counts when a list or range is given, and meshes with --mesh), rank them by their step time, and "
+            "say why each ranks where it does.",
     "validate": "Estimate and measure a grid of configurations (models x engines x stages x precision x offload x "
                 "checkpointing x batch x world size), one row at a time, and report the estimate's error per row "
                 "and category with its distribution.",

@@ -7,14 +7,15 @@ over a `--config` file and the spec's defaults. Help texts are the spec's field 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from typing import Any, TypeVar, get_args
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import click
 
 from zeroplan.cli.lora_options import LORA_OPTIONS
-from zeroplan.errors import FieldError, ZeroplanError
+from zeroplan.cli.types import FiniteFloatRange
+from zeroplan.errors import FieldError, SpecError, ZeroplanError
 from zeroplan.report.common import FORMATS
 from zeroplan.spec.program import ActivationOffload, GradSync, Loss, ModelInit, OptimizerImpl, Recipe
 from zeroplan.spec.training import (
@@ -28,7 +29,8 @@ from zeroplan.spec.training import (
     TrainingSpec,
 )
 from zeroplan.spec.program import FSDP2Units
-from zeroplan.spec.training import FSDP2Knobs
+from zeroplan.spec.training import FREEZE_GROUPS, FSDP2Knobs
+from zeroplan.spec.limits import field_bounds
 from zeroplan.spec.units import REPORT_UNITS, REPORT_UNITS_HELP
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -39,17 +41,40 @@ OPTION_OF_FIELD = {
     "offloads": "--offload",
     "headroom": "--headroom",
     "global_batch": "--global-batch",
+    "checkpointing": "--checkpointing", "calibrate": "--calibrate", "float8": "--float8",
     "lora.targets": "--lora-targets", "lora.rank": "--lora-rank", "lora.modules_to_save": "--modules-to-save",
 }
 """The option that sets each field a library function names in a `FieldError` (the library knows
 no command line)."""
 
 
-def user_message(error: ZeroplanError) -> str:
-    """The error as a user of the command line reads it: a library field named by its option."""
-    if isinstance(error, FieldError) and error.field in OPTION_OF_FIELD:
-        return f"{OPTION_OF_FIELD[error.field]}: {error.problem}"
+def user_message(error: ZeroplanError, options: Mapping[str, Any] | None = None) -> str:
+    """The error as a user of the command line reads it: a library field named by its option, or, where a
+    file gave the value (`options`: the command's), by the file and its key."""
+    if isinstance(error, FieldError):
+        if options is not None:
+            from zeroplan.importers.lora_options import lora_field_source
+
+            source = lora_field_source(error.field, options)
+            if source is not None:
+                return f"{source}: {error.problem}"
+        if error.field in OPTION_OF_FIELD:
+            return f"{OPTION_OF_FIELD[error.field]}: {error.problem}"
     return str(error)
+
+
+def names_sources(function: F) -> F:
+    """A command whose library errors name a field by where its value came from: the option, or the file
+    and key (a --lora adapter_config.json's `r`), which only the command's options tell."""
+
+    @functools.wraps(function)
+    def command(**options: Any) -> Any:
+        try:
+            return function(**options)
+        except FieldError as error:
+            raise SpecError(user_message(error, options)) from None
+
+    return command  # type: ignore[return-value]
 
 
 class CountType(click.ParamType):
@@ -84,16 +109,6 @@ class GpuMemoryType(click.ParamType):
             self.fail(str(error).split(": ", 1)[-1], param, ctx)
 
 
-class FiniteFloatRange(click.FloatRange):
-    """click's FloatRange without nan and infinity: its range checks compare, and nan passes every comparison."""
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return number
-
-
 def _help(field: str) -> str:
     """The spec field's description, with its default where it has a fixed one."""
     info = TrainingSpec.model_fields[field]
@@ -108,6 +123,8 @@ def _choice(enum: type) -> click.Choice:
 
 
 def _apply(decorators: list[Callable[[F], F]], function: F) -> F:
+    """The options, on a command that names its errors' sources (`names_sources`)."""
+    function = names_sources(function)
     for decorator in reversed(decorators):
         function = decorator(function)
     return function
@@ -118,7 +135,10 @@ def _fsdp2_help(knob: str) -> str:
     return f"Engine fsdp2: {FSDP2Knobs.model_fields[knob].description}"
 
 
-_POSITIVE = click.IntRange(min=1)
+def _count(field: str) -> click.IntRange:
+    """The range of a TrainingSpec count, as the spec bounds it (zeroplan/spec/limits.py)."""
+    return click.IntRange(*field_bounds(TrainingSpec, field))
+
 
 MODEL_OPTIONS = [
     click.argument("model", required=False, metavar="[MODEL]"),
@@ -128,8 +148,8 @@ MODEL_OPTIONS = [
 ]
 
 TRAINING_OPTIONS = [
-    click.option("--gpus", "gpus", type=_POSITIVE, help=_help("gpus")),
-    click.option("--gpus-per-node", "gpus_per_node", type=_POSITIVE, help=_help("gpus_per_node")),
+    click.option("--gpus", "gpus", type=_count("gpus"), help=_help("gpus")),
+    click.option("--gpus-per-node", "gpus_per_node", type=_count("gpus_per_node"), help=_help("gpus_per_node")),
     click.option("--zero", "zero_stage", type=click.IntRange(0, 3), metavar="{0,1,2,3}", help=_help("zero_stage")),
     click.option("--offload-optimizer", "offload_optimizer", type=_choice(Offload), help=_help("offload_optimizer")),
     click.option("--offload-params", "offload_params", type=_choice(Offload), help=_help("offload_params")),
@@ -137,11 +157,11 @@ TRAINING_OPTIONS = [
     click.option("--optimizer", "optimizer", type=_choice(Optimizer), help=_help("optimizer")),
     click.option("--paged-optimizer/--no-paged-optimizer", "paged_optimizer", default=None, help=_help("paged_optimizer")),
     click.option("--optim", "optim", metavar="NAME", help="The optimizer as TrainingArguments.optim names it "
-                 "(adamw_torch, adamw_torch_fused, adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, "
-                 "sgd): sets --optimizer, --paged-optimizer and --optimizer-impl as the Trainer does. Not with those."),
-    click.option("--micro-batch", "micro_batch", type=_POSITIVE, help=_help("micro_batch")),
-    click.option("--seq-len", "seq_len", type=_POSITIVE, help=_help("seq_len")),
-    click.option("--grad-accum", "grad_accum", type=_POSITIVE, help=_help("grad_accum")),
+                 "(adamw_torch, adamw_torch_fused, adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit): "
+                 "sets --optimizer, --paged-optimizer and --optimizer-impl as the Trainer does. Not with those."),
+    click.option("--micro-batch", "micro_batch", type=_count("micro_batch"), help=_help("micro_batch")),
+    click.option("--seq-len", "seq_len", type=_count("seq_len"), help=_help("seq_len")),
+    click.option("--grad-accum", "grad_accum", type=_count("grad_accum"), help=_help("grad_accum")),
     click.option("--checkpointing", "checkpointing", type=_choice(Checkpointing), help=_help("checkpointing")),
     click.option("--attention", "attention", type=_choice(Attention), help=_help("attention")),
     click.option("--engine", "engine", type=_choice(Engine), help=_help("engine")),
@@ -156,9 +176,9 @@ TRAINING_OPTIONS = [
     click.option("--optimizer-in-backward/--no-optimizer-in-backward", "optimizer_in_backward", default=None,
                  help=_help("optimizer_in_backward")),
     click.option("--loss", "loss", type=_choice(Loss), help=_help("loss")),
-    click.option("--loss-chunks", "loss_chunks", type=_POSITIVE, metavar="N", help=_help("loss_chunks")),
+    click.option("--loss-chunks", "loss_chunks", type=_count("loss_chunks"), metavar="N", help=_help("loss_chunks")),
     click.option("--activation-offload", "activation_offload", type=_choice(ActivationOffload), help=_help("activation_offload")),
-    click.option("--checkpoint-every", "checkpoint_every", type=_POSITIVE, metavar="N", help=_help("checkpoint_every")),
+    click.option("--checkpoint-every", "checkpoint_every", type=_count("checkpoint_every"), metavar="N", help=_help("checkpoint_every")),
     # FSDP2 wrapping (TrainingSpec.fsdp2, FSDP2Knobs): options named fsdp2_<knob>, nested by training_spec_from_options
     click.option("--fsdp2-units", "fsdp2_units", type=_choice(FSDP2Units), help=_fsdp2_help("units")),
     click.option("--fsdp2-reshard-root/--no-fsdp2-reshard-root", "fsdp2_reshard_root_after_forward", default=None,
@@ -169,8 +189,7 @@ TRAINING_OPTIONS = [
                  help=_fsdp2_help("reshard_last_block")),
     click.option(
         "--freeze", "freeze", multiple=True, metavar="GROUP",
-        # tuple[Literal["embeddings", "blocks", "final"], ...] -> the literal's values
-        type=click.Choice(get_args(get_args(TrainingSpec.model_fields["freeze"].annotation)[0])),
+        type=click.Choice(FREEZE_GROUPS),
         help="Module group that does not train (no gradients, no optimizer states); repeat for several:"
         " embeddings, blocks, final. [default: none]",
     ),
@@ -220,8 +239,9 @@ def estimate_option_list() -> list[Callable[[F], F]]:
     """Every option of `zeroplan estimate`: model, training, mesh, --gpu-memory, then --format and --units
     (also what `zeroplan.estimate(...)` reads its keyword arguments by: zeroplan/api/keywords.py)."""
     from zeroplan.cli.mesh_options import MESH_OPTIONS
+    from zeroplan.cli.plan_options import ESTIMATE_STEP_OPTIONS  # --gpu and the step-time model's (issue 24)
 
-    return MODEL_OPTIONS + TRAINING_OPTIONS + MESH_OPTIONS + [GPU_MEMORY_OPTION] + OUTPUT_OPTIONS
+    return MODEL_OPTIONS + TRAINING_OPTIONS + MESH_OPTIONS + [GPU_MEMORY_OPTION] + ESTIMATE_STEP_OPTIONS + OUTPUT_OPTIONS
 
 
 def output_options(function: F) -> F:

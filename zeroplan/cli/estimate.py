@@ -34,6 +34,7 @@ def command(**options: Any) -> None:
       zeroplan estimate llama-3-70b --gpus 64 --tp 8 --zero 3 --engine fsdp2 --seq-len 8192
       zeroplan estimate llama-3-70b --gpus 64 --tp 8 --pp 4 --grad-accum 8 --zero 3 --engine fsdp2
       zeroplan estimate llama-2-7b --gpus 8 --zero 3 --explain
+      zeroplan estimate llama-3.1-8b --gpus 128 --gpu h100-80gb --engine fsdp2 --zero 3 --recipe torchtitan --seq-len 8192 --micro-batch 2
     """
     from zeroplan.api.estimates import estimate_from_options
 

@@ -11,8 +11,9 @@ from typing import Any, TypeVar
 
 import click
 
-from zeroplan.cli.common import GPU_MEMORY_OPTION, MODEL_OPTIONS, OUTPUT_OPTIONS, TRAINING_OPTIONS, FiniteFloatRange
+from zeroplan.cli.common import GPU_MEMORY_OPTION, MODEL_OPTIONS, OUTPUT_OPTIONS, TRAINING_OPTIONS, names_sources
 from zeroplan.cli.mesh_options import MESH_OPTIONS
+from zeroplan.cli.types import FiniteFloatRange
 from zeroplan.errors import SpecError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -38,6 +39,7 @@ def estimate_options_except(names: Iterable[str]) -> Callable[[F], F]:
     kept = estimate_option_list_except(names)
 
     def apply(function: F) -> F:
+        function = names_sources(function)
         for decorator in reversed(kept):
             function = decorator(function)
         return function
@@ -66,8 +68,8 @@ def compare_option_list() -> list[Callable[[F], F]]:
         *estimate_option_list_except({"gpus", "zero_stage", "offload_optimizer", "offload_params", "gpu_memory"}),
         click.option("--zero", "zero_stages", default="0,1,2,3", show_default=True, metavar="LIST",
                      help="ZeRO stages to compare, e.g. 0,1,2,3."),
-        click.option("--gpus", "gpu_counts", default="8", show_default=True, metavar="LIST",
-                     help="GPU counts to compare, e.g. 8,64."),
+        click.option("--gpus", "gpu_counts", default="8", show_default=True, metavar="N|LIST|A-B",
+                     help="GPU counts to compare: a count, a list (8,64) or a doubling range (8-64 = 8,16,32,64)."),
         click.option("--offload", "offloads", default="none", show_default=True, metavar="LIST",
                      help="Offload choices: none, cpu, nvme (optimizer states at stages 1-2, optimizer states and "
                           "parameters at stage 3), cpu-optimizer, nvme-optimizer (optimizer states only, any stage >= 1)."),

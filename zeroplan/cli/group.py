@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,7 +24,10 @@ USER_ERROR_STATUS = 2
 
 def fail(message: str) -> NoReturn:
     """Print `message` as one line on stderr and exit with status 2."""
-    click.echo(f"Error: {' '.join(str(message).split())}", err=True)
+    try:
+        click.echo(f"Error: {' '.join(str(message).split())}", err=True)
+    except OSError:  # standard error is gone too: the status is all that is left to say it
+        pass
     sys.exit(USER_ERROR_STATUS)
 
 
@@ -71,11 +75,26 @@ class LazyGroup(click.Group):
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> Any:
         """click's main, with user errors reported on one line (click prints usage and a hint over
-        three lines, and a library error would otherwise end in a traceback)."""
+        three lines, and a library error would otherwise end in a traceback), and standard output that
+        cannot be written (`> /dev/full`, a full disk) reported the same way."""
+        try:
+            self._main(args, prog_name, **extra)
+        except OSError as error:
+            if not _raised_by_echo(error):
+                raise  # not the output: a bug, with its traceback
+            _silence_stdout()
+            fail(f"cannot write standard output: {error.strerror or error}")
+
+    def _main(self, args: Sequence[str] | None, prog_name: str | None, **extra: Any) -> None:
         extra.pop("standalone_mode", None)
         try:
             with warnings_on_one_line():
                 status = super().main(args, prog_name, standalone_mode=False, **extra)
+            try:
+                sys.stdout.flush()  # a write error surfaces here, not in Python's exit, where it is a traceback
+            except OSError as error:
+                _silence_stdout()
+                fail(f"cannot write standard output: {error.strerror or error}")
         except click.UsageError as error:
             if type(error).__name__ == "NoArgsIsHelpError":  # `zeroplan` alone (click >= 8.2)
                 click.echo(error.ctx.get_help())
@@ -101,3 +120,25 @@ class LazyGroup(click.Group):
         # standalone_mode=False returns the exit code of `ctx.exit(code)` (--help, --version) or the
         # command's return value (None).
         sys.exit(status if isinstance(status, int) else 0)
+
+
+def _raised_by_echo(error: OSError) -> bool:
+    """Whether `error` was raised by `click.echo`, through which every command writes its output (a
+    file a command writes is written by `zeroplan.spec.files`, whose errors are one-line already)."""
+    traceback = error.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    if traceback is None:
+        return False
+    code = traceback.tb_frame.f_code
+    return code.co_name == "echo" and code.co_filename == click.utils.__file__
+
+
+def _silence_stdout() -> None:
+    """Point standard output at /dev/null, so that Python's flush at exit does not fail a second time
+    over the same bytes (the recipe of Python's signal documentation for a closed pipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's captured output): nothing to flush at exit
+        pass

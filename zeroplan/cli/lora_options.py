@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import click
 
+from zeroplan.spec.limits import field_bounds
 from zeroplan.spec.lora import BasePrecision, LoraSpec, QuantSpec
 
 
@@ -14,7 +15,7 @@ def _help(model: type, field: str, extra: str = "") -> str:
 
 
 LORA_OPTIONS = [
-    click.option("--lora-rank", "lora_rank", type=int, metavar="R", help=_help(LoraSpec, "rank", " Turns LoRA on.")),
+    click.option("--lora-rank", "lora_rank", type=click.IntRange(*field_bounds(LoraSpec, "rank")), metavar="R", help=_help(LoraSpec, "rank", " Turns LoRA on.")),
     click.option("--lora-alpha", "lora_alpha", type=float, metavar="A", help=_help(LoraSpec, "alpha")),
     click.option("--lora-targets", "lora_targets", metavar="NAMES", help="Modules to adapt, comma-separated as PEFT "
                  "names them (q_proj,v_proj; c_attn; query_key_value), or all-linear. [default: PEFT's for the model "

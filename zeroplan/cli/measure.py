@@ -50,7 +50,9 @@ def command(**options: Any) -> None:
         click.echo(f"node {options['node_rank']} of {options['nnodes']}: ranks {first}-{first + options['nproc'] - 1} "
                    "measured; node 0 prints and writes the result", err=True)
         return
+    from zeroplan.spec.files import is_stdout
+
     text = report.render(options["output_format"], options["units"])
-    click.echo(text, nl=False)
+    click.echo(text, nl=False, err=is_stdout(options["output"]))  # `--output -`: standard output holds the JSON alone
     if not report.fits:
         sys.exit(EXIT_DOES_NOT_FIT)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import click
 
-from zeroplan.cli.common import MODEL_OPTIONS, TRAINING_OPTIONS, FiniteFloatRange, units_option
+from zeroplan.cli.common import MODEL_OPTIONS, TRAINING_OPTIONS, units_option
 from zeroplan.cli.mesh_options import MESH_OPTIONS
+from zeroplan.cli.types import FiniteFloatRange
 
 IMPLEMENTATIONS = ("auto", "hf", "reference")  # zeroplan.measure.workload.IMPLEMENTATIONS (that module imports torch)
 
@@ -30,8 +31,9 @@ MEASURE_OPTIONS = [
                  help="Model code: hf (transformers), reference (zeroplan's own), auto (hf where installed)."),
     click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table", show_default=True,
                  help="Output on stdout; json is a stable contract with sizes in bytes."),
-    click.option("--output", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
-                 help="Also write the JSON to FILE (atomically; nothing is written when the run fails)."),
+    click.option("--output", type=click.Path(dir_okay=False), metavar="FILE",
+                 help="Also write the JSON to FILE (atomically; nothing is written when the run fails); - writes it to "
+                      "standard output and the table to standard error."),
     units_option(),
     click.option("--memory-check/--no-memory-check", "memory_check", default=True, show_default=True,
                  help="Refuse a run whose estimated host memory (every local rank; on CPU the device is the host) "

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from zeroplan.cli.common import FiniteFloatRange, units_option
+from zeroplan.cli.common import units_option
+from zeroplan.cli.types import FiniteFloatRange
 from zeroplan.cli.progress import StatusLine, bar
 
 from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S, MEASURE_MODES

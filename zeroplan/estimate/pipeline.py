@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from zeroplan.estimate.activations.transformer import ActivationBytes, activation_bytes, attention_kernel, memory_checkpointing
 from zeroplan.estimate.caches import memo
-from zeroplan.estimate.dtypes import state_bytes
+from zeroplan.estimate.dtypes import FP32_BYTES, state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, Setup, setup_of
 from zeroplan.estimate.engines.deepspeed_mesh import autotp_training
 from zeroplan.estimate.model.facts import ModelFacts, model_facts
@@ -27,9 +27,9 @@ from zeroplan.estimate.ledger import fold
 from zeroplan.estimate.adapters.lora import kbit_activation_bytes, lora_activations
 from zeroplan.estimate.parallel.mesh import (MeshBuffers, held, looped_schedule_phases, mesh_buffers, rank_activations, rank_kinds,
                                     rank_setup, with_buffers)
-from zeroplan.estimate.overhead import overhead_bytes
+from zeroplan.estimate.device.estimate import outside_memory
 from zeroplan.estimate.result import (Estimate, MeshEstimate, ModelSummary, NodeBytes, ParamParts, PhaseBytes,
-                                      RankEstimate, RankKind)
+                                      PieceSizes, RankEstimate, RankKind)
 from zeroplan.estimate.terms import naming
 from zeroplan.spec.mesh import PPSchedule, check_mesh
 from zeroplan.spec.model import ModelSpec, TransformerSpec
@@ -176,7 +176,7 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
             return None
         result, kind = result._replace(phases=looped[0]), kind._replace(in_flight=looped[1])  # the walk's count at its peak
     buffers = _NO_BUFFERS if trivial else mesh_buffers(model, training, kind, dtypes.activation, micro_batches)
-    overhead = 0 if training.engine == Engine.PAPER else overhead_bytes(training)
+    overhead = 0 if training.engine == Engine.PAPER else outside_memory(training)  # what is not a tensor
     phases = with_buffers(result.phases, buffers, overhead)
     per_node = result.per_node
     if run.acts is not None and run.acts.offloaded:
@@ -220,7 +220,13 @@ def estimate_of(model: ModelSpec, training: TrainingSpec, profile: Profile) -> E
     parts = profile.param_parts
     if parts is not None:
         parts = ParamParts(int(parts.base_bytes), int(parts.adapter_bytes))
-    return Estimate(summary, training.engine.value, folded.phases, folded.per_node, profile.notes, parts, folded.ledger)
+    residual = 0
+    if isinstance(model, TransformerSpec):
+        residual = (training.micro_batch * (training.seq_len // training.mesh.cp) * model.hidden_size
+                    * state_bytes(training.precision, training.optimizer).activation)
+    pieces = PieceSizes(profile.facts.largest_tensor_numel * FP32_BYTES, residual)
+    return Estimate(summary, training.engine.value, folded.phases, folded.per_node, profile.notes, parts, folded.ledger,
+                    pieces)
 
 
 def rank_estimate(model: ModelSpec, training: TrainingSpec, kind: RankKind) -> RankEstimate:

@@ -111,6 +111,15 @@ class ModelSummary(NamedTuple):
     implementation: str  # which model implementation the activation terms describe
 
 
+class PieceSizes(NamedTuple):
+    """The size of one tensor of each kind of term (estimate/terms.py PIECES) on a rank: its largest parameter
+    tensor in fp32 (the widest form a parameter-sized tensor takes: master, states, fp32 gradients), and one
+    micro-batch's residual stream in the compute dtype (the tensor most saved activations are)."""
+
+    tensors: int
+    activations: int
+
+
 @dataclass(frozen=True)
 class Estimate:
     """The memory of one configuration: per-phase, peak, and per-node."""
@@ -123,6 +132,7 @@ class Estimate:
     param_parts: ParamParts | None = None  # with LoRA only: the peak's params as base + adapter bytes
     # every phase's terms (estimate/ledger.py Moment, aligned with `phases`); None from the planner's fast fit
     ledger: tuple | None = field(default=None, compare=False)
+    piece_sizes: PieceSizes | None = field(default=None, compare=False)  # its tensors' sizes, for the allocator
 
     @cached_property
     def peak(self) -> PhaseBytes:

@@ -13,7 +13,14 @@ All sizes are ints in bytes. Keys:
 - `config`: the TrainingSpec (gpus_per_node resolved), which reads back with
   `TrainingSpec.model_validate`;
 - `param_parts` (with LoRA only): the peak's params as `base` and `adapter` bytes;
-- `gpu_memory` and `fits` (peak <= gpu_memory) only when a GPU memory size was given;
+- on a CUDA run, `per_gpu` also holds `allocated` (predicted `torch.cuda.max_memory_allocated()`: the tensors
+  rounded as the caching allocator hands them out, and cuBLAS's workspaces), `reserved` (predicted
+  `max_memory_reserved()`: the allocator's segments, replaying the ledger's allocations and frees) and
+  `device` (what nvidia-smi shows: reserved plus the memory outside the allocator); `device_memory` says
+  what those are made of (estimate/device/, docs/engines/allocator.md). `peak` is the tensor peak plus the
+  memory outside the allocator (the `overhead` category);
+- `gpu_memory` and `fits` only when a GPU memory size was given: every rank's `device` (or `peak` where no
+  device figure is estimated) within `gpu_memory`;
 - `notes`;
 - `terms`: the named allocations live at the peak (estimate/ledger.py): name, category, bytes,
   source, largest first; they add up to each category of `per_gpu` and to its `peak`;
@@ -25,13 +32,14 @@ All sizes are ints in bytes. Keys:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from zeroplan.estimate.result import Estimate, MeshEstimate, NodeBytes, PhaseBytes, RankEstimate, RankKind
 from zeroplan.spec.optimizer_step import training_optimizer_step
 
 if TYPE_CHECKING:
+    from zeroplan.estimate.device.figures import DeviceFigures
     from zeroplan.spec.optimizer_step import OptimizerStep
     from zeroplan.spec.program import FSDP2Wrapping, Program
     from zeroplan.spec.training import TrainingSpec
@@ -70,8 +78,21 @@ def mesh_to_dict(training: TrainingSpec) -> dict[str, Any]:
             "expert_fsdp_degree": mesh.expert_fsdp_degree(gpus)}
 
 
-def rank_to_dict(rank: RankEstimate, gpu_memory_bytes: int | None) -> dict[str, Any]:
-    """One rank kind: what it holds and its own per-GPU peak, phases and terms."""
+def device_to_dict(figures: DeviceFigures) -> dict[str, Any]:
+    """A rank's figures on the GPU (estimate/device/figures.py): allocated, reserved and device bytes and what
+    lives outside the allocator, and the allocator's own counts."""
+    replay = figures.replay
+    return {"allocated": figures.allocated_bytes, "reserved": figures.reserved_bytes, "device": figures.device_bytes,
+            "capacity": figures.capacity_bytes,
+            "outside": [{"name": t.name, "bytes": t.size_bytes, "source": t.source} for t in figures.outside],
+            "cublas_workspaces": sum(t.size_bytes for t in figures.allocator_terms),
+            "segments": replay.segments, "num_alloc_retries": replay.num_alloc_retries, "num_ooms": replay.num_ooms,
+            "inactive_split_peak": replay.peak_inactive_split_bytes,
+            "ran_out_of_memory": figures.ran_out}  # the figures are then what it would need
+
+
+def rank_to_dict(rank: RankEstimate, gpu_memory_bytes: int | None, figures: DeviceFigures | None = None) -> dict[str, Any]:
+    """One rank kind: what it holds and its own per-GPU peak, phases and terms (and its figures on the GPU)."""
     data = {
         "kind": rank.kind.label,
         "pp_rank": rank.kind.pp_rank,
@@ -86,8 +107,14 @@ def rank_to_dict(rank: RankEstimate, gpu_memory_bytes: int | None) -> dict[str, 
         "phases": [phase_to_dict(phase) for phase in rank.estimate.phases],
         "terms": terms_to_list(rank.estimate),
     }
+    if figures is not None:
+        data["per_gpu"] |= {name: figures_value for name, figures_value in zip(
+            ("allocated", "reserved", "device"), (figures.allocated_bytes, figures.reserved_bytes, figures.device_bytes))}
+        data["device_memory"] = device_to_dict(figures)
     if gpu_memory_bytes is not None:
-        data["fits"] = data["per_gpu"]["peak"] <= gpu_memory_bytes
+        # on the GPU: its allocator ran out of memory or not, on its capacity; else the peak against the memory
+        data["fits"] = (figures.fits and figures.device_bytes <= gpu_memory_bytes if figures is not None
+                        else data["per_gpu"]["peak"] <= gpu_memory_bytes)
     return data
 
 
@@ -98,16 +125,24 @@ def single_rank(estimate: Estimate, training: TrainingSpec, layers: int) -> Mesh
 
 
 def estimate_to_dict(result: MeshEstimate, training: TrainingSpec, gpu_memory_bytes: int | None = None,
-                     notes: Iterable[str] = ()) -> dict[str, Any]:
+                     notes: Iterable[str] = (), figures: Mapping[str, DeviceFigures] | None = None) -> dict[str, Any]:
     """The JSON contract for one estimate of `training` (see the module docstring): the worst rank kind's
     figures at the top level, every rank kind under `ranks`; `notes` are added to the estimate's own
-    (those of the --config file: what the run does that is not modelled)."""
+    (those of the --config file: what the run does that is not modelled); `figures`, each rank kind's on the
+    GPU by its label (estimate/device/estimate.py `device_figures`), add allocated, reserved and device bytes,
+    and a rank then fits by its device bytes."""
     worst = result.worst
     data = _rank_estimate_to_dict(worst.estimate, training, gpu_memory_bytes, notes)
     data["terms"] = terms_to_list(worst.estimate)
     data["mesh"] = mesh_to_dict(training)
-    data["ranks"] = [rank_to_dict(rank, gpu_memory_bytes) for rank in result.ranks]
+    data["ranks"] = [rank_to_dict(rank, gpu_memory_bytes, (figures or {}).get(rank.kind.label)) for rank in result.ranks]
     data["worst_rank"] = result.ranks.index(worst)
+    if figures:
+        top = data["ranks"][data["worst_rank"]]
+        data["per_gpu"] = dict(top["per_gpu"])
+        data["device_memory"] = top["device_memory"]
+        if gpu_memory_bytes is not None:  # every rank must fit, not only the one whose tensors peak highest
+            data["fits"] = all(rank["fits"] for rank in data["ranks"])
     return data
 
 
@@ -147,9 +182,9 @@ def program_to_dict(program: Program | FSDP2Wrapping | OptimizerStep) -> dict[st
 
 
 def gpu_memory_left_bytes(data: dict[str, Any]) -> int:
-    """What an estimate's GPU memory (`data` from `estimate_to_dict` with a GPU memory size) holds
-    beyond the peak; negative when the peak does not fit, by that much."""
-    return data["gpu_memory"] - data["per_gpu"]["peak"]
+    """What an estimate's GPU memory (`data` from `estimate_to_dict` with a GPU memory size) holds beyond its
+    device bytes (its peak where it has none); negative when it does not fit, by that much."""
+    return data["gpu_memory"] - max(rank["per_gpu"].get("device", rank["per_gpu"]["peak"]) for rank in data["ranks"])
 
 
 def node_count(config: dict[str, Any]) -> int:

@@ -24,19 +24,36 @@ _NAMING: ContextVar[bool] = ContextVar("zeroplan_naming", default=False)
 _SOURCES: dict[str, str] = {}
 
 
-def register(sources: Mapping[str, str]) -> Mapping[str, str]:
-    """Declare term names and their sources (module level, once per name); returns `sources`."""
+PIECES = ("tensors", "activations", "whole")
+"""What a term is made of, as the caching allocator sees it (estimate/device/estimate.py splits each term's
+allocations so): tensors the size of the rank's parameters (per-parameter states, gradients, gathered
+parameters), tensors the size of the micro-batch's residual stream (what forward saves), or one buffer
+(a flat partition, a bucket, a collective's input or output)."""
+_PIECES: dict[str, str] = {}
+
+
+def register(sources: Mapping[str, str], pieces: str = "tensors") -> Mapping[str, str]:
+    """Declare term names, their sources and what they are made of (`PIECES`; module level, once per
+    name); returns `sources`."""
+    if pieces not in PIECES:
+        raise ValueError(f"pieces: {pieces!r} is not one of {', '.join(PIECES)}")
     for name, source in sources.items():
         known = _SOURCES.get(name)
-        if known is not None and known != source:
-            raise ValueError(f"term {name!r} is registered twice with different sources")
+        if known is not None and (known != source or _PIECES[name] != pieces):
+            raise ValueError(f"term {name!r} is registered twice, differently")
         _SOURCES[name] = source
+        _PIECES[name] = pieces
     return sources
 
 
 def source_of(name: str) -> str:
     """The registered source of term `name` ("" for an unregistered one)."""
     return _SOURCES.get(name, "")
+
+
+def pieces_of(name: str) -> str:
+    """What term `name` is made of (`PIECES`; tensors for an unregistered one)."""
+    return _PIECES.get(name, "tensors")
 
 
 def naming_on() -> bool:

@@ -180,6 +180,12 @@ def _deepspeed(section: Mapping[str, object], where: Where, folder: Path, gpus: 
         for key in ("offload_optimizer_device", "offload_param_device"):
             if section.get(key, "none") not in ("none", "cpu", "nvme"):
                 raise fail(where, f"deepspeed_config.{key}", f"must be none, cpu or nvme, got {section[key]!r}")
+        for device, path in (("offload_optimizer_device", "offload_optimizer_nvme_path"),
+                             ("offload_param_device", "offload_param_nvme_path")):
+            # DeepSpeedPlugin passes the path on as nvme_path, "none" when not given: stage 3 swaps under it
+            if stage == 3 and section.get(device) == "nvme" and section.get(path, "none") in (None, "", "none"):
+                raise fail(where, f"deepspeed_config.{path}", f"is missing, and {device} nvme needs it: the folder on "
+                           "the NVMe drive DeepSpeed swaps to (accelerate passes \"none\" on)")
         config: dict[str, object] = {
             "train_micro_batch_size_per_gpu": "auto",
             "zero_optimization": {"stage": stage,

@@ -28,6 +28,7 @@ from zeroplan.importers.values import (
     as_int,
     as_section,
     check_keys,
+    check_nvme_path,
     fail,
     merge_pin_memory,
     read_offload,
@@ -271,6 +272,9 @@ def _zero(zero: Mapping[str, object], where: _Source) -> dict[str, object]:
                                               where, ENGINE, param=False)
         par_device, par_pin, par_knobs = read_offload(param_config, "zero.offload_param_config", where, ENGINE,
                                                       param=True)
+        # Level_3 is DeepSpeed's stage3.py, with its NVMe swappers (importers/values.py check_nvme_path)
+        check_nvme_path(options.get("offload_optimizer_config"), "zero.offload_optimizer_config", where)
+        check_nvme_path(param_config, "zero.offload_param_config", where)
         if param_config is not None and options.get("offload_optimizer_config") is None:
             # Level_3.__init__: assert self.offload_optimizer, "parameter offload is only available with
             # optimizer state offload"

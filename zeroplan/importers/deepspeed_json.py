@@ -8,8 +8,8 @@ runtime/config.py (batch sizes, optimizer names).
 Unknown keys: DeepSpeed's pydantic sections (zero_optimization, offload_*, fp16, bf16) forbid extra keys
 (config_utils.py, DeepSpeedConfigModel: extra="forbid"), so inside them we reject any key DeepSpeed does
 not know, with a did-you-mean hint, and ignore known keys that do not change memory. At the top level
-DeepSpeed ignores keys it does not read, and so do we, except a near miss of a key we map
-("train_micro_batch_size_per_gpus"), which would otherwise silently change the estimate.
+DeepSpeed ignores keys it does not read: a misspelt `train_micro_batch_size` runs with micro-batch 1, so
+zeroplan refuses every top-level key DeepSpeed does not read (TOP_LEVEL_KEYS), naming the nearest one.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from zeroplan.importers.deepspeed_mesh import batch_ranks, mesh_from_deepspeed, 
 from zeroplan.importers.files import check_nesting, invalid_json, read_text
 from zeroplan.importers.hf_config import is_hf_config
 from zeroplan.importers.values import (
+    check_nvme_path,
     fail,
     as_bool,
     as_int,
@@ -36,7 +37,9 @@ from zeroplan.importers.values import (
     Where,
 )
 from zeroplan.errors import SpecError
+from zeroplan.spec.limits import MAX_GPUS, MAX_GRAD_ACCUM, MAX_MICRO_BATCH
 from zeroplan.spec.training import Offload, Optimizer, Precision, TrainingSpec
+from zeroplan.spec.validation import shown
 
 ENGINE = "DeepSpeed"
 
@@ -87,11 +90,25 @@ BF16_KEYS = frozenset({"enabled", "immediate_grad_update", "check_grad_overflow"
 # names are looked up in torch.optim by engine.py _configure_basic_optimizer, e.g. "SGD").
 _OPTIMIZERS = {"adam": Optimizer.ADAM, "adamw": Optimizer.ADAMW, "sgd": Optimizer.SGD}
 
-_TOP_LEVEL_MAPPED = ("zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "train_batch_size",
-                     "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-# Real DeepSpeed top-level keys close to the ones above, never to be taken for typos.
-_TOP_LEVEL_KNOWN = frozenset({"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "amp",
-                              "gradient_clipping", "communication_data_type", "data_types"})
+# Every top-level key DeepSpeed 0.19.8 reads: those `DeepSpeedConfig(config)` looks up (runtime/config.py,
+# `_initialize_params` and the get_*_config functions it calls, recorded by running it on a dict that logs
+# each lookup), "bfloat16" (precision_config.py, the old name of bf16), "allgather_size" (zero/config.py,
+# read_zero_config_deprecated), and "sequence_parallel_size" / "data_parallel_size" (deepspeed/__init__.py
+# `initialize`, runtime/config.py: Ulysses).
+TOP_LEVEL_KEYS = frozenset({
+    "activation_checkpointing", "aio", "allgather_size", "amp", "autotuning", "bf16", "bfloat16", "checkpoint",
+    "comet", "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
+    "curriculum_learning", "data_efficiency", "data_parallel_size", "data_types", "dataloader_drop_last",
+    "datastates_ckpt", "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity",
+    "expert_parallel", "flops_profiler", "fp16", "gradient_accumulation_steps", "gradient_allreduce_op",
+    "gradient_clipping", "gradient_predivide_factor", "graph_harvesting", "hybrid_engine", "log_level",
+    "managed_gradient_accumulation", "memory_breakdown", "nebula", "optimizer", "pipeline", "prescale_gradients",
+    "progressive_layer_drop", "quantize_training", "scheduler", "seq_parallel_communication_data_type",
+    "sequence_parallel_size", "sparse_attention", "sparse_gradients", "steps_per_print", "tensor_parallel",
+    "tensorboard", "timers", "torch_autocast", "train_batch_size", "train_micro_batch_size_per_gpu",
+    "use_data_before_expert_parallelism", "vocabulary_size", "wall_clock_breakdown", "wandb", "weight_quantization",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "zero_optimization",
+})
 
 
 def load_json(path: Path) -> dict[str, object]:
@@ -181,13 +198,19 @@ def settings_from_deepspeed(config: Mapping[str, object], where: Where, gpus: in
     return settings
 
 
+def is_deepspeed_config(config: Mapping[str, object]) -> bool:
+    """Whether a JSON object reads as a DeepSpeed config: one of the keys that say how DeepSpeed trains."""
+    return any(key in config for key in ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
+                                         "gradient_accumulation_steps", "fp16", "bf16", "optimizer", "scheduler"))
+
+
 def _check_top_level(config: Mapping[str, object], where: Where) -> None:
     for key in config:
-        if key in _TOP_LEVEL_MAPPED or key in _TOP_LEVEL_KNOWN:
-            continue
-        close = difflib.get_close_matches(key, _TOP_LEVEL_MAPPED, n=1, cutoff=0.85)
-        if close:
-            raise fail(where, key, f"is not a DeepSpeed option (did you mean {close[0]!r}?)")
+        if key not in TOP_LEVEL_KEYS:
+            close = difflib.get_close_matches(str(key), sorted(TOP_LEVEL_KEYS), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise fail(where, key if len(str(key)) <= 80 else shown(key), f"is not a DeepSpeed option{hint}; DeepSpeed "
+                       "ignores a key it does not read, so the run would go without it: correct or remove it")
     for key in ("torch_autocast", "amp"):
         section = config.get(key)
         if isinstance(section, Mapping) and section.get("enabled") is True:
@@ -211,7 +234,12 @@ def _zero_settings(config: Mapping[str, object], where: Where, hidden_size: int 
     check_keys(zero, ZERO_KEYS, "zero_optimization", where, ENGINE)
 
     stage = 0
-    if "stage" in zero and not is_auto(zero["stage"]):
+    if is_auto(zero.get("stage")):
+        # accelerate's DeepSpeedPlugin (the Trainer's) fills it with its zero_stage (2, or $ACCELERATE_DEEPSPEED_ZERO_STAGE:
+        # utils/dataclasses.py `fill_match`); DeepSpeed alone drops it and runs stage 0 (config_utils.py)
+        raise fail(where, "zero_optimization.stage", "is \"auto\", which the Hugging Face Trainer (accelerate) runs as "
+                   "stage 2 and DeepSpeed alone as stage 0: write the stage, 0-3")
+    if "stage" in zero:
         raw = zero["stage"]
         if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw not in (0, 1, 2, 3):
             raise fail(where, "zero_optimization.stage", f"must be 0, 1, 2 or 3, got {raw!r}")
@@ -244,6 +272,9 @@ def _zero_settings(config: Mapping[str, object], where: Where, hidden_size: int 
                 opt_device = "cpu"
             else:
                 par_device = "cpu"
+    if stage == 3:  # only stage3.py swaps to NVMe; stages 1-2 keep an "nvme" optimizer in CPU memory
+        check_nvme_path(zero.get("offload_optimizer"), "zero_optimization.offload_optimizer", where)
+        check_nvme_path(zero.get("offload_param"), "zero_optimization.offload_param", where)
     knobs.update(par_knobs)
     pin = merge_pin_memory([("zero_optimization.offload_optimizer", opt_device, opt_pin),
                             ("zero_optimization.offload_param", par_device, par_pin)], where)
@@ -353,11 +384,14 @@ def _batch(config: Mapping[str, object], where: Where, gpus: int | None, sequenc
         counted = _batch(config, where, None if gpus is None else gpus // sequence_parallel)
         return counted | ({"gpus": counted["gpus"] * sequence_parallel} if "gpus" in counted else {})
 
-    def get(key: str) -> int | None:
+    def get(key: str, maximum: int) -> int | None:
         value = config.get(key)
-        return None if value is None or is_auto(value) else as_int(value, key, where, minimum=1)
+        return None if value is None or is_auto(value) else as_int(value, key, where, 1, maximum)
 
-    total, micro, accum = get("train_batch_size"), get("train_micro_batch_size_per_gpu"), get("gradient_accumulation_steps")
+    # the spec's bounds (spec/limits.py), checked here to name the key
+    total = get("train_batch_size", MAX_MICRO_BATCH * MAX_GRAD_ACCUM * MAX_GPUS)
+    micro = get("train_micro_batch_size_per_gpu", MAX_MICRO_BATCH)
+    accum = get("gradient_accumulation_steps", MAX_GRAD_ACCUM)
     out: dict[str, int] = {}
     if total is None:
         if micro is not None:
@@ -388,6 +422,10 @@ def _batch(config: Mapping[str, object], where: Where, gpus: int | None, sequenc
                    f"gradient_accumulation_steps {accum} x {gpus} GPUs")
     out.update(micro_batch=micro, grad_accum=accum)
     return out
+
+
+NVME_PATH_PLACEHOLDER = "/local_nvme"
+"""The nvme_path a written config carries: a placeholder (memory does not depend on it) the user replaces."""
 
 
 def write_deepspeed_config(training: TrainingSpec) -> dict[str, object]:
@@ -450,5 +488,5 @@ def write_deepspeed_config(training: TrainingSpec) -> dict[str, object]:
 def _offload_section(device: Offload, pin_memory: bool) -> dict[str, object]:
     section: dict[str, object] = {"device": device.value, "pin_memory": pin_memory}
     if device == Offload.NVME:
-        section["nvme_path"] = "/local_nvme"  # placeholder: DeepSpeed needs a real NVMe mount here
+        section["nvme_path"] = NVME_PATH_PLACEHOLDER  # DeepSpeed needs a real NVMe folder here
     return section

@@ -9,9 +9,15 @@ never pays for it. Neither loader runs code: safe_load builds only plain data.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from typing import Any
 
 from zeroplan.errors import MissingDependencyError, SpecError
+
+
+def is_torchtitan(document: Mapping[str, object]) -> bool:
+    """A TOML is torchtitan's when it has its [model] or [training] table (every train_configs/*.toml does)."""
+    return isinstance(document.get("model"), Mapping) or isinstance(document.get("training"), Mapping)
 
 
 def parse_toml(text: str, where: str) -> dict[str, Any]:

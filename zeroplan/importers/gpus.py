@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from zeroplan.errors import SpecError
+from zeroplan.spec.gpu import GpuSpec
 
 try:  # Python 3.11+
     import tomllib
@@ -74,6 +75,11 @@ class GpuPreset(BaseModel):
         if self.architecture == "cdna3":
             return "infinity-fabric"
         return "nvswitch" if self.nvlink_bandwidth_gbps > 0 else "pcie"
+
+    def spec(self) -> GpuSpec:
+        """What the estimate needs of this GPU (zeroplan/spec/gpu.py)."""
+        return GpuSpec(name=self.name, memory_bytes=self.memory_bytes, architecture=self.architecture,
+                       compute_capability=self.compute_capability, interconnect=self.interconnect)
 
     @property
     def bf16_flops_per_s(self) -> float:

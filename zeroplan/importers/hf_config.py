@@ -10,6 +10,7 @@ by transformers always carries them, and a silently defaulted width would be a w
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 from zeroplan.errors import SpecError
 from zeroplan.importers.hf_moe_config import MOE_FAMILIES, MoEConfigProblem
 from zeroplan.spec.model import TransformerSpec
-from zeroplan.spec.validation import describe_validation_error
+from zeroplan.spec.validation import describe_validation_error, shown
 
 _REQUIRED = object()
 
@@ -304,6 +305,84 @@ def is_hf_config(data: Mapping[str, Any]) -> bool:
     return "model_type" in data
 
 
+# Keys only a config.json written by transformers has (PretrainedConfig.to_dict), and the size keys the
+# families read under transformers' names: a JSON object with them and no model_type is a config.json.
+_HF_ONLY_KEYS = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "num_hidden_layers",
+                 "num_attention_heads", "n_embd", "n_layer")
+
+
+def looks_like_hf_config(data: Mapping[str, Any]) -> bool:
+    """Whether a JSON object without model_type is still a Hugging Face config.json (one of _HF_ONLY_KEYS)."""
+    return not is_hf_config(data) and any(key in data for key in _HF_ONLY_KEYS)
+
+
+def missing_model_type(data: Mapping[str, Any]) -> str:
+    """The one-line answer to a config.json without model_type: what is missing, what is read, a guess."""
+    guess = ""
+    architectures = data.get("architectures")
+    if isinstance(architectures, list) and architectures and isinstance(architectures[0], str):
+        # LlamaForCausalLM -> llama, GPT2LMHeadModel -> gpt2, Qwen3MoeForCausalLM -> qwen3_moe (longest name first)
+        name = architectures[0].lower()
+        for model_type in sorted(SUPPORTED_MODEL_TYPES, key=len, reverse=True):
+            if name.startswith(model_type.replace("_", "")):
+                guess = f"; for {architectures[0]} add \"model_type\": \"{model_type}\""
+                break
+    return (f"has no model_type, by which zeroplan reads a config.json (as transformers' AutoConfig does); "
+            f"the families read are {', '.join(SUPPORTED_MODEL_TYPES)}{guess}")
+
+
+# The type of every key the family readers take from a config.json, checked before they read it: transformers
+# writes them as JSON numbers and booleans, and a "4096" or true where a width belongs is a broken file, not a
+# value to convert (pydantic would take "4096" as 4096 and true as 1).
+_FLOAT_KEYS = frozenset({"attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout",
+                         "attn_logit_softcapping", "final_logit_softcapping"})
+_BOOL_KEYS = frozenset({"tie_word_embeddings", "attention_bias", "mlp_bias", "add_cross_attention"})
+_INT_KEYS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_inner", "n_positions",
+    "sliding_window", "sliding_window_pattern", "num_local_experts", "num_experts", "num_experts_per_tok",
+    "n_routed_experts", "moe_intermediate_size", "n_shared_experts", "decoder_sparse_step", "first_k_dense_replace",
+    "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+})
+
+
+def _check_types(config: Mapping[str, Any], prefix: str = "") -> None:
+    """Every key the readers take has its JSON type (null: not set, as transformers writes a default)."""
+    for key, value in config.items():
+        if value is None:
+            continue
+        if key in _INT_KEYS:
+            wanted, ok = "a whole number", type(value) is int
+        elif key in _FLOAT_KEYS:
+            wanted, ok = "a number", type(value) in (int, float)
+        elif key in _BOOL_KEYS:
+            wanted, ok = "true or false", type(value) is bool
+        else:
+            continue
+        if not ok:
+            kind = {str: "a string", bool: "a boolean", float: "a fraction", list: "a list", dict: "an object"}.get(
+                type(value), type(value).__name__)
+            raise _ConfigProblem(f"{prefix}{key} must be {wanted}, got {shown(value)} ({kind})")
+
+
+def _notes(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """What a config.json holds that the spec does not model: said in the estimate, never dropped silently."""
+    notes = []
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, Mapping):
+        from zeroplan.importers.hf_quant_config import checkpoint_quant_note  # issue 23: what the base is stored as
+
+        notes.append(checkpoint_quant_note(config))
+    elif quantization is not None:
+        raise _ConfigProblem(f"quantization_config must be an object, got {shown(quantization)}")
+    if config.get("model_type") == "gemma3" and config.get("vision_config") is not None:
+        count = vision_tower_params(config)
+        notes.append(f"gemma3: the language model (text_config) is counted; the vision tower (vision_config, SigLIP) "
+                     f"and the multimodal projector, {count:,} parameters ({2 * count / 2**30:.2f} GiB in bf16), are not, "
+                     "as in text-only training with them frozen and unused")
+    return tuple(notes)
+
+
 def spec_from_hf_config(config: Mapping[str, Any], name: str, source: str | None = None) -> TransformerSpec:
     """The `TransformerSpec` of a Hugging Face config.json, for the supported model types.
 
@@ -317,26 +396,40 @@ def spec_from_hf_config(config: Mapping[str, Any], name: str, source: str | None
             f"{where}: model_type {model_type!r} is not supported{_nearest(model_type)}; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    if model_type == "gemma3" and config.get("vision_config") is not None:
-        _note_vision_tower(config, where)
     try:
+        _check_types(config)
+        if isinstance(config.get("text_config"), Mapping):
+            _check_types(config["text_config"], "text_config.")
         # a family may name the model_type of the part it reads (gemma3: its gemma3_text language model)
         fields = {"hf_model_type": model_type} | family(config) | {"name": name, "source": source}
+        notes = _notes(config)
+        if notes:
+            fields["notes"] = notes
     except (_ConfigProblem, MoEConfigProblem) as exc:
         raise SpecError(f"{where}: {exc}") from None
     try:
         return TransformerSpec.model_validate(fields)
     except ValidationError as exc:
-        raise SpecError(describe_validation_error(exc, where, TransformerSpec)) from None
+        raise SpecError(_in_config_names(describe_validation_error(exc, where, TransformerSpec), config)) from None
 
 
-def _note_vision_tower(config: Mapping[str, Any], where: str) -> None:
-    """One line on what the estimate leaves out of an image-text Gemma 3 (issue 23)."""
-    import warnings
+# The config.json keys each spec field is read from (the families' `_value` calls), so that a field the spec
+# refuses (num_layers past its bound) is named as the file names it (num_hidden_layers, or GPT-2's n_layer).
+_FIELD_KEYS = {"num_layers": ("num_hidden_layers", "n_layer"), "num_heads": ("num_attention_heads", "n_head"),
+               "hidden_size": ("n_embd", "hidden_size"), "num_kv_heads": ("num_key_value_heads",),
+               "intermediate_size": ("n_inner", "intermediate_size"),
+               "max_position_embeddings": ("n_positions", "max_position_embeddings"),
+               "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+               "experts_per_token": ("num_experts_per_tok",)}
 
-    from zeroplan.errors import ZeroplanWarning
 
-    count = vision_tower_params(config)
-    warnings.warn(f"{where}: vision_config: Gemma3ForConditionalGeneration's SigLIP tower and projector, {count:,} "
-                  f"parameters ({2 * count / 2**30:.2f} GiB in bf16), are not counted: the estimate is its language "
-                  "model, as a text-only fine-tune trains it; loaded whole they sit frozen beside it", ZeroplanWarning)
+def _in_config_names(message: str, config: Mapping[str, Any]) -> str:
+    """A TransformerSpec error with each field named by the key of `config` it came from."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else None
+    for field, keys in _FIELD_KEYS.items():
+        for source, prefix in ((config, ""), (text, "text_config.")):
+            key = next((key for key in keys if source is not None and source.get(key) is not None), None)
+            if key is not None:
+                message = re.sub(rf"(^|: |; ){field}:", rf"\g<1>{prefix}{key}:", message)
+                break
+    return message

@@ -12,18 +12,18 @@ transformers 5.23.0 quantizers/:
   dequantizes to bf16 without a GPU and on GPUs below compute capability 8.9; on 8.9 and later the layers
   are FP8Linear, not modelled: estimated as the bf16 it dequantizes to;
 - anything else (torchao, compressed-tensors, ...): read, not modelled, estimated in the checkpoint's dtype.
+Each says so in one note of the estimate (`checkpoint_quant_note`, through importers/hf_config.py's notes).
 """
 
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from zeroplan.errors import SpecError, ZeroplanWarning
+from zeroplan.errors import SpecError
 
 _DTYPE = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16", "torch.float16": "fp16",
           "float32": "fp32", "torch.float32": "fp32", "uint8": "uint8", "torch.uint8": "uint8"}
@@ -31,8 +31,8 @@ _DTYPE = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16", "torc
 
 def quant_from_checkpoint(config: Mapping[str, Any], where: str = "config.json") -> dict[str, Any] | None:
     """The `quant` settings of a config.json's quantization_config (None without one); a method estimated in the
-    dtype it dequantizes to is that dtype, and a ZeroplanWarning names it; a SpecError for a value that cannot
-    be read."""
+    dtype it dequantizes to is that dtype (the estimate's note says so: `checkpoint_quant_note`); a SpecError for a
+    value that cannot be read."""
     section = config.get("quantization_config")
     if section is None:
         return None
@@ -45,14 +45,28 @@ def quant_from_checkpoint(config: Mapping[str, Any], where: str = "config.json")
     if method in ("gptq", "awq"):
         return _packed_int(section, method, where, dtype)
     if method == "fp8":
-        warnings.warn(f"{where}: quantization_config fp8 ({section.get('fmt', 'e4m3')} blocks "
-                      f"{section.get('weight_block_size', '')}): transformers dequantizes it to bf16 without a GPU and "
-                      "below compute capability 8.9; FP8Linear (8.9 and later) is not modelled: estimated as the bf16 "
-                      "weights it dequantizes to", ZeroplanWarning)
-        return {"base_precision": "bf16"}
-    warnings.warn(f"{where}: quantization_config quant_method {method or '(none)'!r} is not modelled: estimated as "
-                  f"{dtype} weights", ZeroplanWarning)
+        return {"base_precision": "bf16"}  # what transformers dequantizes it to (`checkpoint_quant_note`)
     return {"base_precision": dtype if dtype in ("bf16", "fp16", "fp32") else "bf16"}
+
+
+def checkpoint_quant_note(config: Mapping[str, Any]) -> str:
+    """The estimate's note on a config.json's quantization_config (importers/hf_config.py `_notes`): what the base is
+    counted as, or which method is read but not modelled and what is estimated instead."""
+    section = config["quantization_config"]
+    method = str(section.get("quant_method", "bitsandbytes" if "load_in_4bit" in section else "unknown method")).lower()
+    bits = section.get("bits") or (4 if section.get("load_in_4bit") else 8 if section.get("load_in_8bit") else None)
+    what = method + (f", {bits}-bit" if bits else "")
+    if method in ("bitsandbytes", "gptq", "awq"):
+        precision = (str(section.get("bnb_4bit_quant_type", "fp4")) if bits == 4 else "int8") \
+            if method == "bitsandbytes" else method
+        return (f"quantization_config ({what}): with adapters (--lora-rank R) the frozen base is counted as the "
+                f"checkpoint stores it (--base-precision {precision}); without them it cannot train")
+    if method == "fp8":
+        return (f"quantization_config ({what}, {section.get('fmt', 'e4m3')} blocks {section.get('weight_block_size')}) "
+                "is read but not modelled as FP8Linear: transformers dequantizes it to bf16 without a GPU and below "
+                "compute capability 8.9 (quantizer_finegrained_fp8.py), and so it is estimated")
+    dtype = _dtype(config.get("dtype", config.get("torch_dtype")), "bf16")
+    return f"quantization_config ({what}) is read but not modelled: estimated as {dtype} weights"
 
 
 def _dtype(value: Any, default: str) -> str:

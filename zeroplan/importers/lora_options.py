@@ -152,3 +152,24 @@ def fsdp2_peft_lines(training: Any) -> list[str]:
 
 
 _TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "uint8": "uint8"}
+
+
+# The estimator checks the adapters against the model's layers and names the LoraSpec field that is wrong
+# (estimate/lora.py: FieldError("lora.rank"), ...): its name in each place a LoRA comes from.
+_FILE_KEYS = {"lora.rank": "r", "lora.targets": "target_modules", "lora.modules_to_save": "modules_to_save"}
+_TORCHTUNE_KEYS = {"lora.rank": "model.lora_rank", "lora.targets": "model.lora_attn_modules"}
+_FIELD_OPTIONS = {"lora.rank": "lora_rank", "lora.targets": "lora_targets", "lora.modules_to_save": "modules_to_save"}
+
+
+def lora_field_source(field: str, options: Mapping[str, Any]) -> str | None:
+    """Where a LoRA field came from, as the user wrote it: "adapter.json: r" when the --lora file set it and
+    no option overrode it, "recipe.yaml: model.lora_rank" for a torchtune recipe's; None for an option."""
+    if field not in _FIELD_OPTIONS or _given(options, _FIELD_OPTIONS[field]):
+        return None
+    if options.get("lora_config") and field in _FILE_KEYS:
+        return f"{options['lora_config']}: {_FILE_KEYS[field]}"
+    config = options.get("config_file")
+    if config is not None and field in _TORCHTUNE_KEYS and not _given(options, "lora_rank"):
+        path = getattr(config, "path", config)  # a loaded TrainingConfig, or the path the command was given
+        return f"{path}: {_TORCHTUNE_KEYS[field]}"
+    return None

@@ -5,15 +5,35 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from zeroplan.errors import SpecError
 from zeroplan.spec.mesh import MeshSpec
 
 
+# Options that tune one mesh dimension, and that dimension: given while it is 1 they change nothing.
+_TUNES = {"pp_virtual_stages": ("pp", "--pp"), "pp_schedule": ("pp", "--pp"), "sequence_parallel": ("tp", "--tp"),
+          "loss_parallel": ("tp", "--tp"), "moe_imbalance": ("ep", "--ep")}
+
+
 def mesh_values(options: Mapping[str, Any], values: dict[str, Any]) -> None:
-    """Set `values["mesh"]` (a field mapping, validated with the rest of the TrainingSpec) from the options given."""
+    """Set `values["mesh"]` (a field mapping, validated with the rest of the TrainingSpec) from the options given.
+    An option that tunes a dimension the mesh does not have is refused (`plan --mesh`, which searches the
+    dimensions, keeps it for the meshes that have it)."""
     given = {name: options[f"mesh_{name}"] for name in MeshSpec.model_fields if options.get(f"mesh_{name}") is not None}
     if given:
         base = values.get("mesh") or {}
         values["mesh"] = {**(base.model_dump() if isinstance(base, MeshSpec) else base), **given}
+    if options.get("mesh_search"):
+        return
+    for name, (dimension, option) in _TUNES.items():
+        if name in given and values["mesh"].get(dimension, 1) == 1:
+            flag = f"--{name.replace('_', '-')}"
+            if given[name] is False:
+                flag = f"--no-{name.replace('_', '-')}"
+            raise SpecError(f"{flag}: tunes {dimension}, which is 1 here (no {_DIMENSION_NAMES[dimension]}), so it "
+                            f"changes nothing; give {option} N (2 or more), or leave it out")
+
+
+_DIMENSION_NAMES = {"pp": "pipeline", "tp": "tensor parallelism", "ep": "expert parallelism"}
 
 
 # torch.distributed.pipelining get_schedule_class names (case-insensitive) -> the schedules modelled

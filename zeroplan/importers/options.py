@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zeroplan.errors import SpecError
+from zeroplan.spec.limits import MAX_COUNT  # a quadrillion parameters; beyond it only typos (1e400)
 
 if TYPE_CHECKING:  # pydantic and the specs are imported when first needed, not at CLI start-up
     from zeroplan.importers.training_config import TrainingConfig
     from zeroplan.spec.model import ModelSpec
     from zeroplan.spec.training import TrainingSpec
 
-MAX_COUNT = 10**15  # a quadrillion parameters: 1,000x the largest model trained; beyond it only typos (1e400)
 _COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 _COUNT_PATTERN = re.compile(r"^\s*([0-9][0-9_,]*\.?[0-9]*(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
 
@@ -46,19 +46,61 @@ def parse_count(text: str, field: str) -> int:
     return int(number)
 
 
-def gpu_memory_bytes(text: str, field: str = "--gpu-memory") -> int:
+class GpuMemory(int):
+    """A GPU's memory in bytes that remembers the preset it was read from (`gpu`, None for a size): the
+    estimate takes the GPU's architecture from it (zeroplan/spec/gpu.py)."""
+
+    gpu: str | None = None
+
+    def __new__(cls, size_bytes: int, gpu: str | None = None) -> GpuMemory:
+        value = super().__new__(cls, size_bytes)
+        value.gpu = gpu
+        return value
+
+
+def gpu_memory_bytes(text: str, field: str = "--gpu-memory") -> GpuMemory:
     """The memory of one GPU: a size ('80GiB', '40GB', '24e9' bytes) or a GPU preset name
     ('h100-80gb', `zeroplan.importers.gpus`), whose datasheet capacity is used."""
     from zeroplan.spec.units import parse_size_bytes
 
     try:
-        return parse_size_bytes(text, field)
+        return GpuMemory(parse_size_bytes(text, field))
     except SpecError as size_error:
         from zeroplan.importers.gpus import get_gpu, gpu_names
 
         if str(text).strip().lower() in gpu_names():
-            return get_gpu(text).memory_bytes
+            preset = get_gpu(text)
+            return GpuMemory(preset.memory_bytes, preset.name)
         raise SpecError(f"{size_error}, or name a GPU: {', '.join(gpu_names())}") from None
+
+
+def gpu_spec(gpu: str | None, gpu_memory: int | None):
+    """The GPU the run names (zeroplan/spec/gpu.py GpuSpec): a --gpu preset, or the preset --gpu-memory was given
+    as; None when neither names one (a size alone, or nothing)."""
+    from zeroplan.importers.gpus import get_gpu
+
+    name = gpu or getattr(gpu_memory, "gpu", None)
+    return None if name is None else get_gpu(name).spec()
+
+
+HOST_MEMORY_PER_GPU_MEMORY = 2
+"""plan's CPU memory per node when --cpu-memory is not given: twice the node's GPU memory. An assumption, stated
+in the plan's output and overridable: offload is searched against a host of a server's size, never an unlimited one."""
+
+
+def host_memory_bytes(text: str | None, gpu_memory_bytes: int, gpus: int, gpus_per_node: int | None = None,
+                      field: str = "--cpu-memory") -> tuple[int, str | None]:
+    """(CPU memory per node in bytes, the note that states it when it is the default): `text` parsed (a size, as
+    --cpu-memory takes it), else HOST_MEMORY_PER_GPU_MEMORY x the GPU memory of a node of `gpus` GPUs."""
+    from zeroplan.spec.training import node_size
+    from zeroplan.spec.units import parse_size_bytes
+
+    if text is not None:
+        return parse_size_bytes(text, field), None
+    node_gpus = node_size(gpus, gpus_per_node)
+    size = HOST_MEMORY_PER_GPU_MEMORY * gpu_memory_bytes * node_gpus
+    return size, (f"CPU memory per node taken as {size / 2**30:,.0f} GiB, twice the GPU memory of a node of {node_gpus} "
+                  f"GPU{'s' if node_gpus > 1 else ''} (an assumption for offload); give {field} SIZE for your nodes")
 
 
 def training_spec_from_options(options: Mapping[str, Any], config_file: str | Path | TrainingConfig | None = None,
@@ -81,7 +123,11 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
         config = config_file if not isinstance(config_file, (str, Path)) else load_config(config_file)
         # --gpus lets a DeepSpeed train_batch_size be split into micro-batch and accumulation.
         values.update(config.settings(options.get("gpus"), getattr(model, "hidden_size", None)))
-    values.update({name: options[name] for name in TrainingSpec.model_fields if options.get(name) not in (None, ())})
+    values.update({name: options[name] for name in TrainingSpec.model_fields
+                   if options.get(name) not in (None, ()) and name != "gpu"})
+    gpu = gpu_spec(options.get("gpu"), options.get("gpu_memory"))  # --gpu NAME, or --gpu-memory NAME
+    if gpu is not None:
+        values["gpu"] = gpu
     from zeroplan.importers.trainer_optim import optim_values  # --optim: TrainingArguments.optim names
 
     values.update(optim_values(options))
@@ -98,9 +144,50 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
         training = TrainingSpec.model_validate(values)
     except ValidationError as error:
         raise SpecError(describe_validation_error(error, schema=TrainingSpec)) from None
+    if model is not None:
+        check_model_training(model, training, seq_len_given="seq_len" in values)
     if config_file is not None:
         config.warn()
     return training
+
+
+def check_model_training(model: ModelSpec, training: TrainingSpec, seq_len_given: bool = True) -> None:
+    """The rules that need the model and the run together (the mesh's are spec/mesh.py `check_mesh`).
+    `seq_len_given`: the sequence length was asked for (an option, a config file), not the spec's default,
+    which a model of fewer learned positions gets a note about instead (`input_notes`)."""
+    if getattr(model, "kind", None) != "transformer":
+        return
+    limit = model.max_position_embeddings
+    if model.position_embedding == "learned" and training.seq_len > limit and seq_len_given:
+        # GPT2Model.forward: self.wpe(position_ids), an nn.Embedding of n_positions rows: position `limit` has no
+        # row (an IndexError on CPU, a device-side assert on CUDA), so the run cannot start
+        raise SpecError(f"seq_len {training.seq_len:,}: {model.name} has {limit:,} learned positions "
+                        f"(max_position_embeddings), and transformers' position embedding has no row past them; use "
+                        f"a sequence of {limit:,} tokens or fewer")
+
+
+def input_notes(model: ModelSpec, training: TrainingSpec, config: TrainingConfig | None = None,
+                model_argument: str | None = None) -> tuple[str, ...]:
+    """What the estimate takes as given but the user should hear: what the model file and the --config file
+    hold that is not modelled, a sequence past the model's context, and which model wins when MODEL and the
+    --config file both name one (`model_argument`: the MODEL typed, None when the file's was used)."""
+    notes = list(getattr(model, "notes", ()))
+    if config is not None:
+        notes += config.notes
+        if model_argument is not None and config.model is not None and model.name.lower() != config.model.lower():
+            notes.append(f"MODEL {model.name} is estimated, not {config.model}, the model of {config.path.name}: "
+                         "MODEL wins over the --config file, as every option does")
+    if getattr(model, "kind", None) == "transformer" and training.seq_len > model.max_position_embeddings:
+        if model.position_embedding == "learned":  # the default seq_len (an explicit one is refused: check_model_training)
+            notes.append(f"seq_len {training.seq_len:,} (the default) is past {model.name}'s "
+                         f"{model.max_position_embeddings:,} learned positions (max_position_embeddings): transformers "
+                         f"cannot run it; give --seq-len {model.max_position_embeddings} or less")
+            return tuple(notes)
+        # rotary positions are computed from the position ids (LlamaRotaryEmbedding.forward), never looked up
+        notes.append(f"seq_len {training.seq_len:,} is past {model.name}'s max_position_embeddings "
+                     f"{model.max_position_embeddings:,}: transformers runs it (rotary positions are computed for any "
+                     "length), but the model was not trained on sequences that long")
+    return tuple(notes)
 
 
 def load_config(config_file: str | Path | None) -> TrainingConfig | None:

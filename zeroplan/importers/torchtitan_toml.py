@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Mapping
 
 from zeroplan.errors import ZeroplanWarning
+from zeroplan.importers.documents import is_torchtitan  # noqa: F401  (the recogniser, shared with catalog.py)
 from zeroplan.importers.mesh_options import pipeline_micro_batch, torchtitan_mesh
 from zeroplan.importers.values import Where, as_bool, as_int, as_section, fail
 
@@ -115,11 +116,6 @@ TORCHTITAN_SECTIONS = frozenset(_V022_SECTIONS) | frozenset(_2024_SECTIONS)
 
 _NOT_MODELLED = "not modelled yet: issue 14 (zeroplan models data parallelism only)"
 _OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam"}  # components/optimizer.py build_optimizers: optimizer_classes
-
-
-def is_torchtitan(document: Mapping[str, object]) -> bool:
-    """A TOML is torchtitan's when it has its [model] or [training] table (every train_configs/*.toml does)."""
-    return isinstance(document.get("model"), Mapping) or isinstance(document.get("training"), Mapping)
 
 
 def is_2024_schema(document: Mapping[str, object]) -> bool:

@@ -58,6 +58,7 @@ _DISTRIBUTED_ONLY = ("fsdp_cpu_offload", "fsdp_reshard_after_forward", "custom_s
 # optimizer._component_ -> (zeroplan optimizer, keyword arguments of its constructor or None where not checked).
 _TORCH_ADAM = {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable", "differentiable",
                "fused"}  # torch 2.13 torch/optim/adamw.py AdamW.__init__ (Adam adds decoupled_weight_decay)
+_BNB_ADAM = frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad", "optim_bits", "args", "min_8bit_size", "is_paged"})
 OPTIMIZERS: dict[str, tuple[str, frozenset[str] | None]] = {
     "torch.optim.AdamW": ("adamw", frozenset(_TORCH_ADAM)),
     "torch.optim.Adam": ("adam", frozenset(_TORCH_ADAM | {"decoupled_weight_decay"})),
@@ -65,12 +66,11 @@ OPTIMIZERS: dict[str, tuple[str, frozenset[str] | None]] = {
                                           "foreach", "differentiable", "fused"})),
     # bitsandbytes 0.50.2 optim/adam.py, adamw.py: Optimizer2State("adam", ...) with optim_bits 8 (the *8bit classes)
     # or 32 (the others: fp32 states whatever the parameters' dtype); the Paged* ones pass is_paged=True
-    # (estimate/engines/bnb_optim.py). Their arguments are checked by `_bnb_settings`.
-    **{f"bitsandbytes.optim.{paged}{adam}{bits}": ("adam8bit" if bits == "8bit" else "adam32bit", None)
+    # (estimate/engines/bnb_optim.py); the Paged*AdamW ones take no is_paged argument. `_bnb_settings` reads them.
+    **{f"bitsandbytes.optim.{paged}{adam}{bits}": ("adam8bit" if bits == "8bit" else "adam32bit",
+                                                    _BNB_ADAM - ({"is_paged"} if paged and adam == "AdamW" else set()))
        for paged in ("", "Paged") for adam in ("Adam", "AdamW") for bits in ("", "8bit", "32bit")},
 }
-_BNB_ADAM = frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad", "optim_bits", "args", "min_8bit_size",
-                       "percentile_clipping", "block_wise", "is_paged"})  # bitsandbytes/optim/adamw.py AdamW.__init__
 _CHUNKED_LOSS = "torchtune.modules.loss.CEWithChunkedOutputLoss"  # __init__(num_output_chunks=8, ignore_index=-100)
 _STANDARD_LOSS = "torch.nn.CrossEntropyLoss"
 _RECIPE_NAME = re.compile(r"\b(full|lora)_finetune_(single_device|distributed)\b")
@@ -127,7 +127,6 @@ def check_torchtune(document: Mapping[str, object], text: str, where: Where) -> 
 def _bnb_settings(component: str, arguments: Mapping[str, object], where: Where) -> dict[str, object]:
     """A bitsandbytes optimizer's own arguments that change memory: optim_bits and is_paged of the plain
     classes (the *8bit/*32bit and Paged* ones fix them), min_8bit_size at its default only."""
-    _check_arguments(arguments, _BNB_ADAM, "optimizer", where)
     settings: dict[str, object] = {"paged_optimizer": ".Paged" in component}
     fixed = component.endswith(("8bit", "32bit"))
     if "optim_bits" in arguments:
@@ -254,6 +253,7 @@ def _optimizer(optimizer: object, where: Where) -> dict[str, object]:
     arguments = {key: value for key, value in optimizer.items() if key != "_component_"}
     settings: dict[str, object] = {"optimizer": name}
     if component.startswith("bitsandbytes."):
+        _check_arguments(arguments, known, "optimizer", where)
         return settings | _bnb_settings(component, arguments, where)
     if known is not None:
         _check_arguments(arguments, known, "optimizer", where)

@@ -9,6 +9,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 
 from zeroplan.errors import SpecError
+from zeroplan.spec.limits import MAX_COUNT
+from zeroplan.spec.validation import shown
 
 # HF-Trainer DeepSpeed configs put "auto" where the Trainer fills in a value; DeepSpeed itself drops
 # "auto" entries before validating (deepspeed/runtime/config_utils.py, DeepSpeedConfigModel.__init__,
@@ -38,18 +40,21 @@ def is_auto(value: object) -> bool:
     return isinstance(value, str) and value == AUTO
 
 
-def as_int(value: object, field: str, where: Where, minimum: int = 0) -> int:
-    """A count. JSON writes 5e8 as a float: accept floats with no fractional part, reject the rest."""
+def as_int(value: object, field: str, where: Where, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
+    """A count. JSON writes 5e8 as a float: accept floats with no fractional part, reject the rest. No count in
+    a config is more than MAX_COUNT (spec/limits.py): a 400-digit number is a typo, named here by its key."""
     if isinstance(value, bool):
-        raise fail(where, field, f"must be a whole number, got {value!r}")
+        raise fail(where, field, f"must be a whole number, got {shown(value)}")
     if isinstance(value, float):
         if not math.isfinite(value) or not value.is_integer():
-            raise fail(where, field, f"must be a whole number, got {value!r}")
+            raise fail(where, field, f"must be a whole number, got {shown(value)}")
         value = int(value)
     if not isinstance(value, int):
-        raise fail(where, field, f"must be a whole number, got {value!r}")
+        raise fail(where, field, f"must be a whole number, got {shown(value)}")
     if value < minimum:
-        raise fail(where, field, f"must be >= {minimum}, got {value}")
+        raise fail(where, field, f"must be >= {minimum}, got {shown(value)}")
+    if value > maximum:
+        raise fail(where, field, f"must be at most {maximum:,}, got {shown(value)}")
     return value
 
 
@@ -117,6 +122,15 @@ def read_offload(
             if key in section and not is_auto(section[key]):
                 knobs[knob] = as_int(section[key], f"{field}.{key}", where)
     return device, pin, knobs
+
+
+def check_nvme_path(value: object, field: str, where: Where) -> None:
+    """An offload section with device nvme names the folder it swaps to: DeepSpeed's swappers join their files
+    under nvme_path (runtime/swap_tensor/partitioned_param_swapper.py and optimizer_utils.py: os.path.join(
+    nvme_path, ...)), which fails when it is missing. Call it where the engine swaps (ZeRO-3)."""
+    if isinstance(value, Mapping) and value.get("device") == "nvme" and value.get("nvme_path") in (None, "", "none"):
+        raise fail(where, f"{field}.nvme_path", "is missing, and device nvme needs it: the folder on the NVMe drive "
+                   "DeepSpeed swaps to (e.g. \"/local_nvme\")")
 
 
 def merge_pin_memory(pins: list[tuple[str, str | None, bool | None]], where: Where) -> bool | None:

@@ -176,6 +176,8 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
                         del loss, input_ids, labels
                 with recorder.phase(step, "optimizer_step", default_category="temporaries"):
                     runner.step()
+                if device.type == "cuda":  # kernels run asynchronously: the step ends when the GPU is done
+                    torch.cuda.synchronize(device)
                 step_times.append(time.perf_counter() - started)
         except torch.OutOfMemoryError as error:  # torch.cuda.OutOfMemoryError is one
             recorder.close()

@@ -1,4 +1,4 @@
-"""Bounds of a search: past them a value can only be a typo, and searching it would only burn time."""
+"""Bounds of a search: past them a value can only be a typo, and searching it would only burn time.
+They are the specs' own bounds (zeroplan/spec/limits.py), so that the planner never searches what a spec refuses."""
 
-MAX_GPUS = 2**20  # a million GPUs: beyond any cluster
-MAX_MICRO_BATCH = 65_536  # sequences per GPU per forward; every micro-batch up to it is searched in well under a second
+from zeroplan.spec.limits import MAX_GPUS, MAX_MICRO_BATCH  # noqa: F401  (re-exported: plan/search.py, cli/plan.py)

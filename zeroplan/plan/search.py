@@ -1,34 +1,48 @@
-"""`zeroplan plan`: search ZeRO stage x offload x checkpointing x micro-batch (x GPU count) for the
-configurations that fit, and rank them by the step-cost model of `zeroplan.plan.cost`.
+"""`zeroplan plan` (with or without `--mesh`): one search over GPU count x mesh x ZeRO stage x offload x
+checkpointing policy x micro-batch for the configurations that fit, ranked by the step-time model of
+`zeroplan.plan.step_time` (a data-parallel plan is the search over the mesh of ones).
 
-Speed comes from the estimator's structure, not from approximating it. For one choice of
-everything but the micro-batch, the memory never shrinks as the micro-batch grows (activations,
-logits and their temporaries scale with the sequences in flight; model states and engine buffers
-do not depend on them), and gradient accumulation changes it only by whether it is on (one
-accumulated gradient is kept: `grad_accum > 1` in the engine profiles). So the configurations of a
-choice that fit are a prefix of its sorted micro-batches, and the answer is known exactly once the
-last that fits and the first that does not have each had a full estimate. Where to look first comes
-from neighbouring choices and from the convexity of the peak in the micro-batch
-(`Planner._gpu_prefix`): about two full estimates per choice, whatever the number of micro-batches.
-`tests/test_plan.py` checks monotonicity and convexity over a grid of models, engines and stages,
-and every verdict of the search against a full estimate.
+Exactness comes from the estimator; speed from its structure, not from approximating it:
+- Micro-batches are searched in groups whose memory grows with the micro-batch: within a group the
+  configurations that fit are a prefix, found with a few fit checks. A group shares whether gradients
+  accumulate (one accumulated gradient is kept: `grad_accum > 1`) and, under a pipeline, how many
+  micro-batches each rank keeps in flight; so a fixed global batch, whose accumulation falls as the
+  micro-batch grows, is searched exactly (memory need not grow from one group to the next). Where to probe
+  first comes from neighbouring choices and, for a data-parallel choice, the convexity of the peak in the
+  micro-batch (`Planner.gpu_prefix`); tests/test_plan.py checks every verdict against a full estimate.
+- A choice whose memory equals another's (selective checkpointing under fused attention without a ring)
+  shares its fit checks (`Planner.memory_twin`).
+- `plan --mesh` searches many meshes: each choice's cost is known before its memory (the step time needs no
+  estimate), so choices are checked cheapest first, and once `top` choices fit, a choice whose cheapest
+  micro-batch costs more than the top-th is not checked (`Plan.bounded` counts them): the plan shown is the
+  one the full search gives (tests/test_mesh_plan_speed.py).
+- A candidate the training spec refuses (a mesh whose degrees do not fit the GPUs, an offload the engine does
+  not run) is skipped with a note, never an error.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
+import bisect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Literal, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
 
 from zeroplan.errors import FieldError, SpecError
 from zeroplan.estimate import Fit
+from zeroplan.estimate import estimate_mesh
 from zeroplan.estimate.activations.transformer import memory_checkpointing
-from zeroplan.estimate.model.facts import model_facts
+from zeroplan.estimate.parallel.mesh import rank_kinds
+from zeroplan.estimate.result import MeshEstimate
 from zeroplan.estimate.result import Estimate
-from zeroplan.plan.cost import (Assumptions, ModelFlops, StepCost, StepCostModel, gathered_params, model_flops,
-                                step_cost_model)
 from zeroplan.plan.limits import MAX_GPUS
+from zeroplan.plan.mesh_fit import worst_within
+from zeroplan.plan.meshes import mesh_label, meshes, world_runs
+from zeroplan.plan.policies import DEFAULT_POLICIES, Policy
+from zeroplan.plan.rates import Rates
+from zeroplan.plan.step_time import SharedWork, StepModel, StepTime
+from zeroplan.plan.work import Pace, pace, work
+from zeroplan.spec.mesh import MeshSpec, check_mesh
+from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import ENGINE_STAGES, Checkpointing, Engine, Offload, TrainingSpec, config_label
 
 Estimator = Callable[..., Estimate]
@@ -41,16 +55,19 @@ shows 79.1 GiB to PyTorch) and allocator fragmentation beyond the estimate's ove
 @dataclass(frozen=True)
 class SearchSpace:
     """What the planner may vary. Micro-batches are powers of two up to `max_micro_batch`
-    (`micro_batches="pow2"`) or every whole number up to it ("all"); with `global_batch`, only
-    those that divide global_batch / gpus (grad_accum makes up the rest)."""
+    (`micro_batches="pow2"`) or every whole number up to it ("all"); with `global_batch`, only those
+    that divide global_batch / (data-parallel ranks) (grad_accum makes up the rest). `mesh`: "none"
+    (data parallelism only, or the base's own mesh), "search" (every mesh of `meshes`, `given` fixed)."""
 
     zero_stages: tuple[int, ...] | None = None  # None: every stage the engine runs (ENGINE_STAGES)
     offload_targets: tuple[Offload, ...] = (Offload.NONE, Offload.CPU)
-    checkpointing: tuple[Checkpointing, ...] = (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
+    checkpointing: tuple[Policy, ...] = DEFAULT_POLICIES
     gpu_counts: tuple[int, ...] = (8,)
     max_micro_batch: int = 1024
     micro_batches: Literal["pow2", "all"] = "pow2"
     global_batch: int | None = None
+    mesh: Literal["none", "search"] = "none"
+    given: tuple[tuple[str, Any], ...] = ()  # mesh dimensions the search keeps fixed (MeshSpec field, value)
 
 
 @dataclass(frozen=True)
@@ -80,37 +97,52 @@ class Choice(NamedTuple):
     offload_params: Offload
     checkpointing: Checkpointing
     gpus: int
+    mesh: MeshSpec = MeshSpec()
+    checkpoint_every: int | None = None
 
     def label(self) -> str:
-        return config_label(self.zero_stage, self.offload_optimizer, self.offload_params, self.checkpointing)
+        label = config_label(self.zero_stage, self.offload_optimizer, self.offload_params, self.checkpointing)
+        return label + (f" every {self.checkpoint_every}" if self.checkpoint_every else "")
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(self.checkpointing, self.checkpoint_every)
 
 
 @dataclass(frozen=True)
 class RankedConfig:
-    """One configuration that fits, with its full estimate, its cost and why it ranks there."""
+    """One configuration that fits, with its full (per-rank) estimate, its step time and why it ranks there."""
 
     rank: int
     choice: Choice
     micro_batch: int
     grad_accum: int
     training: TrainingSpec
-    estimate: Estimate
-    cost: StepCost
+    estimate: MeshEstimate
+    step: StepTime
     reason: str
+
+    @property
+    def worst(self) -> Estimate:
+        """The estimate of the rank with the highest peak (the whole estimate without a mesh)."""
+        return self.estimate.worst.estimate
 
 
 @dataclass(frozen=True)
 class Plan:
     model_name: str
     limits: Limits
-    assumptions: Assumptions
-    evaluated: int  # configurations whose fit and cost were computed
-    fitting: int
-    estimate_calls: int  # estimates and fits made (`zeroplan.estimate.estimate` and `fit`), probes included
+    rates: Rates
+    evaluated: int  # configurations whose fit was decided
+    fitting: int  # of which fit
+    estimate_calls: int  # estimates and fit checks made, probes included
     top: tuple[RankedConfig, ...]
     largest_micro_batch: RankedConfig | None  # the fitting config with the most sequences per micro-batch
-    suggestions: tuple[str, ...]  # when nothing fits: the smallest changes that would fit
+    suggestions: tuple[str, ...]  # when nothing fits: the smallest changes that would
     notes: tuple[str, ...] = field(default=())
+    bounded: int = 0  # choices not checked: at no micro-batch could they rank in the top (`Plan` docstring)
+    gpu_counts: tuple[int, ...] = ()
+    mesh_search: bool = False
 
 
 class Hit(NamedTuple):
@@ -129,42 +161,40 @@ class Hit(NamedTuple):
 
 class Planner:
     """Evaluates configurations of one model; caches what it learns across searches (so that the
-    'nothing fits' suggestions re-use the main search's estimates)."""
+    'nothing fits' suggestions re-use the main search's fit checks)."""
 
-    def __init__(self, model, base: TrainingSpec, assumptions: Assumptions, estimator: Estimator | None = None):
-        """`estimator` stands in for `zeroplan.estimate.estimate`, and then decides fits too;
-        by default fits are decided by `zeroplan.estimate.fit` (the same peak, faster)."""
+    def __init__(self, model, base: TrainingSpec, rates: Rates, estimator: Estimator | None = None):
+        """`estimator` stands in for `zeroplan.estimate.estimate` and then decides the fits of data-parallel
+        choices; by default fits are decided by `zeroplan.estimate.fit` (the same peak, faster) and, on a
+        mesh, by the worst rank's estimate (`mesh_fit.worst_within`)."""
         if estimator is None:
-            from zeroplan.estimate import estimate as estimator
             from zeroplan.estimate import fit as fitter
         else:
             fitter = estimator
         self.model = model
         self.base = base
-        self.assumptions = assumptions
-        self._estimate = estimator
+        self.rates = rates
         self._fit = fitter
-        self.estimate_calls = 0  # estimates and fits
-        self._validated: dict[Choice, TrainingSpec | str] = {}  # validated without checkpointing, by choice
-        # by (memory twin, micro-batch, accumulation): a fit, replaced by the full estimate once one is made
-        self._evaluations: dict[tuple[Choice, int, int], Fit | Estimate] = {}
-        self._costs: dict[Choice, StepCostModel] = {}
+        self.estimate_calls = 0
+        self._validated: dict[Choice, TrainingSpec | str] = {}
+        # data parallel, by (memory twin, micro-batch, accumulation): a fit
+        self._fits: dict[tuple[Choice, int, int], Fit | Estimate] = {}
+        # meshes, by (memory twin, micro-batch, accumulation, budget): the worst rank's peak, or None over it
+        self._mesh_fits: dict[tuple[Choice, int, int, int], int | None] = {}
+        self._steps: dict[Choice, StepModel] = {}
+        self._work: dict[tuple, SharedWork] = {}  # (gpus, mesh, policy): the step model's work and rooflines
+        self._paces: dict[tuple, Pace] = {}  # (gpus, mesh): the slowest rank
         # the checkpointing mode whose activations each mode's equal (the base's attention, engine, precision)
         self._memory_modes = {mode: memory_checkpointing(base.model_copy(update={"checkpointing": mode}), model)
                               for mode in Checkpointing}
-        self._flops: ModelFlops | None = None
 
     # -- building blocks -------------------------------------------------------------------------
-    def estimate(self, training: TrainingSpec) -> Estimate:
-        self.estimate_calls += 1
-        return self._estimate(self.model, training)
-
     def _checked(self, choice: Choice) -> TrainingSpec | str:
-        """`choice` validated without its checkpointing mode (an enum field no validator reads, so
-        one validation serves every mode), or why the combination is invalid."""
+        """`choice` validated without its checkpointing policy (an enum no validator reads, and checkpoint_every,
+        valid with full checkpointing by construction), or why the combination is invalid."""
         found = self._validated.get(choice)
         if found is None:
-            key = choice._replace(checkpointing=Checkpointing.NONE)
+            key = choice._replace(checkpointing=Checkpointing.NONE, checkpoint_every=None)
             found = self._validated.get(key)
             if found is None:
                 found = self._validated[key] = self._validate(key)
@@ -174,70 +204,84 @@ class Planner:
     def _validate(self, choice: Choice) -> TrainingSpec | str:
         try:
             return self.base.varied(zero_stage=choice.zero_stage, offload_optimizer=choice.offload_optimizer,
-                                    offload_params=choice.offload_params, checkpointing=choice.checkpointing, gpus=choice.gpus)
+                                    offload_params=choice.offload_params, checkpointing=Checkpointing.NONE,
+                                    checkpoint_every=None, gpus=choice.gpus, mesh=choice.mesh)
         except SpecError as error:
-            label = config_label(choice.zero_stage, choice.offload_optimizer, choice.offload_params)
-            return f"{label} on {choice.gpus} GPUs skipped: {error}"
+            return str(error)
+
+    def describe(self, choice: Choice, policy: bool = True) -> str:
+        """A choice in a note: its label, mesh and GPU count."""
+        label = choice.label() if policy else config_label(choice.zero_stage, choice.offload_optimizer, choice.offload_params)
+        mesh = "" if choice.mesh.is_trivial else f" with {mesh_label(choice.mesh, choice.gpus)}"
+        return f"{label}{mesh} on {choice.gpus} GPUs"
 
     def training(self, choice: Choice, micro_batch: int, grad_accum: int) -> TrainingSpec:
         checked = self._checked(choice)
         if isinstance(checked, str):
-            raise SpecError(checked)
-        # The checkpointing mode no validator reads, micro_batch and grad_accum validated (>= 1)
-        # by construction here: copying skips re-validation.
-        return checked.model_copy(update={"checkpointing": choice.checkpointing, "micro_batch": micro_batch,
-                                          "grad_accum": grad_accum})
+            raise SpecError(f"{self.describe(choice, policy=False)} skipped: {checked}")
+        # the policy no validator reads (checkpoint_every with full, by construction), micro_batch and grad_accum
+        # validated (>= 1) by construction here: copying skips re-validation
+        return checked.model_copy(update={"checkpointing": choice.checkpointing, "checkpoint_every": choice.checkpoint_every,
+                                          "micro_batch": micro_batch, "grad_accum": grad_accum})
 
-    def model_flops(self) -> ModelFlops:
-        if self._flops is None:  # parameter counts: the same for every configuration of the base
-            facts = model_facts(self.model, self.base)
-            self._flops = model_flops(self.model, facts.total_params, facts.trainable_params)
-        return self._flops
-
-    def cost_model(self, choice: Choice) -> StepCostModel:
-        if choice not in self._costs:
-            # (the cost model reads neither the micro-batch nor the accumulation)
-            spec = self.training(choice, self.base.micro_batch, self.base.grad_accum)
-            flops = self.model_flops()
-            if spec.quant is not None:  # a 4-bit base is gathered as the packed storage the estimate shards
-                flops = replace(flops, gathered_params=gathered_params(model_facts(self.model, spec)))
-            self._costs[choice] = step_cost_model(flops, spec, self.assumptions)
-        return self._costs[choice]
+    def step_model(self, choice: Choice) -> StepModel:
+        """The choice's step-time model (it reads neither the micro-batch nor the accumulation)."""
+        found = self._steps.get(choice)
+        if found is None:
+            training = self.training(choice, self.base.micro_batch, self.base.grad_accum)
+            key = (choice.gpus, choice.mesh, choice.policy)  # what the work depends on
+            shared = self._work.get(key)
+            if shared is None:
+                slowest = self._paces.get(key[:2])  # the slowest rank: the mesh's, whatever the policy
+                if slowest is None:
+                    slowest = self._paces[key[:2]] = pace(self.model, training)
+                shared = self._work[key] = SharedWork(work(self.model, training), slowest, {})
+            found = self._steps[choice] = StepModel(self.model, training, self.rates, shared)
+        return found
 
     def memory_twin(self, choice: Choice) -> Choice:
-        """The choice whose estimates `choice` shares: itself, or with the checkpointing mode whose
-        activations its own equal (`memory_checkpointing`: selective under fused attention keeps
-        what no checkpointing keeps). Only the step cost tells the two apart."""
+        """The choice whose fit checks `choice` shares: itself, or with the checkpointing mode whose
+        activations its own equal (`memory_checkpointing`: selective under fused attention keeps what no
+        checkpointing keeps), where no context-parallel ring tells them apart (estimate/mesh_cp.py). Only
+        the step time tells the two apart."""
         checkpointing = self._memory_modes[choice.checkpointing]
-        return choice if checkpointing == choice.checkpointing else choice._replace(checkpointing=checkpointing)
-
-    def estimate_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Estimate:
-        """The full estimate of one configuration, cached and shared with its memory twin (built
-        from its fit where there is one)."""
-        key = (self.memory_twin(choice), micro_batch, grad_accum)
-        found = self._evaluations.get(key)
-        if isinstance(found, Fit):
-            found = self._evaluations[key] = found.estimate()
-        elif found is None:
-            found = self._evaluations[key] = self.estimate(self.training(key[0], micro_batch, grad_accum))
-        return found
+        if checkpointing == choice.checkpointing or choice.mesh.cp > 1:
+            return choice
+        return choice._replace(checkpointing=checkpointing)
 
     def fit_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Fit | Estimate:
-        """The peak and host bytes of one configuration (`zeroplan.estimate.fit`), cached (the
+        """The peak and host bytes of a data-parallel configuration (`zeroplan.estimate.fit`), cached (the
         suggestions re-search with other limits) and shared with its memory twin."""
         key = (self.memory_twin(choice), micro_batch, grad_accum)
-        found = self._evaluations.get(key)
+        found = self._fits.get(key)
         if found is None:
             self.estimate_calls += 1
-            found = self._evaluations[key] = self._fit(self.model, self.training(key[0], micro_batch, grad_accum))
+            found = self._fits[key] = self._fit(self.model, self.training(key[0], micro_batch, grad_accum))
         return found
 
-    def fitting_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits, hint: int | None = None) -> int:
-        """How many of `pairs` (micro-batch ascending, all accumulating or none) fit on the GPU
-        and, per node, in host memory and on NVMe. Host bytes never shrink with the micro-batch
-        either, so the configurations that fit the host are a prefix too. `hint`, a guess of the
-        answer (the previous choice's), only changes how many estimates it takes."""
-        count = self._gpu_prefix(choice, pairs, limits, hint)
+    def mesh_peak(self, choice: Choice, micro_batch: int, grad_accum: int, budget_bytes: int) -> int | None:
+        """The worst rank's peak of a mesh configuration if every rank fits `budget_bytes`, else None (a rank
+        the model's rules refuse is None too: its choice is noted, `search`)."""
+        key = (self.memory_twin(choice), micro_batch, grad_accum, budget_bytes)
+        if key not in self._mesh_fits:
+            self.estimate_calls += 1
+            try:
+                worst = worst_within(self.model, self.training(key[0], micro_batch, grad_accum), budget_bytes)
+            except SpecError:
+                worst = None
+            self._mesh_fits[key] = None if worst is None else worst.estimate.peak_bytes
+        return self._mesh_fits[key]
+
+    def fitting_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits,
+                       hint: int | None = None) -> int:
+        """How many of `pairs` (micro-batch ascending, one memory group) fit on the GPU and, per node, in
+        host memory and on NVMe. Host bytes never shrink with the micro-batch either, so the configurations
+        that fit the host are a prefix too. `hint`, a guess of the answer (the previous choice's), only
+        changes how many fit checks it takes."""
+        if not choice.mesh.is_trivial:
+            budget = limits.budget_bytes
+            return _bisect_prefix(len(pairs), lambda i: self.mesh_peak(choice, *pairs[i], budget) is not None, hint)
+        count = self.gpu_prefix(choice, pairs, limits, hint)
         cpu_limit = limits.cpu_memory_bytes
         nvme_limit = limits.nvme_bytes or 0
 
@@ -247,31 +291,22 @@ class Planner:
 
         if count == 0 or host_fits(count - 1):
             return count
-        low, high = -1, count - 1  # host fits pairs[:low + 1], not pairs[high:]
-        while high - low > 1:
-            middle = (low + high) // 2
-            if host_fits(middle):
-                low = middle
-            else:
-                high = middle
-        return low + 1
+        return _bisect_prefix(count, host_fits, None)
 
-    def _gpu_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits, hint: int | None = None) -> int:
+    def gpu_prefix(self, choice: Choice, pairs: Sequence[tuple[int, int]], limits: Limits, hint: int | None = None) -> int:
         """How many of `pairs` have a peak within the GPU budget.
 
-        Correctness needs one property: the peak never shrinks as the micro-batch grows, so the
-        pairs that fit are a prefix, and the answer is k once pairs[k - 1] is seen to fit and
-        pairs[k] is seen not to (or k is 0 or the end). Speed comes from good first probes: the
-        hint (neighbouring choices often share their answer, settling it in two estimates), then
-        the convexity of g(m) = peak(m) - budget in the micro-batch m, since every phase of an
-        engine profile is the largest of a few points whose bytes are affine in m (activations
-        and logits are tokens x constants, plus what the batch shares). For a convex g the line
-        through the last two fitting probes meets zero at or after the last fitting m, and the
-        chord between a fitting and a failing probe meets zero at or before it. Both properties
-        are checked against full estimates in tests/test_plan.py; if convexity failed, only the
-        number of probes would grow."""
+        Correctness needs one property: the peak never shrinks as the micro-batch grows within a group, so
+        the pairs that fit are a prefix, and the answer is k once pairs[k - 1] is seen to fit and pairs[k]
+        is seen not to (or k is 0 or the end). Speed comes from good first probes: the hint (neighbouring
+        choices often share their answer, settling it in two fit checks), then the convexity of
+        g(m) = peak(m) - budget in the micro-batch m, since every phase of an engine profile is the largest
+        of a few points whose bytes are affine in m. For a convex g the line through the last two fitting
+        probes meets zero at or after the last fitting m, and the chord between a fitting and a failing
+        probe meets zero at or before it. Both properties are checked against full estimates in
+        tests/test_plan.py; if convexity failed, only the number of probes would grow."""
         budget = limits.budget_bytes
-        if len(pairs) == 1:  # e.g. a global batch without accumulation: one micro-batch, one probe
+        if len(pairs) == 1:
             return int(self.fit_at(choice, *pairs[0]).peak_bytes <= budget)
         micros = [micro for micro, _ in pairs]
         excess: dict[int, int] = {}
@@ -290,10 +325,10 @@ class Planner:
                 guess = 0
             elif high < len(pairs):  # chord between the bracket's ends: its zero is a fitting m if g is convex
                 zero = micros[low] - excess[low] * (micros[high] - micros[low]) / (excess[high] - excess[low])
-                guess = bisect_right(micros, zero) - 1
+                guess = bisect.bisect_right(micros, zero) - 1
             elif previous is not None:  # secant through the last two fitting probes: nothing fits past its zero
                 slope = (excess[low] - excess[previous]) / (micros[low] - micros[previous])
-                guess = len(pairs) - 1 if slope <= 0 else bisect_right(micros, micros[low] - excess[low] / slope) - 1
+                guess = len(pairs) - 1 if slope <= 0 else bisect.bisect_right(micros, micros[low] - excess[low] / slope) - 1
             else:
                 guess = low + 1
             guess = min(max(guess, low + 1), high - 1)
@@ -305,255 +340,238 @@ class Planner:
 
     # -- search ----------------------------------------------------------------------------------
     def choices(self, space: SearchSpace, limits: Limits) -> tuple[list[Choice], list[str]]:
+        """Every valid choice of `space`, and a note for each combination skipped (one per reason)."""
         targets = [t for t in space.offload_targets if t != Offload.NVME or limits.nvme_bytes is not None]
-        valid, notes = [], []
+        valid: list[Choice] = []
+        reasons: dict[str, list[str]] = {}  # why candidates were refused: the choices described
+        engine = self.base.engine
         for gpus in space.gpu_counts:
-            for stage in space.zero_stages or ENGINE_STAGES[self.base.engine]:
-                if stage == 0 or self.base.engine == Engine.TORCH:  # DDP and ZeroRedundancyOptimizer do not offload
-                    offloads = [(Offload.NONE, Offload.NONE)]
-                elif stage < 3:
-                    offloads = [(target, Offload.NONE) for target in targets]
-                elif self.base.engine == Engine.FSDP2:  # CPUOffloadPolicy moves parameters and optimizer together
-                    offloads = [(target, target) for target in targets]
-                else:
-                    offloads = [(opt, params) for opt in targets for params in targets]
-                for opt, params in offloads:
-                    for checkpointing in space.checkpointing:
-                        choice = Choice(stage, opt, params, checkpointing, gpus)
-                        spec = self._checked(choice)
-                        if isinstance(spec, str):
-                            if spec not in notes:
-                                notes.append(spec)
-                        else:
-                            valid.append(choice)
+            for mesh in self.meshes(space, gpus):
+                for stage in space.zero_stages or ENGINE_STAGES[engine]:
+                    if not mesh.is_trivial and not world_runs(mesh, gpus, self.base, stage):
+                        continue  # every policy and micro-batch of it would fail the same rule: none to note
+                    if stage == 0 or engine == Engine.TORCH:  # DDP and ZeroRedundancyOptimizer do not offload
+                        offloads = [(Offload.NONE, Offload.NONE)]
+                    elif not mesh.is_trivial:  # meshes are searched without offload
+                        offloads = [(Offload.NONE, Offload.NONE)]
+                    elif stage < 3:
+                        offloads = [(target, Offload.NONE) for target in targets]
+                    elif engine == Engine.FSDP2:  # CPUOffloadPolicy moves parameters and optimizer together
+                        offloads = [(target, target) for target in targets]
+                    else:
+                        offloads = [(opt, params) for opt in targets for params in targets]
+                    for opt, params in offloads:
+                        for policy in space.checkpointing:
+                            choice = Choice(stage, opt, params, policy.mode, gpus, mesh, policy.every)
+                            refused = self.refused(choice)
+                            if refused is None:
+                                valid.append(choice)
+                            else:
+                                reasons.setdefault(refused[1], []).append(refused[0])
+        if not valid and reasons:  # nothing to search: every candidate refused, and the first reason is the answer
+            reason, described = next(iter(reasons.items()))
+            raise SpecError(f"{described[0]} skipped: {reason}")
+        # one note per reason, however many candidates it refused
+        notes = [f"{described[0]} skipped: {reason}" if len(described) == 1 else
+                 f"{len(described)} choices skipped (e.g. {described[0]}): {reason}" for reason, described in reasons.items()]
         return valid, notes
 
-    def micro_batches(self, space: SearchSpace, gpus: int) -> list[tuple[int, int]]:
-        """(micro_batch, grad_accum) pairs searched on `gpus` GPUs, micro-batch ascending; empty if
-        the global batch does not split over `gpus`."""
+    def refused(self, choice: Choice) -> tuple[str, str] | None:
+        """Why the training spec or, on a mesh, the model's rules refuse `choice`: (the choice described, the
+        reason); None where they accept it."""
+        spec = self._checked(choice)
+        if isinstance(spec, str):
+            return self.describe(choice, policy=False), spec
+        if choice.mesh.is_trivial:
+            return None
+        accum = max(self.base.grad_accum, 2 * choice.mesh.pp) if choice.mesh.pp > 1 else self.base.grad_accum
+        try:
+            check_mesh(self.model, self.training(choice, self.base.micro_batch, accum))
+        except SpecError as error:
+            return self.describe(choice), str(error)
+        return None
+
+    def meshes(self, space: SearchSpace, gpus: int) -> list[MeshSpec]:
+        """The meshes of `gpus` GPUs the space searches: the base's own (all ones without --mesh), or every
+        mesh `meshes` enumerates with the given dimensions fixed."""
+        if space.mesh == "none":
+            return [self.base.mesh]
+        if not isinstance(self.model, TransformerSpec):
+            raise SpecError("mesh: a model given by parameter count cannot be cut by tp/cp/pp; give its config")
+        return meshes(self.model, self.base, gpus, dict(space.given))
+
+    def micro_batches(self, space: SearchSpace, gpus: int, mesh: MeshSpec = MeshSpec()) -> list[tuple[int, int]]:
+        """(micro_batch, grad_accum) pairs searched on `gpus` GPUs cut by `mesh`, micro-batch ascending; empty if
+        the global batch does not split over the data-parallel ranks. Without a global batch a pipeline runs at
+        least 2 x pp micro-batches per step (torchtitan needs at least pp for 1F1B)."""
         if space.micro_batches == "all":
             micros = range(1, space.max_micro_batch + 1)
         else:
             micros = [2**power for power in range(space.max_micro_batch.bit_length()) if 2**power <= space.max_micro_batch]
         if space.global_batch is None:
-            return [(micro, self.base.grad_accum) for micro in micros]
-        if space.global_batch % gpus:
+            accum = max(self.base.grad_accum, 2 * mesh.pp) if mesh.pp > 1 else self.base.grad_accum
+            return [(micro, accum) for micro in micros]
+        data_parallel = gpus // mesh.model_ranks
+        if space.global_batch % data_parallel:
             return []
-        per_gpu = space.global_batch // gpus
-        return [(micro, per_gpu // micro) for micro in micros if per_gpu % micro == 0]
+        per_rank = space.global_batch // data_parallel
+        return [(micro, per_rank // micro) for micro in micros if per_rank % micro == 0]
 
-    def search(self, space: SearchSpace, limits: Limits) -> tuple[int, list[Hit], list[str]]:
-        """Every configuration of `space`: (how many were evaluated, the ones that fit sorted
-        cheapest first, notes on what was skipped)."""
+    def groups(self, choice: Choice, pairs: list[tuple[int, int]]) -> list[tuple[Any, list[tuple[int, int]]]]:
+        """`pairs` split into the groups within which memory grows with the micro-batch: whether gradients
+        accumulate, and under a pipeline how many micro-batches each rank keeps in flight."""
+        grouped: dict[Any, list[tuple[int, int]]] = {}
+        mesh = choice.mesh
+        for pair in pairs:
+            key: Any = pair[1] > 1
+            if mesh.pp > 1:
+                key = (key, tuple(kind.in_flight for kind in rank_kinds(self.model, mesh, pair[1])))
+            grouped.setdefault(key, []).append(pair)
+        return list(grouped.items())
+
+    def search(self, space: SearchSpace, limits: Limits, top: int | None = None) -> tuple[int, list[Hit], list[str], int]:
+        """The configurations of `space` that fit, cheapest first: (configurations decided, hits, notes on what
+        was skipped, choices not checked). With `top`, choices are checked cheapest first and those whose
+        cheapest micro-batch costs more than the top-th checked choice's are not checked (`Plan.bounded`)."""
         choices, notes = self.choices(space, limits)
-        evaluated = 0
+        pairs_by: dict[tuple[int, MeshSpec], list[tuple[int, int]]] = {}
+        for choice in choices:
+            key = (choice.gpus, choice.mesh)
+            if key not in pairs_by:
+                pairs_by[key] = self.micro_batches(space, *key)
+                if not pairs_by[key]:
+                    where = f"{choice.gpus} GPUs" + ("" if choice.mesh.is_trivial else f" with {mesh_label(choice.mesh, choice.gpus)}")
+                    notes.append(f"{where} skipped: global batch {space.global_batch} does not split over its "
+                                 f"{choice.gpus // choice.mesh.model_ranks} data-parallel ranks")
+        pairs = [pairs_by[(choice.gpus, choice.mesh)] for choice in choices]
+        order = list(range(len(choices)))
+        if top is not None:
+            bounds = {index: min(map(self.step_model(choices[index]).seconds_per_token, *zip(*pairs[index])))
+                      for index in order if pairs[index]}
+            order = sorted(bounds, key=lambda index: (bounds[index], index))
+        evaluated, bounded = 0, 0
         fitting: list[Hit] = []
-        # per GPU count: the micro-batches without accumulation and with it (searched apart)
-        groups_by_gpus: dict[int, list[tuple[bool, list[tuple[int, int]], list[int]]]] = {}
-        for gpus in space.gpu_counts:
-            pairs = self.micro_batches(space, gpus)
-            if not pairs:
-                notes.append(f"{gpus} GPUs skipped: global batch {space.global_batch} is not divisible by {gpus}")
-            groups = [(on, [pair for pair in pairs if (pair[1] > 1) == on]) for on in (False, True)]
-            groups_by_gpus[gpus] = [(on, group, [micro for micro, _ in group]) for on, group in groups if group]
-        # Answers so far (the largest fitting micro-batch, 0 for none) as hints for the next choice:
-        # the same choice on another GPU count, else the last one with the same checkpointing (which
-        # moves the answer most) on this GPU count, else the last one on this GPU count.
+        best: list[float] = []  # the cheapest fitting configuration of each choice checked, ascending
         hints: dict[tuple, int] = {}
-        for order, choice in enumerate(choices):
-            seconds_per_token = None  # the cost model, built only for a choice where something fits
-            for accumulating, group, micros in groups_by_gpus[choice.gpus]:
+        for position, index in enumerate(order):
+            choice = choices[index]
+            if top is not None and len(best) >= top and bounds[index] > best[top - 1]:
+                bounded = len(order) - position
+                break
+            cheapest = None
+            for accumulating, group in self.groups(choice, pairs[index]):
                 evaluated += len(group)
-                same = (choice.zero_stage, choice.offload_optimizer, choice.offload_params, choice.checkpointing, accumulating)
-                near, last = (choice.gpus, accumulating, choice.checkpointing), (choice.gpus, accumulating)
-                hint = None
-                if len(group) > 1:
-                    twin = self.memory_twin(choice)
-                    hint = hints.get((twin, accumulating)) if twin != choice else None  # its answer, from shared estimates
-                    if hint is None:
-                        hint = hints.get(same, hints.get(near, hints.get(last)))
-                    if hint is not None:
-                        hint = bisect_right(micros, hint)
+                micros = [micro for micro, _ in group]
+                hint = self._hint(hints, choice, accumulating, micros)
                 count = self.fitting_prefix(choice, group, limits, hint)
-                hints[same] = hints[near] = hints[last] = hints[(choice, accumulating)] = group[count - 1][0] if count else 0
-                if count and seconds_per_token is None:
-                    seconds_per_token = self.cost_model(choice).seconds_per_token
-                for micro, accum in group[:count]:
-                    fitting.append(Hit(seconds_per_token(micro, accum), order, -micro, choice, accum))
+                self._remember(hints, choice, accumulating, group[count - 1][0] if count else 0)
+                if count:
+                    step = self.step_model(choice)
+                    for micro, accum in group[:count]:
+                        hit = Hit(step.seconds_per_token(micro, accum), index, -micro, choice, accum)
+                        fitting.append(hit)
+                        cheapest = hit.seconds_per_token if cheapest is None else min(cheapest, hit.seconds_per_token)
+            if cheapest is not None and self.memory_twin(choice) == choice:  # a twin is counted, never shown
+                bisect.insort(best, cheapest)
         fitting.sort()
-        return evaluated, fitting, notes
+        return evaluated, fitting, notes, bounded
+
+    def _hint(self, hints: dict, choice: Choice, accumulating, micros: list[int]) -> int | None:
+        """A guess of how many of `micros` fit: the memory twin's answer, else the same choice on another GPU
+        count, else the last choice with the same policy (which moves the answer most), else the last one."""
+        if len(micros) < 2:
+            return None
+        twin = self.memory_twin(choice)
+        found = hints.get((twin, accumulating)) if twin != choice else None
+        if found is None:
+            same = (choice.zero_stage, choice.offload_optimizer, choice.offload_params, choice.policy, choice.mesh, accumulating)
+            found = hints.get(same, hints.get((choice.gpus, accumulating, choice.policy), hints.get((choice.gpus, accumulating))))
+        return None if found is None else bisect.bisect_right(micros, found)
+
+    @staticmethod
+    def _remember(hints: dict, choice: Choice, accumulating, largest: int) -> None:
+        same = (choice.zero_stage, choice.offload_optimizer, choice.offload_params, choice.policy, choice.mesh, accumulating)
+        for key in (same, (choice.gpus, accumulating, choice.policy), (choice.gpus, accumulating), (choice, accumulating)):
+            hints[key] = largest
+
+    def best(self, space: SearchSpace, limits: Limits) -> Hit | None:
+        """The cheapest configuration of `space` that fits `limits`, or None."""
+        _, fitting, _, _ = self.search(space, limits, top=1 if space.mesh == "search" else None)
+        return fitting[0] if fitting else None
 
 
-# -- explaining the ranking ----------------------------------------------------------------------
-def _frozen_volume(stage: int, engine: Engine) -> str:
-    """What `step_cost_model` moves with frozen parameters: gradients and updated parameters are the
-    trained Ψt; stage 3 and FSDP2 gather all Ψ for compute."""
-    if stage == 3:
-        return "2Ψ + Ψt per micro-batch"
-    if stage == 2:
-        return "Ψ + Ψt per micro-batch" if engine == Engine.FSDP2 else "Ψt per micro-batch + Ψt per step"
-    return "3Ψt per step" if stage == 1 and engine == Engine.TORCH else "2Ψt per step"
+def _bisect_prefix(length: int, fits: Callable[[int], bool], hint: int | None) -> int:
+    """How many of `length` items fit, the ones that fit being a prefix: bisection, after probing the hint (a
+    guess of the answer: its last fitting item and the first after it)."""
+    low, high = -1, length  # items [0, low] fit, items [high, length) do not
+    if hint is not None and 0 < hint <= length:
+        if fits(hint - 1):
+            low = hint - 1
+            if hint < length:
+                low, high = (hint, high) if fits(hint) else (low, hint)
+        else:
+            high = hint - 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low + 1
 
 
-def _why(cost: StepCost, choice: Choice, micro_batch: int, training: TrainingSpec, flops: ModelFlops) -> dict[str, str]:
-    stage = choice.zero_stage
-    volume = "3Ψ per micro-batch" if stage == 3 else ("Ψ per micro-batch + Ψ per step" if stage == 2 else "2Ψ per step")
-    if flops.trainable_params < flops.params:  # gradients and updated parameters are the trained Ψt only
-        volume = _frozen_volume(stage, training.engine)
-        volume += f" (Ψt = {flops.trainable_params:,} trained)"
-    where = "across nodes" if choice.gpus > training.node_gpus else "inside a node"
-    offloaded = [f"{what} over PCIe" for what, target in (("optimizer", choice.offload_optimizer), ("params", choice.offload_params)) if target != Offload.NONE]
-    return {
-        "compute": f"micro-batch {micro_batch} x {training.seq_len} tokens",
-        "recompute": f"{choice.checkpointing.value} checkpointing recomputes in backward",
-        "communication": f"ZeRO-{stage} moves {volume} {where}",
-        "offload": "offload traffic: " + (", ".join(offloaded) or "none"),
-        "optimizer": "CPU optimizer step" if choice.offload_optimizer != Offload.NONE else "optimizer step on the GPU",
-    }
+def plan(model, base: TrainingSpec, space: SearchSpace, limits: Limits, rates: Rates, top: int = 5,
+         estimator: Estimator | None = None, planner: Planner | None = None, cost_bound: bool = True) -> Plan:
+    """Search `space` for configurations of `model` that fit `limits`, cheapest first: each choice shown once,
+    at its cheapest micro-batch. A mesh search checks choices cheapest first and leaves out those that cannot
+    rank in the top (`cost_bound`; without it every choice is checked: the same plan, tests/test_mesh_plan_speed.py)."""
+    from zeroplan.plan.reasons import reason
+    from zeroplan.plan.suggest import suggest
 
-
-def _reason(rank: int, cost: StepCost, best: StepCost, choice: Choice, micro_batch: int, training: TrainingSpec,
-            flops: ModelFlops) -> str:
-    why = _why(cost, choice, micro_batch, training, flops)
-    per_token = {name: value / cost.tokens for name, value in cost.terms().items()}
-    if rank == 1:
-        overheads = {name: value for name, value in per_token.items() if name != "compute"}
-        worst = max(overheads, key=overheads.get)
-        share = per_token["compute"] / sum(per_token.values())
-        return f"cheapest: {share:.0%} of the step is compute; largest other term: {why[worst]}"
-    best_per_token = {name: value / best.tokens for name, value in best.terms().items()}
-    extra = {name: per_token[name] - best_per_token[name] for name in per_token}
-    worst = max(extra, key=extra.get)
-    slower = cost.gpu_seconds_per_token / best.gpu_seconds_per_token - 1
-    if slower < 0.0005:
-        return f"same cost as #1 within 0.05% ({why['communication']}); the simpler config ranks first"
-    return f"+{slower:.1%} vs #1, mostly {worst}: {why[worst]}"
-
-
-def plan(
-    model,
-    base: TrainingSpec,
-    space: SearchSpace,
-    limits: Limits,
-    assumptions: Assumptions,
-    top: int = 5,
-    estimator: Estimator | None = None,
-    planner: Planner | None = None,
-) -> Plan:
-    """Search `space` for configurations of `model` that fit `limits`, cheapest first."""
     if space.global_batch is not None and space.global_batch < 1:
         raise FieldError("global_batch", f"must be at least 1, got {space.global_batch}")
     if space.global_batch is not None and all(space.global_batch % gpus for gpus in space.gpu_counts):
         counts = ", ".join(str(g) for g in space.gpu_counts)
         raise FieldError("global_batch", f"{space.global_batch} is not divisible by the GPU count ({counts})")
-    return _plan(planner or Planner(model, base, assumptions, estimator), model, space, limits, assumptions, top)
-
-
-def _plan(planner: Planner, model, space: SearchSpace, limits: Limits, assumptions: Assumptions, top: int) -> Plan:
-    evaluated, fitting, notes = planner.search(space, limits)
-    # A configuration whose memory twin is another choice (selective checkpointing under fused
-    # attention) fits exactly where its twin does and costs at least as much (it only adds
-    # recomputation): it is counted, not ranked.
+    planner = planner or Planner(model, base, rates, estimator)
+    searching = space.mesh == "search"
+    evaluated, fitting, notes, bounded = planner.search(space, limits, top=top if searching and cost_bound else None)
+    # A configuration whose memory twin is another choice (selective checkpointing under fused attention)
+    # fits exactly where its twin does and costs at least as much (it only adds recomputation): counted, not ranked.
     candidates = [hit for hit in fitting if planner.memory_twin(hit.choice) == hit.choice]
     if len(candidates) < len(fitting):
         notes.append(f"{len(fitting) - len(candidates)} configurations with selective checkpointing are not ranked: under "
                      "fused attention it keeps what no checkpointing keeps (the kernel stores no attention scores) "
                      "and only adds recomputation")
-    ranked = []
-    for hit in candidates[:top]:
-        ranked.append(_ranked(planner, len(ranked) + 1, hit, ranked[0].cost if ranked else None))
+    shown, seen = [], set()
+    for hit in candidates:
+        if hit.choice not in seen:
+            seen.add(hit.choice)
+            shown.append(hit)
+    ranked: list[RankedConfig] = []
+    for hit in shown[:top]:
+        ranked.append(_ranked(planner, len(ranked) + 1, hit, ranked[0] if ranked else None, reason))
     largest = None
-    if candidates:  # the most sequences per micro-batch; the cheapest of those
+    if candidates and not searching:  # the most sequences per micro-batch; the cheapest of those
         index = min(range(len(candidates)), key=lambda i: (candidates[i].minus_micro_batch, i))
-        largest = _ranked(planner, index + 1, candidates[index], ranked[0].cost)
+        position = next(i for i, hit in enumerate(shown) if hit.choice == candidates[index].choice)
+        largest = _ranked(planner, position + 1, candidates[index], ranked[0], reason)
     for config in ranked[:1]:  # e.g. "model given by parameter count: activations are not estimated"
-        notes.extend(note for note in config.estimate.notes if note not in notes)
+        notes.extend(note for note in config.worst.notes if note not in notes)
     estimate_calls = planner.estimate_calls  # the search and the shown configs; not the suggestions
     suggestions = () if fitting else tuple(suggest(planner, space, limits))
-    return Plan(
-        model_name=getattr(model, "name", "model"),
-        limits=limits,
-        assumptions=assumptions,
-        evaluated=evaluated,
-        fitting=len(fitting),
-        estimate_calls=estimate_calls,
-        top=tuple(ranked),
-        largest_micro_batch=largest,
-        suggestions=suggestions,
-        notes=tuple(notes),
-    )
+    return Plan(getattr(model, "name", "model"), limits, rates, evaluated, len(fitting), estimate_calls, tuple(ranked),
+                largest, suggestions, tuple(notes), bounded, space.gpu_counts, searching)
 
 
-def _ranked(planner: Planner, rank: int, hit: Hit, best: StepCost | None) -> RankedConfig:
+def _ranked(planner: Planner, rank: int, hit: Hit, best: RankedConfig | None, reason) -> RankedConfig:
     choice, micro, accum = hit.choice, hit.micro_batch, hit.grad_accum
     training = planner.training(choice, micro, accum)
-    cost = planner.cost_model(choice).step_cost(micro, accum)
-    reason = _reason(rank, cost, best or cost, choice, micro, training, planner.model_flops())
-    return RankedConfig(rank, choice, micro, accum, training, planner.estimate_at(choice, micro, accum), cost, reason)
-
-
-def _best(planner: Planner, space: SearchSpace, limits: Limits) -> Hit | None:
-    _, fitting, _ = planner.search(space, limits)
-    return fitting[0] if fitting else None
-
-
-def suggest(planner: Planner, space: SearchSpace, limits: Limits, max_gpus: int = 65536) -> list[str]:
-    """When nothing in `space` fits: the smallest changes that would, each checked by a search."""
-    from dataclasses import replace
-
-    from zeroplan.importers.gpus import all_gpus
-    from zeroplan.spec.units import format_bytes
-
-    found = []
-
-    def describe(hit: Hit) -> str:
-        accumulation = f" x {hit.grad_accum} accumulation" if hit.grad_accum > 1 else ""
-        return f"{hit.choice.label()}, micro-batch {hit.micro_batch}{accumulation}"
-
-    all_checkpointing = (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
-    if set(space.checkpointing) != set(all_checkpointing):
-        hit = _best(planner, replace(space, checkpointing=all_checkpointing), limits)
-        if hit:
-            found.append(f"allow activation checkpointing (--checkpointing {hit.choice.checkpointing.value}): {describe(hit)}")
-    if Offload.CPU not in space.offload_targets:
-        hit = _best(planner, replace(space, offload_targets=tuple(space.offload_targets) + (Offload.CPU,)), limits)
-        if hit:
-            found.append(f"allow CPU offload (--offload cpu): {describe(hit)}")
-    if limits.cpu_memory_bytes is not None:
-        hit = _best(planner, space, replace(limits, cpu_memory_bytes=None))
-        if hit:
-            needed = planner.fit_at(hit.choice, hit.micro_batch, hit.grad_accum).per_node.cpu_bytes
-            found.append(f"more CPU memory per node ({format_bytes(needed, 'GiB')}): {describe(hit)}")
-    relaxed_space = replace(space, checkpointing=all_checkpointing,
-                            offload_targets=tuple(dict.fromkeys((*space.offload_targets, Offload.CPU))))
-    relaxed_limits = replace(limits, cpu_memory_bytes=None)
-    # More GPUs or a bigger GPU: first as searched, then (if nothing smaller worked) together with
-    # checkpointing and unlimited CPU offload.
-    attempts = [(space, limits, "")]
-    if not found and (relaxed_space, relaxed_limits) != (space, limits):
-        attempts.append((relaxed_space, relaxed_limits, " with checkpointing and CPU offload allowed"))
-    for try_space, try_limits, extra in attempts:
-        gpus = max(space.gpu_counts)
-        while gpus * 2 <= max_gpus:
-            gpus *= 2
-            if space.global_batch is not None and space.global_batch % gpus:
-                break
-            hit = _best(planner, replace(try_space, gpu_counts=(gpus,)), try_limits)
-            if hit:
-                found.append(f"use {gpus} GPUs (--gpus {gpus}){extra}: {describe(hit)}")
-                break
-        for gpu in all_gpus():
-            if gpu.memory_bytes <= limits.gpu_memory_bytes:
-                continue
-            hit = _best(planner, try_space, replace(try_limits, gpu_memory_bytes=gpu.memory_bytes))
-            if hit:
-                found.append(f"a GPU with more memory (--gpu {gpu.name}, {gpu.stated_memory}){extra}: {describe(hit)}")
-                break
-        if found:
-            break
-    if not found:
-        found.append(f"nothing tried fits (up to {max_gpus} GPUs, every GPU preset): shorten the sequence or use model parallelism")
-    return found
+    planner.estimate_calls += 1
+    estimate = estimate_mesh(planner.model, training)
+    step = planner.step_model(choice).at(micro, accum)
+    config = RankedConfig(rank, choice, micro, accum, training, estimate, step, "")
+    return RankedConfig(rank, choice, micro, accum, training, estimate, step, reason(config, best or config))
 
 
 def parse_gpu_counts(text: str) -> tuple[int, ...]:

@@ -32,9 +32,10 @@ def percent(error: float | None) -> str:
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], markdown: bool = False, left: int = 1,
-          colalign: Sequence[str] | None = None) -> str:
+          colalign: Sequence[str] | None = None, wrap: Sequence[int | None] | None = None) -> str:
     """A table whose cells are shown as given: the first `left` columns left-aligned and the rest
-    right-aligned (figures), unless `colalign` says otherwise; github-flavoured in markdown."""
+    right-aligned (figures), unless `colalign` says otherwise; github-flavoured in markdown. `wrap` gives
+    each column's widest line (None: as wide as its text); a markdown table cannot break a cell, so it never wraps."""
     from tabulate import tabulate  # imported when a table is drawn, not for json/csv
 
     return tabulate(
@@ -43,4 +44,5 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], markdown: bool 
         tablefmt="github" if markdown else "simple",
         disable_numparse=True,
         colalign=tuple(colalign) if colalign else ("left",) * left + ("right",) * (len(headers) - left),
+        maxcolwidths=None if markdown or wrap is None else list(wrap),
     )

@@ -89,8 +89,9 @@ def _ranks_table(data: dict[str, Any], units: str, markdown: bool) -> str:
         rows.append([rank["kind"], rank["ranks"], rank["micro_batches_in_flight"]]
                     + [amount(per_gpu[key], units) for key in CATEGORY_LABELS]
                     + [amount(per_gpu["peak"], units), f"{per_gpu['peak_step']} {per_gpu['peak_phase']}",
-                       "<- worst" if index == data["worst_rank"] else ""])
-    return table(rows, ["rank kind", "GPUs", "in flight", *CATEGORY_LABELS.values(), "peak", "at", ""], markdown)
+                       "<-" if index == data["worst_rank"] else ""])
+    return table(rows, ["rank kind", "GPUs", "in flight", *CATEGORY_LABELS.values(), "peak", "at", "worst"], markdown,
+                 colalign=("left",) + ("right",) * (len(CATEGORY_LABELS) + 4) + ("left",))
 
 
 def _terms_table(data: dict[str, Any], units: str, markdown: bool) -> str:
@@ -100,23 +101,23 @@ def _terms_table(data: dict[str, Any], units: str, markdown: bool) -> str:
     return table(rows, ["term", "category", units, "source"], markdown, colalign=("left", "left", "right", "left"))
 
 
+def estimate_header(data: dict[str, Any], markdown: bool = False) -> list[str]:
+    """The lines that say what was estimated: the model, the configuration, the program."""
+    model = data["model"]
+    # A model given by its count alone is named after it ("7,500,000,000 params"): no need to repeat.
+    name = "" if model["name"] == f"{model['params']:,} params" else f"{model['name']}: "
+    first = f"{name}{model['params']:,} parameters ({model['trainable_params']:,} trainable); activation model: " \
+            f"{model['implementation']}"
+    return [f"### {first}" if markdown else first, _describe_config(data), _describe_program(data)]
+
+
 def _estimate_text(data: dict[str, Any], units: str, markdown: bool, explain: bool = False) -> str:
-    model, per_gpu, per_node = data["model"], data["per_gpu"], data["per_node"]
+    per_gpu, per_node = data["per_gpu"], data["per_node"]
 
     def heading(text: str) -> str:
         return f"### {text}" if markdown else text
 
-    # A model given by its count alone is named after it ("7,500,000,000 params"): no need to repeat.
-    name = "" if model["name"] == f"{model['params']:,} params" else f"{model['name']}: "
-    out = [
-        heading(
-            f"{name}{model['params']:,} parameters ({model['trainable_params']:,} trainable);"
-            f" activation model: {model['implementation']}"
-        ),
-        _describe_config(data),
-        _describe_program(data),
-        "",
-    ]
+    out = [*estimate_header(data, markdown), ""]
     if _is_mesh(data):
         worst = data["ranks"][data["worst_rank"]]["kind"]
         out += [describe_mesh(data["mesh"]), "", heading(f"Per GPU at the peak, by rank kind ({units})"),
@@ -142,8 +143,9 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool, explain: bo
                 + [amount(row["total"], units), _peak_marker(row, per_gpu)]
                 for row in data["phases"]
             ],
-            ["step phase", *_SHORT_LABELS.values(), "total", ""],
+            ["step phase", *_SHORT_LABELS.values(), "total", "peak"],
             markdown,
+            colalign=("left",) + ("right",) * (len(_SHORT_LABELS) + 1) + ("left",),
         ),
         "",
         heading("Per node"),
@@ -154,6 +156,8 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool, explain: bo
                "while they have room, host RAM under pressure)" if per_node.get("unified") else "")
         ),
     ]
+    if "device_memory" in data:
+        out += ["", heading(f"On the GPU ({units})"), *_device_lines(data, units)]
     if "fits" in data:
         free = gpu_memory_left_bytes(data)
         verdict = (
@@ -167,9 +171,23 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool, explain: bo
     return "\n".join(out) + "\n"
 
 
+def _device_lines(data: dict[str, Any], units: str) -> list[str]:
+    """The worst rank's three figures on the GPU: what torch.cuda and nvidia-smi would report."""
+    per_gpu, device = data["per_gpu"], data["device_memory"]
+    outside = ", ".join(f"{term['name']} {amount(term['bytes'], units)}" for term in device["outside"])
+    lines = [f"allocated {amount(per_gpu['allocated'], units)} (torch.cuda.max_memory_allocated: the tensors as the caching "
+             f"allocator rounds them, and cuBLAS's workspaces)",
+             f"reserved  {amount(per_gpu['reserved'], units)} (torch.cuda.max_memory_reserved: its segments, "
+             f"{device['segments']} at the end; {device['num_alloc_retries']} retries after freeing its cache)",
+             f"device    {amount(per_gpu['device'], units)} (nvidia-smi: reserved and, outside the allocator, {outside})"]
+    if device["ran_out_of_memory"]:
+        lines.append("the allocator runs out of this GPU's memory: the figures are what the run would need")
+    return lines
+
+
 def _peak_marker(row: dict[str, Any], per_gpu: dict[str, Any]) -> str:
     is_peak = (row["step"], row["phase"]) == (per_gpu["peak_step"], per_gpu["peak_phase"])
-    return "<- peak" if is_peak else ""
+    return "<-" if is_peak else ""  # under the column "peak"
 
 
 def _estimate_csv(data: dict[str, Any], units: str) -> str:

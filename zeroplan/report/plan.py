@@ -1,118 +1,110 @@
-"""Formatting a `Plan` (zeroplan.plan.search): table, JSON, CSV or Markdown. No arithmetic beyond units."""
+"""Formatting a plan (`zeroplan.plan.serialize.plan_to_dict`, with or without a mesh search) and a configuration's
+step time and suggestions: table, JSON, CSV or Markdown. No arithmetic beyond units and shares."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
-from typing import TYPE_CHECKING
+from typing import Any
 
 from zeroplan.errors import SpecError
-from zeroplan.estimate.serialize import per_gpu_to_dict, per_node_to_dict
 from zeroplan.report.common import FORMATS, amount, table
-
-if TYPE_CHECKING:
-    from zeroplan.plan.search import Plan, RankedConfig
 
 _GB = 10**9
 
 
-def _config_dict(config: RankedConfig) -> dict:
-    return {
-        "rank": config.rank,
-        "config": config.choice.label(),
-        "zero_stage": config.choice.zero_stage,
-        "offload_optimizer": config.choice.offload_optimizer.value,
-        "offload_params": config.choice.offload_params.value,
-        "checkpointing": config.choice.checkpointing.value,
-        "gpus": config.choice.gpus,
-        "micro_batch": config.micro_batch,
-        "grad_accum": config.grad_accum,
-        "per_gpu": per_gpu_to_dict(config.estimate),  # the shapes of `zeroplan estimate --format json`
-        "per_node": per_node_to_dict(config.estimate.per_node),
-        "step_seconds": {**config.cost.terms(), "total": config.cost.step_s},
-        "tokens_per_step_per_gpu": config.cost.tokens,
-        "gpu_seconds_per_million_tokens": config.cost.gpu_seconds_per_token * 1e6,
-        "reason": config.reason,
-    }
+def step_line(data: dict[str, Any]) -> str:
+    """One line saying where the step goes: `data` from `step_to_dict`."""
+    terms = sorted(((name, value) for name, value in data["terms"].items() if value > 0), key=lambda item: -item[1])
+    parts = ", ".join(f"{name} {value / data['seconds']:.0%}" for name, value in terms)
+    return (f"Step: {data['seconds']:.3f} s, {data['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+            f"{data['mfu']:.1%} MFU; {parts}")
 
 
-def plan_to_dict(plan: Plan) -> dict:
-    """The plan as plain data: bytes as ints, seconds as floats."""
-    return {
-        "model": plan.model_name,
-        "gpu_memory": plan.limits.gpu_memory_bytes,
-        "headroom": plan.limits.headroom,
-        "budget": plan.limits.budget_bytes,
-        "cpu_memory_per_node": plan.limits.cpu_memory_bytes,
-        "nvme_per_node": plan.limits.nvme_bytes,
-        "evaluated": plan.evaluated,
-        "fitting": plan.fitting,
-        "estimate_calls": plan.estimate_calls,
-        "top": [_config_dict(config) for config in plan.top],
-        "largest_micro_batch": None if plan.largest_micro_batch is None else _config_dict(plan.largest_micro_batch),
-        "suggestions": list(plan.suggestions),
-        "assumptions": plan.assumptions.model_dump(),
-        "notes": list(plan.notes),
-    }
+def suggestion_lines(data: list[dict[str, Any]], units: str) -> list[str]:
+    if not data:
+        return ["Nothing tried fits (a smaller micro-batch, checkpointing, a higher stage, offload, up to 65,536 GPUs)."]
+    return ["Smallest changes that would fit:"] + [
+        f"  - {s['what']} ({s['change']}): peak {amount(s['peak'], units)} {units}" for s in data]
 
 
-def _assumption_lines(plan: Plan) -> list[str]:
-    a = plan.assumptions
+def _assumption_lines(a: dict[str, Any]) -> list[str]:
+    knobs = [name for name, on in (("torch.compile", a["compile"]), ("float8", a["float8"]), ("async TP", a["async_tp"]))
+             if on]
+    calibrated = f", calibrated x{a['calibration']:.3g}" if a["calibration"] != 1 else ""
     return [
-        f"assumptions (override with options): GPU {a.gpu_flops_per_s / 1e12:,.0f} TFLOP/s dense bf16 at up to "
-        f"{a.max_efficiency:.0%} efficiency, half of that at {a.half_efficiency_tokens} tokens per micro-batch;",
-        f"  GPU-GPU {a.intra_node_bytes_per_s / _GB:,.0f} GB/s in a node, {a.inter_node_bytes_per_s / _GB:,.0f} GB/s "
-        f"between nodes; PCIe {a.pcie_bytes_per_s / _GB:,.0f} GB/s; HBM {a.hbm_bytes_per_s / _GB:,.0f} GB/s; CPU memory "
-        f"{a.cpu_memory_bytes_per_s / _GB:,.0f} GB/s and NVMe {a.nvme_bytes_per_s / _GB:,.1f} GB/s per node "
-        "(one direction; no overlap of communication with compute)",
-        f"  GPU figures: {a.source}",
+        f"assumptions (override with options): GPU {a['gpu_flops_per_s'] / 1e12:,.0f} TFLOP/s dense bf16, a step's "
+        f"compute at {a['step_efficiency']:.1%} MFU{calibrated}, FlashAttention at {a['attention_utilization']:.0%} of "
+        f"peak, matmuls at up to {a['matmul_flops_per_s'] / 1e12:,.0f} TFLOP/s (the memory's pace when smaller)"
+        + (f"; {', '.join(knobs)}" if knobs else "") + ";",
+        f"  GPU-GPU {a['intra_node_bytes_per_s'] / _GB:,.0f} GB/s in a node, {a['inter_node_bytes_per_s'] / _GB:,.0f} "
+        f"GB/s between nodes; PCIe {a['pcie_bytes_per_s'] / _GB:,.0f} GB/s; HBM {a['hbm_bytes_per_s'] / _GB:,.0f} GB/s; "
+        f"CPU memory {a['cpu_memory_bytes_per_s'] / _GB:,.0f} GB/s and NVMe {a['nvme_bytes_per_s'] / _GB:,.1f} GB/s per "
+        "node (one direction; collectives overlap compute where the engine prefetches: docs/throughput.md)",
+        f"  GPU figures: {a['source']}",
     ]
 
 
-def render_plan(plan: Plan, fmt: str = "table", units: str = "GiB") -> str:
+def _config_cell(config: dict) -> str:
+    if config["mesh"] is None:
+        return config["config"]
+    mesh = config["mesh"]
+    parts = [f"{name} {mesh[name]}" for name in ("tp", "cp") if mesh[name] > 1]
+    if mesh["pp"] > 1:
+        parts.append(f"pp {mesh['pp']} {mesh['pp_schedule']}")
+    parts.append(f"dp {mesh['dp_shard']}" + (f" x {mesh['dp_replicate']}" if mesh["dp_replicate"] > 1 else ""))
+    if mesh["ep"] > 1:
+        parts.append(f"ep {mesh['ep']}")
+    return f"{config['config']}, {' '.join(parts)}"
+
+
+WHY_WIDTH = 80  # the reason column's widest line: a plan reads in a terminal, not a page 300 characters wide
+
+
+def render_plan(data: dict[str, Any], fmt: str = "table", units: str = "GiB") -> str:
+    """`data` from `zeroplan.plan.serialize.plan_to_dict`."""
     if fmt == "json":
-        return json.dumps(plan_to_dict(plan), indent=2) + "\n"
-    configs = list(plan.top)
+        return json.dumps(data, indent=2) + "\n"
+    configs = data["top"]
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(["rank", "config", "gpus", "micro_batch", "grad_accum", "peak_bytes", "cpu_per_node_bytes",
                          "nvme_per_node_bytes", "step_seconds", "gpu_seconds_per_million_tokens", "reason"])
         for config in configs:
-            data = _config_dict(config)
-            writer.writerow([data["rank"], data["config"], data["gpus"], data["micro_batch"], data["grad_accum"],
-                             data["per_gpu"]["peak"], data["per_node"]["cpu"], data["per_node"]["nvme"],
-                             f"{config.cost.step_s:.6g}", f"{data['gpu_seconds_per_million_tokens']:.6g}", data["reason"]])
+            writer.writerow([config["rank"], _config_cell(config), config["gpus"], config["micro_batch"],
+                             config["grad_accum"], config["per_gpu"]["peak"], config["per_node"]["cpu"],
+                             config["per_node"]["nvme"], f"{config['step']['seconds']:.6g}",
+                             f"{config['gpu_seconds_per_million_tokens']:.6g}", config["reason"]])
         return out.getvalue()
     if fmt not in FORMATS:
         raise SpecError(f"--format: unknown format {fmt!r}; use {', '.join(FORMATS)}")
-    limits = plan.limits
-    lines = [
-        f"{plan.model_name}: {amount(limits.gpu_memory_bytes, units)} {units} per GPU, budget {amount(limits.budget_bytes, units)} {units} "
-        f"after {limits.headroom:.0%} headroom; searched {plan.evaluated:,} configurations "
-        f"({plan.estimate_calls:,} memory-model evaluations), {plan.fitting:,} fit",
-    ]
+    head = (f"{data['model']}: {amount(data['gpu_memory'], units)} {units} per GPU, budget "
+            f"{amount(data['budget'], units)} {units} after {data['headroom']:.0%} headroom; searched "
+            f"{data['evaluated']:,} configurations ({data['estimate_calls']:,} memory-model evaluations), "
+            f"{data['fitting']:,} fit")
+    if data["cost_bounded"]:
+        head += (f"; {data['cost_bounded']:,} more choices could not rank in the top {len(configs) or 1} at any "
+                 "micro-batch (a bound on their cost) and were not checked")
+    lines = [head]
     if configs:
-        rows = []
-        for config in configs:
-            cost = config.cost
-            rows.append([
-                str(config.rank), config.choice.label(), str(config.choice.gpus), f"{config.micro_batch} x {config.grad_accum}",
-                amount(config.estimate.peak_bytes, units), amount(config.estimate.per_node.cpu_bytes, units), f"{cost.step_s:.3f}",
-                f"{cost.tokens_per_s:,.0f}", config.reason,
-            ])
+        rows = [[str(c["rank"]), _config_cell(c), str(c["gpus"]), f"{c['micro_batch']} x {c['grad_accum']}",
+                 amount(c["per_gpu"]["peak"], units), amount(c["per_node"]["cpu"], units), f"{c['step']['seconds']:.3f}",
+                 f"{c['step']['tokens_per_s_per_gpu']:,.0f}", f"{c['step']['mfu']:.0%}", c["reason"]] for c in configs]
         headers = ["#", "config", "GPUs", "micro x accum", f"peak ({units})", f"CPU/node ({units})", "step (s)",
-                   "tokens/s/GPU", "why it ranks here"]
+                   "tokens/s/GPU", "MFU", "why it ranks here"]
         lines.append(table(rows, headers, markdown=fmt == "markdown",
-                           colalign=("right", "left", "right", "right", "right", "right", "right", "right", "left")))
-        largest = plan.largest_micro_batch
+                           colalign=("right", "left", "right", "right", "right", "right", "right", "right", "right",
+                                     "left"), wrap=[None] * 9 + [WHY_WIDTH]))
+        largest = data["largest_micro_batch"]
         if largest is not None:
-            lines.append(f"largest micro-batch that fits: {largest.micro_batch} ({largest.choice.label()} on "
-                         f"{largest.choice.gpus} GPUs, peak {amount(largest.estimate.peak_bytes, units)} {units}, rank {largest.rank})")
+            lines.append(f"largest micro-batch that fits: {largest['micro_batch']} ({_config_cell(largest)} on "
+                         f"{largest['gpus']} GPUs, peak {amount(largest['per_gpu']['peak'], units)} {units}, rank "
+                         f"{largest['rank']})")
     else:
         lines.append("nothing fits. Smallest changes that would:")
-        lines.extend(f"  - {suggestion}" for suggestion in plan.suggestions)
-    lines.extend(_assumption_lines(plan))
-    lines.extend(f"note: {note}" for note in plan.notes)
+        lines.extend(f"  - {suggestion}" for suggestion in data["suggestions"])
+    lines.extend(_assumption_lines(data["assumptions"]))
+    lines.extend(f"note: {note}" for note in data["notes"])
     return "\n".join(lines) + "\n"

@@ -4,11 +4,13 @@ imported only here and only when a picture is asked for."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zeroplan.errors import MissingDependencyError, SpecError
 from zeroplan.estimate.result import CATEGORY_NAMES
+from zeroplan.spec.files import write_atomic
 from zeroplan.spec.units import bytes_in_unit
 
 if TYPE_CHECKING:
@@ -23,14 +25,24 @@ _LABELS = {
     "temporaries": "temporaries",
     "overhead": "overhead",
 }
+_MISSING = "--plot needs matplotlib: pip install 'zeroplan[plot]'"
 _COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#8C8C8C")
+
+
+def check_plotting() -> None:
+    """Refuse a picture that cannot be drawn before anything is computed (matplotlib missing), without
+    importing matplotlib, which takes longer than the estimates."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise MissingDependencyError(_MISSING)
 
 
 def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise MissingDependencyError("--plot needs matplotlib: pip install 'zeroplan[plot]'") from None
+        raise MissingDependencyError(_MISSING) from None
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
@@ -73,6 +85,12 @@ def plot_comparison(comparison: Comparison, path: str | Path, units: str = "GiB"
     axes.legend(handles[::-1], names[::-1], fontsize=8, loc="upper right")  # same order as the stack
     figure.tight_layout()
     path = Path(path)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    picture = io.BytesIO()  # drawn whole first, then written as every output file is (spec/files.py)
+    try:
+        figure.savefig(picture, dpi=120, format=path.suffix.lstrip(".").lower() or "png")
+    except ValueError as error:  # "Format 'txt' is not supported (supported formats: ...)"
+        raise SpecError(f"--plot: {error}") from None
+    finally:
+        plt.close(figure)
+    write_atomic(path, picture.getvalue(), "--plot")
     return path

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from zeroplan.errors import SpecError
-from zeroplan.spec.validation import describe_validation_error
+from zeroplan.spec.limits import MAX_SMALL_COUNT
+from zeroplan.spec.validation import describe_validation_error, shown
 
 if TYPE_CHECKING:
     from zeroplan.spec.training import TrainingSpec
@@ -45,12 +46,12 @@ class LoraSpec(BaseModel):
 
     model_config = _STRICT
 
-    rank: int = Field(ge=1, description="LoRA rank r: A is (r, in), B is (out, r) for every adapted linear.")
-    alpha: float | None = Field(None, description="lora_alpha (scaling alpha / r; no bytes). [default: PEFT's, 8]")
+    rank: int = Field(ge=1, le=MAX_SMALL_COUNT, description="LoRA rank r: A is (r, in), B is (out, r) for every adapted linear.")
+    alpha: float | None = Field(None, gt=0, allow_inf_nan=False, description="lora_alpha (scaling alpha / r; no bytes). [default: PEFT's, 8]")
     targets: tuple[str, ...] = Field(
         min_length=1, description="Modules to adapt, by name as PEFT matches them (q_proj, v_proj, "
         "c_attn, query_key_value, ...), or all-linear: every linear layer except the output head.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="lora_dropout on each adapter's input (PEFT's default 0: "
+    dropout: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False, description="lora_dropout on each adapter's input (PEFT's default 0: "
                            "nn.Identity, nothing kept).")
     dora: bool = Field(False, description="use_dora: a magnitude vector (out) per adapted linear, and the weight "
                        "norm computed in every forward.")
@@ -210,7 +211,13 @@ def lora_spec_from_adapter_dict(data: dict[str, Any], where: str = "adapter_conf
     if targets is None:
         raise SpecError(f"{where}: target_modules: missing (PEFT fills it from the model type; give the names)")
     if isinstance(targets, str):
-        targets = [ALL_LINEAR if targets.lower() == ALL_LINEAR else targets]
+        if targets.lower() != ALL_LINEAR:
+            # peft/tuners/tuners_utils.py check_target_module_exists: a str is re.fullmatch-ed against each module's
+            # whole name (model.layers.0.self_attn.q_proj); a list is matched by the names' last parts
+            raise SpecError(f"{where}: target_modules: {shown(targets)} is a string, which PEFT reads as a regular "
+                            "expression over whole module names (model.layers.0.self_attn.q_proj); zeroplan reads "
+                            "a list of module names: write e.g. [\"q_proj\", \"v_proj\"]")
+        targets = [ALL_LINEAR]
     layers = data.get("layers_to_transform")
     values = {
         "rank": data.get("r", 8), "alpha": data.get("lora_alpha"), "targets": _tuple(targets),

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field
 
 from zeroplan.errors import SpecError
+from zeroplan.spec.limits import MAX_GPUS
 
 if TYPE_CHECKING:  # spec.training imports this module
     from zeroplan.spec.model import ModelSpec
@@ -50,16 +51,16 @@ class MeshSpec(BaseModel):
 
     model_config = _STRICT
 
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree: linears sharded colwise/rowwise as torchtitan's plans.")
-    cp: int = Field(1, ge=1, description="Context-parallel degree: the sequence split over ranks (ring attention; "
+    tp: int = Field(1, ge=1, le=MAX_GPUS, description="Tensor-parallel degree: linears sharded colwise/rowwise as torchtitan's plans.")
+    cp: int = Field(1, ge=1, le=MAX_GPUS, description="Context-parallel degree: the sequence split over ranks (ring attention; "
                     "DeepSpeed: Ulysses sequence parallelism).")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel degree: ranks holding consecutive stages of the layers.")
+    pp: int = Field(1, ge=1, le=MAX_GPUS, description="Pipeline-parallel degree: ranks holding consecutive stages of the layers.")
     pp_schedule: PPSchedule = Field(PPSchedule.ONE_F_ONE_B, description="Pipeline schedule: gpipe, 1f1b, "
                                     "interleaved-1f1b or zero-bubble (torchtitan's default: 1f1b).")
-    pp_virtual_stages: int = Field(1, ge=1, description="Pipeline stages per rank (looped schedules: 2 or more).")
-    ep: int = Field(1, ge=1, description="Expert-parallel degree (MoE): experts split over ranks borrowed from "
+    pp_virtual_stages: int = Field(1, ge=1, le=MAX_GPUS, description="Pipeline stages per rank (looped schedules: 2 or more).")
+    ep: int = Field(1, ge=1, le=MAX_GPUS, description="Expert-parallel degree (MoE): experts split over ranks borrowed from "
                     "data-parallel sharding, context and tensor parallelism.")
-    dp_replicate: int = Field(1, ge=1, description="Data-parallel replicas (HSDP): each replica shards over the rest.")
+    dp_replicate: int = Field(1, ge=1, le=MAX_GPUS, description="Data-parallel replicas (HSDP): each replica shards over the rest.")
     sequence_parallel: bool = Field(True, description="Under TP, shard the norms and their activations over the "
                                     "sequence (torchtitan enable_sequence_parallel).")
     loss_parallel: bool = Field(True, description="Under TP, keep the logits sharded over the vocabulary into the "

@@ -20,6 +20,7 @@ from typing import Annotated, Literal, NamedTuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from zeroplan.spec.limits import MAX_COUNT, MAX_LAYERS, MAX_WIDTH
 from zeroplan.spec.moe import MLASpec, MoESpec, check_fits
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -58,18 +59,18 @@ class TransformerSpec(BaseModel):
     hf_model_type: str | None = Field(
         None, description="Hugging Face model_type this spec was read from (llama, gpt2, ...), if any."
     )
-    vocab_size: int = Field(ge=1, description="Vocabulary size (rows of the embedding matrix).")
-    hidden_size: int = Field(ge=1, description="Model width h.")
-    num_layers: int = Field(ge=1, description="Number of transformer blocks L.")
-    num_heads: int = Field(ge=1, description="Attention (query) heads a.")
+    vocab_size: int = Field(ge=1, le=MAX_WIDTH, description="Vocabulary size (rows of the embedding matrix).")
+    hidden_size: int = Field(ge=1, le=MAX_WIDTH, description="Model width h.")
+    num_layers: int = Field(ge=1, le=MAX_LAYERS, description="Number of transformer blocks L.")
+    num_heads: int = Field(ge=1, le=MAX_WIDTH, description="Attention (query) heads a.")
     num_kv_heads: int | None = Field(
-        None, ge=1, description="Key/value heads for grouped-query attention; defaults to num_heads."
+        None, ge=1, le=MAX_WIDTH, description="Key/value heads for grouped-query attention; defaults to num_heads."
     )
     head_dim: int | None = Field(
-        None, ge=1, description="Per-head width; defaults to hidden_size / num_heads (Gemma and Mistral-Nemo differ)."
+        None, ge=1, le=MAX_WIDTH, description="Per-head width; defaults to hidden_size / num_heads (Gemma and Mistral-Nemo differ)."
     )
-    intermediate_size: int = Field(ge=1, description="MLP inner width (GPT-2: n_inner, 4h by default).")
-    max_position_embeddings: int = Field(ge=1, description="Context length the model was built for.")
+    intermediate_size: int = Field(ge=1, le=MAX_WIDTH, description="MLP inner width (GPT-2: n_inner, 4h by default).")
+    max_position_embeddings: int = Field(ge=1, le=MAX_COUNT, description="Context length the model was built for.")
     position_embedding: Literal["learned", "rotary"] = Field(
         description="learned: a position-embedding matrix (GPT-2); rotary: RoPE, no parameters."
     )
@@ -83,8 +84,8 @@ class TransformerSpec(BaseModel):
     attention_out_bias: bool = Field(False, description="Bias on the attention output projection.")
     mlp_bias: bool = Field(False, description="Biases on the MLP projections.")
     tie_word_embeddings: bool = Field(description="The output head shares the input embedding matrix.")
-    num_experts: int = Field(1, ge=1, description="MLP experts per layer (1 = dense; Mixtral 8).")
-    experts_per_token: int = Field(1, ge=1, description="Experts each token is routed to (top-k; Mixtral 2).")
+    num_experts: int = Field(1, ge=1, le=MAX_WIDTH, description="MLP experts per layer (1 = dense; Mixtral 8).")
+    experts_per_token: int = Field(1, ge=1, le=MAX_WIDTH, description="Experts each token is routed to (top-k; Mixtral 2).")
     embedding_dropout: float = Field(
         0.0, ge=0, lt=1, description="Dropout probability on the embeddings (GPT-2 embd_pdrop, GPT-NeoX hidden_dropout)."
     )
@@ -97,7 +98,7 @@ class TransformerSpec(BaseModel):
         "residual add (GPT-2 and Phi-3 resid_pdrop, GPT-NeoX hidden_dropout)."
     )
     published_params: int | None = Field(
-        None, ge=1, description="Total parameter count as published, checked by the tests."
+        None, ge=1, le=MAX_COUNT, description="Total parameter count as published, checked by the tests."
     )
     # Dense families of transformers 5.23.0 (issue 13); the defaults are the Llama block's.
     qk_norm: Literal["none", "head", "projection"] = Field(
@@ -130,11 +131,11 @@ class TransformerSpec(BaseModel):
         "(Gemma2ForCausalLM final_logit_softcapping 30)."
     )
     sliding_window: int | None = Field(
-        None, ge=1, description="Keys a sliding-window layer attends to (Gemma 2 4096, Gemma 3 512/1024); None: every "
+        None, ge=1, le=MAX_COUNT, description="Keys a sliding-window layer attends to (Gemma 2 4096, Gemma 3 512/1024); None: every "
         "layer attends to the whole sequence."
     )
     sliding_window_pattern: int = Field(
-        1, ge=1, description="With sliding_window, every Nth layer (1-based) attends globally and the others through "
+        1, ge=1, le=MAX_LAYERS, description="With sliding_window, every Nth layer (1-based) attends globally and the others through "
         "the window: Gemma 2 alternates (2), Gemma 3 has five local to one global (6); 1: every layer slides."
     )
     moe: MoESpec | None = Field(
@@ -143,6 +144,8 @@ class TransformerSpec(BaseModel):
     )
     mla: MLASpec | None = Field(None, description="Multi-head latent attention (DeepSeek-V3): zeroplan.spec.moe.")
     attention_sinks: bool = Field(False, description="A learned sink logit per head (GPT-OSS GptOssAttention.sinks).")
+    notes: tuple[str, ...] = Field((), description="What the source holds that the spec does not model (a "
+                                   "quantization_config, a vision tower), said in every estimate of it.")
 
     @model_validator(mode="after")
     def _check_moe_and_mla(self) -> "TransformerSpec":
@@ -220,12 +223,12 @@ class ParamCountSpec(BaseModel):
 
     kind: Literal["params"] = Field("params", description="Spec kind: a parameter count only.")
     name: str = Field("custom", description="A label for reports.")
-    params: int = Field(ge=1, description="Total parameter count Ψ.")
+    params: int = Field(ge=1, le=MAX_COUNT, description="Total parameter count Ψ.")
     largest_layer_params: int | None = Field(
-        None, ge=1, description="Parameters of the largest layer (ZeRO-3 gathers one layer at a time)."
+        None, ge=1, le=MAX_COUNT, description="Parameters of the largest layer (ZeRO-3 gathers one layer at a time)."
     )
     trainable_params: int | None = Field(
-        None, ge=0, description="Parameters that train (the rest are frozen: no gradients or optimizer states)."
+        None, ge=1, le=MAX_COUNT, description="Parameters that train (the rest are frozen: no gradients or optimizer states)."
     )
     source: str | None = Field(None, description="Where the count comes from.")
 

@@ -20,6 +20,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from zeroplan.spec.limits import MAX_LAYERS, MAX_WIDTH
+
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 Router = Literal["softmax-topk", "sigmoid-grouped", "topk-softmax"]
@@ -30,13 +32,13 @@ class MoESpec(BaseModel):
 
     model_config = _STRICT
 
-    num_experts: int = Field(ge=1, description="Routed experts per sparse layer (num_experts, n_routed_experts, "
+    num_experts: int = Field(ge=1, le=MAX_WIDTH, description="Routed experts per sparse layer (num_experts, n_routed_experts, "
                              "num_local_experts).")
-    experts_per_token: int = Field(ge=1, description="Experts each token is routed to (num_experts_per_tok).")
-    expert_intermediate_size: int = Field(ge=1, description="Inner width of one routed expert (moe_intermediate_size; "
+    experts_per_token: int = Field(ge=1, le=MAX_WIDTH, description="Experts each token is routed to (num_experts_per_tok).")
+    expert_intermediate_size: int = Field(ge=1, le=MAX_WIDTH, description="Inner width of one routed expert (moe_intermediate_size; "
                                           "GPT-OSS: intermediate_size).")
     shared_expert_intermediate_size: int = Field(
-        0, ge=0, description="Inner width of the shared expert every token runs (DeepSeek: moe_intermediate_size x "
+        0, ge=0, le=MAX_WIDTH, description="Inner width of the shared expert every token runs (DeepSeek: moe_intermediate_size x "
         "n_shared_experts, one DeepseekV3MLP); 0: none.")
     dense_layers: tuple[int, ...] = Field(
         (), description="Layer indices (0-based) whose MLP is dense, of the spec's intermediate_size "
@@ -48,7 +50,7 @@ class MoESpec(BaseModel):
     router_bias: bool = Field(False, description="The router has a bias parameter (GPT-OSS).")
     expert_bias: bool = Field(False, description="Experts have biases on both projections (GPT-OSS).")
     mtp_layers: int = Field(
-        0, ge=0, description="Multi-token-prediction layers a training recipe adds (DeepSeek num_nextn_predict_layers; "
+        0, ge=0, le=MAX_LAYERS, description="Multi-token-prediction layers a training recipe adds (DeepSeek num_nextn_predict_layers; "
         "transformers does not build them, so 0 unless set).")
 
     @model_validator(mode="after")
@@ -70,11 +72,11 @@ class MLASpec(BaseModel):
     model_config = _STRICT
 
     q_lora_rank: int | None = Field(
-        None, ge=1, description="Rank of the query's down-projection q_a_proj (None: one q_proj, as DeepSeek-V2-Lite).")
-    kv_lora_rank: int = Field(ge=1, description="Rank of the compressed key/value kv_a_proj_with_mqa.")
-    qk_rope_head_dim: int = Field(ge=2, description="Rotary part of each query/key head (shared by all heads for keys).")
-    qk_nope_head_dim: int = Field(ge=1, description="Part of each query/key head without positions.")
-    v_head_dim: int = Field(ge=1, description="Value head width.")
+        None, ge=1, le=MAX_WIDTH, description="Rank of the query's down-projection q_a_proj (None: one q_proj, as DeepSeek-V2-Lite).")
+    kv_lora_rank: int = Field(ge=1, le=MAX_WIDTH, description="Rank of the compressed key/value kv_a_proj_with_mqa.")
+    qk_rope_head_dim: int = Field(ge=2, le=MAX_WIDTH, description="Rotary part of each query/key head (shared by all heads for keys).")
+    qk_nope_head_dim: int = Field(ge=1, le=MAX_WIDTH, description="Part of each query/key head without positions.")
+    v_head_dim: int = Field(ge=1, le=MAX_WIDTH, description="Value head width.")
 
     @model_validator(mode="after")
     def _check(self) -> "MLASpec":

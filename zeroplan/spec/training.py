@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from enum import Enum
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from zeroplan.errors import SpecError
+from zeroplan.spec.limits import (MAX_CHUNKS, MAX_COUNT, MAX_GPUS, MAX_GRAD_ACCUM, MAX_LAYERS, MAX_MICRO_BATCH, MAX_SEQ_LEN,
+                                  MAX_SMALL_COUNT)
+from zeroplan.spec.gpu import GpuSpec
 from zeroplan.spec.lora import LoraSpec, QuantSpec, check_training_lora
 from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.validation import describe_validation_error
@@ -96,35 +99,40 @@ class Device(str, Enum):
     CPU = "cpu"  # a CPU run: no CUDA context, exact allocations, host and device are one memory
 
 
+FreezeGroup = Literal["embeddings", "blocks", "final"]
+FREEZE_GROUPS: tuple[FreezeGroup, ...] = get_args(FreezeGroup)
+"""The module groups `freeze` names; together they are every parameter of the model."""
+
+
 class DeepSpeedKnobs(BaseModel):
     """`zero_optimization` settings of DeepSpeed that change memory, with DeepSpeed's defaults
     (deepspeed/runtime/zero/config.py)."""
 
     model_config = _STRICT
 
-    reduce_bucket_size: int = Field(500_000_000, ge=1, description="Elements per gradient reduce bucket.")
-    allgather_bucket_size: int = Field(500_000_000, ge=1, description="Elements per all-gather bucket (stages 1-2).")
+    reduce_bucket_size: int = Field(500_000_000, ge=1, le=MAX_COUNT, description="Elements per gradient reduce bucket.")
+    allgather_bucket_size: int = Field(500_000_000, ge=1, le=MAX_COUNT, description="Elements per all-gather bucket (stages 1-2).")
     overlap_comm: bool | None = Field(
         None, description="Overlap reduction with backward; None = DeepSpeed's default (False for 1-2, True for 3)."
     )
     contiguous_gradients: bool = Field(True, description="Copy gradients into one contiguous buffer as produced.")
-    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, description="Elements prefetched ahead (stage 3).")
-    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0, description="Gathered elements kept live (stage 3).")
-    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0, description="Reuse distance for keeping params (stage 3).")
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, le=MAX_COUNT, description="Elements prefetched ahead (stage 3).")
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0, le=MAX_COUNT, description="Gathered elements kept live (stage 3).")
+    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0, le=MAX_COUNT, description="Reuse distance for keeping params (stage 3).")
     stage3_param_persistence_threshold: int = Field(
-        100_000, ge=0, description="Tensors smaller than this stay whole on every rank (stage 3)."
+        100_000, ge=0, le=MAX_COUNT, description="Tensors smaller than this stay whole on every rank (stage 3)."
     )
     sub_group_size: int = Field(
-        1_000_000_000, ge=0, description="Elements per optimizer sub-group (stage 3): the step, and NVMe swapping, "
+        1_000_000_000, ge=0, le=MAX_COUNT, description="Elements per optimizer sub-group (stage 3): the step, and NVMe swapping, "
         "work one sub-group at a time."
     )
     client_optimizer: bool = Field(
         False, description="A client torch optimizer steps the fp32 partition (the DeepSpeed JSON has no optimizer "
         "section: the Hugging Face Trainer passes its own AdamW); false: DeepSpeed's config optimizer (FusedAdam).")
     offload_pin_memory: bool = Field(True, description="Pin the CPU buffers of offloaded states.")
-    offload_buffer_count: int = Field(5, ge=1, description="offload_param.buffer_count (NVMe swap buffers).")
-    offload_buffer_size: int = Field(100_000_000, ge=1, description="offload_param.buffer_size in elements.")
-    offload_max_in_cpu: int = Field(1_000_000_000, ge=0, description="offload_param.max_in_cpu elements.")
+    offload_buffer_count: int = Field(5, ge=1, le=MAX_SMALL_COUNT, description="offload_param.buffer_count (NVMe swap buffers).")
+    offload_buffer_size: int = Field(100_000_000, ge=1, le=MAX_COUNT, description="offload_param.buffer_size in elements.")
+    offload_max_in_cpu: int = Field(1_000_000_000, ge=0, le=MAX_COUNT, description="offload_param.max_in_cpu elements.")
 
 
 class FSDP2Knobs(BaseModel):
@@ -170,8 +178,8 @@ class TrainingSpec(BaseModel):
 
     engine: Engine = Field(Engine.DEEPSPEED, description="ZeRO implementation to model.")
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters.")
-    gpus: int = Field(1, ge=1, description="Total data-parallel ranks (GPUs).")
-    gpus_per_node: int | None = Field(None, ge=1, description="GPUs per node; defaults to min(gpus, 8).")
+    gpus: int = Field(1, ge=1, le=MAX_GPUS, description="Total data-parallel ranks (GPUs).")
+    gpus_per_node: int | None = Field(None, ge=1, le=MAX_GPUS, description="GPUs per node; defaults to min(gpus, 8).")
     offload_optimizer: Offload = Field(Offload.NONE, description="Where optimizer states live: none (GPU), cpu, nvme.")
     offload_params: Offload = Field(Offload.NONE, description="Where parameters live between uses (stage 3 only).")
     precision: Precision = Field(Precision.BF16, description="fp32, fp16/bf16 mixed with fp32 master, or pure-bf16.")
@@ -179,13 +187,13 @@ class TrainingSpec(BaseModel):
     paged_optimizer: bool = Field(False, description="bitsandbytes' paged optimizer (PagedAdamW8bit, PagedAdamW32bit; "
                                   "TrainingArguments optim paged_adamw_*): the states of tensors of 100,000 elements or "
                                   "more live in CUDA unified memory, outside PyTorch's allocator.")
-    micro_batch: int = Field(1, ge=1, description="Sequences per GPU per forward pass.")
-    seq_len: int = Field(2048, ge=1, description="Tokens per sequence.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    micro_batch: int = Field(1, ge=1, le=MAX_MICRO_BATCH, description="Sequences per GPU per forward pass.")
+    seq_len: int = Field(2048, ge=1, le=MAX_SEQ_LEN, description="Tokens per sequence.")
+    grad_accum: int = Field(1, ge=1, le=MAX_GRAD_ACCUM, description="Micro-batches accumulated per optimizer step.")
     checkpointing: Checkpointing = Field(Checkpointing.NONE, description="Activation checkpointing mode.")
     attention: Attention = Field(Attention.FUSED, description="Attention kernel: eager or fused (flash/SDPA).")
     device: Device = Field(Device.CUDA, description="cuda (a GPU run) or cpu (a CPU run, as measured here).")
-    freeze: tuple[Literal["embeddings", "blocks", "final"], ...] = Field(
+    freeze: tuple[FreezeGroup, ...] = Field(
         (), description="Module groups that do not train (no gradients, no optimizer states)."
     )
     recipe: Recipe = Field(Recipe.HF_TRAINER, description="The training program whose defaults fill the knobs left unset: "
@@ -206,20 +214,26 @@ class TrainingSpec(BaseModel):
                                                "the gradient at once (torchtune optimizer_in_bwd). [default: the recipe's]")
     loss: Loss | None = Field(None, description="Loss computation: standard (whole fp32 logits), chunked, or "
                               "fused-linear (logits never materialised). [default: the recipe's]")
-    loss_chunks: int | None = Field(None, ge=1, description="Chunks of a chunked loss. [default: the recipe's, 8]")
+    loss_chunks: int | None = Field(None, ge=1, le=MAX_CHUNKS, description="Chunks of a chunked loss. [default: the recipe's, 8]")
     activation_offload: ActivationOffload | None = Field(None, description="Keep saved activations in host memory "
                                                          "(cpu). [default: the recipe's]")
-    checkpoint_every: int | None = Field(None, ge=1, description="With full checkpointing, checkpoint every Nth block "
+    checkpoint_every: int | None = Field(None, ge=1, le=MAX_LAYERS, description="With full checkpointing, checkpoint every Nth block "
                                          "only (torchtitan selective_ac_option = N). [default: every block]")
     deepspeed: DeepSpeedKnobs = Field(default_factory=DeepSpeedKnobs, description="DeepSpeed zero_optimization knobs.")
     fsdp2: FSDP2Knobs = Field(default_factory=FSDP2Knobs, description="FSDP2 knobs.")
     lora: LoraSpec | None = Field(None, description="LoRA adapters (PEFT): the base is frozen, the adapters train.")
     quant: QuantSpec | None = Field(None, description="Storage of the frozen base (bf16 ... or bitsandbytes nf4).")
+    gpu: GpuSpec | None = Field(None, description="The GPU the run uses (a preset: --gpu, --gpu-memory NAME); its "
+                                "architecture sizes the CUDA context and NCCL's buffers. [default: none named: the stated "
+                                "defaults of docs/engines/allocator.md]")
     mesh: MeshSpec = Field(default_factory=MeshSpec, description="Tensor, context, pipeline and expert parallelism "
                            "and HSDP replicas around the data-parallel sharding (all ones: data parallelism only).")
 
     @model_validator(mode="after")
     def _check_combination(self) -> "TrainingSpec":
+        if set(self.freeze) == set(FREEZE_GROUPS):
+            raise ValueError(f"freeze: every module group ({', '.join(FREEZE_GROUPS)}) is frozen, so nothing trains; "
+                             "freeze fewer groups, or train LoRA adapters (lora)")
         if self.gpus % self.node_gpus:
             raise ValueError(f"gpus {self.gpus} is not divisible by gpus_per_node {self.node_gpus}")
         if self.offload_params != Offload.NONE and self.zero_stage != 3:
@@ -283,8 +297,11 @@ class TrainingSpec(BaseModel):
             # checkpointed blocks' inputs only, not every saved activation as torchtune's OffloadActivations
             raise ValueError("activation_offload cpu is torchtune's OffloadActivations (fsdp2 or torch); DeepSpeed offers "
                              "activation_checkpointing.cpu_checkpointing, which offloads checkpoint inputs only: not modelled")
-        if self.ddp and self.engine != Engine.TORCH:
-            raise ValueError(f"ddp applies to engine torch; engine {self.engine.value} wraps the model itself")
+        if self.ddp is not None and self.engine != Engine.TORCH:  # true or false: either way a knob that does not apply
+            raise ValueError(f"ddp applies to engine torch; engine {self.engine.value} wraps the model itself (leave it unset)")
+        if self.dropout is not None and self.engine == Engine.PAPER:
+            raise ValueError("dropout: engine paper counts model states only (the ZeRO paper's 2Ψ + 2Ψ + KΨ), no "
+                             "activations for dropout to change; leave it unset or use another engine")
         self._check_fsdp2()
         if self.checkpoint_every is not None and self.checkpointing != Checkpointing.FULL:
             raise ValueError("checkpoint_every chooses which blocks full checkpointing recomputes: set checkpointing full")
@@ -337,7 +354,7 @@ class TrainingSpec(BaseModel):
 
     @property
     def node_gpus(self) -> int:
-        return self.gpus_per_node or min(self.gpus, 8)
+        return node_size(self.gpus, self.gpus_per_node)
 
     def varied(self, **changes: Any) -> TrainingSpec:
         """This spec with `changes` (field: value), validated; a SpecError says why the combination
@@ -355,6 +372,11 @@ class TrainingSpec(BaseModel):
     @property
     def nodes(self) -> int:
         return self.gpus // self.node_gpus
+
+
+def node_size(gpus: int, gpus_per_node: int | None = None) -> int:
+    """GPUs per node: as given, else min(gpus, 8) (an 8-GPU server, or fewer GPUs on one)."""
+    return gpus_per_node or min(gpus, 8)
 
 
 def config_label(zero_stage: int, offload_optimizer: Offload = Offload.NONE, offload_params: Offload = Offload.NONE,

@@ -42,7 +42,7 @@ def _problem(item: Mapping[str, Any], schema: Schema) -> str:
         close = difflib.get_close_matches(loc[-1], sorted(_fields_at(model, loc[:-1])), n=1) if loc else []
         message = "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
     elif loc and item["type"] != "missing" and not isinstance(item.get("input"), (dict, list)):
-        message += f" (got {item.get('input')!r})"
+        message += f" (got {shown(item.get('input'))})"
     return f"{'.'.join(loc)}: {message}" if loc else message
 
 
@@ -52,3 +52,14 @@ def _fields_at(model: Any, path: Sequence[str]) -> set[str]:
         field = getattr(model, "model_fields", {}).get(part)
         model = field.annotation if field is not None else None
     return set(getattr(model, "model_fields", {}) or ())
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """`repr(value)` for a message, cut to about `limit` characters: a 400-digit number or a 5,000-character
+    name is named by its size, not printed whole."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"a number of {len(str(abs(value))):,} digits"
+    return f"{text[: limit - 10]}... ({len(text):,} characters)"

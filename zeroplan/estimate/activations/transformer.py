@@ -96,7 +96,7 @@ register({
     "attention core backward saved": f"{_DOC} (eager attention's backward)",
     "attention core backward gradients": f"{_DOC} (eager attention's backward)",
     "activations offloaded to the host": f"{_DOC} (activation offloading; torchtune training/_activation_offloading.py)",
-})
+}, pieces="activations")
 
 
 @dataclass(frozen=True)

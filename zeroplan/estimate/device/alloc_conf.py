@@ -94,6 +94,10 @@ class AllocatorSettings:
 
 DEFAULT_SETTINGS = AllocatorSettings()
 
+RECIPE_ALLOC_CONF = {"torchtitan": "expandable_segments:True"}
+"""What a recipe's launcher sets when the environment does not: torchtitan's run_train.sh starts torchrun with
+PYTORCH_ALLOC_CONF="expandable_segments:True" (PYTORCH_CUDA_ALLOC_CONF in its earlier versions)."""
+
 
 class _Refused(Exception):
     """torch refuses the text: `detail` says why in our words, `torch_says` in torch's."""

@@ -56,11 +56,14 @@ class DeviceFigures:
     allocator_terms: tuple[OutsideTerm, ...]  # allocations added to the stream (cuBLAS workspaces)
     outside: tuple[OutsideTerm, ...]  # memory outside the allocator
     replay: AllocatorReplay
+    # the replay against the GPU's capacity ran out of memory: these figures are then the program's needs, from a
+    # replay on a GPU without limit (estimate/device/estimate.py `device_figures`)
+    ran_out: bool = False
 
     @property
     def fits(self) -> bool:
         """No allocation ran out of memory: reserved stayed within the capacity, so device within the GPU."""
-        return self.replay.fits
+        return self.replay.fits and not self.ran_out
 
 
 def tensor_peak(events: Sequence[Event]) -> int:
@@ -96,10 +99,8 @@ def gpu_figures(events_by_rank_kind: Mapping[str, Sequence[Event]], gpu: GpuFact
     overrides: bytes for any outside term by name (outside.outside_terms).
     """
     environ = environ or {}
-    outside = outside_terms(architecture=gpu.architecture, compute_capability=gpu.compute_capability_pair,
-                            cuda_version=cuda_version, interconnect=_interconnect(gpu),
-                            process_groups=tuple(process_groups), environ=environ, module_loading=module_loading,
-                            overrides=overrides)
+    outside = rank_outside_terms(gpu, process_groups, cuda_version=cuda_version, environ=environ,
+                                 module_loading=module_loading, overrides=overrides)
     outside_bytes = sum(t.size_bytes for t in outside)
     capacity = max(gpu.memory_bytes - outside_bytes, 0)
     workspace = cublas_workspace_bytes(gpu.compute_capability_pair, environ)
@@ -114,6 +115,16 @@ def gpu_figures(events_by_rank_kind: Mapping[str, Sequence[Event]], gpu: GpuFact
         figures[kind] = DeviceFigures(kind, tensor_peak(events), result.peak_allocated_bytes, result.peak_reserved_bytes,
                                       result.peak_reserved_bytes + outside_bytes, capacity, workspaces, outside, result)
     return figures
+
+
+def rank_outside_terms(gpu: GpuFacts, process_groups: Sequence[ProcessGroup], *, cuda_version: tuple[int, int] | None = None,
+                       environ: Mapping[str, str] | None = None, module_loading: str = "lazy",
+                       overrides: Mapping[str, int] | None = None) -> tuple[OutsideTerm, ...]:
+    """The terms outside the allocator on one rank of `gpu` in `process_groups` (outside.py)."""
+    return outside_terms(architecture=gpu.architecture, compute_capability=gpu.compute_capability_pair,
+                         cuda_version=cuda_version, interconnect=_interconnect(gpu),
+                         process_groups=tuple(process_groups), environ=environ or {}, module_loading=module_loading,
+                         overrides=overrides)
 
 
 def _interconnect(gpu: GpuFacts) -> str:

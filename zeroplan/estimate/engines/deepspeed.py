@@ -67,7 +67,7 @@ OPTIMIZER_SWAP_BUFFERS = 4
 # source it comes from (paths under deepspeed/runtime/ unless said); the tensor-by-tensor table is
 # docs/engines/deepspeed.md. The first three are torch's own allocations, named (with the same
 # source) as the torch engine names them (engines/torch_ddp.py).
-register({
+_TERM_SOURCES = {
     "module parameters":
         "engine.py `_configure_distributed_model` (the module's parameters, cast to the model dtype)",
     "optimizer states (basic optimizer)":
@@ -166,7 +166,19 @@ register({
     "parameter swap buffers (NVMe)":
         "swap_tensor/partitioned_param_swapper.py `AsyncPartitionedParameterSwapper` (buffer_count x buffer_size, "
         "pinned)",
-})
+}
+# flat partitions, buckets and collective buffers are one allocation each (estimate/terms.py PIECES)
+# (the per-parameter ds_tensors, and tensors on their way into or out of a flat buffer, are tensors)
+
+
+def _one_buffer(name: str) -> bool:
+    per_tensor = ("ds_tensor", "before flattening", "being flattened", "before partitioning", "being partitioned")
+    return any(word in name for word in ("flat", "partition", "bucket", "buffer")) and not any(
+        words in name for words in per_tensor)
+
+
+register({name: source for name, source in _TERM_SOURCES.items() if not _one_buffer(name)})
+register({name: source for name, source in _TERM_SOURCES.items() if _one_buffer(name)}, pieces="whole")
 
 def _plus(base: Point, **more: int) -> Point:
     out = dict(base)

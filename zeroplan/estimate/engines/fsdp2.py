@@ -54,15 +54,17 @@ _FSDP = "torch/distributed/fsdp/_fully_shard/"
 register({
     "sharded parameters": f"{_FSDP}_fsdp_param.py FSDPParam._sharded_param_data",
     "unsharded parameters": f"{_FSDP}_fsdp_collectives.py foreach_all_gather_copy_out",
-    "all-gather output": f"{_FSDP}_fsdp_collectives.py foreach_all_gather; _fsdp_param_group.py wait_for_unshard",
     "sharded gradients": f"{_FSDP}_fsdp_collectives.py foreach_reduce (the reduce-scatter output)",
     "unsharded gradients": "torch/csrc/autograd (the gradients of unsharded parameters, before their post-backward)",
     "accumulated unsharded gradients": f"{_FSDP}_fsdp_param.py to_accumulated_grad_if_needed",
-    "reduce-scatter input": f"{_FSDP}_fsdp_collectives.py foreach_reduce (reduce_scatter_input)",
     "shards copied to the device (CPU offload)": f"{_FSDP}_fsdp_param.py CPUOffloadPolicy (each all-gather copies the shards in)",
     "parameters before sharding": f"{_FSDP}_fully_shard.py _move_states_to_device (docs/engines/fsdp2.md, Set-up)",
     "offloaded shards, gradients and states": f"{_FSDP}_fsdp_api.py CPUOffloadPolicy",
 })
+register({  # one flat buffer per unit and collective (estimate/terms.py PIECES)
+    "all-gather output": f"{_FSDP}_fsdp_collectives.py foreach_all_gather; _fsdp_param_group.py wait_for_unshard",
+    "reduce-scatter input": f"{_FSDP}_fsdp_collectives.py foreach_reduce (reduce_scatter_input)",
+}, pieces="whole")
 
 
 def _output(gathered: int) -> int:

@@ -31,7 +31,6 @@ from zeroplan.estimate.model.layout import ParamTensor, param_layout
 from zeroplan.estimate.ledger import fold
 from zeroplan.estimate.parallel.experts import (backward_transient_delta, first_block_gradient, placed_experts, recompute_end_transient,
                                       saved_per_block_delta)
-from zeroplan.estimate.overhead import overhead_bytes
 from zeroplan.estimate.result import (CategoryBytes, Estimate, MeshEstimate, ModelSummary, Phase, PhaseBytes, RankEstimate,
                                       RankKind)
 from zeroplan.spec.mesh import MeshSpec, PPSchedule, check_mesh
@@ -46,7 +45,7 @@ register({
     "pipeline sends pending": "torch/distributed/pipelining/schedules.py _step_microbatches (sends waited at the step's end)",
     "pipeline receive buffers": "torch/distributed/pipelining/stage.py _prepare_forward_infra, _create_grad_recv_info",
     "Ulysses all-to-all buffers": "deepspeed/sequence/layer.py _SeqAllToAll",
-})
+}, pieces="activations")
 
 # Tensor-parallel plans (torchtitan v0.2.2 models/llama3/infra/parallelize.py `apply_tp`; 0.3.0
 # models/common/decoder_sharding.py): layer roles (model/layout.py), by how their weight is cut over tp.

@@ -1,0 +1,143 @@
+"""An estimate's three device figures (figures.py): each rank kind's ledger read as the allocations and
+frees of its program, replayed through the caching allocator, with the memory outside it.
+
+The ledger holds the terms live at each phase's largest moment, in program order (estimate/ledger.py).
+Between two moments a term that grows allocates the difference, one that shrinks frees its most recent
+pieces (backward frees what forward saved last), one that disappears frees all of it: `ledger_events`.
+The process groups are the mesh's: one NCCL communicator per dimension of more than one rank
+(`process_groups`), the world's on plain data parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import NamedTuple
+
+from zeroplan.estimate.device.alloc_conf import DEFAULT_SETTINGS, AllocatorSettings
+from zeroplan.estimate.device.events import Alloc, Event, Free
+from zeroplan.estimate.device.figures import DeviceFigures, GpuFacts, gpu_figures, rank_outside_terms
+from zeroplan.estimate.device.outside import ProcessGroup
+from zeroplan.estimate.ledger import Moment
+from zeroplan.estimate.result import MeshEstimate, PieceSizes
+from zeroplan.estimate.terms import named, pieces_of, register
+
+UNKNOWN_GPU_BYTES = 1 << 50  # no GPU named: nothing runs out of memory (the figures are the program's own)
+
+
+class UnnamedGpu(NamedTuple):
+    """A GPU known by its memory alone (`--gpu-memory 80GiB`), or not at all: the terms outside the allocator
+    take their stated defaults (outside.py says so in each term's source)."""
+
+    memory_bytes: int = UNKNOWN_GPU_BYTES
+    name: str = "unnamed GPU"
+    architecture: str = "unknown"
+    compute_capability_pair: tuple[int, int] | None = None
+    interconnect: str = "nvswitch"
+
+
+def _pieces(size: int, name: str, sizes: PieceSizes | None) -> list[int]:
+    """`size` bytes of term `name` as the tensors the program allocates them in."""
+    kind = pieces_of(name)
+    piece = 0 if sizes is None or kind == "whole" else (sizes.activations if kind == "activations" else sizes.tensors)
+    if piece <= 0 or size <= piece:
+        return [size]
+    whole, rest = divmod(size, piece)
+    return [piece] * whole + ([rest] if rest else [])
+
+
+def ledger_events(ledger: Iterable[Moment], sizes: PieceSizes | None = None) -> list[Event]:
+    """The ledger as allocations and frees in program order (module docstring): a term grows by tensors of its
+    kind's size (`sizes`; None: by one block each time), each one block the allocator hands out, keyed by (term,
+    category, piece)."""
+    pieces: dict[tuple[str, str], list[tuple[int, int]]] = {}  # (name, category) -> [(piece number, bytes)], oldest first
+    counter = 0
+    events: list[Event] = []
+    for moment in ledger:
+        now: dict[tuple[str, str], int] = {}
+        for term in moment.terms:
+            if term.category != "overhead":  # not a tensor: outside the allocator (figures.py adds it)
+                now[term.name, term.category] = now.get((term.name, term.category), 0) + term.bytes
+        for key, held in list(pieces.items()):  # frees first: what a phase no longer holds is gone before it allocates
+            excess = sum(size for _, size in held) - now.get(key, 0)
+            while excess > 0 and held:
+                number, size = held.pop()
+                events.append(Free((*key, number)))
+                if size > excess:  # the rest of the piece stays: it is a smaller block now
+                    counter += 1
+                    held.append((counter, size - excess))
+                    events.append(Alloc((*key, counter), size - excess))
+                excess -= size
+        for key, wanted in now.items():
+            held = pieces.setdefault(key, [])
+            missing = wanted - sum(size for _, size in held)
+            if missing > 0:
+                for size in _pieces(missing, key[0], sizes):
+                    counter += 1
+                    held.append((counter, size))
+                    events.append(Alloc((*key, counter), size))
+    return events
+
+
+def process_groups(mesh: object, gpus: int, node_gpus: int) -> tuple[ProcessGroup, ...]:
+    """One communicator per mesh dimension of more than one rank (torchtitan's device mesh: tp innermost, then cp,
+    dp_shard, dp_replicate, pp outermost; a dimension of `size` ranks `stride` apart spans ceil(size x stride /
+    node_gpus) nodes); the world's on plain data parallelism. The pipeline's talks point to point."""
+    dims = [("tp", mesh.tp), ("cp", mesh.cp), ("dp_shard", mesh.dp_shard(gpus)), ("dp_replicate", mesh.dp_replicate),
+            ("pp", mesh.pp)]
+    groups, stride = [], 1
+    for name, size in dims:
+        if size > 1:
+            nodes = max(1, min(size, -(-size * stride // node_gpus)))
+            groups.append(ProcessGroup(name, size, nodes, 2 if name == "pp" else 0))
+        stride *= size
+    if not groups and gpus > 1:
+        groups.append(ProcessGroup("world", gpus, max(1, -(-gpus // node_gpus))))
+    return tuple(groups)
+
+
+_GROUPS = ("world", "tp", "cp", "dp_shard", "dp_replicate", "pp")
+_OUTSIDE = "estimate/device/outside.py (docs/engines/allocator.md, Memory outside the allocator)"
+register({"cuda_context": f"{_OUTSIDE}: the CUDA context, by compute capability",
+          **{f"nccl_{kind}:{group}": f"{_OUTSIDE}: NCCL's {kind} buffers of the {group} communicator"
+             for kind in ("ring", "nvls", "p2p") for group in _GROUPS}})
+
+
+def outside_memory(training) -> int:
+    """The memory outside the caching allocator on a rank of `training`, as named terms (the CUDA context,
+    each communicator's NCCL buffers: outside.py, on `training.gpu` or a GPU known by nothing); none on a CPU run."""
+    if training.device.value != "cuda":
+        return 0
+    groups = process_groups(training.mesh, training.gpus, training.node_gpus)
+    return sum(named(term.name, term.size_bytes) for term in rank_outside_terms(training.gpu or UnnamedGpu(), groups))
+
+
+def device_figures(result: MeshEstimate, training, gpu: GpuFacts | None = None, *,
+                   settings: AllocatorSettings = DEFAULT_SETTINGS,
+                   environ: Mapping[str, str] | None = None) -> dict[str, DeviceFigures]:
+    """Allocated, reserved and device bytes of each rank kind of `result` (by its label), on `gpu` (None: a GPU
+    known by nothing, `UnnamedGpu`); `settings` are PYTORCH_CUDA_ALLOC_CONF's (with the recipe's default), `environ`
+    the NCCL_* and CUBLAS_WORKSPACE_CONFIG values the run sets."""
+    events = {rank.kind.label: ledger_events(rank.estimate.ledger, rank.estimate.piece_sizes) for rank in result.ranks}
+    groups = process_groups(training.mesh, training.gpus, training.node_gpus)
+    gpu = gpu or UnnamedGpu()
+    figures = gpu_figures(events, gpu, process_groups=groups, settings=settings, environ=environ)
+    short = {kind: events[kind] for kind, found in figures.items() if not found.fits}
+    if short:  # what those ranks would need: the same replay on the same GPU without its limit
+        unlimited = _Unlimited(gpu)
+        needs = gpu_figures(short, unlimited, process_groups=groups, settings=settings, environ=environ)
+        figures |= {kind: replace(found, ran_out=True) for kind, found in needs.items()}
+    return figures
+
+
+class _Unlimited(NamedTuple):
+    """`gpu` with memory enough for anything (the architecture's terms stay)."""
+
+    gpu: GpuFacts
+
+    @property
+    def memory_bytes(self) -> int:
+        return UNKNOWN_GPU_BYTES
+
+    def __getattr__(self, name: str):
+        return getattr(self.gpu, name)
