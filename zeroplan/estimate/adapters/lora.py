@@ -40,6 +40,10 @@ register({
     "frozen base as stored (bitsandbytes)": "bitsandbytes nn/modules.py Params4bit, Int8Params (docs/engines/lora.md, "
                                             "The base's storage)",
     "frozen base at the engine's element size": "estimate/adapters/lora.py base_params_delta (taken off the engine's parameters)",
+    "LoRA adapters' saved inputs, ranks and masks": "peft tuners/lora/layer.py Linear.forward (lora_A's input, its "
+                                                    "copy, A's output, dropout's mask; docs/engines/lora.md Activations)",
+    "inputs frozen linears no longer keep (LoRA)": "torch/csrc/autograd (a frozen weight needs no input for its "
+                                                   "gradient; docs/engines/lora.md Activations)",
 })
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "uint8": 1}
 DOUBLE_QUANT_BLOCK = 256  # functional.py quantize_4bit: quantize_blockwise(_absmax - offset, blocksize=256)
@@ -495,39 +499,41 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
     h, inner = spec.hidden_size, spec.intermediate_size
     own_copy = autocast or lora.dropout > 0 or adapter_element != comp
     copy_element = comp if autocast else adapter_element
-    delta = 0
+    dropped = kept = 0  # what the frozen base no longer keeps; what the adapters keep
     # what the base linears kept of their inputs (activations.py `norm_saved_per_token`, `_mlp_saved_per_token`)
     readers = {"attn": attn_reads, "mlp": mlp_reads}
     for side, reads in readers.items():
         inputs = [linear for linear in block if linear.module.startswith(f"{side}.") and linear.in_features == h
                   and not linear.module.endswith(("o_proj", "c_proj", "down_proj", "fc_out"))]
-        delta -= comp * h * (reads if autocast else 1)
+        dropped -= comp * h * (reads if autocast else 1)
         if inputs and not own_copy:
-            delta += comp * h  # A saves the norm's output itself, once for all that read it
+            kept += comp * h  # A saves the norm's output itself, once for all that read it
     down = [linear for linear in block if linear.module.endswith(("mlp.down_proj", "mlp.c_proj", "mlp.fc_out"))]
     if not spec.is_moe and spec.moe is None:  # a dense MLP (a sparse one's experts keep their product: lora_experts.py)
-        delta -= comp * inner  # the MLP's product, kept by down_proj for its weight gradient only
+        dropped -= comp * inner  # the MLP's product, kept by down_proj for its weight gradient only
         if down and not own_copy:
-            delta += comp * inner
+            kept += comp * inner
     if spec.norm == "rmsnorm":
         # LlamaRMSNorm `self.weight * hidden_states.to(input_dtype)`: mul saves the normalized tensor
         # for the weight's gradient only (autograd FunctionsManual mul_tensor_backward); frozen, it is not kept
-        delta -= 2 * _normalized_bytes(spec, autocast, comp)
+        dropped -= 2 * _normalized_bytes(spec, autocast, comp)
     temporary = 0
     # ParamWrapper (routers, expert stacks) merges W + s*BA instead of running A and B on the tokens: no
     # per-token adapter tensors there (peft tuners/lora/layer.py `ParamWrapper.forward`; lora_experts.py)
     for linear in (linear for linear in block if linear.kind == "linear"):
         if own_copy:
-            delta += copy_element * linear.in_features
-        delta += copy_element * lora.rank  # A's output, kept by B
+            kept += copy_element * linear.in_features
+        kept += copy_element * lora.rank  # A's output, kept by B
         if lora.dropout > 0:
-            delta += (1 if cuda else copy_element) * linear.in_features
+            kept += (1 if cuda else copy_element) * linear.in_features
         if lora.dora:
-            delta += 2 * copy_element * linear.out_features
+            kept += 2 * copy_element * linear.out_features
             # dora.py: the identity (kept by lora_A's graph), A's output on it (kept by lora_B), the LoRA
             # weight, and in `get_weight_norm` its scaled copy and the sum, alive at the add's return
             temporary = max(temporary, adapter_element * (linear.in_features ** 2 + linear.in_features * lora.rank
                                                           + 3 * linear.in_features * linear.out_features))
+    delta = (named("LoRA adapters' saved inputs, ranks and masks", kept)
+             + named("inputs frozen linears no longer keep (LoRA)", dropped))
     return AdapterActivations(delta, temporary)
 
 
