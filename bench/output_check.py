@@ -6,6 +6,7 @@ two checkouts can be compared:
 
     python bench/output_check.py --write /tmp/before.json       # on the old commit
     python bench/output_check.py --against /tmp/before.json     # on the new one: exit 1 on a change
+    python bench/output_check.py --terms                        # every estimate's terms add up (issue 20)
 
 The set: `estimate` of every catalogue model in table and JSON (and an offload and a --params
 run), `compare`, `plan` with `--emit deepspeed` and `--emit fsdp`, `models`, a few bad inputs, and
@@ -142,12 +143,46 @@ def differences(before: dict, after: dict) -> list[str]:
     return lines
 
 
+CATEGORIES = ("params", "grads", "optimizer_states", "activations", "buffers", "temporaries", "overhead")
+
+
+def terms_add_up() -> list[str]:
+    """Each `estimate` of the set, as JSON: the terms of the worst rank and of every rank kind add up exactly to
+    each category of their `per_gpu` and to its peak (issue 20); the problems found."""
+    problems = []
+    with tempfile.TemporaryDirectory() as out_dir:
+        for args in commands(out_dir):
+            if args[0] != "estimate":
+                continue
+            plain = list(args)
+            if "--format" in plain:
+                del plain[plain.index("--format"):plain.index("--format") + 2]
+            done = subprocess.run([sys.executable, "-m", "zeroplan", *plain, "--format", "json"], cwd=REPO,
+                                  capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+            if done.returncode != 0:
+                continue  # the bad inputs of the set
+            data = json.loads(done.stdout)
+            for where, part in [("", data)] + [(f" rank {r['kind']}", r) for r in data.get("ranks", [])]:
+                sums = {c: sum(t["bytes"] for t in part["terms"] if t["category"] == c) for c in CATEGORIES}
+                wrong = [c for c in CATEGORIES if sums[c] != part["per_gpu"][c]]
+                if sum(sums.values()) != part["per_gpu"]["peak"]:
+                    wrong.append("peak")
+                if wrong:
+                    problems.append(f"zeroplan {' '.join(plain)}{where}: terms do not add up to {', '.join(wrong)}")
+    return problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", type=Path, help="write this checkout's outputs to a JSON file")
     group.add_argument("--against", type=Path, help="compare this checkout's outputs with a file from --write")
+    group.add_argument("--terms", action="store_true", help="check that every estimate's terms add up to its figures")
     args = parser.parse_args()
+    if args.terms:
+        problems = terms_add_up()
+        print("\n".join(problems) if problems else "every estimate's terms add up to its per_gpu and peak")
+        return 1 if problems else 0
     results = run_all()
     if args.write:
         args.write.write_text(json.dumps(results, indent=1, sort_keys=True))

@@ -194,7 +194,7 @@ def test_json_output_follows_the_contract(recorder):
     assert (per_gpu["peak_step"], per_gpu["peak_phase"]) == ("steady", "backward")
     assert data["fits"] is True and data["gpu_memory"] == 80 * GIB
     assert data["config"]["zero_stage"] == 3 and data["config"]["gpus"] == 8
-    assert data["per_node"] == {"cpu": 2 * GIB, "pinned": GIB, "nvme": 0}
+    assert data["per_node"] == {"cpu": 2 * GIB, "pinned": GIB, "nvme": 0, "unified": 0}
 
 
 def test_gpu_memory_in_gb_can_say_it_does_not_fit(recorder):

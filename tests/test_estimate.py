@@ -199,14 +199,15 @@ def test_cpu_device_has_no_cuda_overhead():
 
 
 def test_eight_bit_adam_states_follow_bitsandbytes_layout():
-    # bitsandbytes Optimizer2State.init_state: state1/state2 uint8 plus absmax1/absmax2 fp32 per
-    # 2048-element block; torch AdamW: exp_avg and exp_avg_sq fp32.
-    model = ParamCountSpec(params=2048 * 1000, largest_layer_params=2048 * 1000)
-    adamw = estimate(model, TrainingSpec(engine="fsdp2", zero_stage=3, gpus=1, precision="fp32", optimizer="adamw"))
-    eight = estimate(model, TrainingSpec(engine="fsdp2", zero_stage=3, gpus=1, precision="fp32", optimizer="adam8bit"))
-    assert adamw.peak_of(Step.STEADY).categories.optimizer_states == 2 * 4 * 2048 * 1000
+    # bitsandbytes 0.50.2 Optimizer2State.init_state: state1/state2 uint8 plus absmax1/absmax2 fp32 per
+    # 256-element block (`blocksize = 256`); torch AdamW: exp_avg and exp_avg_sq fp32.
+    model = ParamCountSpec(params=256 * 1000)
+    adamw = estimate(model, TrainingSpec(engine="torch", zero_stage=0, gpus=1, precision="fp32", optimizer="adamw"))
+    eight = estimate(model, TrainingSpec(engine="torch", zero_stage=0, gpus=1, precision="fp32", optimizer="adam8bit"))
+    assert adamw.peak_of(Step.STEADY).categories.optimizer_states == 2 * 4 * 256 * 1000
     step = next(p for p in eight.phases if (p.step, p.phase) == (Step.STEADY, Phase.OPTIMIZER_STEP))
-    assert step.categories.optimizer_states == 2 * (2048 * 1000 + 4 * 1000)
+    # and the two 256-value fp32 code tables one 8-bit optimizer keeps (fill_qmap)
+    assert step.categories.optimizer_states == 2 * (256 * 1000 + 4 * 1000) + 2 * 256 * 4
 
 
 def test_fsdp2_says_when_dim0_padding_inflates_the_shards():

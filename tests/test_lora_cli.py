@@ -118,8 +118,24 @@ def test_torchtune_qlora_recipe(tmp_path):
     # lora_llama3_2 (torchtune/models/llama3_2/_component_builders.py): q, v, output_proj and the MLP's
     # w1/w2/w3 of 16 layers at rank 64: 16 x 64 x ((2048+2048) x 2 + (2048+512) + 3 x (2048+8192))
     assert data["model"]["trainable_params"] == 16 * 64 * (4096 * 2 + 2560 + 3 * 10240) == 42_467_328
-    assert data["config"]["quant"]["base_precision"] == "nf4" and data["config"]["quant"]["double_quant"]
+    # torchtune's QLoRA base is torchao's NF4Tensor (LoRALinear(quantize_base=True): to_nf4), not bitsandbytes
+    assert data["config"]["quant"]["base_precision"] == "torchao-nf4"
     assert data["config"]["engine"] == "torch" and data["config"]["precision"] == "pure-bf16"
+
+
+def test_torchtune_qlora_recipe_under_fsdp2_shards_the_nf4_scalers(tmp_path):
+    """The distributed recipe: FSDP2 shards NF4Tensor's data, scalers and factors (torchao fsdp_pre_all_gather);
+    bitsandbytes' QuantState would stay whole on every rank."""
+    path = tmp_path / "8B_qlora.yaml"
+    path.write_text(TORCHTUNE_QLORA.replace("lora_finetune_single_device", "lora_finetune_distributed")
+                    .replace("llama3_2.qlora_llama3_2_1b", "llama3_1.qlora_llama3_1_8b"))
+    torchao = json.loads(_run("estimate", "--config", str(path), "--gpus", "8", "--format", "json").output)
+    assert torchao["config"]["engine"] == "fsdp2" and torchao["config"]["quant"]["base_precision"] == "torchao-nf4"
+    bnb = json.loads(_run("estimate", "--config", str(path), "--gpus", "8", "--base-precision", "nf4", "--double-quant",
+                          "--quant-storage", "bf16", "--format", "json").output)
+    steady = [p for p in torchao["phases"] if p["step"] == "steady" and p["phase"] == "optimizer_step"][0]
+    steady_bnb = [p for p in bnb["phases"] if p["step"] == "steady" and p["phase"] == "optimizer_step"][0]
+    assert steady["params"] < steady_bnb["params"]
 
 
 def test_torchtune_lora_builder_arguments_are_checked(tmp_path):

@@ -172,7 +172,8 @@ def test_compare_and_plan_skip_an_invalid_combination_for_the_same_reason():
     ("fp16", "sgd", 2 * 4 + 2 * 4 + 4 + 2),
     ("fp32", "adamw", 2 * 4 + 2 * 8 + 4),
     ("pure-bf16", "adam", 2 * 2 + 2 * 4 + 2),
-    ("bf16", "adam8bit", 2 * 4 + 2 * 2 * (1 + 4 / 2048) + 4 + 2),  # bitsandbytes: uint8 states + an fp32 absmax per 2048
+    ("bf16", "adam8bit", 2 * 4 + 2 * 2 * (1 + 4 / 256) + 4 + 2),  # bitsandbytes: uint8 states + an fp32 absmax per 256
+    ("pure-bf16", "adam32bit", 2 * 2 + 2 * 8 + 2),  # bitsandbytes' 32-bit states are fp32 whatever the parameters
 ])
 def test_the_step_cost_reads_the_estimators_bytes_per_state(precision, optimizer, touched):
     from zeroplan.estimate.dtypes import state_bytes

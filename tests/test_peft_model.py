@@ -122,7 +122,7 @@ def test_grid_lora_rows_are_named_for_the_feature():
     rows = [row for row in GRID if row.lora is not None]
     ids = [row.id.removeprefix("trainer-") if row.recipe == "hf-trainer" else row.id for row in rows]
     assert rows and all(row_id.startswith(("lora-", "qlora-")) for row_id in ids)
-    assert all(row_id.startswith("qlora-") == (row.lora.base_precision in ("int8", "nf4", "fp4")) for row, row_id in zip(rows, ids))
+    assert all(row_id.startswith("qlora-") == (row.lora.base_precision in ("int8", "nf4", "fp4", "torchao-nf4")) for row, row_id in zip(rows, ids))
 
 
 @needs_lora_spec

@@ -67,7 +67,7 @@ def test_json_contract_holds_every_documented_key_as_bytes():
     # The categories are the bytes live at the peak, and they add up to it.
     assert sum(per_gpu[key] for key in CATEGORY_NAMES) == per_gpu["peak"]
     assert per_gpu["activations"] == 5 * GIB
-    assert data["per_node"] == {"cpu": 10 * GIB, "pinned": 4 * GIB, "nvme": 0}
+    assert data["per_node"] == {"cpu": 10 * GIB, "pinned": 4 * GIB, "nvme": 0, "unified": 0}
     assert [(row["step"], row["phase"], row["total"]) for row in data["phases"]] == [
         ("first", "init", 2 * GIB),
         ("first", "forward", 10 * GIB),

@@ -166,7 +166,7 @@ def test_torchtune_single_device_1b():
     assert config.settings() == {
         "recipe": "torchtune", "engine": "torch", "zero_stage": 0, "gpus": 1, "micro_batch": 4, "grad_accum": 1,
         "precision": "pure-bf16", "device": "cuda", "checkpointing": "none", "optimizer_in_backward": True,
-        "loss": "chunked", "loss_chunks": 8, "optimizer": "adam8bit",
+        "loss": "chunked", "loss_chunks": 8, "optimizer": "adam8bit", "paged_optimizer": True,
     }
 
 
@@ -175,7 +175,9 @@ def test_torchtune_3b_single_device_estimate():
     assert data["model"]["name"] == "llama-3.2-3b"
     assert data["program"]["recipe"] == "torchtune" and data["program"]["optimizer_in_backward"] is True
     assert (data["config"]["engine"], data["config"]["checkpointing"], data["config"]["precision"]) == ("torch", "full", "pure-bf16")
-    assert any("PagedAdamW8bit" in note for note in data["notes"])
+    # PagedAdamW8bit: its states of tensors of 1e5 elements or more are in unified memory, outside the peak
+    assert data["config"]["paged_optimizer"] is True and data["per_node"]["unified"] > 0
+    assert any(note.startswith("paged optimizer states:") for note in data["notes"])
 
 
 def test_torchtune_distributed_8b():

@@ -49,8 +49,9 @@ def test_grid_covers_the_issue():
     looped_pipeline = {"tests/data/tiny-llama-4l.toml"}  # 4 layers for pp 2 x 2 virtual stages (issue 14)
     tp_embedding = {"tests/data/tiny-llama-16k.toml"}  # a 16k vocabulary: the TP embedding's whole gradient (issue 14)
     loss_parallel = {"tests/data/tiny-llama-16k-kv4.toml"}  # 4 KV heads: loss parallelism at tp 4 (issue 23)
+    nf4 = {"tests/data/tiny-llama-nf4.toml"}  # weights torchao's to_nf4 quantizes and splits in 2 (issue 23)
     assert {r.model for r in rows} == ({"tiny-llama", "tiny-gpt2", "llama-100m", "llama-1b"} | families | looped_pipeline
-                                       | tp_embedding | loss_parallel)
+                                       | tp_embedding | loss_parallel | nf4)
     setups = {(r.engine, r.stage) for r in rows if not r.client_optimizer and r.recipe == "plain"}
     # DeepSpeed stage 0 in the plain loop: issue 23's row (bf16, a recomputed block beside the gradients so far)
     assert setups == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 0), ("deepspeed", 1),
@@ -268,7 +269,7 @@ def test_rows_that_read_test_files_run_from_any_directory_in_a_checkout(tmp_path
     assert rows
     for row in rows:
         model, _ = row_specs(row)
-        assert model.name in {"tiny-llama-4l", "tiny-llama-16k", "tiny-llama-16k-kv4"}
+        assert model.name in {"tiny-llama-4l", "tiny-llama-16k", "tiny-llama-16k-kv4", "tiny-llama-nf4"}
     v.check_files(GRID, rows, {})
 
 

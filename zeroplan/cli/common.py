@@ -171,6 +171,10 @@ TRAINING_OPTIONS = [
     click.option("--offload-params", "offload_params", type=_choice(Offload), help=_help("offload_params")),
     click.option("--precision", "precision", type=_choice(Precision), help=_help("precision")),
     click.option("--optimizer", "optimizer", type=_choice(Optimizer), help=_help("optimizer")),
+    click.option("--paged-optimizer/--no-paged-optimizer", "paged_optimizer", default=None, help=_help("paged_optimizer")),
+    click.option("--optim", "optim", metavar="NAME", help="The optimizer as TrainingArguments.optim names it "
+                 "(adamw_torch, adamw_torch_fused, adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit): "
+                 "sets --optimizer, --paged-optimizer and --optimizer-impl as the Trainer does. Not with those."),
     click.option("--micro-batch", "micro_batch", type=_count("micro_batch"), help=_help("micro_batch")),
     click.option("--seq-len", "seq_len", type=_count("seq_len"), help=_help("seq_len")),
     click.option("--grad-accum", "grad_accum", type=_count("grad_accum"), help=_help("grad_accum")),

@@ -35,4 +35,6 @@ LORA_OPTIONS = [
                  help=_help(QuantSpec, "quant_storage", " [default: uint8]")),
     click.option("--upcast-non-quantized/--no-upcast-non-quantized", "upcast_non_quantized", default=None,
                  help=_help(QuantSpec, "upcast_non_quantized")),
+    click.option("--quant-bits", "bits", type=click.IntRange(min=1), help=_help(QuantSpec, "bits", " [default: 4]")),
+    click.option("--quant-group-size", "group_size", type=int, help=_help(QuantSpec, "group_size", " [default: 128]")),
 ]

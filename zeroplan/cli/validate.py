@@ -20,9 +20,11 @@ from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S
               help="Only the rows whose id matches: a glob (tiny-llama/fsdp2-*) or a substring (deepspeed-3). "
                    "The other rows keep their cached measurements in the report.")
 @click.option("--quick", is_flag=True, help="Only the CI slice (a few fast rows; tests/test_accuracy_slice.py).")
-@click.option("--grid", "grid_name", type=click.Choice(("accuracy", "gpu-1", "gpu-8")), default="accuracy", show_default=True,
+@click.option("--grid", "grid_name", type=click.Choice(("accuracy", "gpu-1", "gpu-8", "gpu-1-quant")), default="accuracy",
+              show_default=True,
               help="accuracy: the CPU accuracy grid (docs/accuracy.md); gpu-1, gpu-8: the GPU checks of allocated, "
-                   "reserved and device memory on 1 or 8 GPUs, each under 10 minutes (needs --backend nccl; docs/measure.md).")
+                   "reserved and device memory on 1 or 8 GPUs, each under 10 minutes; gpu-1-quant: bitsandbytes' paged "
+                   "and 8-bit optimizers and QLoRA on one GPU (needs --backend nccl; docs/measure.md).")
 @click.option("--skip-deepspeed-offload", is_flag=True,
               help="Leave out the DeepSpeed optimizer-offload rows (they need the cpu_adam JIT build: ~1 min, 2 GB RAM).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="gloo", show_default=True,

@@ -3,10 +3,14 @@
 Source: ZeRO paper (Rajbhandari et al. 2020), section 3.1: mixed-precision Adam keeps 2Ψ bytes of
 fp16 parameters, 2Ψ of fp16 gradients and KΨ = 12Ψ of optimizer states (fp32 master parameters,
 momentum and variance, 4 bytes each). Pure bf16 drops the master copy and keeps the states in bf16.
-8-bit Adam: bitsandbytes `Optimizer2State.init_state` (bitsandbytes/optim/optimizer.py) keeps
-each state as uint8 plus one fp32 `absmax` per block of 2048 elements (block_wise, the default);
-tensors under `min_8bit_size` = 4096 elements keep fp32 states. zeroplan applies the 8-bit rate to
-every element: the small tensors (norm weights, biases) are under 0.1% of any catalogue model.
+bitsandbytes 0.50.2 (bitsandbytes/optim/optimizer.py `Optimizer2State.init_state`), per tensor as the
+optimizer sees it: 8-bit keeps each state as uint8 plus one fp32 `absmax` per block of 256 elements
+(`blocksize = 256`), and a tensor under `min_8bit_size` = 4096 elements two fp32 states; 32-bit
+(`optim_bits=32`, paged_adamw_32bit) two fp32 states whatever the parameter's dtype
+(`get_state_buffer(p, dtype=torch.float32)`). Each optimizer also builds two 256-value fp32 code
+tables, `qmap1`/`qmap2` (`fill_qmap`), shared by its 8-bit tensors. Paged (`is_paged`): the state
+buffers of a tensor of at least 1e5 elements come from `F.get_paged` (cudaMallocManaged), outside
+PyTorch's allocator; absmax and qmaps stay ordinary tensors (docs/engines/torch.md "bitsandbytes").
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from zeroplan.spec.training import Optimizer, Precision
 FP32_BYTES = 4
 HALF_BYTES = 2  # fp16 and bf16
 FLOAT8_BYTES = 1  # float8_e4m3fn / float8_e5m2 (torchao float8 training)
-ADAM_8BIT_BLOCK = 2048  # bitsandbytes blockwise quantisation block (one fp32 absmax per block)
+ADAM_8BIT_BLOCK = 256  # optim/optimizer.py Optimizer2State.init_state: `blocksize = 256` (one fp32 absmax per block)
+MIN_8BIT_SIZE = 4096  # Optimizer2State(min_8bit_size=4096): smaller tensors keep fp32 states
+PAGED_MIN_NUMEL = 100_000  # Optimizer8bit.get_state_buffer: `p.numel() < 1e5` stays an ordinary tensor
+QMAP_BYTES = 2 * 256 * FP32_BYTES  # Optimizer8bit.fill_qmap: create_dynamic_map(signed) and (unsigned), 256 fp32 each
 
 
 class StateBytes(NamedTuple):
@@ -43,14 +50,34 @@ def optimizer_state_count(optimizer: Optimizer) -> int:
 
 
 def optimizer_state_bytes(numel: int, optimizer: Optimizer, element_bytes: int) -> int:
-    """Bytes of the optimizer states for `numel` parameters whose states are `element_bytes` wide.
+    """Bytes of the optimizer states of one tensor of `numel` elements as the optimizer steps it (for a
+    torch optimizer, states `element_bytes` wide, any split of the elements gives the same sum).
 
-    8-bit Adam: two uint8 states plus one fp32 absmax per block of 2048 for each
-    (bitsandbytes Optimizer2State.init_state, block_wise).
+    bitsandbytes (Optimizer2State.init_state): 8-bit, two uint8 states and one fp32 absmax per block of
+    256 for each, or two fp32 states under min_8bit_size; 32-bit, two fp32 states.
     """
-    if optimizer == Optimizer.ADAM_8BIT:
+    if optimizer == Optimizer.ADAM_8BIT and numel >= MIN_8BIT_SIZE:
         return 2 * (numel + FP32_BYTES * -(-numel // ADAM_8BIT_BLOCK))
+    if optimizer.is_bitsandbytes:
+        return 2 * FP32_BYTES * numel
     return optimizer_state_count(optimizer) * numel * element_bytes
+
+
+def paged_state_bytes(numel: int, optimizer: Optimizer) -> int:
+    """Of one tensor's states (`optimizer_state_bytes`), the bytes a paged bitsandbytes optimizer allocates
+    in CUDA unified memory: state1 and state2 of a tensor of at least 1e5 elements (get_state_buffer ->
+    functional.py `get_paged`); its absmax stay ordinary device tensors."""
+    if not optimizer.is_bitsandbytes or numel < PAGED_MIN_NUMEL:
+        return 0
+    return 2 * numel * (1 if optimizer == Optimizer.ADAM_8BIT and numel >= MIN_8BIT_SIZE else FP32_BYTES)
+
+
+def qmap_bytes(optimizer: Optimizer, numels) -> int:
+    """The code tables one bitsandbytes optimizer over tensors of `numels` elements keeps on their device:
+    qmap1 and qmap2, moved there by the first 8-bit tensor's init_state (`fill_qmap`; 32-bit has none)."""
+    if optimizer == Optimizer.ADAM_8BIT and any(numel >= MIN_8BIT_SIZE for numel in numels):
+        return QMAP_BYTES
+    return 0
 
 
 @memo(maxsize=64)  # a mesh plan asks for it a few times per rank estimate; an immutable tuple of its two arguments
@@ -70,6 +97,8 @@ def state_bytes(precision: Precision, optimizer: Optimizer) -> StateBytes:
         state_element = FP32_BYTES
     if optimizer == Optimizer.ADAM_8BIT:
         states = 2 * (1 + FP32_BYTES / ADAM_8BIT_BLOCK)
+    elif optimizer == Optimizer.ADAM_32BIT:
+        states = 2 * FP32_BYTES
     else:
         states = optimizer_state_count(optimizer) * state_element
     return StateBytes(param=param, grad=grad, master=master, optimizer_states=states, activation=activation)

@@ -197,6 +197,11 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
     if unmixed:
         notes += ("torchtitan trains in fp32 here: with tp or pp and nothing for FSDP to shard, mixed precision is "
                   "disabled (distributed/utils.py maybe_enable_amp)",)
+    if training.paged_optimizer:  # estimate/engines/bnb_optim.py
+        from zeroplan.estimate.engines.bnb_optim import paged_notes
+
+        notes += paged_notes(training.engine.value, training.device.value, training.deepspeed.client_optimizer,
+                             training.node_gpus, int(per_node.unified_bytes))
     parts = None
     if training.lora is not None and isinstance(model, TransformerSpec):
         from zeroplan.estimate.adapters.program import adapter_param_parts

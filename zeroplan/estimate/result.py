@@ -90,6 +90,9 @@ class NodeBytes(NamedTuple):
     cpu_bytes: int = 0
     pinned_bytes: int = 0  # part of cpu_bytes that is page-locked
     nvme_bytes: int = 0
+    # CUDA unified memory of the node's GPUs (bitsandbytes' paged optimizer states, engines/bnb_optim.py): outside
+    # PyTorch's allocator, on its GPU while that has room, paged to this node's host memory under pressure
+    unified_bytes: int = 0
 
 
 class ParamParts(NamedTuple):

@@ -8,7 +8,8 @@ All sizes are ints in bytes. Keys:
   buffers, temporaries, overhead; they sum to `peak`), `peak`, `peak_step` (first/steady),
   `peak_phase` (init/forward/backward/optimizer_step);
 - `phases`: one entry per (step, phase) with the same categories and their `total`;
-- `per_node`: cpu (pinned included), pinned, nvme;
+- `per_node`: cpu (pinned included), pinned, nvme, unified (bitsandbytes' paged optimizer states of the
+  node's GPUs: CUDA unified memory outside the per-GPU peak, on the GPUs while they have room);
 - `config`: the TrainingSpec (gpus_per_node resolved), which reads back with
   `TrainingSpec.model_validate`;
 - `param_parts` (with LoRA only): the peak's params as `base` and `adapter` bytes;
@@ -56,8 +57,8 @@ def per_gpu_to_dict(estimate: Estimate) -> dict[str, Any]:
 
 
 def per_node_to_dict(node: NodeBytes) -> dict[str, int]:
-    """`per_node`: cpu (pinned included), pinned, nvme."""
-    return {"cpu": node.cpu_bytes, "pinned": node.pinned_bytes, "nvme": node.nvme_bytes}
+    """`per_node`: cpu (pinned included), pinned, nvme, unified."""
+    return {"cpu": node.cpu_bytes, "pinned": node.pinned_bytes, "nvme": node.nvme_bytes, "unified": node.unified_bytes}
 
 
 def terms_to_list(estimate: Estimate) -> list[dict[str, Any]]:

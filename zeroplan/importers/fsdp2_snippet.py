@@ -28,8 +28,7 @@ _OPTIMIZER = {
     Optimizer.ADAM: "torch.optim.Adam(model.parameters(), lr=lr)",
     # zeroplan's "sgd" keeps one momentum buffer, which torch.optim.SGD allocates only with momentum > 0.
     Optimizer.SGD: "torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)",
-    Optimizer.ADAM_8BIT: "bitsandbytes.optim.Adam8bit(model.parameters(), lr=lr)",
-}
+}  # bitsandbytes' optimizers cannot step FSDP2's DTensor shards: TrainingSpec refuses them with fsdp2
 
 
 def write_fsdp2_snippet(training: TrainingSpec) -> str:
@@ -55,8 +54,6 @@ def write_fsdp2_snippet(training: TrainingSpec) -> str:
         *fsdp2_peft_lines(training),  # importers/lora_options.py
         "import torch",
     ]
-    if training.optimizer == Optimizer.ADAM_8BIT:
-        lines.append("import bitsandbytes")
     lines += [
         "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard",
         "",

@@ -192,6 +192,27 @@ def _gemma3(config: Mapping[str, Any]) -> dict[str, Any]:
         "tie_word_embeddings": _value(text, ("tie_word_embeddings",), _value(config, ("tie_word_embeddings",), True))}
 
 
+# SiglipVisionConfig's defaults (transformers models/siglip/configuration_siglip.py)
+_SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_channels": 3,
+                    "image_size": 224, "patch_size": 16, "vision_use_head": True}
+
+
+def vision_tower_params(config: Mapping[str, Any]) -> int:
+    """Parameters of Gemma3ForConditionalGeneration's image side, which the estimate (its language model) leaves
+    out: the SigLIP tower (transformers modeling_siglip.py SiglipVisionTransformer: the patch Conv2d with bias,
+    a position embedding per patch, per layer two LayerNorms, q/k/v/out and fc1/fc2 Linears with biases, the
+    post-LayerNorm; the attention-pooling head when vision_use_head) and Gemma3MultiModalProjector
+    (mm_input_projection_weight, vision x text hidden, and the RMSNorm mm_soft_emb_norm)."""
+    vision = _SIGLIP_DEFAULTS | {k: v for k, v in (config.get("vision_config") or {}).items() if v is not None}
+    h, inner, layers = vision["hidden_size"], vision["intermediate_size"], vision["num_hidden_layers"]
+    patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    embeddings = h * vision["num_channels"] * vision["patch_size"] ** 2 + h + patches * h
+    layer = 4 * (h * h + h) + 2 * 2 * h + 2 * h * inner + inner + h
+    head = (h + 3 * h * h + 3 * h + h * h + h + 2 * h + 2 * h * inner + inner + h) if vision["vision_use_head"] else 0
+    text_hidden = (config.get("text_config") or {}).get("hidden_size", 2304)  # Gemma3TextConfig's default
+    return embeddings + layers * layer + 2 * h + head + h * text_hidden + h
+
+
 def _gpt2(config: Mapping[str, Any]) -> dict[str, Any]:
     # GPT2Config: n_positions 1024, n_inner None -> 4 * n_embd (GPT2Block), tied; its
     # attribute_map lets hidden_size etc. stand for n_embd etc. GPT2Attention's c_attn / c_proj
@@ -349,19 +370,16 @@ def _notes(config: Mapping[str, Any]) -> tuple[str, ...]:
     notes = []
     quantization = config.get("quantization_config")
     if isinstance(quantization, Mapping):
-        method = quantization.get("quant_method", "unknown method")
-        bits = quantization.get("bits") or (4 if quantization.get("load_in_4bit") else 8 if quantization.get(
-            "load_in_8bit") else None)
-        what = f"{method}" + (f", {bits}-bit" if bits else "")
-        hint = ("; for bitsandbytes' storage of a frozen base give --lora-rank R --base-precision "
-                f"{'nf4' if bits == 4 else 'int8'}" if method == "bitsandbytes" else "")
-        notes.append(f"quantization_config ({what}) is read but not modelled: the weights are counted in the "
-                     f"training precision, as the unquantized model's{hint}")
+        from zeroplan.importers.hf_quant_config import checkpoint_quant_note  # issue 23: what the base is stored as
+
+        notes.append(checkpoint_quant_note(config))
     elif quantization is not None:
         raise _ConfigProblem(f"quantization_config must be an object, got {shown(quantization)}")
     if config.get("model_type") == "gemma3" and config.get("vision_config") is not None:
-        notes.append("gemma3: the language model (text_config) is counted; the vision tower (vision_config, SigLIP) "
-                     "and the multimodal projector are not, as in text-only training with them frozen and unused")
+        count = vision_tower_params(config)
+        notes.append(f"gemma3: the language model (text_config) is counted; the vision tower (vision_config, SigLIP) "
+                     f"and the multimodal projector, {count:,} parameters ({2 * count / 2**30:.2f} GiB in bf16), are not, "
+                     "as in text-only training with them frozen and unused")
     return tuple(notes)
 
 

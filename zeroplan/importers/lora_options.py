@@ -15,12 +15,13 @@ from zeroplan.spec.validation import describe_validation_error
 _LORA_OPTIONS = {"lora_alpha": "--lora-alpha", "lora_targets": "--lora-targets", "lora_dropout": "--lora-dropout",
                  "dora": "--dora", "modules_to_save": "--modules-to-save"}
 _QUANT_OPTIONS = {"double_quant": "--double-quant", "compute_dtype": "--compute-dtype", "quant_storage": "--quant-storage",
-                  "upcast_non_quantized": "--upcast-non-quantized"}
+                  "upcast_non_quantized": "--upcast-non-quantized", "bits": "--quant-bits", "group_size": "--quant-group-size"}
 _OPTION_OF_FIELD = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets",
                     "dropout": "--lora-dropout", "dora": "--dora", "modules_to_save": "--modules-to-save",
                     "base_precision": "--base-precision", "double_quant": "--double-quant",
                     "compute_dtype": "--compute-dtype", "quant_storage": "--quant-storage",
-                    "upcast_non_quantized": "--upcast-non-quantized"}
+                    "upcast_non_quantized": "--upcast-non-quantized", "bits": "--quant-bits",
+                    "group_size": "--quant-group-size"}
 
 
 def _given(options: Mapping[str, Any], name: str) -> bool:
@@ -72,6 +73,16 @@ def lora_values(options: Mapping[str, Any], model: Any = None, config_values: Ma
         raise SpecError(f"{_LORA_OPTIONS[given[0]]}: LoRA options need --lora-rank R or --lora adapter_config.json")
     quant_given = [name for name in _QUANT_OPTIONS if _given(options, name)]
     config_quant = dict(config_values.get("quant") or {}) if config_values else {}
+    if not config_quant and not _given(options, "base_precision"):
+        from zeroplan.importers.hf_quant_config import checkpoint_quant  # config.json quantization_config
+
+        config_quant = checkpoint_quant(model) or {}
+        if "lora" not in values and config_quant.get("base_precision") in ("bf16", "fp16", "fp32"):
+            config_quant = {}  # a dequantized checkpoint trained whole: the engine's dtypes, as any model
+        if config_quant and "lora" not in values:
+            raise SpecError(f"{model.source}: quantization_config ({config_quant['base_precision']}): a quantized "
+                            "checkpoint trains through adapters only: add --lora-rank R, or --base-precision bf16 to "
+                            "estimate it dequantized")
     if _given(options, "base_precision") or config_quant:
         if model is not None and getattr(model, "kind", None) == "params":
             raise SpecError("--base-precision: a model known by its parameter count has no layer shapes to quantize; "
@@ -117,6 +128,8 @@ def lora_command_options(training: Any) -> str:
             parts += ["--quant-storage", quant.quant_storage]
         if quant.upcast_non_quantized:
             parts.append("--upcast-non-quantized")
+        if quant.base_precision.is_packed_int:
+            parts += ["--quant-bits", str(quant.bits), "--quant-group-size", str(quant.group_size)]
     return "".join(f" {part}" for part in parts)
 
 

@@ -130,6 +130,9 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
     gpu = gpu_spec(options.get("gpu"), options.get("gpu_memory"))  # --gpu NAME, or --gpu-memory NAME
     if gpu is not None:
         values["gpu"] = gpu
+    from zeroplan.importers.trainer_optim import optim_values  # --optim: TrainingArguments.optim names
+
+    values.update(optim_values(options))
     from zeroplan.importers.lora_options import lora_values
 
     values.update(lora_values(options, model, values))  # --lora-*, --base-precision: importers/lora_options.py

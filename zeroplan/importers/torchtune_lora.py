@@ -39,7 +39,7 @@ def check_lora_model(model: Mapping[str, object], where: Where) -> None:
         raise fail(where, "model.lora_attn_modules", "is missing (torchtune's LoRA model builders require it)")
 
 
-def lora_settings(document: Mapping[str, object], where: Where, sharded: bool) -> dict[str, object]:
+def lora_settings(document: Mapping[str, object], where: Where) -> dict[str, object]:
     """{"lora": ..., "quant": ...} for a LoRA builder, {} for a full model."""
     model = as_section(document["model"], "model", where)
     builder = str(model.get("_component_"))
@@ -63,8 +63,7 @@ def lora_settings(document: Mapping[str, object], where: Where, sharded: bool) -
     quantize = builder.rpartition(".")[2].startswith("qlora_") or as_bool(
         model.get("quantize_base", False), "model.quantize_base", where)
     if quantize:
-        # torchao NF4Tensor: blocks of 64 with int8 scalers in blocks of 256 (bitsandbytes' double quantization,
-        # byte for byte); a tensor subclass that FSDP2 shards in its bf16 view
-        settings["quant"] = {"base_precision": "nf4", "double_quant": True, "compute_dtype": "bf16",
-                             "quant_storage": "bf16" if sharded else "uint8"}
+        # torchtune modules/peft/lora.py LoRALinear(quantize_base=True): `to_nf4(weight)`, torchao's NF4Tensor (blocks
+        # of 64, int8 scalers per 256 blocks), which FSDP2 shards scalers and all (estimate/adapters/lora.py)
+        settings["quant"] = {"base_precision": "torchao-nf4", "compute_dtype": "bf16"}
     return settings

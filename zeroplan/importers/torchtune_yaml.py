@@ -64,14 +64,12 @@ OPTIMIZERS: dict[str, tuple[str, frozenset[str] | None]] = {
     "torch.optim.Adam": ("adam", frozenset(_TORCH_ADAM | {"decoupled_weight_decay"})),
     "torch.optim.SGD": ("sgd", frozenset({"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize",
                                           "foreach", "differentiable", "fused"})),
-    # bitsandbytes/optim: the 8-bit ones keep two 1-byte states; the paged ones live in unified memory. Their
-    # arguments: bitsandbytes 0.50.2 optim/adam.py and adamw.py, __init__ (the Paged*W ones take no is_paged).
-    "bitsandbytes.optim.AdamW8bit": ("adam8bit", _BNB_ADAM),
-    "bitsandbytes.optim.PagedAdamW8bit": ("adam8bit", _BNB_ADAM - {"is_paged"}),
-    "bitsandbytes.optim.Adam8bit": ("adam8bit", _BNB_ADAM),
-    "bitsandbytes.optim.PagedAdam8bit": ("adam8bit", _BNB_ADAM),
-    "bitsandbytes.optim.AdamW": ("adamw", _BNB_ADAM),
-    "bitsandbytes.optim.PagedAdamW": ("adamw", _BNB_ADAM - {"is_paged"}),
+    # bitsandbytes 0.50.2 optim/adam.py, adamw.py: Optimizer2State("adam", ...) with optim_bits 8 (the *8bit classes)
+    # or 32 (the others: fp32 states whatever the parameters' dtype); the Paged* ones pass is_paged=True
+    # (estimate/engines/bnb_optim.py); the Paged*AdamW ones take no is_paged argument. `_bnb_settings` reads them.
+    **{f"bitsandbytes.optim.{paged}{adam}{bits}": ("adam8bit" if bits == "8bit" else "adam32bit",
+                                                    _BNB_ADAM - ({"is_paged"} if paged and adam == "AdamW" else set()))
+       for paged in ("", "Paged") for adam in ("Adam", "AdamW") for bits in ("", "8bit", "32bit")},
 }
 _CHUNKED_LOSS = "torchtune.modules.loss.CEWithChunkedOutputLoss"  # __init__(num_output_chunks=8, ignore_index=-100)
 _STANDARD_LOSS = "torch.nn.CrossEntropyLoss"
@@ -121,14 +119,30 @@ def check_torchtune(document: Mapping[str, object], text: str, where: Where) -> 
     if tokenizer.get("max_seq_len") is None:
         notes.append("tokenizer.max_seq_len is null: the batches are as long as their longest sample; estimated at "
                      "--seq-len (2048 unless given)")
-    optimizer = document.get("optimizer")
-    component = optimizer.get("_component_") if isinstance(optimizer, Mapping) else None
-    if isinstance(component, str) and component in OPTIMIZERS and "Paged" in component:
-        notes.append(f"{component}: paged optimizer states are counted on the GPU (unified memory may evict them "
-                     "to the host under pressure)")
     if as_bool(document.get("compile", False), "compile", where):
         notes.append("compile: torch.compile is not modelled: estimated as the eager program")
     return tuple(notes)
+
+
+def _bnb_settings(component: str, arguments: Mapping[str, object], where: Where) -> dict[str, object]:
+    """A bitsandbytes optimizer's own arguments that change memory: optim_bits and is_paged of the plain
+    classes (the *8bit/*32bit and Paged* ones fix them), min_8bit_size at its default only."""
+    settings: dict[str, object] = {"paged_optimizer": ".Paged" in component}
+    fixed = component.endswith(("8bit", "32bit"))
+    if "optim_bits" in arguments:
+        bits = arguments["optim_bits"]
+        if fixed or bits not in (8, 32):
+            raise fail(where, "optimizer.optim_bits", f"{bits!r}: {component} takes 8 or 32 in its plain form only "
+                       "(the *8bit and *32bit classes fix it)")
+        settings["optimizer"] = "adam8bit" if bits == 8 else "adam32bit"
+    if "is_paged" in arguments:
+        if ".Paged" in component:
+            raise fail(where, "optimizer.is_paged", f"{component} is paged already")
+        settings["paged_optimizer"] = as_bool(arguments["is_paged"], "optimizer.is_paged", where)
+    if arguments.get("min_8bit_size", 4096) != 4096:
+        raise fail(where, "optimizer.min_8bit_size", f"{arguments['min_8bit_size']!r}: only bitsandbytes' default, "
+                   "4096, is modelled")
+    return settings
 
 
 def _recipe(text: str, where: Where) -> str | None:
@@ -174,7 +188,7 @@ def settings_from_torchtune(document: Mapping[str, object], text: str, where: Wh
     settings["optimizer_in_backward"] = as_bool(document.get("optimizer_in_bwd", False), "optimizer_in_bwd", where)
     settings.update(_loss(document.get("loss"), where))
     settings.update(_optimizer(document.get("optimizer"), where))
-    settings.update(torchtune_lora.lora_settings(document, where, sharded=not single))
+    settings.update(torchtune_lora.lora_settings(document, where))
     return settings
 
 
@@ -238,12 +252,11 @@ def _optimizer(optimizer: object, where: Where) -> dict[str, object]:
     name, known = OPTIMIZERS[component]
     arguments = {key: value for key, value in optimizer.items() if key != "_component_"}
     settings: dict[str, object] = {"optimizer": name}
+    if component.startswith("bitsandbytes."):
+        _check_arguments(arguments, known, "optimizer", where)
+        return settings | _bnb_settings(component, arguments, where)
     if known is not None:
         _check_arguments(arguments, known, "optimizer", where)
-        if component.startswith("bitsandbytes.") and arguments.get("optim_bits", 32) != 32:
-            # AdamW(optim_bits=8) keeps 8-bit states, which "adamw" does not count; AdamW8bit refuses anything but 32
-            raise fail(where, "optimizer.optim_bits", f"{arguments['optim_bits']!r} is not modelled: for 8-bit states "
-                       "use bitsandbytes.optim.AdamW8bit")
         # torch/optim/optimizer.py: fused=True runs the fused kernel; foreach=False with fused unset, the for-loop.
         if arguments.get("fused") is True:
             settings["optimizer_impl"] = "fused"

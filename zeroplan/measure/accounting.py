@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroplan.estimate.device.events import Alloc, Free
 from zeroplan.estimate.result import TENSOR_CATEGORIES
-from zeroplan.measure.engines.common import ENGINE_CATEGORIES
+from zeroplan.measure.engines.common import ENGINE_CATEGORIES, VISIBLE_KERNELS
 
 Classifier = Callable[[], dict[str, list[torch.Tensor]]]
 
@@ -252,6 +252,10 @@ class TensorAccounting(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if getattr(self._bookkeeping, "on", False):  # an op run by the runner while we classify
             return func(*args, **(kwargs or {}))
+        kernel = VISIBLE_KERNELS.get(f"{func.namespace}::{func.__name__.partition('.')[0]}") if VISIBLE_KERNELS else None
+        if kernel is not None:
+            with self:  # its own ops come back through this mode (engines/common.py VISIBLE_KERNELS)
+                return kernel(*args, **(kwargs or {}))
         if self._phase is not None and self._phase.retake_due:
             with self._lock:
                 self._drain()

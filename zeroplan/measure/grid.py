@@ -37,10 +37,11 @@ class LoraRow:
     double_quant: bool = False
     compute_dtype: str | None = None  # bitsandbytes compute dtype; None: the spec's default
     quant_storage: str | None = None  # dtype the packed 4-bit weights are stored in; None: uint8
+    upcast: bool = False  # prepare_model_for_kbit_training: the non-quantized layers cast to fp32
 
     @property
     def id(self) -> str:
-        kbit = self.base_precision in ("int8", "nf4", "fp4")
+        kbit = self.base_precision in ("int8", "nf4", "fp4", "torchao-nf4")
         targets = self.targets if isinstance(self.targets, str) else "+".join(self.targets)
         parts = [f"{'qlora' if kbit else 'lora'}-r{self.rank}", targets]
         parts += ["dora"] if self.dora else []
@@ -50,6 +51,7 @@ class LoraRow:
         parts += ["dq"] if self.double_quant else []
         parts += [f"compute-{self.compute_dtype}"] if self.compute_dtype else []
         parts += [f"store-{self.quant_storage}"] if self.quant_storage else []
+        parts += ["upcast"] if self.upcast else []
         return "-".join(parts)
 
     def training_fields(self) -> dict[str, Any]:
@@ -61,6 +63,8 @@ class LoraRow:
             for knob in ("compute_dtype", "quant_storage"):
                 if getattr(self, knob) is not None:
                     quant[knob] = getattr(self, knob)
+            if self.upcast:
+                quant["upcast_non_quantized"] = True
             fields["quant"] = quant
         return fields
 
@@ -100,6 +104,8 @@ class Row:
     lora: LoraRow | None = None  # PEFT adapters and a quantized base (ids "lora-..." / "qlora-...")
     compile: tuple[str, ...] = ()  # torch.compile components: model (each block), loss (measure/compiled.py)
     float8: tuple[tuple[str, Any], ...] = ()  # spec/training.py Float8Knobs fields, e.g. (("recipe", "rowwise"),); GPU rows
+    optimizer: str = "adamw"  # adamw, sgd, or bitsandbytes' adam8bit / adam32bit
+    paged: bool = False  # bitsandbytes' paged optimizer (falls back to ordinary states on CPU)
 
     @property
     def id(self) -> str:
@@ -121,7 +127,8 @@ class Row:
             + ((f"actoffload-{self.activation_offload}",) if self.activation_offload else ()) \
             + ((f"compile-{'+'.join(self.compile)}",) if self.compile else ()) \
             + (("float8-" + "-".join(str(v) if not isinstance(v, bool) else k for k, v in self.float8 if v),)
-               if self.float8 else ())
+               if self.float8 else ()) \
+            + (((f"paged-" if self.paged else "") + self.optimizer,) if self.optimizer != "adamw" else ())
         row_id = "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
         row_id = mesh_row_id(self.mesh, row_id, "mesh-ds" if self.engine == "deepspeed" else "mesh") if self.mesh else row_id
         trainer = "trainer-" if self.recipe == "hf-trainer" else ""  # the Trainer's adapter rows apart from the loop's
@@ -168,6 +175,10 @@ class Row:
             fields["compile"] = list(self.compile)
         if self.float8:
             fields["float8"] = dict(self.float8)
+        if self.optimizer != "adamw":
+            fields["optimizer"] = self.optimizer
+        if self.paged:
+            fields["paged_optimizer"] = True
         if self.mesh:
             fields["mesh"] = dict(self.mesh)
         if self.model_init is None and self.engine == "deepspeed" and self.recipe == "plain":
@@ -319,6 +330,20 @@ def _grid() -> tuple[Row, ...]:
     # without DDP, pure bf16, optimizer in backward, CEWithChunkedOutputLoss).
     rows.append(Row("tiny-llama", "fsdp2", 3, "bf16", checkpointing="op", recipe="torchtitan", fsdp2_units="root"))
     rows.append(Row("tiny-llama", "torch", 0, "pure-bf16", world=1, recipe="torchtune"))
+    # bitsandbytes' optimizers (issue 23; estimate/engines/bnb_optim.py): 8-bit and 32-bit AdamW, paged or not (on
+    # CPU bitsandbytes pages nothing and steps with its CPU kernels), in the loop, in torchtune's single-device
+    # program (paged 8-bit stepped in backward, as llama3_1/8B_full_single_device) and under the Trainer, whose
+    # 8-bit optimizers keep the embeddings' states at 32 bits
+    for model, engine, stage, precision, extra in (
+        ("tiny-llama", "torch", 0, "fp32", {"optimizer": "adam8bit"}),
+        ("tiny-gpt2", "torch", 0, "bf16", {"optimizer": "adam8bit", "paged": True, "world": 1, "ddp": False}),
+        ("tiny-llama", "torch", 1, "fp32", {"optimizer": "adam32bit", "paged": True}),
+        ("tiny-llama", "torch", 0, "pure-bf16", {"optimizer": "adam8bit", "paged": True, "world": 1, "recipe": "torchtune"}),
+        ("tiny-llama", "torch", 0, "fp32", {"optimizer": "adam8bit", "recipe": "hf-trainer"}),
+        ("tiny-gpt2", "torch", 0, "bf16", {"optimizer": "adam8bit", "paged": True, "checkpointing": "full",
+                                          "recipe": "hf-trainer"}),
+    ):
+        rows.append(Row(model, engine, stage, precision, **extra))
     # FSDP2 units outside the blocks (issue 11): accelerate's and torchtitan's split (untied: embeddings,
     # [norm, head]; tied GPT-2: one [embeddings, norm, head] unit), and torchtitan's 2024 last block kept.
     rows.append(Row("tiny-llama", "fsdp2", 3, "fp32", fsdp2_units="split"))
@@ -534,6 +559,9 @@ def _lora_rows() -> list[Row]:
         rows.append(Row(model, engine, stage, precision, checkpointing=ckpt, lora=lora, **extra))
     for engine, stage, precision, ckpt, lora in TRAINER_LORA_ROWS:
         rows.append(Row("tiny-llama", engine, stage, precision, checkpointing=ckpt, lora=lora, recipe="hf-trainer"))
+    # the QLoRA paper's recipe under the Trainer: paged 8-bit AdamW over the adapters (optim paged_adamw_8bit)
+    rows.append(Row("tiny-llama", "torch", 0, "bf16", checkpointing="full", recipe="hf-trainer", optimizer="adam8bit",
+                    paged=True, lora=LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16", upcast=True)))
     # adapted experts: peft's ParamWrapper merges each expert stack in every forward (estimate/adapters/experts.py)
     rows.append(Row("qwen3moe-tiny", "torch", 0, "fp32", checkpointing="none", lora=LoraRow(4), world=1, ddp=False))
     # HSDP: fully_shard over a 2-D (dp_replicate, dp_shard) mesh shards the PEFT model as it shards any other
@@ -549,6 +577,10 @@ QLORA_ROWS: tuple = (  # bitsandbytes bases: one rank as the QLoRA scripts run i
     ("tiny-llama", "torch", 0, "bf16", "full", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16"),
      {"world": 1, "ddp": False}),
     ("tiny-llama", "torch", 0, "fp32", "none", LoraRow(8, base_precision="nf4", compute_dtype="fp32"), {"world": 1, "ddp": False}),
+    # an fp32 compute dtype under bf16 autocast (issue 23's CPU miss): Linear4bit returns its input's dtype, fp32
+    ("tiny-llama", "torch", 0, "bf16", "none", LoraRow(8, base_precision="nf4", compute_dtype="fp32"), {"world": 1, "ddp": False}),
+    ("tiny-llama", "torch", 0, "bf16", "full", LoraRow(8, base_precision="nf4", compute_dtype="fp32"),
+     {"world": 1, "ddp": False, "micro_batch": 4, "seq_len": 256}),
     ("tiny-gpt2", "torch", 0, "bf16", "none", LoraRow(8, base_precision="fp4", double_quant=True, compute_dtype="bf16"), {}),
     ("tiny-llama", "torch", 0, "fp32", "full", LoraRow(8, base_precision="int8"), {}),
     ("tiny-llama", "torch", 1, "bf16", "none", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16",
@@ -560,6 +592,13 @@ QLORA_ROWS: tuple = (  # bitsandbytes bases: one rank as the QLoRA scripts run i
      {"model_init": "host"}),
     ("tiny-llama", "deepspeed", 2, "fp32", "none", LoraRow(8, base_precision="nf4", compute_dtype="fp32"), {}),
     ("tiny-llama", "deepspeed", 3, "bf16", "none", LoraRow(8, base_precision="nf4", quant_storage="bf16"), {}),
+    # torchao's NF4Tensor (torchtune's QLoRA base, issue 23): one rank, and FSDP2 sharding its data and scalers
+    ("tests/data/tiny-llama-nf4.toml", "torch", 0, "bf16", "none", LoraRow(8, base_precision="torchao-nf4"),
+     {"world": 1, "ddp": False}),
+    ("tests/data/tiny-llama-nf4.toml", "fsdp2", 3, "bf16", "none", LoraRow(8, base_precision="torchao-nf4"),
+     {"model_init": "host"}),
+    ("tests/data/tiny-llama-nf4.toml", "fsdp2", 2, "bf16", "full", LoraRow(8, base_precision="torchao-nf4"),
+     {"model_init": "host"}),
 )
 
 
@@ -570,6 +609,11 @@ TRAINER_LORA_ROWS: tuple = (  # transformers.Trainer given get_peft_model's Peft
     ("deepspeed", 3, "bf16", "none", LoraRow(8)),
     ("fsdp2", 3, "bf16", "none", LoraRow(8)),
     ("torch", 0, "bf16", "none", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16")),
+    # QLoRA as PEFT's and TRL's scripts prepare it (issue 23): prepare_model_for_kbit_training's fp32 embeddings,
+    # norms and head, with and without gradient checkpointing; one rank and DDP; with a paged 8-bit optimizer
+    ("torch", 0, "bf16", "full", LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16", upcast=True)),
+    ("torch", 0, "bf16", "none", LoraRow(8, base_precision="nf4", compute_dtype="bf16", upcast=True)),
+    ("torch", 0, "fp32", "full", LoraRow(8, base_precision="nf4", compute_dtype="fp32", upcast=True)),
 )
 
 

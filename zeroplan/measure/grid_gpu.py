@@ -1,5 +1,5 @@
-"""Two small grids for the first machine with GPUs (`zeroplan validate --backend nccl --grid gpu-1`
-or `--grid gpu-8`): what the allocated, reserved and device figures are checked on.
+"""Small grids for the first machine with GPUs (`zeroplan validate --backend nccl --grid gpu-1`, `gpu-8` or
+`gpu-1-quant`): what the allocated, reserved and device figures are checked on.
 
 Each is sized to finish in under ten minutes: real catalogue models with random weights (no
 download), bf16 mixed precision, 3 steps, a row being about a minute (process start, NCCL set-up,
@@ -13,7 +13,7 @@ DeepSpeed rows are left out: building its CUDA ops (FusedAdam) takes minutes on 
 
 from __future__ import annotations
 
-from zeroplan.measure.grid import Row
+from zeroplan.measure.grid import LoraRow, Row
 
 _ONE = dict(world=1, precision="bf16", recipe="plain")
 _EIGHT = dict(world=8, precision="bf16", recipe="plain")
@@ -34,4 +34,18 @@ GPU_8: tuple[Row, ...] = (
     Row("llama-3.2-1b", "torch", 1, micro_batch=2, seq_len=2048, checkpointing="full", **_EIGHT),
 )
 
-GRIDS: dict[str, tuple[Row, ...]] = {"gpu-1": GPU_1, "gpu-8": GPU_8}
+# bitsandbytes on one GPU (issue 23; docs/engines/torch.md "bitsandbytes optimizers"): what CPU runs cannot check.
+# The paged rows: max_memory_allocated must leave the paged states out (the estimate's peak) and NVML's used memory
+# hold them while the GPU has room (the peak plus per_node.unified); the unpaged 8-bit row: the fused CUDA update
+# allocates nothing (no step temporaries); the QLoRA row: the paper's recipe under the Trainer.
+GPU_QUANT: tuple[Row, ...] = (
+    Row("llama-3.2-1b", "torch", 0, "pure-bf16", world=1, recipe="torchtune", micro_batch=2, seq_len=2048,
+        checkpointing="full", optimizer="adam8bit", paged=True),
+    Row("llama-3.2-1b", "torch", 0, "bf16", world=1, ddp=False, micro_batch=2, seq_len=2048, checkpointing="full",
+        optimizer="adam8bit"),
+    Row("llama-3.2-1b", "torch", 0, "bf16", world=1, recipe="hf-trainer", micro_batch=2, seq_len=2048,
+        checkpointing="full", optimizer="adam8bit", paged=True,
+        lora=LoraRow(16, base_precision="nf4", double_quant=True, compute_dtype="bf16", upcast=True)),
+)
+
+GRIDS: dict[str, tuple[Row, ...]] = {"gpu-1": GPU_1, "gpu-8": GPU_8, "gpu-1-quant": GPU_QUANT}

@@ -162,6 +162,8 @@ def _estimate_text(data: dict[str, Any], units: str, markdown: bool, explain: bo
         (
             f"CPU RAM {amount(per_node['cpu'], units)} {units} (pinned {amount(per_node['pinned'], units)} {units}),"
             f" NVMe {amount(per_node['nvme'], units)} {units}"
+            + (f", unified memory {amount(per_node['unified'], units)} {units} (paged optimizer states: on the GPUs "
+               "while they have room, host RAM under pressure)" if per_node.get("unified") else "")
         ),
     ]
     if "device_memory" in data:

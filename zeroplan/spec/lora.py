@@ -84,14 +84,24 @@ class BasePrecision(str, Enum):
     INT8 = "int8"  # bitsandbytes Int8Params: int8 weight, fp32 scale per output row (SCB)
     NF4 = "nf4"  # bitsandbytes Params4bit, normal-float 4-bit: two weights per byte, fp32 absmax per block
     FP4 = "fp4"  # as nf4 with the fp4 code (same bytes)
+    GPTQ = "gptq"  # a GPTQ checkpoint (gptqmodel QuantLinear): packed int32 qweight, per-group fp16 scales and qzeros, g_idx
+    AWQ = "awq"  # an AWQ checkpoint (WQLinear_GEMM): packed int32 qweight, per-group fp16 scales and qzeros
+    TORCHAO_NF4 = "torchao-nf4"  # torchao NF4Tensor (torchtune's QLoRA): nf4 in blocks of 64, int8 scalers per 256 blocks
 
     @property
     def is_4bit(self) -> bool:
+        """bitsandbytes' 4-bit formats (Params4bit)."""
         return self in (BasePrecision.NF4, BasePrecision.FP4)
 
     @property
+    def is_packed_int(self) -> bool:
+        """A GPTQ or AWQ checkpoint's integer weights (bits and group_size)."""
+        return self in (BasePrecision.GPTQ, BasePrecision.AWQ)
+
+    @property
     def is_quantized(self) -> bool:
-        return self in (BasePrecision.INT8, BasePrecision.NF4, BasePrecision.FP4)
+        return (self in (BasePrecision.INT8, BasePrecision.NF4, BasePrecision.FP4, BasePrecision.TORCHAO_NF4)
+                or self.is_packed_int)
 
 
 FloatDtype = Literal["bf16", "fp16", "fp32"]
@@ -114,7 +124,12 @@ class QuantSpec(BaseModel):
     blocksize: int = Field(64, description="Elements per absmax block of a 4-bit weight (Params4bit's default 64).")
     upcast_non_quantized: bool = Field(
         False, description="prepare_model_for_kbit_training: cast the layers left unquantized (embeddings, norms, "
-        "head) to fp32. [default: off, as the Hugging Face Trainer leaves them]")
+        "head) to fp32, as PEFT's examples, TRL's SFTTrainer and the QLoRA paper's script do. [default: off, as the "
+        "Hugging Face Trainer alone leaves them]")
+
+    bits: int = Field(4, description="Bits per weight of a GPTQ or AWQ checkpoint (quantization_config.bits).")
+    group_size: int = Field(128, description="Input features per scale and zero of a GPTQ or AWQ checkpoint "
+                            "(quantization_config.group_size; -1: one group per row).")
 
     @field_validator("blocksize")
     @classmethod
@@ -133,6 +148,19 @@ class QuantSpec(BaseModel):
                 raise ValueError(f"quant_storage applies to a 4-bit base (nf4, fp4), not {self.base_precision.value}")
         if not self.base_precision.is_quantized and self.upcast_non_quantized:
             raise ValueError("upcast_non_quantized applies to a quantized base (int8, nf4, fp4)")
+        if self.base_precision.is_packed_int:
+            if self.bits not in (2, 3, 4, 8):
+                raise ValueError(f"bits {self.bits}: GPTQ and AWQ pack 2, 3, 4 or 8 bits per weight")
+            if self.group_size != -1 and self.group_size < 1:
+                raise ValueError(f"group_size {self.group_size}: give a positive group size, or -1 for one per row")
+            if self.base_precision == BasePrecision.GPTQ and self.upcast_non_quantized:
+                # peft utils/other.py prepare_model_for_kbit_training: `is_gptq_quantized` skips the fp32 cast
+                raise ValueError("upcast_non_quantized: prepare_model_for_kbit_training casts nothing on a GPTQ model")
+        elif self.base_precision == BasePrecision.TORCHAO_NF4 and self.upcast_non_quantized:
+            # torchtune never calls it, and peft's `is_torchao_quantized` branch casts nothing
+            raise ValueError("upcast_non_quantized: prepare_model_for_kbit_training casts nothing on a torchao model")
+        if not self.base_precision.is_packed_int and (self.bits, self.group_size) != (4, 128):
+            raise ValueError(f"bits and group_size describe a GPTQ or AWQ checkpoint, not {self.base_precision.value}")
         return self
 
 
@@ -244,5 +272,13 @@ def check_training_lora(training: "TrainingSpec") -> None:
     if quant.base_precision == BasePrecision.INT8 and (engine == "fsdp2" or (engine == "deepspeed" and stage == 3)):
         raise ValueError(f"quant.base_precision int8: Int8Params cannot be sharded by engine {engine} at zero_stage "
                          f"{stage} (its row scales live outside the tensor); use nf4 with quant_storage bf16, or ZeRO 0-2")
+    if quant.base_precision == BasePrecision.TORCHAO_NF4 and engine == "deepspeed":
+        # torchao nf4_tensor.py implements FSDP2's extension points (fsdp_pre_all_gather / fsdp_post_all_gather)
+        raise ValueError("quant.base_precision torchao-nf4: torchao's NF4Tensor is sharded by FSDP2 (torchtune's "
+                         "recipes); under DeepSpeed it is not modelled: use engine fsdp2 or torch")
+    if quant.base_precision.is_packed_int and (engine == "fsdp2" or (engine == "deepspeed" and stage == 3)):
+        # their qweight, qzeros, scales and g_idx are buffers (register_buffer), which neither engine shards
+        raise ValueError(f"quant.base_precision {quant.base_precision.value}: its packed weights are module buffers, "
+                         f"which engine {engine} at zero_stage {stage} does not shard: not modelled; use ZeRO 0-2")
     if quant.base_precision.is_quantized and training.offload_params.value != "none":
         raise ValueError("offload_params: a quantized base is not offloaded by the engines (bitsandbytes keeps it on the GPU)")

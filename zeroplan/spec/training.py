@@ -65,7 +65,13 @@ class Optimizer(str, Enum):
     ADAMW = "adamw"  # exp_avg and exp_avg_sq
     ADAM = "adam"  # same states as adamw
     SGD = "sgd"  # momentum buffer
-    ADAM_8BIT = "adam8bit"  # bitsandbytes: two 1-byte states (+ block-wise scales)
+    ADAM_8BIT = "adam8bit"  # bitsandbytes AdamW8bit: two uint8 states and their block-wise absmax
+    ADAM_32BIT = "adam32bit"  # bitsandbytes AdamW (optim_bits 32): two fp32 states whatever the parameter dtype
+
+    @property
+    def is_bitsandbytes(self) -> bool:
+        """One of bitsandbytes' optimizers (bitsandbytes/optim/optimizer.py Optimizer2State)."""
+        return self in (Optimizer.ADAM_8BIT, Optimizer.ADAM_32BIT)
 
 
 class Offload(str, Enum):
@@ -210,6 +216,9 @@ class TrainingSpec(BaseModel):
     offload_params: Offload = Field(Offload.NONE, description="Where parameters live between uses (stage 3 only).")
     precision: Precision = Field(Precision.BF16, description="fp32, fp16/bf16 mixed with fp32 master, or pure-bf16.")
     optimizer: Optimizer = Field(Optimizer.ADAMW, description="Optimizer, which fixes the states per parameter.")
+    paged_optimizer: bool = Field(False, description="bitsandbytes' paged optimizer (PagedAdamW8bit, PagedAdamW32bit; "
+                                  "TrainingArguments optim paged_adamw_*): the states of tensors of 100,000 elements or "
+                                  "more live in CUDA unified memory, outside PyTorch's allocator.")
     micro_batch: int = Field(1, ge=1, le=MAX_MICRO_BATCH, description="Sequences per GPU per forward pass.")
     seq_len: int = Field(2048, ge=1, le=MAX_SEQ_LEN, description="Tokens per sequence.")
     grad_accum: int = Field(1, ge=1, le=MAX_GRAD_ACCUM, description="Micro-batches accumulated per optimizer step.")
@@ -285,6 +294,7 @@ class TrainingSpec(BaseModel):
                 raise ValueError("engine fsdp2 offloads parameters and optimizer together: set offload_optimizer cpu too")
         self._check_program()
         self._check_compiled()
+        self._check_bitsandbytes_optimizer()
         check_training_lora(self)  # spec/lora.py
         self.mesh.check_world(self.gpus, self.engine.value, self.zero_stage, self.recipe.value)
         return self
@@ -353,6 +363,20 @@ class TrainingSpec(BaseModel):
         if self.mesh.async_tp and "model" not in self.compile:
             # torchtitan v0.2.2 parallelize.py: "Async TP requires 'model' in --compile.components"
             raise ValueError("mesh.async_tp: async tensor parallelism is an inductor pass: set compile to include model")
+
+    def _check_bitsandbytes_optimizer(self) -> None:
+        """bitsandbytes' optimizers where they cannot step (issue 23, bad input)."""
+        if self.paged_optimizer and not self.optimizer.is_bitsandbytes:
+            raise ValueError(f"paged_optimizer: paging is bitsandbytes' (PagedAdamW8bit, PagedAdamW32bit); optimizer "
+                             f"{self.optimizer.value} keeps its states in PyTorch's allocator: use adam8bit or adam32bit")
+        if self.optimizer.is_bitsandbytes and self.engine == Engine.FSDP2:
+            # bitsandbytes 0.50.2: torch.ops.bitsandbytes.optimizer_update_* have no DTensor sharding rule
+            # ("does not have a sharding strategy registered"), so they cannot step fully_shard's DTensor shards
+            raise ValueError(f"optimizer {self.optimizer.value}: bitsandbytes' update kernels cannot step FSDP2's "
+                             "sharded (DTensor) parameters; use engine torch, or deepspeed with a client optimizer")
+        if self.optimizer.is_bitsandbytes and self.optimizer_impl is not None:
+            raise ValueError(f"optimizer_impl chooses a torch optimizer's kernel; bitsandbytes' {self.optimizer.value} "
+                             "runs its own update (fused on CUDA): leave optimizer_impl unset")
 
     def _check_fsdp2(self) -> None:
         """FSDP2 wrapping knobs that do not apply."""

@@ -30,9 +30,20 @@ from zeroplan.estimate.terms import named, register
 from zeroplan.spec.model import TransformerSpec
 
 register({
+    "torchao to_nf4 conversion": "torchao nf4_tensor.py NF4Tensor.from_tensor, convert_to_norm_float_weight (set-up)",
+    "model before torchao's NF4 conversion": "torchtune modules/peft/lora.py LoRALinear(quantize_base=True): the model "
+                                            "built in its dtype, then to_nf4 weight by weight",
+    "no 16-bit copy of a 16-bit head (autocast)": "aten/src/ATen/autocast_mode.cpp cached_cast (a weight of the "
+                                                 "target dtype is not copied; estimate/adapters/lora.py without_head_cast)",
+    "4-bit MLP outputs cast back to the model's dtype": "bitsandbytes nn/modules.py Linear4bit.forward "
+                                                       "(`.to(inp_dtype)`; docs/engines/lora.md Activations)",
     "frozen base as stored (bitsandbytes)": "bitsandbytes nn/modules.py Params4bit, Int8Params (docs/engines/lora.md, "
                                             "The base's storage)",
     "frozen base at the engine's element size": "estimate/adapters/lora.py base_params_delta (taken off the engine's parameters)",
+    "LoRA adapters' saved inputs, ranks and masks": "peft tuners/lora/layer.py Linear.forward (lora_A's input, its "
+                                                    "copy, A's output, dropout's mask; docs/engines/lora.md Activations)",
+    "inputs frozen linears no longer keep (LoRA)": "torch/csrc/autograd (a frozen weight needs no input for its "
+                                                   "gradient; docs/engines/lora.md Activations)",
 })
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "uint8": 1}
 DOUBLE_QUANT_BLOCK = 256  # functional.py quantize_4bit: quantize_blockwise(_absmax - offset, blocksize=256)
@@ -335,9 +346,63 @@ def quantized_weight_bytes(numel: int, out_features: int, quant: QuantSpec) -> i
     tables (`quant_state_bytes`). 8-bit (`Int8Params`): int8 weight and one fp32 scale (SCB) per output row."""
     if quant.base_precision.is_4bit:
         return packed_elements(numel, quant) * DTYPE_BYTES[quant.quant_storage] + quant_state_bytes(numel, quant)
+    if quant.base_precision.is_packed_int:
+        return packed_int_weight_bytes(numel // out_features, out_features, quant)
+    if quant.base_precision.value == "torchao-nf4":
+        return nf4_inner_bytes(numel, quant) + nf4_whole_bytes(quant)
     if quant.base_precision.value == "int8":
         return numel + FP32_BYTES * out_features
     return numel * DTYPE_BYTES[quant.base_precision.value]
+
+
+NF4_BLOCK = 64  # torchao nf4_tensor.py to_nf4(block_size=64, scaler_block_size=256), as torchtune calls it
+NF4_SCALER_BLOCK = 256
+
+
+def nf4_inner_bytes(numel: int, quant: QuantSpec) -> int:
+    """torchao NF4Tensor's tensors that FSDP2 shards and all-gathers (nf4_tensor.py `_INNER_TENSOR_NAMES_FOR_SHARDING`,
+    `fsdp_pre_all_gather`): `quantized_data` uint8, two values per byte; `quantized_scalers` int8, one per block of 64;
+    `quantization_factor`, one per 256 scalers, in the weight's dtype (the compute dtype)."""
+    blocks = numel // NF4_BLOCK
+    return numel // 2 + blocks + DTYPE_BYTES[quant.compute_dtype] * (blocks // NF4_SCALER_BLOCK)
+
+
+def nf4_whole_bytes(quant: QuantSpec) -> int:
+    """NF4Tensor's `scaler_mean` (a scalar) and `nf4` (the 16-value code), whole on every rank (FSDP2 metadata)."""
+    return DTYPE_BYTES[quant.compute_dtype] * (1 + 16)
+
+
+def nf4_dequantize_bytes(numel: int, quant: QuantSpec) -> int:
+    """The peak of torchao's `NF4Tensor.get_original_weight` (`weight.to(dtype)` in `linear_nf4`, forward and backward):
+    `first_elements` and `second_elements` as int64 (numel / 2 each), their dequantized and scaled halves in the
+    weight's dtype (four of numel / 2), and `torch.stack` of the scaled halves (numel): alive together at the stack."""
+    element = DTYPE_BYTES[quant.compute_dtype]
+    return 2 * 8 * (numel // 2) + 4 * element * (numel // 2) + element * numel
+
+
+NF4_CHUNK = 1024**2  # nf4_tensor.py CHUNK_SIZE: the elements quantize_tensor_nearest compares at once
+
+
+def nf4_conversion_bytes(numel: int, quant: QuantSpec) -> int:
+    """The peak of torchao's `to_nf4` on one weight (nf4_tensor.py `convert_to_norm_float_weight`): the scaled blocks
+    (the weight's dtype) and the uint8 indices, then per chunk of at most 2^20 elements `(value - nf4).abs()`, two
+    tensors of 16 values per element alive together."""
+    element = DTYPE_BYTES[quant.compute_dtype]
+    return element * numel + numel + 2 * 16 * element * min(numel, NF4_CHUNK)
+
+
+def packed_int_weight_bytes(in_features: int, out_features: int, quant: QuantSpec) -> int:
+    """A GPTQ or AWQ linear's buffers, `bits` per weight packed in int32 and per group of `group_size` input
+    features one fp16 scale and one packed zero per output feature: GPTQ (gptqmodel QuantLinear) `qweight`
+    (in x bits / 32, out) int32, `qzeros` (ceil(in / g), out x bits / 32) int32, `scales` (ceil(in / g), out)
+    fp16, `g_idx` (in,) int32; AWQ (WQLinear_GEMM) the same without g_idx, qweight (in, out x bits / 32)."""
+    group = in_features if quant.group_size == -1 else quant.group_size
+    groups = -(-in_features // group)
+    weight = -(-in_features * out_features * quant.bits // 32) * FP32_BYTES
+    zeros = -(-groups * out_features * quant.bits // 32) * FP32_BYTES
+    scales = groups * out_features * DTYPE_BYTES["fp16"]
+    g_idx = FP32_BYTES * in_features if quant.base_precision.value == "gptq" else 0
+    return weight + zeros + scales + g_idx
 
 
 def packed_elements(numel: int, quant: QuantSpec) -> int:
@@ -384,10 +449,15 @@ def base_tensors(spec: TransformerSpec, quant: QuantSpec) -> tuple[BaseTensor, .
         for t in block:
             module, kind = t.name.rsplit(".", 1)
             if module in linears and kind == "weight":
+                if quant.base_precision.value == "torchao-nf4" and t.numel % (NF4_BLOCK * NF4_SCALER_BLOCK):
+                    # nf4_tensor.py from_tensor / double_quantize_scalers: "must be divisible by" the block sizes
+                    raise FieldError("quant.base_precision", f"torchao-nf4: {spec.name}'s {module} has {t.numel:,} "
+                                     "elements; torchao's to_nf4 needs a multiple of 16,384 (blocks of 64, 256 of them)")
                 stored = quantized_weight_bytes(t.numel, linears[module].out_features, quant)
             else:
                 stored = t.numel * element  # the fused 3-D experts are parameters, which bitsandbytes leaves alone
-            packed = quant.base_precision.is_4bit and module in linears and kind == "weight"
+            packed = (quant.base_precision.is_4bit or quant.base_precision.value == "torchao-nf4") and module in linears \
+                and kind == "weight"
             tensors.append(BaseTensor(t.numel, count, stored, packed))
     return tuple(tensors)
 
@@ -401,6 +471,8 @@ def dequantized_weight_bytes(spec: TransformerSpec, quant: QuantSpec) -> int:
     largest = max((linear.in_features * linear.out_features for linear in _linears(spec)
                    if linear.role == "block" and linear.kind == "linear"),
                   default=0)
+    if quant.base_precision.value == "torchao-nf4":  # its dequantization's own peak (`nf4_dequantize_bytes`)
+        return nf4_dequantize_bytes(largest, quant)
     return largest * DTYPE_BYTES[quant.compute_dtype]
 
 
@@ -427,40 +499,63 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
     h, inner = spec.hidden_size, spec.intermediate_size
     own_copy = autocast or lora.dropout > 0 or adapter_element != comp
     copy_element = comp if autocast else adapter_element
-    delta = 0
+    dropped = kept = 0  # what the frozen base no longer keeps; what the adapters keep
     # what the base linears kept of their inputs (activations.py `norm_saved_per_token`, `_mlp_saved_per_token`)
     readers = {"attn": attn_reads, "mlp": mlp_reads}
     for side, reads in readers.items():
         inputs = [linear for linear in block if linear.module.startswith(f"{side}.") and linear.in_features == h
                   and not linear.module.endswith(("o_proj", "c_proj", "down_proj", "fc_out"))]
-        delta -= comp * h * (reads if autocast else 1)
+        dropped -= comp * h * (reads if autocast else 1)
         if inputs and not own_copy:
-            delta += comp * h  # A saves the norm's output itself, once for all that read it
+            kept += comp * h  # A saves the norm's output itself, once for all that read it
     down = [linear for linear in block if linear.module.endswith(("mlp.down_proj", "mlp.c_proj", "mlp.fc_out"))]
     if not spec.is_moe and spec.moe is None:  # a dense MLP (a sparse one's experts keep their product: lora_experts.py)
-        delta -= comp * inner  # the MLP's product, kept by down_proj for its weight gradient only
+        dropped -= comp * inner  # the MLP's product, kept by down_proj for its weight gradient only
         if down and not own_copy:
-            delta += comp * inner
+            kept += comp * inner
     if spec.norm == "rmsnorm":
         # LlamaRMSNorm `self.weight * hidden_states.to(input_dtype)`: mul saves the normalized tensor
         # for the weight's gradient only (autograd FunctionsManual mul_tensor_backward); frozen, it is not kept
-        delta -= 2 * _normalized_bytes(spec, autocast, comp)
+        dropped -= 2 * _normalized_bytes(spec, autocast, comp)
     temporary = 0
     # ParamWrapper (routers, expert stacks) merges W + s*BA instead of running A and B on the tokens: no
     # per-token adapter tensors there (peft tuners/lora/layer.py `ParamWrapper.forward`; lora_experts.py)
     for linear in (linear for linear in block if linear.kind == "linear"):
         if own_copy:
-            delta += copy_element * linear.in_features
-        delta += copy_element * lora.rank  # A's output, kept by B
+            kept += copy_element * linear.in_features
+        kept += copy_element * lora.rank  # A's output, kept by B
         if lora.dropout > 0:
-            delta += (1 if cuda else copy_element) * linear.in_features
+            kept += (1 if cuda else copy_element) * linear.in_features
         if lora.dora:
-            delta += 2 * copy_element * linear.out_features
+            kept += 2 * copy_element * linear.out_features
             # dora.py: the identity (kept by lora_A's graph), A's output on it (kept by lora_B), the LoRA
             # weight, and in `get_weight_norm` its scaled copy and the sum, alive at the add's return
             temporary = max(temporary, adapter_element * (linear.in_features ** 2 + linear.in_features * lora.rank
                                                           + 3 * linear.in_features * linear.out_features))
+    delta = (named("LoRA adapters' saved inputs, ranks and masks", kept)
+             + named("inputs frozen linears no longer keep (LoRA)", dropped))
     return AdapterActivations(delta, temporary)
+
+
+def kbit_output_element(quant: QuantSpec | None, autocast: bool, comp: int) -> int:
+    """The dtype a quantized base layer returns: bitsandbytes' Linear4bit computes in its compute dtype (autocast's
+    under autocast) and returns `.to(inp_dtype)`, its input's dtype (nn/modules.py `Linear4bit.forward`), which is
+    the dtype the model is built in (`model_element_bytes`); other layers return autocast's dtype (`comp`)."""
+    if not autocast or quant is None or not quant.base_precision.is_4bit:
+        return comp
+    return model_element_bytes(quant, autocast, comp)
+
+
+def kbit_mlp_widening(spec: TransformerSpec, quant: QuantSpec | None, autocast: bool, comp: int) -> int:
+    """Per token of one block, what the MLP's saved elementwise tensors take beyond activations.py's count
+    (autocast's dtype) when its 4-bit linears return the model's wider dtype (`kbit_output_element`): a gated
+    MLP's gate output (SiLU's input), SiLU's output and the up output (mul's inputs); gelu_new's four
+    (docs/engines/lora.md "Activations"). The product is down_proj's input, kept by a frozen base for
+    nothing (lora.py `adapter_activations`); zero for a sparse MLP (its experts are not bitsandbytes layers)."""
+    out = kbit_output_element(quant, autocast, comp)
+    if out == comp or spec.is_moe or spec.moe is not None:
+        return 0
+    return (out - comp) * (3 if spec.mlp == "gated" else 4) * spec.intermediate_size
 
 
 def _layer_norm_narrowing(spec: TransformerSpec, quant: QuantSpec | None, autocast: bool, comp: int) -> int:
@@ -627,6 +722,8 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     # the chunked losses that detach the head's input already dropped it (activations.py `_loss_terms`)
     head_input_kept = program.loss == Loss.STANDARD or (program.loss == Loss.CHUNKED and program.recipe != Recipe.TORCHTITAN)
     narrowed = _layer_norm_narrowing(spec, quant, autocast, comp)
+    extra = extra._replace(saved_per_token=extra.saved_per_token + named(
+        "4-bit MLP outputs cast back to the model's dtype", kbit_mlp_widening(spec, quant, autocast, comp)))
     embedding, final_norm = outside_blocks(spec, lora, autocast, comp, adapter_element, cuda,
                                            training.checkpointing.value != "none", head_input_kept, narrowed)
     # the narrower LayerNorms: two per block (GPT-2 ln_1, ln_2); the first block's first and the final one in outside_blocks
@@ -659,7 +756,28 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
     # adapted experts and routers save their merged weight W + s*BA per block (estimate/adapters/experts.py)
     merged_element = comp if autocast else model_element_bytes(quant, autocast, comp)
     casts -= merged_weight_bytes(lora_layout(spec, lora).adapted, merged_element)
-    return with_adapter_activations(acts, training.micro_batch * training.seq_len, extra, casts)
+    acts = with_adapter_activations(acts, training.micro_batch * training.seq_len, extra, casts)
+    return without_head_cast(acts, spec, training, autocast, comp)
+
+
+def without_head_cast(acts, spec: TransformerSpec, training, autocast: bool, comp: int):
+    """`acts` without autocast's 16-bit copy of the output head's weight where the head is stored in that dtype
+    already (a quantized or 16-bit base not upcast to fp32): aten/src/ATen/autocast_mode.cpp `cached_cast`
+    returns a tensor of the target dtype as it is, so nothing is copied (activations.py counts the copy of an
+    fp32 head: the torch engine's parameters, or prepare_model_for_kbit_training's upcast)."""
+    from zeroplan.spec.program import Loss
+
+    quant = training.quant
+    if (acts is None or not autocast or quant is None or unquantized_element_bytes(quant) != comp
+            or any(not t.frozen for t in lora_layout(spec, training.lora).final if t.name.startswith("lm_head"))):
+        return acts
+    head_cast = named("no 16-bit copy of a 16-bit head (autocast)", -comp * spec.vocab_size * spec.hidden_size)
+    loss = training.program.loss
+    if loss == Loss.STANDARD:
+        return replace(acts, final_norm=acts.final_norm + head_cast)
+    if loss == Loss.CHUNKED:
+        return replace(acts, loss_transient=acts.loss_transient + head_cast)
+    return acts
 
 
 def with_dora_weight_norm(acts, temporary: int):
@@ -694,7 +812,9 @@ def with_dequantized_weight(acts, spec: TransformerSpec, quant: QuantSpec | None
         return acts
     largest = max((linear for linear in _linears(spec) if linear.role == "block" and linear.kind == "linear"),
                   key=lambda linear: linear.in_features * linear.out_features)
-    forward = max(acts.block_forward_transient, weight + tokens * comp * largest.out_features)
+    # the weight in the compute dtype, alive with the layer's output; torchao's dequantization peaks before that
+    materialized = largest.in_features * largest.out_features * DTYPE_BYTES[quant.compute_dtype]
+    forward = max(acts.block_forward_transient, weight, materialized + tokens * comp * largest.out_features)
     backward = acts.block_backward_transient + max(0, weight - tokens * comp * spec.intermediate_size)
     return replace(acts, block_forward_transient=forward, block_backward_transient=backward)
 
@@ -721,16 +841,24 @@ def packed_storage(training) -> PackedStorage | None:
     chunk), not the weight it dequantizes to; None for the engines that do not shard parameters."""
     quant = training.quant
     engine = training.engine.value
-    if quant is None or not quant.base_precision.is_4bit:
+    if quant is None or not (quant.base_precision.is_4bit or quant.base_precision.value == "torchao-nf4"):
         return None
     if not (engine == "fsdp2" or (engine == "deepspeed" and training.zero_stage == 3)):
         return None
     return PackedStorage(quant, FP32_BYTES if training.precision.value == "fp32" else 2)
 
 
+def _packed_bytes(numel: int, quant: QuantSpec) -> int:
+    """What a sharding engine shards and gathers of a 4-bit weight: bitsandbytes' packed storage; torchao's NF4Tensor
+    inner tensors, its scalers included (`nf4_inner_bytes`)."""
+    if quant.base_precision.value == "torchao-nf4":
+        return nf4_inner_bytes(numel, quant)
+    return packed_elements(numel, quant) * DTYPE_BYTES[quant.quant_storage]
+
+
 def _packed_units(numel: int, packed: PackedStorage) -> int:
     """The packed storage of a 4-bit weight of `numel` values, in the engine's gathered elements."""
-    return _ceil(packed_elements(numel, packed.quant) * DTYPE_BYTES[packed.quant.quant_storage], packed.gathered_element)
+    return _ceil(_packed_bytes(numel, packed.quant), packed.gathered_element)
 
 
 def packed_layout(spec: TransformerSpec, layout: LoraLayout, packed: PackedStorage) -> LoraLayout:
@@ -759,7 +887,15 @@ def base_params_delta(spec: TransformerSpec, training, param: int, shard_ranks: 
     packed = packed_storage(training)
     stored = counted = 0
     for t in base_tensors(spec, quant):
-        if packed is not None and t.packed:
+        if packed is not None and t.packed and quant.base_precision.value == "torchao-nf4":
+            if (t.numel // (NF4_BLOCK * NF4_SCALER_BLOCK)) % n:  # nf4_tensor.py nf4_split: every inner tensor in n chunks
+                raise FieldError("quant.base_precision", f"torchao-nf4: a weight of {t.numel:,} elements does not split "
+                                 f"into {n} shards (torchao's nf4_split needs its scale factors, one per 16,384 "
+                                 f"elements, divisible by the {n} ranks)")
+            # torchao shards its three inner tensors and keeps scaler_mean and the code whole (`fsdp_pre_all_gather`)
+            stored += t.count * (_ceil(nf4_inner_bytes(t.numel, quant), n) + nf4_whole_bytes(quant))
+            counted += t.count * _ceil(_packed_units(t.numel, packed), n) * element
+        elif packed is not None and t.packed:
             # the shards of the packed storage, and the QuantState whole on every rank (Params4bit.__torch_function__)
             stored += t.count * (_ceil(packed_elements(t.numel, quant), n) * DTYPE_BYTES[quant.quant_storage]
                                  + quant_state_bytes(t.numel, quant))
@@ -769,6 +905,30 @@ def base_params_delta(spec: TransformerSpec, training, param: int, shard_ranks: 
             counted += t.count * _ceil(t.numel, n) * element
     # the base as stored replaces the engine's count of it (the fold takes that off the engine's parameters)
     return named("frozen base as stored (bitsandbytes)", stored) - named("frozen base at the engine's element size", counted)
+
+
+def nf4_conversion_moment(spec: TransformerSpec, training) -> tuple[int, int] | None:
+    """(params, temporaries) at the set-up's conversion of the weights to torchao's NF4Tensor, None for another base.
+    A model built whole (init host or device): all of it in the compute dtype, before any weight is converted, and
+    `nf4_conversion_bytes` of the largest weight (a bound: the weights converted before it are smaller already).
+    torchtune converts one weight at a time (modules/peft/lora.py LoRALinear: `to_nf4` of each new weight, and
+    NF4Tensor's `copy_` from the loaded state dict; the distributed recipe's training/_distributed.py
+    `load_from_full_model_state_dict` converts each full weight before sharding it), as does a meta-device build:
+    the params are the engine's (0 here), the temporaries the largest full weight, its conversion and its NF4 result."""
+    quant = training.quant
+    if quant is None or quant.base_precision.value != "torchao-nf4":
+        return None
+    largest = max(linear.in_features * linear.out_features for linear in _linears(spec)
+                  if linear.role == "block" and linear.kind == "linear")
+    converting = nf4_conversion_bytes(largest, quant)
+    if training.program.model_init.value == "meta" or training.recipe.value == "torchtune":
+        one = largest * DTYPE_BYTES[quant.compute_dtype] + converting + nf4_inner_bytes(largest, quant)
+        return 0, named("torchao to_nf4 conversion", one)
+    layout = param_layout(spec)
+    whole = sum(t.numel * count for tensors, count in ((layout.embedding, 1), (layout.final, 1), *layout.runs)
+                for t in tensors)
+    return (named("model before torchao's NF4 conversion", whole * DTYPE_BYTES[quant.compute_dtype]),
+            named("torchao to_nf4 conversion", converting))
 
 
 def adapter_param_bytes(facts, training, param: int, steady: bool, shard_ranks: int) -> int:
@@ -811,7 +971,18 @@ def lora_notes(spec: TransformerSpec, training, facts) -> tuple[str, ...]:
     share = facts.trainable_params / facts.total_params
     notes = [f"LoRA rank {lora.rank}: {facts.trainable_params:,} of {facts.total_params:,} parameters train "
              f"({share:.4%}); gradients and optimizer states for those only"]
-    if quant is not None and quant.base_precision.is_quantized:
+    if quant is not None and quant.base_precision.value == "torchao-nf4":
+        notes.append("base torchao NF4Tensor (torchtune's QLoRA): nf4 in blocks of 64 with int8 scalers per 256 blocks; "
+                     "each layer dequantizes its weight in forward and backward (get_original_weight: int64 indices, "
+                     "a temporary of 7x the bf16 weight)")
+        if packed_storage(training) is not None:
+            notes.append("FSDP2 shards and gathers the NF4 data, scalers and factors (torchao's fsdp_pre_all_gather); "
+                         "only the scaler mean and the 16-value code stay whole on every rank")
+    elif quant is not None and quant.base_precision.is_packed_int:
+        notes.append(f"base {quant.base_precision.value} int{quant.bits} as its checkpoint stores it (packed int32 weights, "
+                     f"fp16 scales and packed zeros per {quant.group_size}-feature group); each layer dequantizes its "
+                     "weight in forward and backward (a temporary: the torch kernel PEFT trains with)")
+    elif quant is not None and quant.base_precision.is_quantized:
         notes.append(f"base {quant.base_precision.value}{' + double quantization' if quant.double_quant else ''} as "
                      f"bitsandbytes stores it; each quantized layer dequantizes its weight to {quant.compute_dtype} in "
                      "forward and backward (a temporary)")

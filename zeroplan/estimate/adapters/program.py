@@ -12,7 +12,7 @@ import zeroplan.estimate.adapters.lora as lora
 from zeroplan.estimate.engines.common import EngineEstimate, Setup
 from zeroplan.estimate.dtypes import state_bytes
 from zeroplan.estimate.model.facts import ModelFacts
-from zeroplan.estimate.result import ParamParts, PhaseBytes, Step
+from zeroplan.estimate.result import CategoryBytes, ParamParts, Phase, PhaseBytes, Step
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.training import TrainingSpec
 
@@ -23,9 +23,16 @@ def with_adapters(result: EngineEstimate, facts: ModelFacts, model: TransformerS
     param = state_bytes(training.precision, training.optimizer).param
     delta = lora.base_params_delta(model, training, param, setup.gpus)
     phases = []
+    converting = lora.nf4_conversion_moment(model, training)  # torchao's to_nf4 at set-up
     for p in result.phases:
         categories = p.categories._replace(params=max(0, p.categories.params + delta
                                                       + _fp32_adapters(facts, training, param, p.step, setup.gpus)))
+        if converting is not None and p.phase == Phase.INIT and p.step == Step.FIRST:
+            if converting[0]:  # built whole: the model before conversion, in place of the engine's set-up if larger
+                moment = CategoryBytes(params=converting[0], temporaries=converting[1])
+                categories = moment if moment.total_bytes > categories.total_bytes else categories
+            else:  # built on meta: one full weight converted beside the shards loaded so far
+                categories = categories._replace(temporaries=categories.temporaries + converting[1])
         phases.append(PhaseBytes(p.step, p.phase, categories))
     return result._replace(phases=tuple(phases))
 

@@ -35,6 +35,8 @@ def recompute_dtypes(quant: QuantSpec | None, autocast: bool, comp: int, adapter
     autocast's ops return `comp`; without it, a layer returns its model's dtype."""
     act = comp if autocast else resid
     kbit = quant is not None and quant.base_precision.is_quantized
+    if kbit and quant.base_precision.is_4bit:  # Linear4bit returns its input's dtype, the model's (lora.py kbit_output_element)
+        act = resid
     # peft lora/layer.py Linear.forward casts x to lora_A's dtype always; lora/bnb.py only when
     # `not torch.is_autocast_enabled()`, whose device-less form reads CUDA's autocast (False on CPU)
     casts = not (kbit and autocast and cuda)

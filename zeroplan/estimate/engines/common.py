@@ -59,6 +59,7 @@ class Setup(NamedTuple):
     expert_gpus: int = 0  # FSDP2 under EP: ranks sharding the expert tensors (efsdp; estimate/parallel/experts.py); 0: gpus
     recompute_held_element: int = 0  # ZeRO-3 keeps a rebuilt LoRA block gathered: its adapters' bytes (estimate/adapters/zero3.py)
     float8_all_gather: bool = False  # FSDP2 gathers the blocks' linear weights in float8 (torchao enable_fsdp_float8_all_gather)
+    paged_optimizer: bool = False  # bitsandbytes' paged states (engines/bnb_optim.py)
 
 
 def deepspeed_sizes(knobs: DeepSpeedKnobs) -> DeepSpeedSizes:
@@ -75,7 +76,8 @@ def setup_of(training: TrainingSpec) -> Setup:
                  training.offload_optimizer, training.offload_params, training.device, training.grad_accum > 1,
                  deepspeed_sizes(training.deepspeed), training.fsdp2_wrapping, training.program,
                  recompute_held_element=_recompute_held_element(training),
-                 float8_all_gather=training.float8 is not None and training.float8.fsdp_all_gather)
+                 float8_all_gather=training.float8 is not None and training.float8.fsdp_all_gather,
+                 paged_optimizer=training.paged_optimizer)
 
 
 def _recompute_held_element(training: TrainingSpec) -> int:

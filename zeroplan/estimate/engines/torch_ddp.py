@@ -22,6 +22,8 @@ from typing import NamedTuple
 from zeroplan.estimate.activations.transformer import ActivationBytes
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES, optimizer_state_bytes
+from zeroplan.estimate.engines.bnb_optim import (BnbStates, StateTensor, bnb_states, cpu_step_temporary_bytes,
+                                                 trainer_keeps_32bit)
 from zeroplan.estimate.engines.common import (
     EngineEstimate,
     Setup,
@@ -35,7 +37,7 @@ from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.terms import named, register
 from zeroplan.spec.program import Recipe
-from zeroplan.spec.training import Optimizer, Precision
+from zeroplan.spec.training import Device, Optimizer, Precision
 
 register({
     "parameters": "torch/nn/modules/module.py (the model's parameters, on every rank under DDP)",
@@ -142,10 +144,16 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
     # the step's temporaries are each tensor's own size and dtype (`step_temporary_bytes` over bytes)
     temporaries = named("optimizer step temporaries", step_temporary_bytes(
         z.largest_local, z.total_local, 1, setup.optimizer, setup.program.optimizer_impl))
+    node = NodeBytes()
+    if setup.optimizer.is_bitsandbytes:  # bitsandbytes' states, per tensor (engines/bnb_optim.py)
+        bnb = _bnb_sizes(facts, setup, element, world, 1)
+        states, temporaries, node = bnb.device, bnb.step_temporaries, NodeBytes(unified_bytes=bnb.paged * setup.node_gpus)
     if setup.program.optimizer_in_backward:
         notes = [] if setup.zero_stage == 0 else ["ZeroRedundancyOptimizer on one rank holds every state"]
-        return EngineEstimate(tuple(_in_backward_phases(facts, setup, acts, element, params, buckets)), NodeBytes(),
-                              tuple(notes))
+        phases = _in_backward_phases(facts, setup, acts, element, params, buckets)
+        if setup.optimizer.is_bitsandbytes:
+            node = NodeBytes(unified_bytes=_bnb_sizes(facts, setup, element, world, 0).paged * setup.node_gpus)
+        return EngineEstimate(tuple(phases), node, tuple(notes))
     # .grad survives between micro-batches whatever grad_sync says: with no_sync the bucket idles,
     # without it reducer.cpp copies each .grad into its bucket and the result back (same bytes).
     # Where the model was built (model_init) does not matter either: DDP wraps it whole, in fp32.
@@ -182,7 +190,24 @@ def estimate_torch(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
     if setup.zero_stage == 1:
         held = sum(numel for numel, _ in largest_local_shard(facts, world))
         notes.append(f"ZeroRedundancyOptimizer: largest rank holds states for {held:,} of {facts.trainable_params:,} elements")
-    return EngineEstimate(tuple(phases), NodeBytes(), tuple(notes))
+    return EngineEstimate(tuple(phases), node, tuple(notes))
+
+
+@memo(maxsize=256)
+def _bnb_sizes(facts: ModelFacts, setup: Setup, element: int, world: int, instances: int) -> BnbStates:
+    """bitsandbytes' states of the tensors the rank steps (`instances` 0: one optimizer per parameter)."""
+    tensors = _bnb_tensors(facts, setup, element, world)
+    return bnb_states(tensors, setup.optimizer, paged=setup.paged_optimizer, cuda=setup.device == Device.CUDA,
+                      instances=instances or len(tensors))
+
+
+def _bnb_tensors(facts: ModelFacts, setup: Setup, element: int, world: int) -> list[StateTensor]:
+    if world > 1:  # ZeroRedundancyOptimizer's shard: whole tensors (the Trainer has no ZeRO-1 to override)
+        return [StateTensor(numel, kept or element) for numel, kept in largest_local_shard(facts, world)]
+    # the Trainer's 8-bit optimizers keep nn.Embedding weights at 32 bits (engines/bnb_optim.py)
+    override = setup.program.recipe == Recipe.HF_TRAINER and setup.optimizer == Optimizer.ADAM_8BIT
+    return [StateTensor(t.numel, t.element or element, override and trainer_keeps_32bit(t.role, t.name))
+            for g in facts.groups for _ in range(g.count) for t in g.trainable_tensors]
 
 
 def _in_backward_phases(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None, element: int, params: int,
@@ -197,12 +222,23 @@ def _in_backward_phases(facts: ModelFacts, setup: Setup, acts: ActivationBytes |
     def largest(role: str) -> int:
         return max((t.numel for g in trainable if g.role == role for t in g.trainable_tensors), default=0)
 
+    bnb = setup.optimizer.is_bitsandbytes
+
     def stepping(numel: int) -> tuple[int, int]:
         """(.grad, step temporaries) of one parameter of `numel` elements in its hook."""
+        if bnb:
+            temporary = 0 if setup.device == Device.CUDA else cpu_step_temporary_bytes(
+                StateTensor(numel, element), setup.optimizer)
+            return (named("gradients (.grad)", numel * element),
+                    named("optimizer step temporaries (bitsandbytes on CPU)", temporary))
         return (named("gradients (.grad)", numel * element),
                 named("optimizer step temporaries", step_temporary_bytes(numel, numel, element, setup.optimizer, impl)))
 
+    all_bnb = _bnb_sizes(facts, setup, element, 1, 0).device if bnb else 0
+
     def states_of(numel: int) -> int:
+        if bnb:  # each parameter's own states: the share of the whole stepped so far
+            return all_bnb if numel == facts.trainable_params else all_bnb * numel // max(facts.trainable_params, 1)
         return named("optimizer states", optimizer_state_bytes(numel, setup.optimizer, element))
 
     all_states = states_of(facts.trainable_params)

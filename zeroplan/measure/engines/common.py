@@ -171,10 +171,35 @@ def optimizer_class_and_kwargs(training: TrainingSpec) -> tuple[type, dict]:
         "adam": (torch.optim.Adam, {"lr": 1e-4}),
         "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
     }
-    if name not in table:
-        raise MeasureError(f"optimizer: {name} cannot be measured (bitsandbytes is not a dependency); use adamw, adam or sgd")
+    if training.optimizer.is_bitsandbytes:
+        # what the Trainer builds for adamw_bnb_8bit / paged_adamw_* (transformers trainer_optimizer.py
+        # `_get_bitsandbytes_optimizer`), torchtune's bitsandbytes.optim.PagedAdamW8bit alike
+        try:
+            from bitsandbytes.optim import AdamW
+        except ImportError:
+            raise MeasureError(f"optimizer: {name} needs bitsandbytes: pip install 'zeroplan[lora]'") from None
+        count_bitsandbytes_updates()
+        return AdamW, {"lr": 1e-4, "optim_bits": 8 if name == "adam8bit" else 32, "is_paged": training.paged_optimizer}
     cls, kwargs = table[name]
     return cls, {**kwargs, **_KERNEL_KWARGS[training.program.optimizer_impl.value]}
+
+
+# Ops whose kernel is Python code that allocates inside the one op (bitsandbytes' CPU optimizer updates,
+# backends/cpu/ops.py: fp32 copies of the states and the update): a dispatch mode is popped while an op runs,
+# so it would see none of them; measure/accounting.py runs these kernels with the mode entered again.
+VISIBLE_KERNELS: dict[str, Callable] = {}
+
+
+def count_bitsandbytes_updates() -> None:
+    """Let the accounting see what bitsandbytes' CPU updates allocate inside their ops (measure/accounting.py
+    VISIBLE_KERNELS): the kernels bitsandbytes 0.50.2 registers for "cpu" (backends/cpu/ops.py
+    `register_kernel("bitsandbytes::optimizer_update_8bit_blockwise", "cpu")`, `..._32bit`)."""
+    from bitsandbytes.backends.cpu import ops
+
+    for op, kernel in (("optimizer_update_8bit_blockwise", "_optimizer_update_8bit_blockwise_cpu"),
+                       ("optimizer_update_32bit", "_optimizer_update_32bit_cpu")):
+        if hasattr(ops, kernel):  # a later bitsandbytes may move them: its updates then count as one op
+            VISIBLE_KERNELS[f"bitsandbytes::{op}"] = getattr(ops, kernel)
 
 
 class OptimizerInBackward:

@@ -78,7 +78,11 @@ def deepspeed_config(training: TrainingSpec, ctx: RunContext) -> dict:
         )
     if training.optimizer == Optimizer.SGD and training.offload_optimizer != Offload.NONE:
         raise MeasureError("optimizer: sgd cannot be offloaded by DeepSpeed (ZeRO-Offload runs CPU Adam); use adamw")
-    _, kwargs = optimizer_class_and_kwargs(training)  # the other engines' settings; raises for adam8bit
+    if training.optimizer.is_bitsandbytes and not training.deepspeed.client_optimizer:
+        # runtime/config.py DEEPSPEED_OPTIMIZERS has no bitsandbytes optimizer: only a client optimizer can be one
+        raise MeasureError(f"optimizer: {training.optimizer.value} cannot be measured as DeepSpeed's own (JSON) "
+                           "optimizer; measure it as a client optimizer (a DeepSpeed JSON without an optimizer section)")
+    _, kwargs = optimizer_class_and_kwargs(training)  # the other engines' settings
     config: dict[str, Any] = write_deepspeed_config(training)
     config["train_batch_size"] = training.micro_batch * training.grad_accum * ctx.world_size
     config.update(steps_per_print=1 << 30, wall_clock_breakdown=False)

@@ -34,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 
 from zeroplan.errors import MeasureError
-from zeroplan.measure.engines.common import RunContext, module_buffers, optimizer_class_and_kwargs
+from zeroplan.measure.engines.common import (RunContext, count_bitsandbytes_updates, module_buffers,
+                                             optimizer_class_and_kwargs)
 from zeroplan.measure.processes import run_folder
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.program import ModelInit, OptimizerImpl
@@ -143,8 +144,9 @@ def check_supported(training: TrainingSpec, ctx: RunContext) -> None:
         raise MeasureError("precision: fp16 needs a GPU with the Trainer (autocast fp16 and DeepSpeed fp16 are GPU-only); use bf16")
     if training.precision == Precision.PURE_BF16 and engine == Engine.DEEPSPEED:
         raise MeasureError("precision: pure-bf16 has no Trainer + DeepSpeed equivalent measured here; use bf16 or fp32")
-    if training.optimizer == Optimizer.ADAM_8BIT:
-        raise MeasureError("optimizer: adam8bit needs bitsandbytes, not a dependency; use adamw, adam or sgd")
+    if training.optimizer == Optimizer.ADAM_32BIT and not training.paged_optimizer:
+        raise MeasureError("optimizer: adam32bit unpaged has no TrainingArguments.optim name (paged_adamw_32bit is "
+                           "paged); add --paged-optimizer")
     program = training.program
     if program.optimizer_in_backward:
         raise MeasureError("optimizer_in_backward: the Trainer steps after backward; use --recipe plain")
@@ -169,6 +171,15 @@ def check_supported(training: TrainingSpec, ctx: RunContext) -> None:
                            "the head's after forward and reshards every block alike; leave out the fsdp2 wrapping knobs")
 
 
+def _trainer_optim(training: TrainingSpec) -> str:
+    """TrainingArguments.optim for the spec (importers/trainer_optim.py reads these names)."""
+    if training.optimizer == Optimizer.ADAM_8BIT:
+        return "paged_adamw_8bit" if training.paged_optimizer else "adamw_bnb_8bit"
+    if training.optimizer == Optimizer.ADAM_32BIT:
+        return "paged_adamw_32bit"
+    return "adamw_torch_fused" if training.program.optimizer_impl == OptimizerImpl.FUSED else "adamw_torch"
+
+
 def _arguments(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, steps: int, output_dir: str):
     """TrainingArguments for the spec, then the distributed set-up the model build needs."""
     from transformers import TrainingArguments
@@ -179,7 +190,7 @@ def _arguments(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, s
         gradient_accumulation_steps=training.grad_accum, bf16=training.precision == Precision.BF16,
         fp16=training.precision == Precision.FP16, activation_checkpointing=training.checkpointing == Checkpointing.FULL,
         report_to="none", save_strategy="no", disable_tqdm=True, ddp_backend=ctx.backend, seed=1234 + ctx.rank,
-        optim="adamw_torch_fused" if program.optimizer_impl == OptimizerImpl.FUSED else "adamw_torch",
+        optim=_trainer_optim(training),
     )
     if not ctx.is_cuda:
         # The GPU recipe (use_cpu False) finds no backend on a CPU machine and runs one process
@@ -237,6 +248,9 @@ def _optimizer_cls_and_kwargs(training: TrainingSpec, args) -> tuple[type, dict]
     `_get_adamw_torch`); otherwise the class and kwargs the Trainer is given, with the kernel of
     `optimizer_impl` (torch/optim/adamw.py foreach / fused flags)."""
     impl = training.program.optimizer_impl
+    if training.optimizer.is_bitsandbytes:
+        count_bitsandbytes_updates()  # what its CPU updates allocate (engines/common.py)
+        return None  # the Trainer builds it from args.optim (`_get_bitsandbytes_optimizer`)
     if training.optimizer == Optimizer.ADAMW and impl == OptimizerImpl.FUSED:
         return None
     cls, kwargs = optimizer_class_and_kwargs(training)

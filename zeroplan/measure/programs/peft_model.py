@@ -124,6 +124,26 @@ def quantize_linears(lm: nn.Module, quant: Any) -> int:
     return swapped
 
 
+def nf4_linears(lm: nn.Module, quant: Any) -> int:
+    """Every linear layer but the output head with its weight as torchao's NF4Tensor, as torchtune's QLoRA builds
+    it (torchtune modules/peft/lora.py LoRALinear and FrozenNF4Linear: `to_nf4(weight)`, blocks of 64, scalers per
+    256 blocks); nn.Linear's F.linear then runs torchao's `linear_nf4` (its __torch_function__). Returns the count."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # torchao 0.18
+    except ImportError:
+        try:
+            from torchao.dtypes.nf4tensor import to_nf4  # torchao before 0.16, torchtune 0.6.1's import
+        except ImportError as error:
+            raise MissingDependencyError(f"training.quant: torchao-nf4 needs torchao ({error}); install it with: pip "
+                                         "install 'zeroplan[torchao]'") from None
+    head, compute, swapped = lm.get_output_embeddings(), _DTYPES[quant.compute_dtype], 0
+    for module in lm.modules():
+        if module is not head and type(module) is nn.Linear:
+            module.weight = nn.Parameter(to_nf4(module.weight.data.to(compute).contiguous()), requires_grad=False)
+            swapped += 1
+    return swapped
+
+
 def lora_config(lora: Any):
     """peft's LoraConfig of a LoraSpec (zeroplan/spec/lora.py; its fields are LoraConfig's)."""
     peft = _import("peft")
@@ -143,6 +163,9 @@ def apply_peft(lm: nn.Module, training: Any, *, program_checkpoints: bool = Fals
     transformers model, with its adapter modules marked. With `program_checkpoints` step 4 is left
     to the program (the Trainer's `activation_checkpointing_enable` adds the same hook)."""
     quant, lora = getattr(training, "quant", None), getattr(training, "lora", None)
+    if quant is not None and _value(quant.base_precision) in ("gptq", "awq"):
+        raise MeasureError(f"base_precision {_value(quant.base_precision)}: measure builds bitsandbytes bases only (a "
+                           "GPTQ/AWQ checkpoint needs gptqmodel and a GPU); use nf4, fp4 or int8")
     # the launcher refuses these before any worker starts (measure/quant_rules.py); here, the model as built
     if kbit_precision(quant) is not None and any(p.is_meta for p in lm.parameters()):
         # Params4bit.to("meta") does not quantize (bitsandbytes/nn/modules.py): nothing to shard after
@@ -154,13 +177,17 @@ def apply_peft(lm: nn.Module, training: Any, *, program_checkpoints: bool = Fals
         # Params4bit(FakeTensor) fails: "Creating a new Tensor subclass Params4bit but the raw Tensor
         # object is already associated to a python object of type FakeTensor" (docs/measure.md)
         raise MeasureError(quant_rules.SIMULATED)
+    if quant is not None and _value(quant.base_precision) == "torchao-nf4":
+        if any(p.is_meta for p in lm.parameters()) or _is_fake(lm):  # to_nf4 reads the weights' values
+            raise MeasureError(quant_rules.META_DEVICE.format(default=""))
+        nf4_linears(lm, quant)
     if kbit_precision(quant) is not None:
         quantize_linears(lm, quant)
         if quant.upcast_non_quantized:
             peft = _import("peft")
             peft.prepare_model_for_kbit_training(lm, use_gradient_checkpointing=False)
     if lora is None:
-        if kbit_precision(quant) is not None:
+        if quant is not None and quant.base_precision.is_quantized:
             raise MeasureError("training.quant: a quantized base trains nothing without adapters; add --lora-rank")
         return lm
     peft = _import("peft")
@@ -239,9 +266,12 @@ def implementation_suffix(training: Any) -> str:
     lora = getattr(training, "lora", None)
     if lora is not None:
         parts.append(f"+peft-{_import('peft').__version__}:{'dora' if lora.dora else 'lora'}-r{lora.rank}")
-    precision = kbit_precision(getattr(training, "quant", None))
+    quant = getattr(training, "quant", None)
+    precision = kbit_precision(quant)
     if precision is not None:
         parts.append(f"+bitsandbytes-{_import('bitsandbytes').__version__}:{precision}")
+    elif quant is not None and _value(quant.base_precision) == "torchao-nf4":
+        parts.append(f"+torchao-{_import('torchao').__version__}:nf4")
     return "".join(parts)
 
 
