@@ -11,6 +11,7 @@ from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.model.layout import ParamTensor
 from zeroplan.estimate.result import CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.terms import register
+from zeroplan.spec.fsdp1 import FSDP1Wrapping
 from zeroplan.spec.program import OptimizerImpl, Program
 from zeroplan.spec.training import DeepSpeedKnobs, Device, Offload, Optimizer, Precision, TrainingSpec
 
@@ -58,6 +59,7 @@ class Setup(NamedTuple):
     program: Program  # the training program around the engine, every knob resolved (spec/program.py)
     expert_gpus: int = 0  # FSDP2 under EP: ranks sharding the expert tensors (efsdp; estimate/parallel/experts.py); 0: gpus
     recompute_held_element: int = 0  # ZeRO-3 keeps a rebuilt LoRA block gathered: its adapters' bytes (estimate/adapters/zero3.py)
+    fsdp1: FSDP1Wrapping | None = None  # engine fsdp1: its settings (spec/fsdp1.py), None for the other engines
 
 
 def deepspeed_sizes(knobs: DeepSpeedKnobs) -> DeepSpeedSizes:
@@ -73,7 +75,8 @@ def setup_of(training: TrainingSpec) -> Setup:
     return Setup(training.zero_stage, training.gpus, training.node_gpus, training.precision, training.optimizer,
                  training.offload_optimizer, training.offload_params, training.device, training.grad_accum > 1,
                  deepspeed_sizes(training.deepspeed), training.fsdp2_wrapping, training.program,
-                 recompute_held_element=_recompute_held_element(training))
+                 recompute_held_element=_recompute_held_element(training),
+                 fsdp1=training.fsdp1_wrapping if training.engine.value == "fsdp1" else None)
 
 
 def _recompute_held_element(training: TrainingSpec) -> int:
