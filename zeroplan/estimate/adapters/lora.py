@@ -700,7 +700,9 @@ def with_dequantized_weight(acts, spec: TransformerSpec, quant: QuantSpec | None
 
 
 def _sharded(training) -> bool:
-    return training.engine.value == "fsdp2" or (training.engine.value in ("deepspeed", "paper") and training.zero_stage == 3)
+    engine = training.engine.value
+    return (engine == "fsdp2" or (engine in ("deepspeed", "paper") and training.zero_stage == 3)
+            or (engine == "fsdp1" and training.zero_stage != 0))  # FSDP1 shards parameters but under NO_SHARD
 
 
 def _ceil(a: int, b: int) -> int:
@@ -723,7 +725,8 @@ def packed_storage(training) -> PackedStorage | None:
     engine = training.engine.value
     if quant is None or not quant.base_precision.is_4bit:
         return None
-    if not (engine == "fsdp2" or (engine == "deepspeed" and training.zero_stage == 3)):
+    if not (engine == "fsdp2" or (engine == "deepspeed" and training.zero_stage == 3)
+            or (engine == "fsdp1" and training.zero_stage != 0)):  # FSDP1 flattens the packed storage into its unit's
         return None
     return PackedStorage(quant, FP32_BYTES if training.precision.value == "fp32" else 2)
 

@@ -63,7 +63,7 @@ def run_trainer(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, 
 
         prepare_environment(ctx)  # before deepspeed is imported (by us or by transformers)
         import_deepspeed()
-    if engine == Engine.FSDP2 and not ctx.is_cuda:
+    if engine in (Engine.FSDP2, Engine.FSDP1) and not ctx.is_cuda:
         let_accelerate_shard_on_cpu()
         notes.append(FSDP_CPU_NOTE)
     output_dir = str(run_folder("trainer"))  # named for this worker: removed by the next run if it is killed
@@ -136,6 +136,8 @@ def check_supported(training: TrainingSpec, ctx: RunContext) -> None:
     if engine == Engine.FSDP2 and Offload.CPU in (training.offload_optimizer, training.offload_params) and not ctx.is_cuda:
         raise MeasureError("offload: accelerate's FSDP2 offload pins host memory, which fails without a GPU; "
                            "measure it with --recipe plain")
+    if engine == Engine.FSDP1 and not ctx.is_cuda:
+        check_fsdp1_on_cpu(training)
     if training.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL) or training.checkpoint_every is not None:
         raise MeasureError(f"checkpointing: the Trainer checkpoints every decoder layer whole (gradient_checkpointing); "
                            f"{training.checkpointing.value} is not one of its choices: use none or full")
@@ -169,6 +171,36 @@ def check_supported(training: TrainingSpec, ctx: RunContext) -> None:
                            "the head's after forward and reshards every block alike; leave out the fsdp2 wrapping knobs")
 
 
+def check_fsdp1_on_cpu(training: TrainingSpec) -> None:
+    """What accelerate's FSDP1 cannot do without a GPU (accelerate 1.15.0 utils/dataclasses.py
+    FullyShardedDataParallelPlugin.__post_init__, torch fsdp/_init_utils.py), each a one-line MeasureError."""
+    wrapping = training.fsdp1_wrapping
+    if Offload.CPU in (training.offload_optimizer, training.offload_params):
+        raise MeasureError("offload: FSDP1's CPUOffload pins host memory, which fails without a GPU; measure it with "
+                           "--backend nccl (docs/engines/fsdp1.md, CPU offload)")
+    if wrapping.sync_module_states:  # the plugin builds param_init_fn on "the current device" or raises
+        raise MeasureError("fsdp1.sync_module_states: accelerate's FSDP1 plugin needs a GPU for it (its param_init_fn "
+                           "moves to the current accelerator); measure on CPU with --no-fsdp1-sync-module-states "
+                           "(and no cpu_ram_efficient_loading)")
+    if wrapping.hybrid:  # FSDP1 sizes the intra-node groups by the device count
+        raise MeasureError("fsdp1.hybrid: FSDP1 builds HYBRID_SHARD's node groups from the GPU count, which a CPU run "
+                           "has not; measure it with --recipe plain (explicit process groups)")
+
+
+def _fsdp1_config(spec: TransformerSpec, training: TrainingSpec) -> dict[str, Any]:
+    """TrainingArguments.fsdp_config for FSDP1 (transformers 5.23.0 training_args.py `_process_fsdp_args` reads each)."""
+    from zeroplan.spec.fsdp1 import sharding_strategy
+
+    wrapping = training.fsdp1_wrapping
+    strategy = sharding_strategy(training.zero_stage, wrapping.hybrid).lstrip("_").lower()
+    prefetch = {"backward-pre": "BACKWARD_PRE", "backward-post": "BACKWARD_POST", "none": "NO_PREFETCH"}
+    return {"version": 1, "reshard_after_forward": strategy, "transformer_layer_cls_to_wrap": [_block_class_name(spec, training)],
+            "use_orig_params": wrapping.use_orig_params, "sync_module_states": wrapping.sync_module_states,
+            "cpu_ram_efficient_loading": wrapping.cpu_ram_efficient_loading,
+            "backward_prefetch": prefetch[wrapping.backward_prefetch.value], "forward_prefetch": wrapping.forward_prefetch,
+            "limit_all_gathers": wrapping.limit_all_gathers}
+
+
 def _arguments(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, steps: int, output_dir: str):
     """TrainingArguments for the spec, then the distributed set-up the model build needs."""
     from transformers import TrainingArguments
@@ -193,6 +225,8 @@ def _arguments(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, s
     if training.engine == Engine.FSDP2:
         kwargs.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": training.zero_stage == 3,
                                               "transformer_layer_cls_to_wrap": [_block_class_name(spec, training)]})
+    if training.engine == Engine.FSDP1:
+        kwargs.update(fsdp=True, fsdp_config=_fsdp1_config(spec, training))
     args = TrainingArguments(**kwargs)
     args.device  # noqa: B018 - accelerate's PartialState joins the process group the worker made
     if training.engine == Engine.DEEPSPEED:
@@ -368,8 +402,10 @@ class _Marks:
 def _engine_that_ran(wrapped, model, distributed_type: str) -> str:
     if type(wrapped).__name__ == "DeepSpeedEngine":
         return "deepspeed"
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
+    if isinstance(wrapped, FullyShardedDataParallel):
+        return "fsdp1"
     if isinstance(model, FSDPModule):
         return "fsdp2"
     if isinstance(wrapped, DistributedDataParallel):
@@ -416,6 +452,10 @@ def _engine_tensors_by_category(held: dict, engine: Engine) -> dict[str, list[to
             from zeroplan.measure.engines.fsdp2_engine import fsdp2_tensors
 
             return fsdp2_tensors(trainer.model, optimizer)
+        if engine == Engine.FSDP1:
+            from zeroplan.measure.engines.fsdp1_engine import fsdp1_tensors
+
+            return fsdp1_tensors(trainer.model_wrapped, optimizer)
         from zeroplan.measure.engines.torch_engine import ddp_tensors
 
         return ddp_tensors(trainer.model, optimizer)
@@ -462,8 +502,9 @@ def let_accelerate_shard_on_cpu() -> None:
     the branch for GPU-like types (MULTI_GPU, MULTI_XPU, ...); MULTI_CPU, what TrainingArguments
     (use_cpu=True) gives on gloo, is not among them, so the plugin is dropped and
     Accelerator.prepare_model wraps the model in DDP, silently. This runs the three statements of
-    that branch for MULTI_CPU after the original __init__, and nothing else; from there on it is
-    accelerate's own FSDP2 path (fsdp_utils.py fsdp2_prepare_model)."""
+    that branch for MULTI_CPU after the original __init__, and gives FSDP1 the CPU device without an index, and
+    nothing else; from there on it is accelerate's own FSDP path (fsdp_utils.py fsdp2_prepare_model, or
+    FullyShardedDataParallel in Accelerator.prepare_model)."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
@@ -482,6 +523,11 @@ def let_accelerate_shard_on_cpu() -> None:
                 fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
             PartialState._shared_state["distributed_type"] = self.distributed_type
+            # FSDP1 takes accelerate's device as device_id and compares it with torch.device("cpu")
+            # (_init_utils.py _get_compute_device): the CPU device without an index, as a GPU rank's has its own
+            # (AcceleratorState keeps a copy of PartialState's attributes: both are set)
+            if getattr(self, "device", None) is not None and self.device.type == "cpu":
+                self.device = PartialState._shared_state["device"] = torch.device("cpu")
 
     __init__.zeroplan_cpu_fsdp = True
     AcceleratorState.__init__ = __init__
