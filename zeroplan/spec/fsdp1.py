@@ -81,6 +81,15 @@ def resolve_fsdp1_wrapping(recipe: Recipe, knobs: FSDP1Knobs) -> FSDP1Wrapping:
                          sync or knobs.cpu_ram_efficient_loading, knobs.cpu_ram_efficient_loading)
 
 
+def adapters_wrapped_apart(recipe: Recipe, use_orig_params: bool) -> bool:
+    """Whether a PEFT model's adapter Linear layers are FSDP1 units of their own (PEFT 0.21 utils/other.py
+    `fsdp_auto_wrap_policy`), which leaves every block's unit frozen: the Trainer applies that policy to a PeftModel
+    whatever use_orig_params (transformers 5.23.0 trainer.py -> distributed/fsdp.py `update_fsdp_plugin_peft`);
+    zeroplan's loop when use_orig_params is false, since a FlatParameter cannot mix frozen and trained tensors then
+    (`_flat_param.py` `_validate_tensors_to_flatten`)."""
+    return recipe == Recipe.HF_TRAINER or not use_orig_params
+
+
 def sharding_strategy(zero_stage: int, hybrid: bool) -> str:
     """torch's ShardingStrategy name for a stage (fsdp/api.py): the one line every report and runner uses."""
     if zero_stage == 0:

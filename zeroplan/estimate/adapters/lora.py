@@ -417,19 +417,24 @@ class AdapterActivations(NamedTuple):
 
 
 def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: int, adapter_element: int,
-                        cuda: bool, attn_reads: int, mlp_reads: int) -> AdapterActivations:
+                        cuda: bool, attn_reads: int, mlp_reads: int, base_needs_grads: bool = False,
+                        input_recast: bool = False) -> AdapterActivations:
     """docs/engines/lora.md "Activations": a frozen base linear saves no input (no weight gradient);
     each adapted linear's A saves its input, its own copy when PEFT's cast to the adapter dtype, autocast's
     cast or the adapter's dropout makes one; B saves A's output (r); dropout keeps its mask (a bool on
-    CUDA, a tensor of the input's dtype on CPU); DoRA saves the base and LoRA results (2 x out)."""
+    CUDA, a tensor of the input's dtype on CPU); DoRA saves the base and LoRA results (2 x out).
+    `base_needs_grads`: the base's weights are views of a FlatParameter that requires grad (FSDP1 with
+    use_orig_params, docs/engines/fsdp1.md "LoRA"), so the base keeps what a trained block keeps and only the
+    adapters' own tensors are added. `input_recast`: A's input is a copy of its own in the compute dtype (FSDP1's
+    adapter units under the Trainer: `adapter_input_recast`)."""
     layout = lora_layout(spec, lora)
     block = [linear for linear in layout.adapted if linear.role == "block"]
     h, inner = spec.hidden_size, spec.intermediate_size
-    own_copy = autocast or lora.dropout > 0 or adapter_element != comp
+    own_copy = autocast or lora.dropout > 0 or adapter_element != comp or input_recast
     copy_element = comp if autocast else adapter_element
     delta = 0
     # what the base linears kept of their inputs (activations.py `norm_saved_per_token`, `_mlp_saved_per_token`)
-    readers = {"attn": attn_reads, "mlp": mlp_reads}
+    readers = {} if base_needs_grads else {"attn": attn_reads, "mlp": mlp_reads}
     for side, reads in readers.items():
         inputs = [linear for linear in block if linear.module.startswith(f"{side}.") and linear.in_features == h
                   and not linear.module.endswith(("o_proj", "c_proj", "down_proj", "fc_out"))]
@@ -437,11 +442,11 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
         if inputs and not own_copy:
             delta += comp * h  # A saves the norm's output itself, once for all that read it
     down = [linear for linear in block if linear.module.endswith(("mlp.down_proj", "mlp.c_proj", "mlp.fc_out"))]
-    if not spec.is_moe and spec.moe is None:  # a dense MLP (a sparse one's experts keep their product: lora_experts.py)
+    if not spec.is_moe and spec.moe is None and not base_needs_grads:  # a dense MLP (a sparse one's experts keep their product: lora_experts.py)
         delta -= comp * inner  # the MLP's product, kept by down_proj for its weight gradient only
         if down and not own_copy:
             delta += comp * inner
-    if spec.norm == "rmsnorm":
+    if spec.norm == "rmsnorm" and not base_needs_grads:
         # LlamaRMSNorm `self.weight * hidden_states.to(input_dtype)`: mul saves the normalized tensor
         # for the weight's gradient only (autograd FunctionsManual mul_tensor_backward); frozen, it is not kept
         delta -= 2 * _normalized_bytes(spec, autocast, comp)
@@ -622,7 +627,8 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
         adapter_element = FP32_BYTES
     attn_reads, mlp_reads = input_projections(spec)
     cuda = training.device.value == "cuda"
-    extra = adapter_activations(spec, lora, autocast, comp, adapter_element, cuda, attn_reads, mlp_reads)
+    extra = adapter_activations(spec, lora, autocast, comp, adapter_element, cuda, attn_reads, mlp_reads,
+                                base_views_need_grads(training), adapter_input_recast(training))
     program = training.program
     # the chunked losses that detach the head's input already dropped it (activations.py `_loss_terms`)
     head_input_kept = program.loss == Loss.STANDARD or (program.loss == Loss.CHUNKED and program.recipe != Recipe.TORCHTITAN)
@@ -697,6 +703,29 @@ def with_dequantized_weight(acts, spec: TransformerSpec, quant: QuantSpec | None
     forward = max(acts.block_forward_transient, weight + tokens * comp * largest.out_features)
     backward = acts.block_backward_transient + max(0, weight - tokens * comp * spec.intermediate_size)
     return replace(acts, block_forward_transient=forward, block_backward_transient=backward)
+
+
+def base_views_need_grads(training) -> bool:
+    """FSDP1 with use_orig_params runs each unit's parameters as views of its FlatParameter, which requires grad
+    when any of them trains (`_flat_param.py` `_use_unsharded_views`): where the adapters share their block's unit
+    (spec/fsdp1.py `adapters_wrapped_apart`), the frozen base weights get gradients and keep their inputs as a
+    trained block's do (docs/engines/fsdp1.md, "LoRA")."""
+    from zeroplan.spec.fsdp1 import adapters_wrapped_apart
+
+    wrapping = training.fsdp1_wrapping
+    return (training.engine.value == "fsdp1" and wrapping.use_orig_params
+            and not adapters_wrapped_apart(training.recipe, wrapping.use_orig_params))
+
+
+def adapter_input_recast(training) -> bool:
+    """FSDP1's adapter units under the Trainer's mixed precision: PEFT casts A's input to `lora_A.weight.dtype`
+    (tuners/lora/layer.py `_cast_input_dtype`), read while that unit is still sharded, so fp32; the unit's forward
+    then runs in bf16 under accelerate's autocast, which casts the input back: a bf16 copy that A's matmul saves."""
+    from zeroplan.spec.fsdp1 import adapters_wrapped_apart
+
+    return (training.engine.value == "fsdp1" and training.precision.value in ("bf16", "fp16")
+            and training.recipe.value == "hf-trainer"
+            and adapters_wrapped_apart(training.recipe, training.fsdp1_wrapping.use_orig_params))
 
 
 def _sharded(training) -> bool:

@@ -29,6 +29,7 @@ Read from torch/distributed/fsdp/ (torch 2.13):
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 from zeroplan.estimate.activations.transformer import ActivationBytes
@@ -39,8 +40,8 @@ from zeroplan.estimate.engines.common import (EngineEstimate, Point, Setup, ceil
 from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.result import NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.terms import named, register
-from zeroplan.spec.fsdp1 import BackwardPrefetch, fsdp1_reduces_in_param_dtype
-from zeroplan.spec.program import GradSync, ModelInit, OptimizerImpl
+from zeroplan.spec.fsdp1 import BackwardPrefetch, adapters_wrapped_apart, fsdp1_reduces_in_param_dtype, sharding_strategy
+from zeroplan.spec.program import GradSync, ModelInit, OptimizerImpl, Recipe
 from zeroplan.spec.training import Device, Offload, Optimizer, Precision
 
 _FSDP = "torch/distributed/fsdp/"
@@ -186,6 +187,13 @@ def _reduce_bytes(unit: Unit, n: int, gathered: int, reduce: int, storage: int, 
     return cast + padded + output
 
 
+def _all_trained(facts: ModelFacts) -> ModelFacts:
+    """`facts` with every block tensor trained: what autograd computes for a FlatParameter that requires grad."""
+    groups = tuple(g._replace(frozen=False, tensors=tuple(t._replace(frozen=False) for t in g.tensors))
+                   if g.role == "block" else g for g in facts.groups)
+    return replace(facts, groups=groups)
+
+
 def _for_loop_elements(root: Unit, block: Unit, adapters: tuple[Unit, ...], num_blocks: int) -> int:
     """`for_loop_temporary_elements` on the rank where it is largest, in the optimizer's order (model.parameters():
     the root's, then each block's, its adapters' units after it); two blocks stand for all (the pairs repeat)."""
@@ -208,7 +216,8 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     on_device = not offloaded or setup.device == Device.CPU
     use_orig = wrapping.use_orig_params
     align = ALIGNMENT_BYTES // gathered if use_orig else 0
-    adapters_apart = not use_orig and any(t.frozen for g in facts.groups for t in g.tensors)
+    adapters_apart = (adapters_wrapped_apart(setup.program.recipe, use_orig)
+                      and any(t.frozen for g in facts.groups for t in g.tensors))
     root, block, adapters = units(facts, n, use_orig, align, adapters_apart)
     num_blocks = sum(g.count for g in facts.groups if g.role == "block")
     every = [root] + [block] * num_blocks + list(adapters) * num_blocks  # blocks alike: the largest stands for all
@@ -241,6 +250,10 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
         unshard_extra += named("shards copied to the device (CPU offload)", largest_shard * storage)
 
     head, tied, first = early_gradients(facts)
+    if use_orig and block.trains:
+        # every view of a trained FlatParameter requires grad: the output projection's frozen weight gets its
+        # gradient first too (_use_unsharded_views), as in a block that trains whole
+        first = early_gradients(_all_trained(facts))[2]
     views_of = lambda unit, elements: named("gradients of the flat parameter's views", elements * gathered)  # noqa: E731
     # every view of a trained FlatParameter requires grad, frozen tensors' included under use_orig_params
     # (_use_unsharded_views makes them views of the flat parameter): the whole unit's gradients are computed
@@ -329,6 +342,11 @@ def estimate_fsdp1(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
         if setup.device == Device.CPU:
             notes.append(f"CPU run: the {z.host_bytes:,} offloaded bytes per rank share the one memory; on GPUs they "
                          "sit on the host (pinned)")
+    if setup.program.recipe == Recipe.HF_TRAINER and (setup.zero_stage != 3 or setup.fsdp1.hybrid):
+        notes.append(f"fsdp1 {sharding_strategy(setup.zero_stage, setup.fsdp1.hybrid)} under the Trainer: accelerate 1.15's "
+                     "FSDP1 plugin reads FSDP_SHARDING_STRATEGY (FULL_SHARD when unset) before fsdp_config's "
+                     "reshard_after_forward; launch with --fsdp_sharding_strategy (or set the variable) for this strategy "
+                     "to run")
     if not setup.fsdp1.limit_all_gathers and setup.device == Device.CUDA and z.sharded:
         notes.append("fsdp1 limit_all_gathers false: the CPU thread may issue all-gathers ahead of the GPU, whose "
                      "freed unsharded parameters wait for the compute stream (record_stream); reserved memory can grow "

@@ -1,8 +1,9 @@
 """Engine `fsdp1`: `FullyShardedDataParallel` (torch 2.13, torch/distributed/fsdp/fully_sharded_data_parallel.py)
 wrapped as accelerate wraps a Hugging Face model: `transformer_auto_wrap_policy` over the decoder layer class
 (accelerate `fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP`), the root holding the embeddings, final norm and
-head; with LoRA and use_orig_params false, PEFT's `fsdp_auto_wrap_policy` (peft/utils/other.py), which also wraps
-every module whose weight trains (the adapters' Linear layers) as a unit of its own.
+head; with LoRA and use_orig_params false (spec/fsdp1.py `adapters_wrapped_apart`), PEFT's `fsdp_auto_wrap_policy`
+(peft/utils/other.py), which also wraps every module whose weight trains (the adapters' Linear layers) as a unit
+of its own.
 
 The ZeRO stage is the sharding strategy (spec/fsdp1.py `sharding_strategy`); `fsdp1.hybrid` shards over each node's
 ranks and replicates across nodes, with the (intra-node, inter-node) process groups given explicitly (FSDP1 would
@@ -31,7 +32,7 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from zeroplan.errors import MeasureError
 from zeroplan.measure.engines.common import (RunContext, TorchOptimizerSteps, make_optimizer, module_buffers,
                                              optimizer_state_tensors, transformer_blocks)
-from zeroplan.spec.fsdp1 import BackwardPrefetch as Prefetch, fsdp1_reduces_in_param_dtype, sharding_strategy
+from zeroplan.spec.fsdp1 import BackwardPrefetch as Prefetch, adapters_wrapped_apart, fsdp1_reduces_in_param_dtype, sharding_strategy
 from zeroplan.spec.program import GradSync
 from zeroplan.spec.training import Offload, Precision, TrainingSpec
 
@@ -110,7 +111,7 @@ class FSDP1Runner(TorchOptimizerSteps):
         self.grad_accum = training.grad_accum
         self._micro = 0
         self.sync_every = training.program.grad_sync == GradSync.EVERY
-        adapters = training.lora is not None and not training.fsdp1_wrapping.use_orig_params
+        adapters = training.lora is not None and adapters_wrapped_apart(training.recipe, training.fsdp1_wrapping.use_orig_params)
         policy = peft_policy(model) if adapters else block_policy(model)
         self.model = FullyShardedDataParallel(model, **fsdp1_kwargs(training, ctx, policy))
         self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], training)

@@ -227,6 +227,10 @@ def _arguments(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, s
                                               "transformer_layer_cls_to_wrap": [_block_class_name(spec, training)]})
     if training.engine == Engine.FSDP1:
         kwargs.update(fsdp=True, fsdp_config=_fsdp1_config(spec, training))
+        # accelerate 1.15.0's FSDP1 plugin takes FSDP_SHARDING_STRATEGY (FULL_SHARD when unset) before the
+        # reshard_after_forward the Trainer passes (utils/dataclasses.py __post_init__): set it, as `accelerate
+        # launch --fsdp_sharding_strategy` does, so that the strategy asked for is the one that runs
+        os.environ["FSDP_SHARDING_STRATEGY"] = kwargs["fsdp_config"]["reshard_after_forward"].upper()
     args = TrainingArguments(**kwargs)
     args.device  # noqa: B018 - accelerate's PartialState joins the process group the worker made
     if training.engine == Engine.DEEPSPEED:
