@@ -61,8 +61,8 @@ register({
                                        "docs/engines/fsdp1.md, Set-up)",
     "sync_module_states broadcast bucket": f"{_FSDP}_init_utils.py _sync_module_params_and_buffers "
                                            "(_broadcast_coalesced, 250 MB buckets)",
-    "shards copied to the device (CPU offload)": f"{_FSDP}_flat_param.py pre_unshard (flat_param_to / _mp_shard)",
-    "offloaded shards, gradients and states": f"{_FSDP}_flat_param.py init_flat_param_attributes (pinned "
+    "flat shard copied to the device (CPU offload)": f"{_FSDP}_flat_param.py pre_unshard (flat_param_to / _mp_shard)",
+    "offloaded flat shards, gradients and states": f"{_FSDP}_flat_param.py init_flat_param_attributes (pinned "
                                               "_local_shard and _cpu_grad; the optimizer steps on the host)",
 })
 
@@ -115,6 +115,19 @@ def for_loop_temporary_elements(stepped: list[int]) -> int:
     return max((2 * size + (stepped[i - 1] if i else 0) for i, size in enumerate(stepped)), default=0)
 
 
+def _registration_order(tensors):
+    """A block's tensors in `module.named_parameters()` order, the order FSDP1 flattens them in: PEFT's adapters
+    (peft tuners/lora/layer.py: `base_layer`, then `lora_A`, `lora_B`) right after the weights of the layer they
+    adapt; the layout lists them after the whole block."""
+    def layer(name: str) -> str:
+        return name.split(".lora_")[0] if ".lora_" in name else name.rsplit(".", 1)[0]
+
+    first = {}
+    for index, t in enumerate(tensors):
+        first.setdefault(layer(t.name), index)
+    return sorted(tensors, key=lambda t: (first[layer(t.name)], ".lora_" in t.name))
+
+
 @memo(maxsize=256)
 def units(facts: ModelFacts, n: int, use_orig: bool, align: int, adapters_apart: bool) -> tuple[Unit, Unit, tuple[Unit, ...]]:
     """(root, largest block, adapter units of one block) of FSDP1 over `n` ranks: the root holds every tensor outside
@@ -129,7 +142,7 @@ def units(facts: ModelFacts, n: int, use_orig: bool, align: int, adapters_apart:
     for g in facts.groups:
         if g.role != "block":
             continue
-        tensors = numels(g.tensors, g.frozen)
+        tensors = numels(_registration_order(g.tensors), g.frozen)
         if adapters_apart:
             adapters = tuple(_unit([x], n, align, use_orig) for x in tensors if x[1])
             tensors = [x for x in tensors if not x[1]]
@@ -247,7 +260,7 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     largest_shard = max(root.shard, block.shard)
     unshard_extra = named("low-precision shard", largest_shard * gathered if mixed and sharded else 0)
     if not on_device:
-        unshard_extra += named("shards copied to the device (CPU offload)", largest_shard * storage)
+        unshard_extra += named("flat shard copied to the device (CPU offload)", largest_shard * storage)
 
     head, tied, first = early_gradients(facts)
     if use_orig and block.trains:
@@ -277,7 +290,7 @@ def _sizes(facts: ModelFacts, setup: Setup) -> _Sizes:
     kept_shards = sharded_grads if setup.accumulating and not holding else 0
     host_bytes = 0
     if offloaded:  # _local_shard and _cpu_grad pinned, the optimizer's states beside them
-        host_bytes = named("offloaded shards, gradients and states", sum(u.shard for u in every) * storage
+        host_bytes = named("offloaded flat shards, gradients and states", sum(u.shard for u in every) * storage
                            + sum(u.shard for u in trained) * storage + optimizer_state_bytes(local, setup.optimizer, storage))
     return _Sizes(
         num_blocks, sharded_params, sharded_grads, block_shard_grad, root_shard_grad, states, temporaries,
