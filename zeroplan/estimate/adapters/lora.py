@@ -33,6 +33,11 @@ register({
     "frozen base as stored (bitsandbytes)": "bitsandbytes nn/modules.py Params4bit, Int8Params (docs/engines/lora.md, "
                                             "The base's storage)",
     "frozen base at the engine's element size": "estimate/adapters/lora.py base_params_delta (taken off the engine's parameters)",
+    "quantization state kept on the GPU (offloaded base)": "bitsandbytes nn/modules.py Linear4bit.quant_state (no parameter: "
+                                                            "FSDP1's CPUOffload leaves it; docs/engines/fsdp1.md, QLoRA)",
+    "offloaded base as stored (bitsandbytes)": "torch/distributed/fsdp/_flat_param.py init_flat_param_attributes (pinned "
+                                               "_local_shard of the packed storage: docs/engines/fsdp1.md, QLoRA)",
+    "offloaded base at the engine's element size": "estimate/adapters/lora.py base_host_delta (taken off the engine's host bytes)",
 })
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "uint8": 1}
 DOUBLE_QUANT_BLOCK = 256  # functional.py quantize_4bit: quantize_blockwise(_absmax - offset, blocksize=256)
@@ -784,8 +789,15 @@ def base_params_delta(spec: TransformerSpec, training, param: int, shard_ranks: 
     parameter in the engine's dtype; a 4-bit weight under a sharding engine as its packed storage,
     `packed_layout`): zero without `quant`."""
     quant = training.quant
-    if quant is None or training.offload_params.value != "none":
+    if quant is None:
         return 0
+    if training.offload_params.value != "none":
+        # FSDP1's CPUOffload keeps the packed shards on the host (`base_host_delta`); each 4-bit weight's QuantState,
+        # no parameter, stays whole on every GPU (bitsandbytes nn/modules.py Linear4bit.quant_state)
+        if not offloaded_base(training):
+            return 0
+        return named("quantization state kept on the GPU (offloaded base)",
+                     sum(t.count * quant_state_bytes(t.numel, quant) for t in base_tensors(spec, quant) if t.packed))
     element = param_element_bytes(training.engine.value, training.precision.value, param)
     n = shard_ranks if _sharded(training) else 1
     packed = packed_storage(training)
@@ -801,6 +813,35 @@ def base_params_delta(spec: TransformerSpec, training, param: int, shard_ranks: 
             counted += t.count * _ceil(t.numel, n) * element
     # the base as stored replaces the engine's count of it (the fold takes that off the engine's parameters)
     return named("frozen base as stored (bitsandbytes)", stored) - named("frozen base at the engine's element size", counted)
+
+
+def offloaded_base(training) -> bool:
+    """A quantized base FSDP1 offloads (spec/lora.py lets engine fsdp1 offload a 4-bit base stored in a float dtype)."""
+    quant = training.quant
+    return (quant is not None and quant.base_precision.is_4bit and training.engine.value == "fsdp1"
+            and training.offload_params.value != "none")
+
+
+def base_host_delta(spec: TransformerSpec, training, param: int, shard_ranks: int) -> int:
+    """Per rank, the host bytes of an offloaded quantized base (`offloaded_base`) minus what the engine profile put on
+    the host for it (every flat shard in the engine's element size): the packed 4-bit storage in quant_storage and
+    the other frozen tensors in their stored dtype, sharded (FlatParamHandle `_local_shard`, pinned)."""
+    if not offloaded_base(training):
+        return 0
+    quant = training.quant
+    element = param_element_bytes(training.engine.value, training.precision.value, param)
+    packed = packed_storage(training)
+    n = shard_ranks
+    stored = counted = 0
+    for t in base_tensors(spec, quant):
+        if t.packed:
+            stored += t.count * _ceil(packed_elements(t.numel, quant), n) * DTYPE_BYTES[quant.quant_storage]
+            counted += t.count * _ceil(_packed_units(t.numel, packed), n) * element
+        else:
+            stored += t.count * _ceil(t.stored_bytes, n)
+            counted += t.count * _ceil(t.numel, n) * element
+    return named("offloaded base as stored (bitsandbytes)", stored) - named("offloaded base at the engine's element size",
+                                                                            counted)
 
 
 def adapter_param_bytes(facts, training, param: int, steady: bool, shard_ranks: int) -> int:

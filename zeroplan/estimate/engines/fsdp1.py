@@ -316,8 +316,11 @@ def _init_params(facts: ModelFacts, setup: Setup, root: Unit, block: Unit, every
     this rank's shard (`_get_shard`: a clone, padded) before freeing the whole."""
     shard_bytes = storage if on_device else 0
     whole_model = sum(u.params for u in every) * storage
-    built = setup.program.model_init == ModelInit.DEVICE or setup.device == Device.CPU  # a CPU run has one memory
     wrapping = setup.fsdp1
+    # built whole where the units are wrapped: on the GPU, or on a CPU run's one memory; cpu_ram_efficient_loading
+    # builds rank 0's model on the host and the others' on meta (each unit materialised by param_init_fn)
+    built = ((setup.program.model_init == ModelInit.DEVICE and not wrapping.cpu_ram_efficient_loading)
+             or setup.device == Device.CPU)
     moments = []
     done = 0
     for unit in [block] * sum(g.count for g in facts.groups if g.role == "block") + [root]:
