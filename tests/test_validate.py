@@ -50,7 +50,8 @@ def test_grid_covers_the_issue():
     tp_embedding = {"tests/data/tiny-llama-16k.toml"}  # a 16k vocabulary: the TP embedding's whole gradient (issue 14)
     assert {r.model for r in rows} == {"tiny-llama", "tiny-gpt2", "llama-100m", "llama-1b"} | families | looped_pipeline | tp_embedding
     setups = {(r.engine, r.stage) for r in rows if not r.client_optimizer and r.recipe == "plain"}
-    assert setups == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)}
+    assert setups == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3),
+                      ("fsdp1", 0), ("fsdp1", 2), ("fsdp1", 3)}  # FSDP1's NO_SHARD, SHARD_GRAD_OP, FULL_SHARD (issue 23)
     # the optimizer's kernel on every engine that steps a torch optimizer; no DDP and the optimizer in
     # backward on one rank; DeepSpeed with a client optimizer at every stage
     assert {r.engine for r in rows if r.optimizer_impl in ("foreach", "fused")} == {"torch", "fsdp2", "deepspeed"}

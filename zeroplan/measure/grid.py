@@ -353,13 +353,20 @@ def fsdp1_rows() -> list[Row]:
     sync_module_states is off where the Trainer runs on CPU (accelerate's plugin needs a GPU for it)."""
     orig, hybrid = (("use_orig_params", True),), (("hybrid", True),)
     nosync = (("sync_module_states", False),)
-    rows = [
+    rows = [  # each strategy: every pair of precision, checkpointing and batch, on both models (as the L4 of _grid)
         Row("tiny-llama", "fsdp1", 3, "fp32"),
         Row("tiny-gpt2", "fsdp1", 3, "bf16", checkpointing="full"),
+        Row("tiny-gpt2", "fsdp1", 3, "fp32", checkpointing="full", micro_batch=4, seq_len=256),
+        Row("tiny-llama", "fsdp1", 3, "bf16", micro_batch=4, seq_len=256),
         Row("tiny-llama", "fsdp1", 2, "fp32"),
         Row("tiny-gpt2", "fsdp1", 2, "bf16", micro_batch=4, seq_len=256),
+        Row("tiny-gpt2", "fsdp1", 2, "fp32", checkpointing="full", micro_batch=4, seq_len=256),
+        Row("tiny-llama", "fsdp1", 2, "bf16", checkpointing="full"),
         Row("tiny-llama", "fsdp1", 0, "fp32"),
         Row("tiny-gpt2", "fsdp1", 0, "bf16"),
+        Row("tiny-gpt2", "fsdp1", 0, "fp32", checkpointing="full", micro_batch=4, seq_len=256),
+        Row("tiny-llama", "fsdp1", 0, "bf16", checkpointing="full"),
+        Row("tiny-llama", "fsdp1", 0, "bf16", micro_batch=4, seq_len=256),
         Row("tiny-llama", "fsdp1", 3, "bf16", fsdp1=orig),
         Row("tiny-gpt2", "fsdp1", 3, "fp32", fsdp1=orig),
         Row("tiny-llama", "fsdp1", 3, "fp32", world=4, fsdp1=hybrid),
