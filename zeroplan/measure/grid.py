@@ -147,8 +147,8 @@ class Row:
             fields["checkpoint_every"] = self.checkpoint_every
         if self.offload:
             fields["offload_optimizer"] = "cpu"
-            if self.engine == "fsdp2" and self.stage == 3:
-                fields["offload_params"] = "cpu"  # CPUOffloadPolicy moves parameters with the optimizer
+            if self.engine in ("fsdp2", "fsdp1") and self.stage == 3:
+                fields["offload_params"] = "cpu"  # CPUOffloadPolicy / CPUOffload move parameters with the optimizer
         fsdp2 = {"units": self.fsdp2_units, "reshard_last_block": self.reshard_last_block}
         if any(value is not None for value in fsdp2.values()):
             fields["fsdp2"] = {knob: value for knob, value in fsdp2.items() if value is not None}
