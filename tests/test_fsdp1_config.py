@@ -213,3 +213,17 @@ def test_fsdp1_knobs_stay_out_of_other_engines_json():
     result = _estimate("--engine", "fsdp2", "--zero", "3", "--gpus", "2", "--format", "json")
     data = json.loads(result.output)
     assert "fsdp1" not in data["config"] and "fsdp1" not in data["program"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--recipe", "plain", "--offload-optimizer", "cpu", "--offload-params", "cpu"),
+     "offload: FSDP1's CPUOffload pins host memory, which fails without a GPU"),
+    (("--recipe", "hf-trainer"), "fsdp1.sync_module_states: accelerate's FSDP1 plugin needs a GPU for it"),
+    (("--recipe", "hf-trainer", "--no-fsdp1-sync-module-states", "--fsdp1-hybrid", "--gpus-per-node", "1"),
+     "fsdp1.hybrid: FSDP1 builds HYBRID_SHARD's node groups from the GPU count"),
+])
+def test_what_a_cpu_cannot_run_is_refused_before_any_worker_starts(args, message):
+    result = CliRunner().invoke(cli, ["measure", "tiny-llama", "--engine", "fsdp1", "--zero", "3", "--nproc", "2",
+                                      "--seq-len", "64", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output

@@ -32,6 +32,7 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from zeroplan.errors import MeasureError
 from zeroplan.measure.engines.common import (RunContext, TorchOptimizerSteps, make_optimizer, module_buffers,
                                              optimizer_state_tensors, transformer_blocks)
+from zeroplan.measure.fsdp1_rules import refuse_unmeasurable_fsdp1
 from zeroplan.spec.fsdp1 import BackwardPrefetch as Prefetch, adapters_wrapped_apart, fsdp1_reduces_in_param_dtype, sharding_strategy
 from zeroplan.spec.program import GradSync
 from zeroplan.spec.training import Offload, Precision, TrainingSpec
@@ -105,9 +106,7 @@ class FSDP1Runner(TorchOptimizerSteps):
     def __init__(self, model: torch.nn.Module, training: TrainingSpec, ctx: RunContext):
         if ctx.is_fake:
             raise MeasureError("engine fsdp1 cannot run under --simulate (FlatParameter needs real storage); use --engine fsdp2")
-        if Offload.CPU in (training.offload_optimizer, training.offload_params) and not ctx.is_cuda:
-            raise MeasureError("offload: FSDP1's CPUOffload pins host memory, which fails without a GPU; measure it with "
-                               "--backend nccl (docs/engines/fsdp1.md, CPU offload)")
+        refuse_unmeasurable_fsdp1(training, on_gpu=ctx.is_cuda)  # measure/fsdp1_rules.py: CPU offload pins memory
         self.grad_accum = training.grad_accum
         self._micro = 0
         self.sync_every = training.program.grad_sync == GradSync.EVERY

@@ -35,6 +35,7 @@ from transformers import Trainer, TrainerCallback
 
 from zeroplan.errors import MeasureError
 from zeroplan.measure.engines.common import RunContext, module_buffers, optimizer_class_and_kwargs
+from zeroplan.measure.fsdp1_rules import refuse_unmeasurable_fsdp1
 from zeroplan.measure.processes import run_folder
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.program import ModelInit, OptimizerImpl
@@ -136,8 +137,7 @@ def check_supported(training: TrainingSpec, ctx: RunContext) -> None:
     if engine == Engine.FSDP2 and Offload.CPU in (training.offload_optimizer, training.offload_params) and not ctx.is_cuda:
         raise MeasureError("offload: accelerate's FSDP2 offload pins host memory, which fails without a GPU; "
                            "measure it with --recipe plain")
-    if engine == Engine.FSDP1 and not ctx.is_cuda:
-        check_fsdp1_on_cpu(training)
+    refuse_unmeasurable_fsdp1(training, on_gpu=ctx.is_cuda)  # measure/fsdp1_rules.py
     if training.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL) or training.checkpoint_every is not None:
         raise MeasureError(f"checkpointing: the Trainer checkpoints every decoder layer whole (gradient_checkpointing); "
                            f"{training.checkpointing.value} is not one of its choices: use none or full")
@@ -169,22 +169,6 @@ def check_supported(training: TrainingSpec, ctx: RunContext) -> None:
                                    or wrapping.reshard_last_block != (stage == 3)):
         raise MeasureError("fsdp2: accelerate wraps the embeddings and [final norm, head] as units of their own, keeps "
                            "the head's after forward and reshards every block alike; leave out the fsdp2 wrapping knobs")
-
-
-def check_fsdp1_on_cpu(training: TrainingSpec) -> None:
-    """What accelerate's FSDP1 cannot do without a GPU (accelerate 1.15.0 utils/dataclasses.py
-    FullyShardedDataParallelPlugin.__post_init__, torch fsdp/_init_utils.py), each a one-line MeasureError."""
-    wrapping = training.fsdp1_wrapping
-    if Offload.CPU in (training.offload_optimizer, training.offload_params):
-        raise MeasureError("offload: FSDP1's CPUOffload pins host memory, which fails without a GPU; measure it with "
-                           "--backend nccl (docs/engines/fsdp1.md, CPU offload)")
-    if wrapping.sync_module_states:  # the plugin builds param_init_fn on "the current device" or raises
-        raise MeasureError("fsdp1.sync_module_states: accelerate's FSDP1 plugin needs a GPU for it (its param_init_fn "
-                           "moves to the current accelerator); measure on CPU with --no-fsdp1-sync-module-states "
-                           "(and no cpu_ram_efficient_loading)")
-    if wrapping.hybrid:  # FSDP1 sizes the intra-node groups by the device count
-        raise MeasureError("fsdp1.hybrid: FSDP1 builds HYBRID_SHARD's node groups from the GPU count, which a CPU run "
-                           "has not; measure it with --recipe plain (explicit process groups)")
 
 
 def _fsdp1_config(spec: TransformerSpec, training: TrainingSpec) -> dict[str, Any]:
