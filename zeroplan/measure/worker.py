@@ -145,7 +145,9 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     step_times: list[float] = []
     fits, oom_message = True, None
     # The accounting is entered inside the fake mode, so it sees the fake tensors it makes.
-    with fake_mode, TensorAccounting() as accounting:
+    # a GPU rank counts its device's storages only: offloaded shards, gradients and states sit on the host
+    # (FSDP1's CPUOffload, FSDP2's CPUOffloadPolicy, DeepSpeed's offload), which the estimate counts per node
+    with fake_mode, TensorAccounting(device_type="cuda" if device.type == "cuda" else None) as accounting:
         accounting.set_classifier(classify)
         recorder = PhaseRecorder(accounting, probe, phase_writer(job, rank))
         try:

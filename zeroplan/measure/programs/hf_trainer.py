@@ -72,7 +72,7 @@ def run_trainer(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, 
     step_times: list[float] = []
     fits, oom_message = True, None
     try:
-        with TensorAccounting() as accounting:
+        with TensorAccounting(device_type="cuda" if ctx.is_cuda else None) as accounting:  # as the worker's
             accounting.set_classifier(lambda: _tensors_by_category(held, engine))
             recorder = PhaseRecorder(accounting, probe, on_phase)
             marks = _Marks(recorder, held, training, ctx, steps, step_times, notes, fault)
