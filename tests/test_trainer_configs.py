@@ -311,7 +311,7 @@ _TUNE = ("model:\n  _component_: torchtune.models.llama3_2.llama3_2_1b\nbatch_si
      r"optimizer\._component_ 'torch\.optim\.Adafactor' is not modelled"),
     ("u.yaml", _TUNE + "tensor_parallel_dim: 2\n", 8, r"tensor_parallel_dim is more than 1: not modelled yet: issue 14"),
     ("a.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: FULL_SHARD\n", None,
-     r"fsdp_config\.fsdp_version is 1 \(FSDP1, the default when absent\): zeroplan models FSDP2"),
+     r"fsdp_config\.fsdp_auto_wrap_policy is NO_WRAP: zeroplan models FSDP1 with TRANSFORMER_BASED_WRAP"),
     ("a.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: FULL_SHARD\n",
      None, r"fsdp_config\.fsdp_reshard_after_forward must be true or false with FSDP2, got 'FULL_SHARD'"),
     ("a.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n  zero_stage: 3\n",

@@ -53,9 +53,10 @@ def test_grid_covers_the_issue():
     assert {r.model for r in rows} == ({"tiny-llama", "tiny-gpt2", "llama-100m", "llama-1b"} | families | looped_pipeline
                                        | tp_embedding | loss_parallel | nf4)
     setups = {(r.engine, r.stage) for r in rows if not r.client_optimizer and r.recipe == "plain"}
-    # DeepSpeed stage 0 in the plain loop: issue 23's row (bf16, a recomputed block beside the gradients so far)
+    # DeepSpeed stage 0 in the plain loop: issue 23's row (bf16, a recomputed block beside the gradients so far);
+    # FSDP1's NO_SHARD, SHARD_GRAD_OP, FULL_SHARD (issue 23)
     assert setups == {("torch", 0), ("torch", 1), ("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 0), ("deepspeed", 1),
-                      ("deepspeed", 2), ("deepspeed", 3)}
+                      ("deepspeed", 2), ("deepspeed", 3), ("fsdp1", 0), ("fsdp1", 2), ("fsdp1", 3)}
     assert {r.compile for r in rows} == {(), ("model",), ("model", "loss")}  # torch.compile (issue 23)
     # the optimizer's kernel on every engine that steps a torch optimizer; no DDP and the optimizer in
     # backward on one rank; DeepSpeed with a client optimizer at every stage

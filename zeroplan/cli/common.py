@@ -28,6 +28,7 @@ from zeroplan.spec.training import (
     Precision,
     TrainingSpec,
 )
+from zeroplan.spec.fsdp1 import BackwardPrefetch, FSDP1Knobs
 from zeroplan.spec.program import FSDP2Units
 from zeroplan.spec.training import FREEZE_GROUPS, Float8Knobs, FSDP2Knobs
 from zeroplan.spec.limits import field_bounds
@@ -156,6 +157,22 @@ def _float8_help(knob: str) -> str:
     """A float8 knob's description (with --float8)."""
     return f"With --float8: {Float8Knobs.model_fields[knob].description}"
 
+
+def _fsdp1_help(knob: str) -> str:
+    """An FSDP1 knob's description (engine fsdp1 only), with its fixed default where it has one."""
+    info = FSDP1Knobs.model_fields[knob]
+    default = "" if info.default is None else f" [default: {str(info.default).lower()}]"
+    return f"Engine fsdp1: {info.description}{default}"
+
+
+def _fsdp1_flag(knob: str) -> Callable[[F], F]:
+    """--fsdp1-KNOB/--no-fsdp1-KNOB for a boolean FSDP1 knob, passed on as fsdp1_<knob>."""
+    flag = knob.replace("_", "-")
+    return click.option(f"--fsdp1-{flag}/--no-fsdp1-{flag}", f"fsdp1_{knob}", default=None, help=_fsdp1_help(knob))
+
+
+_POSITIVE = click.IntRange(min=1)
+
 MODEL_OPTIONS = [
     click.argument("model", required=False, metavar="[MODEL]"),
     click.option("--params", type=CountType(), help="Estimate a model known by its parameter count only (e.g. 7.5e9, 7B); model states only, no activations. Not with MODEL."),
@@ -214,6 +231,15 @@ TRAINING_OPTIONS = [
                  help=_fsdp2_help("reshard_head_after_forward")),
     click.option("--fsdp2-reshard-last-block/--no-fsdp2-reshard-last-block", "fsdp2_reshard_last_block", default=None,
                  help=_fsdp2_help("reshard_last_block")),
+    # FSDP1 (TrainingSpec.fsdp1, spec/fsdp1.py FSDP1Knobs): options named fsdp1_<knob>, nested as the fsdp2 ones
+    _fsdp1_flag("hybrid"),
+    _fsdp1_flag("use_orig_params"),
+    _fsdp1_flag("limit_all_gathers"),
+    click.option("--fsdp1-backward-prefetch", "fsdp1_backward_prefetch", type=_choice(BackwardPrefetch),
+                 help=_fsdp1_help("backward_prefetch")),
+    _fsdp1_flag("forward_prefetch"),
+    _fsdp1_flag("sync_module_states"),
+    _fsdp1_flag("cpu_ram_efficient_loading"),
     click.option(
         "--freeze", "freeze", multiple=True, metavar="GROUP",
         type=click.Choice(FREEZE_GROUPS),

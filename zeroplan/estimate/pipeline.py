@@ -42,7 +42,7 @@ _IMPLEMENTATIONS = {attention: f"{IMPLEMENTATION}/{attention.value}" for attenti
 # engine -> (module under zeroplan.estimate.engines, its profile function). A module is imported
 # when its engine is first estimated: a command estimates one engine, and importing the others
 # cost a tenth of `zeroplan estimate`'s start-up (bench/results/estimate_speed.md).
-_PROFILES = {Engine.DEEPSPEED: ("deepspeed", "estimate_deepspeed"), Engine.FSDP2: ("fsdp2", "estimate_fsdp2"),
+_PROFILES = {Engine.DEEPSPEED: ("deepspeed", "estimate_deepspeed"), Engine.FSDP2: ("fsdp2", "estimate_fsdp2"), Engine.FSDP1: ("fsdp1", "estimate_fsdp1"),
              Engine.TORCH: ("torch_ddp", "estimate_torch"), Engine.PAPER: ("paper", "estimate_paper")}
 _LOADED: dict[Engine, Any] = {}
 _NO_BUFFERS = MeshBuffers(0, 0, 0)

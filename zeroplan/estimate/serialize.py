@@ -150,6 +150,8 @@ def _rank_estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memor
                            notes: Iterable[str]) -> dict[str, Any]:
     peak = estimate.peak
     excluded = {name for name in ("lora", "quant") if getattr(training, name) is None}
+    if training.engine.value != "fsdp1":
+        excluded.add("fsdp1")  # FSDP1's knobs say nothing of another engine's run
     config = training.model_dump(mode="json", exclude=excluded | ({"mesh"} if training.mesh.is_trivial else set()))
     config["gpus_per_node"] = training.node_gpus
     data: dict[str, Any] = {
@@ -167,7 +169,8 @@ def _rank_estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memor
         "program": program_to_dict(training.program) | {"fsdp2": program_to_dict(training.fsdp2_wrapping),
                                                          "optimizer_step": program_to_dict(training_optimizer_step(training)),
                                                          "compile": list(training.compile),
-                                                         "float8": training.float8.model_dump() if training.float8 else None},
+                                                         "float8": training.float8.model_dump() if training.float8 else None}
+        | _fsdp1_program(training),
         "notes": [*estimate.notes, *notes],
     }
     if estimate.param_parts is not None:
@@ -176,6 +179,16 @@ def _rank_estimate_to_dict(estimate: Estimate, training: TrainingSpec, gpu_memor
         data["gpu_memory"] = gpu_memory_bytes
         data["fits"] = peak.total_bytes <= gpu_memory_bytes
     return data
+
+
+def _fsdp1_program(training: TrainingSpec) -> dict[str, Any]:
+    """Engine fsdp1: its settings resolved and torch's name of its sharding strategy (spec/fsdp1.py)."""
+    if training.engine.value != "fsdp1":
+        return {}
+    from zeroplan.spec.fsdp1 import sharding_strategy
+
+    wrapping = training.fsdp1_wrapping
+    return {"fsdp1": program_to_dict(wrapping) | {"sharding_strategy": sharding_strategy(training.zero_stage, wrapping.hybrid)}}
 
 
 def program_to_dict(program: Program | FSDP2Wrapping | OptimizerStep) -> dict[str, Any]:

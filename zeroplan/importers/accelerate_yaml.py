@@ -49,7 +49,7 @@ DEEPSPEED_KEYS = frozenset({
 _FILE_OWNS = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
               "offload_param_device", "offload_param_nvme_path", "offload_optimizer_nvme_path", "zero3_save_16bit_model")
 # distributed_type -> engine (utils/dataclasses.py DistributedType); the rest (XLA, MEGATRON_LM, NPUs...) is refused.
-_ENGINES = {"NO": "torch", "MULTI_GPU": "torch", "MULTI_CPU": "torch", "FSDP": "fsdp2", "DEEPSPEED": "deepspeed"}
+_ENGINES = {"NO": "torch", "MULTI_GPU": "torch", "MULTI_CPU": "torch", "FSDP": "fsdp2", "DEEPSPEED": "deepspeed"}  # FSDP: fsdp1 or fsdp2, by fsdp_version
 _PRECISIONS = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "bf16"}
 
 
@@ -138,20 +138,108 @@ def _fsdp(fsdp: Mapping[str, object], where: Where) -> dict[str, object]:
     version = options.get("fsdp_version", 1)  # utils/launch.py: FSDP_VERSION defaults to "1"
     if version not in (1, 2, "1", "2"):
         raise fail(where, "fsdp_config.fsdp_version", f"must be 1 or 2, got {version!r}")
-    if int(version) == 1:
-        raise fail(where, "fsdp_config.fsdp_version", "is 1 (FSDP1, the default when absent): zeroplan models FSDP2; "
-                   "set fsdp_version: 2")
+    settings = _fsdp1(options, where) if int(version) == 1 else _fsdp2(options, where)
+    if _flag(options, "fsdp_offload_params", False, where):
+        settings.update(offload_optimizer="cpu", offload_params="cpu")  # CPUOffload / CPUOffloadPolicy: params, grads, step
+    if _flag(options, "fsdp_activation_checkpointing", False, where):
+        settings["checkpointing"] = "full"
+    return settings
+
+
+def _flag(options: Mapping[str, object], key: str, default: bool, where: Where) -> bool:
+    """A yes/no key as launch.py passes it on: a YAML boolean, or "true"/"false" (str_to_bool)."""
+    value = options.get(key, default)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return as_bool(value, f"fsdp_config.{key}", where)
+
+
+# FSDP2's keys that FullyShardedDataParallelPlugin refuses or drops under fsdp_version 1 (utils/dataclasses.py
+# __post_init__), and FSDP1's under fsdp_version 2: what accelerate does with each, and so zeroplan.
+_FSDP2_ONLY = {
+    "fsdp_activation_checkpointing_offload": "requires fsdp_version 2 (accelerate refuses it under FSDP1)",
+    "fsdp_float8_all_gather": "is FSDP2's float8 all-gather; under FSDP1 accelerate never reads it",
+}
+_FSDP1_ONLY = {  # key -> (refused, what accelerate does)
+    "fsdp_sharding_strategy": (False, "is FSDP1's; under fsdp_version 2 accelerate ignores it (deprecated for "
+                               "fsdp_reshard_after_forward): ignored"),
+    "fsdp_backward_prefetch": (False, "is FSDP1's; accelerate sets it to None under fsdp_version 2: ignored"),
+    "fsdp_use_orig_params": (False, "is FSDP1's; FSDP2 always keeps the original parameters: ignored"),
+    "fsdp_sync_module_states": (False, "is FSDP1's; accelerate sets it to None under fsdp_version 2: ignored"),
+    "fsdp_forward_prefetch": (True, "is FSDP1's; accelerate refuses it under fsdp_version 2 (\"not yet implemented in "
+                              "FSDP2\"): set fsdp_version: 1 or remove it"),
+}
+# accelerate's FSDP_SHARDING_STRATEGY names (utils/constants.py), 1-based as the plugin numbers them
+_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+_STRATEGY_SETTINGS = {"FULL_SHARD": (3, False), "SHARD_GRAD_OP": (2, False), "NO_SHARD": (0, False),
+                      "HYBRID_SHARD": (3, True), "HYBRID_SHARD_ZERO2": (2, True)}
+
+
+def _fsdp2(options: Mapping[str, object], where: Where) -> dict[str, object]:
+    for key, (refused, what) in _FSDP1_ONLY.items():
+        if key in options and (refused and _flag(options, key, False, where)):
+            raise fail(where, f"fsdp_config.{key}", what)
+        if key in options and not refused:
+            warnings.warn(f"{where(f'fsdp_config.{key}')}: fsdp_config.{key} {what}", ZeroplanWarning)
     reshard = options.get("fsdp_reshard_after_forward", True)  # FullyShardedDataParallelPlugin: True for FSDP2
     if isinstance(reshard, str) and reshard.lower() in ("true", "false"):
         reshard = reshard.lower() == "true"  # str_to_bool, as the plugin reads the environment variable
     if not isinstance(reshard, bool):  # the plugin: "not supported with FSDP2, please set to a `bool`"
         raise fail(where, "fsdp_config.fsdp_reshard_after_forward", f"must be true or false with FSDP2, got {reshard!r}")
-    settings: dict[str, object] = {"zero_stage": 3 if reshard else 2}
-    if as_bool(options.get("fsdp_offload_params", False), "fsdp_config.fsdp_offload_params", where):
-        settings.update(offload_optimizer="cpu", offload_params="cpu")  # CPUOffloadPolicy: params, grads and step
-    if as_bool(options.get("fsdp_activation_checkpointing", False), "fsdp_config.fsdp_activation_checkpointing", where):
-        settings["checkpointing"] = "full"
-    return settings
+    return {"zero_stage": 3 if reshard else 2}
+
+
+def _strategy(value: object, key: str, where: Where) -> str:
+    """A sharding strategy as the plugin reads it: a name of FSDP_SHARDING_STRATEGY or its 1-based number."""
+    text = str(value).upper()
+    if text.isdigit() and 1 <= int(text) <= len(_STRATEGIES):
+        text = _STRATEGIES[int(text) - 1]
+    if text not in _STRATEGIES:
+        raise fail(where, f"fsdp_config.{key}", f"must be one of {', '.join(_STRATEGIES)} under FSDP1, got {value!r}")
+    return text
+
+
+def _fsdp1(options: Mapping[str, object], where: Where) -> dict[str, object]:
+    """accelerate's FSDP1 plugin as `accelerate launch` builds it from the file (commands/launch.py defaults for the
+    keys left out: use_orig_params, sync_module_states and cpu_ram_efficient_loading true, FULL_SHARD, no prefetch)."""
+    for key, what in _FSDP2_ONLY.items():
+        if key in options:
+            raise fail(where, f"fsdp_config.{key}", what)
+    strategy = _strategy(options.get("fsdp_sharding_strategy", "FULL_SHARD"), "fsdp_sharding_strategy", where)
+    if "fsdp_reshard_after_forward" in options:
+        written = options["fsdp_reshard_after_forward"]
+        if isinstance(written, bool):  # the plugin: "not supported with FSDP1, please set to a `str`"
+            raise fail(where, "fsdp_config.fsdp_reshard_after_forward", f"is a sharding strategy name under FSDP1 "
+                       f"({', '.join(_STRATEGIES)}), got {written!r}; true/false is FSDP2's (fsdp_version: 2)")
+        asked = _strategy(written, "fsdp_reshard_after_forward", where)
+        if asked != strategy and "fsdp_sharding_strategy" not in options:
+            # launch.py passes FSDP_SHARDING_STRATEGY=FULL_SHARD (its --fsdp_sharding_strategy default), which the
+            # plugin reads before FSDP_RESHARD_AFTER_FORWARD: the run is FULL_SHARD
+            warnings.warn(f"{where('fsdp_config.fsdp_reshard_after_forward')}: fsdp_config.fsdp_reshard_after_forward "
+                          f"{asked} is not what accelerate 1.15 runs: launch passes its fsdp_sharding_strategy default, "
+                          f"FULL_SHARD, which the FSDP1 plugin reads first; estimated as FULL_SHARD (add "
+                          f"fsdp_sharding_strategy: {asked} to run {asked})", ZeroplanWarning)
+    policy = str(options.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper()  # the plugin's default when launch sets none
+    if policy != "TRANSFORMER_BASED_WRAP":
+        raise fail(where, "fsdp_config.fsdp_auto_wrap_policy", f"is {policy}: zeroplan models FSDP1 with "
+                   "TRANSFORMER_BASED_WRAP (one FlatParameter per decoder layer, the rest in the root's); "
+                   f"{'NO_WRAP makes the whole model one unit' if policy == 'NO_WRAP' else 'size-based units are not modelled'}")
+    stage, hybrid = _STRATEGY_SETTINGS[strategy]
+    prefetch = options.get("fsdp_backward_prefetch")
+    prefetch = "NO_PREFETCH" if prefetch is None else str(prefetch).upper()
+    prefetches = {"BACKWARD_PRE": "backward-pre", "BACKWARD_POST": "backward-post", "NO_PREFETCH": "none"}
+    if prefetch not in prefetches:
+        raise fail(where, "fsdp_config.fsdp_backward_prefetch", f"must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH, "
+                   f"got {options['fsdp_backward_prefetch']!r}")
+    efficient = _flag(options, "fsdp_cpu_ram_efficient_loading", True, where)
+    sync = _flag(options, "fsdp_sync_module_states", True, where)
+    if efficient and not sync:  # utils/launch.py prepare_multi_gpu_env refuses it
+        raise fail(where, "fsdp_config.fsdp_sync_module_states", "must be true with fsdp_cpu_ram_efficient_loading "
+                   "(accelerate launch refuses the pair)")
+    return {"engine": "fsdp1", "zero_stage": stage, "fsdp1": {
+        "hybrid": hybrid, "use_orig_params": _flag(options, "fsdp_use_orig_params", True, where),
+        "backward_prefetch": prefetches[prefetch], "forward_prefetch": _flag(options, "fsdp_forward_prefetch", False, where),
+        "sync_module_states": sync, "cpu_ram_efficient_loading": efficient}}
 
 
 def _deepspeed(section: Mapping[str, object], where: Where, folder: Path, gpus: int | None,

@@ -140,6 +140,11 @@ def training_spec_from_options(options: Mapping[str, Any], config_file: str | Pa
     fsdp2 = {knob: options[f"fsdp2_{knob}"] for knob in FSDP2Knobs.model_fields if options.get(f"fsdp2_{knob}") is not None}
     if fsdp2:  # --fsdp2-* options (cli/common.py) over the config file's fsdp2 settings
         values["fsdp2"] = {**(values.get("fsdp2") or {}), **fsdp2}
+    from zeroplan.spec.fsdp1 import FSDP1Knobs
+
+    fsdp1 = {knob: options[f"fsdp1_{knob}"] for knob in FSDP1Knobs.model_fields if options.get(f"fsdp1_{knob}") is not None}
+    if fsdp1:  # --fsdp1-* options over the config file's fsdp1 settings
+        values["fsdp1"] = {**(values.get("fsdp1") or {}), **fsdp1}
     from zeroplan.importers.mesh_options import mesh_values  # --tp, --pp, ... over the config's mesh (issue 14)
 
     mesh_values(options, values)

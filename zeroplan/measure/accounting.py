@@ -60,6 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from zeroplan.estimate.device.events import Alloc, Free
+from zeroplan.measure.collective_scratch import released_at_return, wait_until
 from zeroplan.estimate.result import TENSOR_CATEGORIES
 from zeroplan.measure.engines.common import ENGINE_CATEGORIES, VISIBLE_KERNELS
 
@@ -240,13 +241,36 @@ class TensorAccounting(TorchDispatchMode):
         torch.UntypedStorage.resize_ = resize_
         self._active = True
         _ACTIVE.append(self)
+        # a synchronous collective's own copies die where it returns (measure/collective_scratch.py)
+        self._collectives = released_at_return(self._await_scratch, lambda: self._next_serial)
+        self._collectives.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         self._active = False
         _ACTIVE.remove(self)
         torch.UntypedStorage.resize_ = self._orig_resize
+        self._collectives.__exit__(None, None, None)
         return super().__exit__(*exc)
+
+    def _await_scratch(self, first_serial: int, args: tuple, kwargs: dict) -> None:
+        """Wait for the storages a collective created from `first_serial` on and did not take as arguments to be
+        freed (by gloo's worker thread, if it holds the Work last): measure/collective_scratch.py."""
+        with self._lock:
+            self._drain()
+            given = {id(storage) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+                     and self._counts(t.device) for storage in storages_of(t)}
+            scratch = [serial for serial, record in self._by_serial.items()
+                       if serial >= first_serial and record.nbytes and record.key not in given]
+        if scratch:
+            wait_until(lambda: not any(serial in self._by_serial for serial in scratch) or not self._pending_or_live(scratch))
+            with self._lock:
+                self._drain()
+
+    def _pending_or_live(self, serials: list[int]) -> bool:
+        """Whether any of `serials` is still counted (its free not yet seen, or seen but not yet drained)."""
+        pending = set(self._pending_frees)
+        return any(serial in self._by_serial and serial not in pending for serial in serials)
 
     # -- the dispatch hook ------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

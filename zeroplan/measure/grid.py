@@ -106,6 +106,7 @@ class Row:
     float8: tuple[tuple[str, Any], ...] = ()  # spec/training.py Float8Knobs fields, e.g. (("recipe", "rowwise"),); GPU rows
     optimizer: str = "adamw"  # adamw, sgd, or bitsandbytes' adam8bit / adam32bit
     paged: bool = False  # bitsandbytes' paged optimizer (falls back to ordinary states on CPU)
+    fsdp1: tuple[tuple[str, Any], ...] = ()  # spec/fsdp1.py FSDP1Knobs beyond the recipe's, e.g. (("use_orig_params", True),)
 
     @property
     def id(self) -> str:
@@ -128,7 +129,8 @@ class Row:
             + ((f"compile-{'+'.join(self.compile)}",) if self.compile else ()) \
             + (("float8-" + "-".join(str(v) if not isinstance(v, bool) else k for k, v in self.float8 if v),)
                if self.float8 else ()) \
-            + (((f"paged-" if self.paged else "") + self.optimizer,) if self.optimizer != "adamw" else ())
+            + (((f"paged-" if self.paged else "") + self.optimizer,) if self.optimizer != "adamw" else ()) \
+            + tuple(_fsdp1_part(knob, value) for knob, value in self.fsdp1)
         row_id = "/".join(parts + program + ((self.recipe,) if self.recipe != "plain" else ()))
         row_id = mesh_row_id(self.mesh, row_id, "mesh-ds" if self.engine == "deepspeed" else "mesh") if self.mesh else row_id
         trainer = "trainer-" if self.recipe == "hf-trainer" else ""  # the Trainer's adapter rows apart from the loop's
@@ -157,8 +159,8 @@ class Row:
             fields["checkpoint_every"] = self.checkpoint_every
         if self.offload:
             fields["offload_optimizer"] = "cpu"
-            if self.engine == "fsdp2" and self.stage == 3:
-                fields["offload_params"] = "cpu"  # CPUOffloadPolicy moves parameters with the optimizer
+            if self.engine in ("fsdp2", "fsdp1") and self.stage == 3:
+                fields["offload_params"] = "cpu"  # CPUOffloadPolicy / CPUOffload move parameters with the optimizer
         fsdp2 = {"units": self.fsdp2_units, "reshard_last_block": self.reshard_last_block}
         if any(value is not None for value in fsdp2.values()):
             fields["fsdp2"] = {knob: value for knob, value in fsdp2.items() if value is not None}
@@ -181,6 +183,10 @@ class Row:
             fields["paged_optimizer"] = True
         if self.mesh:
             fields["mesh"] = dict(self.mesh)
+        if self.fsdp1:
+            fields["fsdp1"] = dict(self.fsdp1)
+            if fields["fsdp1"].get("hybrid"):  # HYBRID_SHARD: two "nodes" of half the ranks each
+                fields["gpus_per_node"] = self.world // 2
         if self.model_init is None and self.engine == "deepspeed" and self.recipe == "plain":
             fields["model_init"] = "device"  # the plain loop builds whole, then deepspeed.initialize partitions (no zero.Init)
         if self.lora is not None:
@@ -366,6 +372,11 @@ def _grid() -> tuple[Row, ...]:
     rows.extend(ep_rows(Row))  # expert parallelism (measure/engines/mesh_moe.py)
     rows += _dense_family_rows()
     rows.extend(_lora_rows())
+    rows.extend(fsdp1_rows())
+    # the Trainer's FSDP2 at micro-batch 1 x 64 tokens (issue 23): the peak in FSDP's buffers, where gloo's late
+    # release of a reduce-scatter's clone made ranks and steps differ (measure/collective_scratch.py)
+    for model in ("tiny-gpt2", "tiny-llama"):
+        rows.append(Row(model, "fsdp2", 3, "fp32", micro_batch=1, seq_len=64, recipe="hf-trainer"))
     return tuple(rows)
 
 
@@ -388,6 +399,59 @@ def _issue23_rows() -> list[Row]:
         Row("dsv3-tiny", "fsdp2", 3, "fp32", attention="eager"),
         Row("dsv3-tiny", "torch", 0, "bf16", attention="eager"),
     ]
+
+
+def fsdp1_rows() -> list[Row]:
+    """FSDP1 (issue 23, measure/engines/fsdp1_engine.py): every sharding strategy on both tiny models in zeroplan's
+    loop, fp32 and bf16 (reduce fp32), use_orig_params, HYBRID_SHARD over two "nodes" of 4 ranks, the backward and
+    forward prefetch knobs, accumulation under no_sync, LoRA sharing its block's unit (use_orig_params); the Trainer
+    through accelerate (reduce in bf16, use_orig_params true, no prefetch), with PEFT's wrapping of a LoRA model.
+    sync_module_states is off where the Trainer runs on CPU (accelerate's plugin needs a GPU for it)."""
+    orig, hybrid = (("use_orig_params", True),), (("hybrid", True),)
+    nosync = (("sync_module_states", False),)
+    rows = [  # each strategy: every pair of precision, checkpointing and batch, on both models (as the L4 of _grid)
+        Row("tiny-llama", "fsdp1", 3, "fp32"),
+        Row("tiny-gpt2", "fsdp1", 3, "bf16", checkpointing="full"),
+        Row("tiny-gpt2", "fsdp1", 3, "fp32", checkpointing="full", micro_batch=4, seq_len=256),
+        Row("tiny-llama", "fsdp1", 3, "bf16", micro_batch=4, seq_len=256),
+        Row("tiny-llama", "fsdp1", 2, "fp32"),
+        Row("tiny-gpt2", "fsdp1", 2, "bf16", micro_batch=4, seq_len=256),
+        Row("tiny-gpt2", "fsdp1", 2, "fp32", checkpointing="full", micro_batch=4, seq_len=256),
+        Row("tiny-llama", "fsdp1", 2, "bf16", checkpointing="full"),
+        Row("tiny-llama", "fsdp1", 0, "fp32"),
+        Row("tiny-gpt2", "fsdp1", 0, "bf16"),
+        Row("tiny-gpt2", "fsdp1", 0, "fp32", checkpointing="full", micro_batch=4, seq_len=256),
+        Row("tiny-llama", "fsdp1", 0, "bf16", checkpointing="full"),
+        Row("tiny-llama", "fsdp1", 0, "bf16", micro_batch=4, seq_len=256),
+        Row("tiny-llama", "fsdp1", 3, "bf16", fsdp1=orig),
+        Row("tiny-gpt2", "fsdp1", 3, "fp32", fsdp1=orig),
+        Row("tiny-llama", "fsdp1", 3, "fp32", world=4, fsdp1=hybrid),
+        Row("tiny-llama", "fsdp1", 2, "bf16", world=4, fsdp1=hybrid),
+        Row("tiny-llama", "fsdp1", 3, "fp32", fsdp1=(("backward_prefetch", "backward-post"),)),
+        Row("tiny-llama", "fsdp1", 3, "bf16", fsdp1=(("backward_prefetch", "none"), ("forward_prefetch", True))),
+        Row("tiny-llama", "fsdp1", 3, "fp32", grad_accum=2),
+        Row("tiny-llama", "fsdp1", 2, "bf16", grad_accum=2),
+        Row("tiny-llama", "fsdp1", 3, "fp32", lora=LoraRow(8), fsdp1=orig),
+        Row("tiny-llama", "fsdp1", 3, "bf16", checkpointing="full", lora=LoraRow(8, ("q_proj", "v_proj")), fsdp1=orig),
+        Row("tiny-llama", "fsdp1", 3, "fp32", recipe="hf-trainer", fsdp1=nosync),
+        Row("tiny-llama", "fsdp1", 3, "bf16", checkpointing="full", recipe="hf-trainer", fsdp1=nosync),
+        Row("tiny-llama", "fsdp1", 2, "fp32", grad_accum=2, recipe="hf-trainer", fsdp1=nosync),
+        Row("tiny-llama", "fsdp1", 0, "bf16", recipe="hf-trainer", fsdp1=nosync),
+        Row("tiny-llama", "fsdp1", 3, "bf16", recipe="hf-trainer",
+            fsdp1=(("use_orig_params", False), ("backward_prefetch", "backward-pre"), *nosync)),
+        Row("tiny-llama", "fsdp1", 3, "bf16", lora=LoraRow(8), recipe="hf-trainer", fsdp1=nosync),
+    ]
+    return rows
+
+
+def _fsdp1_part(knob: str, value: Any) -> str:
+    """A row id's part for an FSDP1 knob: "orig" / "noorig", "hybrid", "bwd-post", "fwdprefetch", "nosync"."""
+    names = {"use_orig_params": ("orig", "noorig"), "hybrid": ("hybrid", "nohybrid"), "forward_prefetch": ("fwdprefetch", ""),
+             "sync_module_states": ("sync", "nosync"), "limit_all_gathers": ("", "nolimit"),
+             "cpu_ram_efficient_loading": ("ramefficient", "")}
+    if knob == "backward_prefetch":
+        return f"bwd-{value.removeprefix('backward-')}"
+    return names[knob][0 if value else 1]
 
 
 def mesh_row_id(mesh: tuple[tuple[str, Any], ...], row_id: str, prefix: str = "mesh") -> str:

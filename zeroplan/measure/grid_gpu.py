@@ -18,7 +18,18 @@ from zeroplan.measure.grid import LoraRow, Row
 _ONE = dict(world=1, precision="bf16", recipe="plain")
 _EIGHT = dict(world=8, precision="bf16", recipe="plain")
 
-GPU_1: tuple[Row, ...] = (
+# FSDP1's CPU offload (issue 23) cannot run on a CPU-only machine (CPUOffload pins host memory): derived from the
+# source (docs/engines/fsdp1.md, "CPU offload") and checked here, on one GPU: the flat shards, their gradients and the
+# optimizer on the host, the unsharded units and activations on the device; then the FSDP-QLoRA recipe of Answer.AI
+# and PEFT scaled to one 1B model: a 4-bit base stored as bf16, offloaded, PEFT's wrapping (use_orig_params false).
+FSDP1_GPU_1: tuple[Row, ...] = (
+    Row("llama-3.2-1b", "fsdp1", 3, micro_batch=2, seq_len=2048, checkpointing="full", offload=True, **_ONE),
+    Row("llama-3.2-1b", "fsdp1", 3, micro_batch=2, seq_len=1024, checkpointing="full", offload=True, model_init="host",
+        lora=LoraRow(8, base_precision="nf4", double_quant=True, compute_dtype="bf16", quant_storage="bf16"),
+        fsdp1=(("use_orig_params", False),), **_ONE),
+)
+
+GPU_1: tuple[Row, ...] = FSDP1_GPU_1 + (
     Row("llama-100m", "torch", 0, micro_batch=8, seq_len=1024, **_ONE),
     Row("llama-100m", "torch", 0, micro_batch=8, seq_len=1024, checkpointing="full", **_ONE),
     Row("gpt2-medium", "torch", 0, micro_batch=8, seq_len=1024, **_ONE),

@@ -44,6 +44,7 @@ from zeroplan.measure.processes import (
 from zeroplan.measure.worker_server import Worker
 from zeroplan.measure.worker_server import start as start_worker
 from zeroplan.measure.mesh_rules import refuse_unmeasurable
+from zeroplan.measure.fsdp1_rules import refuse_unmeasurable_fsdp1
 from zeroplan.measure.quant_rules import refuse_unmeasurable_quant
 from zeroplan.measure.result import MeasureResult, RankResult
 from zeroplan.spec.model import ModelSpec, TransformerSpec
@@ -222,6 +223,7 @@ def check_runnable(model: ModelSpec, training: TrainingSpec, *, nproc: int, back
 
         if nproc > (visible := visible_cuda_devices()):
             raise MeasureError(f"nproc: {nproc} ranks need {nproc} GPUs, {visible} are visible")
+    refuse_unmeasurable_fsdp1(training, on_gpu=backend == "nccl")  # CPU offload, the Trainer's sync_module_states
     if backend == "fake" and training.engine.value != "fsdp2":
         raise MeasureError(f"engine: --simulate runs fsdp2 only (the fake backend needs fake tensors), not {training.engine.value}")
     return backend

@@ -147,8 +147,12 @@ def run_rank(job: dict, rank: int, world_size: int, local_rank: int) -> dict:
     fits, oom_message = True, None
     # The accounting is entered inside the fake mode, so it sees the fake tensors it makes. A compiled run is
     # counted from the allocator's records: under a dispatch mode Dynamo runs the eager ops (allocations.py).
+    # A GPU rank counts its device's storages only: offloaded shards, gradients and states sit on the host
+    # (FSDP1's CPUOffload, FSDP2's CPUOffloadPolicy, DeepSpeed's offload), which the estimate counts per node.
     deferred = bool(training.compile)
-    with fake_mode, (AllocatorAccounting(device) if deferred else TensorAccounting()) as accounting:
+    counter = (AllocatorAccounting(device) if deferred
+               else TensorAccounting(device_type="cuda" if device.type == "cuda" else None))
+    with fake_mode, counter as accounting:
         accounting.set_classifier(classify)
         progress, marks = phase_writer(job, rank), []  # marks: (index of a phase's first event, step, phase)
 

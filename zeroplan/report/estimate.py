@@ -24,8 +24,9 @@ def _describe_config(data: dict[str, Any]) -> str:
     """One line: engine, stage, world, precision, optimizer, batch, offload, device."""
     config = data["config"]
     nodes = node_count(config)
+    fsdp1 = data.get("program", {}).get("fsdp1")  # torch's name of FSDP1's strategy beside the stage
     parts = [
-        f"{data['engine']} ZeRO-{config['zero_stage']}",
+        f"{data['engine']} ZeRO-{config['zero_stage']}" + (f" ({fsdp1['sharding_strategy']})" if fsdp1 else ""),
         f"{config['gpus']} GPU{'s' if config['gpus'] > 1 else ''} ({nodes} node{'s' if nodes > 1 else ''} x {config['gpus_per_node']})",
         _PRECISION_LABELS.get(config["precision"], config["precision"]),
         config["optimizer"],
@@ -57,6 +58,7 @@ def _describe_program(data: dict[str, Any]) -> str:
         f"torch.compile of {' and '.join('the blocks' if c == 'model' else 'the loss' for c in program['compile'])}"
         if program.get("compile") else None,
         _float8(program["float8"]) if program.get("float8") else None,
+        _fsdp1_settings(program.get("fsdp1")),
     ]
     return f"recipe {program['recipe']}: " + ", ".join(part for part in parts if part)
 
@@ -65,6 +67,18 @@ def _float8(float8: dict[str, Any]) -> str:
     extras = ["float8 all-gather"] if float8["fsdp_all_gather"] else []
     extras += ["float8 saved"] if float8["saved"] == "float8" else []
     return f"float8 {float8['recipe']}" + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _fsdp1_settings(fsdp1: dict[str, Any] | None) -> str | None:
+    """Engine fsdp1's settings that change memory, as FullyShardedDataParallel's arguments read."""
+    if fsdp1 is None:
+        return None
+    parts = [f"use_orig_params {str(fsdp1['use_orig_params']).lower()}", f"backward_prefetch {fsdp1['backward_prefetch']}"]
+    parts += ["forward_prefetch"] if fsdp1["forward_prefetch"] else []
+    parts += ["sync_module_states"] if fsdp1["sync_module_states"] else []
+    parts += ["cpu_ram_efficient_loading"] if fsdp1["cpu_ram_efficient_loading"] else []
+    parts += [] if fsdp1["limit_all_gathers"] else ["no limit_all_gathers"]
+    return "fsdp1 " + ", ".join(parts)
 
 
 def _optimizer_step(data: dict[str, Any]) -> str:

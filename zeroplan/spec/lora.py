@@ -281,4 +281,9 @@ def check_training_lora(training: "TrainingSpec") -> None:
         raise ValueError(f"quant.base_precision {quant.base_precision.value}: its packed weights are module buffers, "
                          f"which engine {engine} at zero_stage {stage} does not shard: not modelled; use ZeRO 0-2")
     if quant.base_precision.is_quantized and training.offload_params.value != "none":
-        raise ValueError("offload_params: a quantized base is not offloaded by the engines (bitsandbytes keeps it on the GPU)")
+        # FSDP1's CPUOffload moves whole FlatParameters, the packed 4-bit storage among them when it is a float dtype
+        # (the FSDP-QLoRA recipe of Answer.AI and PEFT: bnb_4bit_quant_storage bf16); its QuantState is no parameter
+        # and stays on the GPU (estimate/adapters/lora.py `offloaded_base`)
+        if not (engine == "fsdp1" and quant.base_precision.is_4bit and quant.quant_storage != "uint8"):
+            raise ValueError("offload_params: a quantized base is offloaded by engine fsdp1 only, as a 4-bit base stored in "
+                             "a float dtype (quant_storage bf16); the other engines keep bitsandbytes' weights on the GPU")

@@ -14,6 +14,7 @@ from zeroplan.errors import SpecError
 from zeroplan.spec.limits import (MAX_CHUNKS, MAX_COUNT, MAX_GPUS, MAX_GRAD_ACCUM, MAX_LAYERS, MAX_MICRO_BATCH, MAX_SEQ_LEN,
                                   MAX_SMALL_COUNT)
 from zeroplan.spec.gpu import GpuSpec
+from zeroplan.spec.fsdp1 import FSDP1Knobs, FSDP1Wrapping, resolve_fsdp1_wrapping
 from zeroplan.spec.lora import LoraSpec, QuantSpec, check_training_lora
 from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.validation import describe_validation_error
@@ -41,13 +42,16 @@ class Engine(str, Enum):
 
     DEEPSPEED = "deepspeed"  # deepspeed.runtime.zero stage_1_and_2.py / stage3.py
     FSDP2 = "fsdp2"  # torch.distributed.fsdp.fully_shard
+    FSDP1 = "fsdp1"  # torch.distributed.fsdp.FullyShardedDataParallel: a FlatParameter per wrapped unit
     TORCH = "torch"  # DDP (stage 0), DDP + ZeroRedundancyOptimizer (stage 1)
     PAPER = "paper"  # the ZeRO paper's idealised 2Ψ + 2Ψ + KΨ accounting, nothing else
 
 
-# The ZeRO stages each engine runs: fsdp2's reshard_after_forward False/True are stages 2/3, torch's
-# DDP and DDP + ZeroRedundancyOptimizer are stages 0/1.
-ENGINE_STAGES = {Engine.DEEPSPEED: (0, 1, 2, 3), Engine.FSDP2: (2, 3), Engine.TORCH: (0, 1), Engine.PAPER: (0, 1, 2, 3)}
+# The ZeRO stages each engine runs: fsdp2's reshard_after_forward False/True are stages 2/3, fsdp1's
+# NO_SHARD, SHARD_GRAD_OP and FULL_SHARD stages 0/2/3 (spec/fsdp1.py), torch's DDP and DDP +
+# ZeroRedundancyOptimizer stages 0/1.
+ENGINE_STAGES = {Engine.DEEPSPEED: (0, 1, 2, 3), Engine.FSDP2: (2, 3), Engine.FSDP1: (0, 2, 3), Engine.TORCH: (0, 1),
+                 Engine.PAPER: (0, 1, 2, 3)}
 
 
 class Precision(str, Enum):
@@ -253,6 +257,7 @@ class TrainingSpec(BaseModel):
                                          "only (torchtitan selective_ac_option = N). [default: every block]")
     deepspeed: DeepSpeedKnobs = Field(default_factory=DeepSpeedKnobs, description="DeepSpeed zero_optimization knobs.")
     fsdp2: FSDP2Knobs = Field(default_factory=FSDP2Knobs, description="FSDP2 knobs.")
+    fsdp1: FSDP1Knobs = Field(default_factory=FSDP1Knobs, description="FSDP1 knobs (engine fsdp1).")
     lora: LoraSpec | None = Field(None, description="LoRA adapters (PEFT): the base is frozen, the adapters train.")
     quant: QuantSpec | None = Field(None, description="Storage of the frozen base (bf16 ... or bitsandbytes nf4).")
     gpu: GpuSpec | None = Field(None, description="The GPU the run uses (a preset: --gpu, --gpu-memory NAME); its "
@@ -292,6 +297,8 @@ class TrainingSpec(BaseModel):
             if self.offload_params != Offload.NONE and self.offload_optimizer != self.offload_params:
                 # CPUOffloadPolicy moves sharded parameters, gradients and the optimizer step together.
                 raise ValueError("engine fsdp2 offloads parameters and optimizer together: set offload_optimizer cpu too")
+        if self.engine == Engine.FSDP1:
+            self._check_fsdp1_stage()
         self._check_program()
         self._check_compiled()
         self._check_bitsandbytes_optimizer()
@@ -378,8 +385,46 @@ class TrainingSpec(BaseModel):
             raise ValueError(f"optimizer_impl chooses a torch optimizer's kernel; bitsandbytes' {self.optimizer.value} "
                              "runs its own update (fused on CUDA): leave optimizer_impl unset")
 
+    def _check_fsdp1_stage(self) -> None:
+        """FSDP1's stages and offload (torch fsdp/api.py ShardingStrategy, CPUOffload)."""
+        if self.zero_stage == 1:
+            raise ValueError("engine fsdp1 covers zero_stage 0 (NO_SHARD), 2 (SHARD_GRAD_OP) and 3 (FULL_SHARD); "
+                             "stage 1 has no FSDP1 strategy")
+        if Offload.NVME in (self.offload_optimizer, self.offload_params):
+            raise ValueError("engine fsdp1 offloads to cpu only (CPUOffload(offload_params=True)); nvme needs deepspeed")
+        if self.offload_params != Offload.NONE and self.offload_optimizer != self.offload_params:
+            # CPUOffload(offload_params=True) keeps the shards and their gradients on the host, where the optimizer steps
+            raise ValueError("engine fsdp1 offloads parameters and optimizer together (CPUOffload(offload_params=True)): "
+                             "set offload_optimizer cpu too")
+        if self.fsdp1.hybrid and self.zero_stage == 0:
+            raise ValueError("fsdp1.hybrid shards within a node (HYBRID_SHARD, _HYBRID_SHARD_ZERO2): use zero_stage 3 or "
+                             "2, not NO_SHARD")
+        if self.fsdp1.hybrid and self.nodes == 1:
+            raise ValueError(f"fsdp1.hybrid replicates across nodes, but gpus {self.gpus} with gpus_per_node "
+                             f"{self.node_gpus} is one node: set gpus_per_node to the ranks each shard spans")
+        if self.recipe in (Recipe.TORCHTITAN, Recipe.TORCHTUNE):
+            raise ValueError(f"recipe {self.recipe.value} runs FSDP2, not FSDP1: use engine fsdp2")
+        program = self.program
+        if program.optimizer_in_backward:
+            raise ValueError("optimizer_in_backward under fsdp1 is not modelled (FSDP1's _register_post_backward_hook "
+                             "steps per FlatParameter); use engine torch on one GPU, or --no-optimizer-in-backward")
+        if program.model_init in (ModelInit.META, ModelInit.ZERO_INIT):
+            raise ValueError(f"model_init {program.model_init.value}: FSDP1 takes a built model (host or device); a "
+                             "meta-device build on ranks other than 0 is fsdp1.cpu_ram_efficient_loading")
+        if not self.mesh.is_trivial:
+            raise ValueError("engine fsdp1 runs data parallelism only here (tensor, context, pipeline and expert "
+                             "parallelism are modelled with FSDP2): use engine fsdp2 with a mesh")
+
+    @property
+    def fsdp1_wrapping(self) -> FSDP1Wrapping:
+        """FSDP1's settings: the explicit knobs over the recipe's defaults."""
+        return resolve_fsdp1_wrapping(self.recipe, self.fsdp1)
+
     def _check_fsdp2(self) -> None:
-        """FSDP2 wrapping knobs that do not apply."""
+        """FSDP2 wrapping knobs that do not apply; FSDP1 knobs outside engine fsdp1."""
+        if self.engine != Engine.FSDP1 and self.fsdp1 != FSDP1Knobs():
+            given = ", ".join(name for name, value in self.fsdp1 if value != FSDP1Knobs.model_fields[name].default)
+            raise ValueError(f"fsdp1.{given.split(', ')[0]} applies to engine fsdp1, not {self.engine.value}")
         knobs = self.fsdp2
         if self.engine != Engine.FSDP2:
             if (knobs.units, knobs.reshard_head_after_forward, knobs.reshard_last_block) != (None, None, None):

@@ -44,6 +44,11 @@ register({
                                                     "copy, A's output, dropout's mask; docs/engines/lora.md Activations)",
     "inputs frozen linears no longer keep (LoRA)": "torch/csrc/autograd (a frozen weight needs no input for its "
                                                    "gradient; docs/engines/lora.md Activations)",
+    "quantization state kept on the GPU (offloaded base)": "bitsandbytes nn/modules.py Linear4bit.quant_state (no parameter: "
+                                                            "FSDP1's CPUOffload leaves it; docs/engines/fsdp1.md, QLoRA)",
+    "offloaded base as stored (bitsandbytes)": "torch/distributed/fsdp/_flat_param.py init_flat_param_attributes (pinned "
+                                               "_local_shard of the packed storage: docs/engines/fsdp1.md, QLoRA)",
+    "offloaded base at the engine's element size": "estimate/adapters/lora.py base_host_delta (taken off the engine's host bytes)",
 })
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "uint8": 1}
 DOUBLE_QUANT_BLOCK = 256  # functional.py quantize_4bit: quantize_blockwise(_absmax - offset, blocksize=256)
@@ -489,19 +494,24 @@ class AdapterActivations(NamedTuple):
 
 
 def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, comp: int, adapter_element: int,
-                        cuda: bool, attn_reads: int, mlp_reads: int) -> AdapterActivations:
+                        cuda: bool, attn_reads: int, mlp_reads: int, base_needs_grads: bool = False,
+                        input_recast: bool = False) -> AdapterActivations:
     """docs/engines/lora.md "Activations": a frozen base linear saves no input (no weight gradient);
     each adapted linear's A saves its input, its own copy when PEFT's cast to the adapter dtype, autocast's
     cast or the adapter's dropout makes one; B saves A's output (r); dropout keeps its mask (a bool on
-    CUDA, a tensor of the input's dtype on CPU); DoRA saves the base and LoRA results (2 x out)."""
+    CUDA, a tensor of the input's dtype on CPU); DoRA saves the base and LoRA results (2 x out).
+    `base_needs_grads`: the base's weights are views of a FlatParameter that requires grad (FSDP1 with
+    use_orig_params, docs/engines/fsdp1.md "LoRA"), so the base keeps what a trained block keeps and only the
+    adapters' own tensors are added. `input_recast`: A's input is a copy of its own in the compute dtype (FSDP1's
+    adapter units under the Trainer: `adapter_input_recast`)."""
     layout = lora_layout(spec, lora)
     block = [linear for linear in layout.adapted if linear.role == "block"]
     h, inner = spec.hidden_size, spec.intermediate_size
-    own_copy = autocast or lora.dropout > 0 or adapter_element != comp
+    own_copy = autocast or lora.dropout > 0 or adapter_element != comp or input_recast
     copy_element = comp if autocast else adapter_element
     dropped = kept = 0  # what the frozen base no longer keeps; what the adapters keep
     # what the base linears kept of their inputs (activations.py `norm_saved_per_token`, `_mlp_saved_per_token`)
-    readers = {"attn": attn_reads, "mlp": mlp_reads}
+    readers = {} if base_needs_grads else {"attn": attn_reads, "mlp": mlp_reads}
     for side, reads in readers.items():
         inputs = [linear for linear in block if linear.module.startswith(f"{side}.") and linear.in_features == h
                   and not linear.module.endswith(("o_proj", "c_proj", "down_proj", "fc_out"))]
@@ -509,11 +519,11 @@ def adapter_activations(spec: TransformerSpec, lora: LoraSpec, autocast: bool, c
         if inputs and not own_copy:
             kept += comp * h  # A saves the norm's output itself, once for all that read it
     down = [linear for linear in block if linear.module.endswith(("mlp.down_proj", "mlp.c_proj", "mlp.fc_out"))]
-    if not spec.is_moe and spec.moe is None:  # a dense MLP (a sparse one's experts keep their product: lora_experts.py)
+    if not spec.is_moe and spec.moe is None and not base_needs_grads:  # a dense MLP (a sparse one's experts keep their product: lora_experts.py)
         dropped -= comp * inner  # the MLP's product, kept by down_proj for its weight gradient only
         if down and not own_copy:
             kept += comp * inner
-    if spec.norm == "rmsnorm":
+    if spec.norm == "rmsnorm" and not base_needs_grads:
         # LlamaRMSNorm `self.weight * hidden_states.to(input_dtype)`: mul saves the normalized tensor
         # for the weight's gradient only (autograd FunctionsManual mul_tensor_backward); frozen, it is not kept
         dropped -= 2 * _normalized_bytes(spec, autocast, comp)
@@ -717,7 +727,8 @@ def lora_activations(acts, spec: TransformerSpec, training, comp: int):
         adapter_element = FP32_BYTES
     attn_reads, mlp_reads = input_projections(spec)
     cuda = training.device.value == "cuda"
-    extra = adapter_activations(spec, lora, autocast, comp, adapter_element, cuda, attn_reads, mlp_reads)
+    extra = adapter_activations(spec, lora, autocast, comp, adapter_element, cuda, attn_reads, mlp_reads,
+                                base_views_need_grads(training), adapter_input_recast(training))
     program = training.program
     # the chunked losses that detach the head's input already dropped it (activations.py `_loss_terms`)
     head_input_kept = program.loss == Loss.STANDARD or (program.loss == Loss.CHUNKED and program.recipe != Recipe.TORCHTITAN)
@@ -819,8 +830,33 @@ def with_dequantized_weight(acts, spec: TransformerSpec, quant: QuantSpec | None
     return replace(acts, block_forward_transient=forward, block_backward_transient=backward)
 
 
+def base_views_need_grads(training) -> bool:
+    """FSDP1 with use_orig_params runs each unit's parameters as views of its FlatParameter, which requires grad
+    when any of them trains (`_flat_param.py` `_use_unsharded_views`): where the adapters share their block's unit
+    (spec/fsdp1.py `adapters_wrapped_apart`), the frozen base weights get gradients and keep their inputs as a
+    trained block's do (docs/engines/fsdp1.md, "LoRA")."""
+    from zeroplan.spec.fsdp1 import adapters_wrapped_apart
+
+    wrapping = training.fsdp1_wrapping
+    return (training.engine.value == "fsdp1" and wrapping.use_orig_params
+            and not adapters_wrapped_apart(training.recipe, wrapping.use_orig_params))
+
+
+def adapter_input_recast(training) -> bool:
+    """FSDP1's adapter units under the Trainer's mixed precision: PEFT casts A's input to `lora_A.weight.dtype`
+    (tuners/lora/layer.py `_cast_input_dtype`), read while that unit is still sharded, so fp32; the unit's forward
+    then runs in bf16 under accelerate's autocast, which casts the input back: a bf16 copy that A's matmul saves."""
+    from zeroplan.spec.fsdp1 import adapters_wrapped_apart
+
+    return (training.engine.value == "fsdp1" and training.precision.value in ("bf16", "fp16")
+            and training.recipe.value == "hf-trainer"
+            and adapters_wrapped_apart(training.recipe, training.fsdp1_wrapping.use_orig_params))
+
+
 def _sharded(training) -> bool:
-    return training.engine.value == "fsdp2" or (training.engine.value in ("deepspeed", "paper") and training.zero_stage == 3)
+    engine = training.engine.value
+    return (engine == "fsdp2" or (engine in ("deepspeed", "paper") and training.zero_stage == 3)
+            or (engine == "fsdp1" and training.zero_stage != 0))  # FSDP1 shards parameters but under NO_SHARD
 
 
 def _ceil(a: int, b: int) -> int:
@@ -843,7 +879,8 @@ def packed_storage(training) -> PackedStorage | None:
     engine = training.engine.value
     if quant is None or not (quant.base_precision.is_4bit or quant.base_precision.value == "torchao-nf4"):
         return None
-    if not (engine == "fsdp2" or (engine == "deepspeed" and training.zero_stage == 3)):
+    if not (engine == "fsdp2" or (engine == "deepspeed" and training.zero_stage == 3)
+            or (engine == "fsdp1" and training.zero_stage != 0)):  # FSDP1 flattens the packed storage into its unit's
         return None
     return PackedStorage(quant, FP32_BYTES if training.precision.value == "fp32" else 2)
 
@@ -880,8 +917,15 @@ def base_params_delta(spec: TransformerSpec, training, param: int, shard_ranks: 
     parameter in the engine's dtype; a 4-bit weight under a sharding engine as its packed storage,
     `packed_layout`): zero without `quant`."""
     quant = training.quant
-    if quant is None or training.offload_params.value != "none":
+    if quant is None:
         return 0
+    if training.offload_params.value != "none":
+        # FSDP1's CPUOffload keeps the packed shards on the host (`base_host_delta`); each 4-bit weight's QuantState,
+        # no parameter, stays whole on every GPU (bitsandbytes nn/modules.py Linear4bit.quant_state)
+        if not offloaded_base(training):
+            return 0
+        return named("quantization state kept on the GPU (offloaded base)",
+                     sum(t.count * quant_state_bytes(t.numel, quant) for t in base_tensors(spec, quant) if t.packed))
     element = param_element_bytes(training.engine.value, training.precision.value, param)
     n = shard_ranks if _sharded(training) else 1
     packed = packed_storage(training)
@@ -929,6 +973,35 @@ def nf4_conversion_moment(spec: TransformerSpec, training) -> tuple[int, int] | 
                 for t in tensors)
     return (named("model before torchao's NF4 conversion", whole * DTYPE_BYTES[quant.compute_dtype]),
             named("torchao to_nf4 conversion", converting))
+
+
+def offloaded_base(training) -> bool:
+    """A quantized base FSDP1 offloads (spec/lora.py lets engine fsdp1 offload a 4-bit base stored in a float dtype)."""
+    quant = training.quant
+    return (quant is not None and quant.base_precision.is_4bit and training.engine.value == "fsdp1"
+            and training.offload_params.value != "none")
+
+
+def base_host_delta(spec: TransformerSpec, training, param: int, shard_ranks: int) -> int:
+    """Per rank, the host bytes of an offloaded quantized base (`offloaded_base`) minus what the engine profile put on
+    the host for it (every flat shard in the engine's element size): the packed 4-bit storage in quant_storage and
+    the other frozen tensors in their stored dtype, sharded (FlatParamHandle `_local_shard`, pinned)."""
+    if not offloaded_base(training):
+        return 0
+    quant = training.quant
+    element = param_element_bytes(training.engine.value, training.precision.value, param)
+    packed = packed_storage(training)
+    n = shard_ranks
+    stored = counted = 0
+    for t in base_tensors(spec, quant):
+        if t.packed:
+            stored += t.count * _ceil(packed_elements(t.numel, quant), n) * DTYPE_BYTES[quant.quant_storage]
+            counted += t.count * _ceil(_packed_units(t.numel, packed), n) * element
+        else:
+            stored += t.count * _ceil(t.stored_bytes, n)
+            counted += t.count * _ceil(t.numel, n) * element
+    return named("offloaded base as stored (bitsandbytes)", stored) - named("offloaded base at the engine's element size",
+                                                                            counted)
 
 
 def adapter_param_bytes(facts, training, param: int, steady: bool, shard_ranks: int) -> int:

@@ -34,7 +34,12 @@ def with_adapters(result: EngineEstimate, facts: ModelFacts, model: TransformerS
             else:  # built on meta: one full weight converted beside the shards loaded so far
                 categories = categories._replace(temporaries=categories.temporaries + converting[1])
         phases.append(PhaseBytes(p.step, p.phase, categories))
-    return result._replace(phases=tuple(phases))
+    host = lora.base_host_delta(model, training, param, setup.gpus) * training.node_gpus
+    per_node = result.per_node
+    if host:  # FSDP1's offloaded 4-bit base: its flat shards on the host as stored, pinned on a GPU machine
+        per_node = per_node._replace(cpu_bytes=per_node.cpu_bytes + host,
+                                     pinned_bytes=per_node.pinned_bytes + (host if per_node.pinned_bytes else 0))
+    return result._replace(phases=tuple(phases), per_node=per_node)
 
 
 def adapter_param_parts(phases: tuple[PhaseBytes, ...], facts: ModelFacts, training: TrainingSpec,

@@ -11,6 +11,7 @@ from zeroplan.estimate.model.facts import ModelFacts
 from zeroplan.estimate.model.layout import ParamTensor
 from zeroplan.estimate.result import CategoryBytes, NodeBytes, Phase, PhaseBytes, Step
 from zeroplan.estimate.terms import register
+from zeroplan.spec.fsdp1 import FSDP1Wrapping
 from zeroplan.spec.program import OptimizerImpl, Program
 from zeroplan.spec.training import DeepSpeedKnobs, Device, Offload, Optimizer, Precision, TrainingSpec
 
@@ -60,6 +61,7 @@ class Setup(NamedTuple):
     recompute_held_element: int = 0  # ZeRO-3 keeps a rebuilt LoRA block gathered: its adapters' bytes (estimate/adapters/zero3.py)
     float8_all_gather: bool = False  # FSDP2 gathers the blocks' linear weights in float8 (torchao enable_fsdp_float8_all_gather)
     paged_optimizer: bool = False  # bitsandbytes' paged states (engines/bnb_optim.py)
+    fsdp1: FSDP1Wrapping | None = None  # engine fsdp1: its settings (spec/fsdp1.py), None for the other engines
 
 
 def deepspeed_sizes(knobs: DeepSpeedKnobs) -> DeepSpeedSizes:
@@ -77,7 +79,8 @@ def setup_of(training: TrainingSpec) -> Setup:
                  deepspeed_sizes(training.deepspeed), training.fsdp2_wrapping, training.program,
                  recompute_held_element=_recompute_held_element(training),
                  float8_all_gather=training.float8 is not None and training.float8.fsdp_all_gather,
-                 paged_optimizer=training.paged_optimizer)
+                 paged_optimizer=training.paged_optimizer,
+                 fsdp1=training.fsdp1_wrapping if training.engine.value == "fsdp1" else None)
 
 
 def _recompute_held_element(training: TrainingSpec) -> int:

@@ -130,13 +130,14 @@ def _count_facts(spec: ParamCountSpec) -> ModelFacts:
 
 
 def _gathers_layers(training: TrainingSpec) -> bool:
-    """Engines whose peak holds the largest gathered layer: FSDP2 (any stage), DeepSpeed ZeRO-3."""
+    """Engines whose peak holds the largest gathered layer: FSDP2 (any stage), FSDP1 (sharded), DeepSpeed ZeRO-3."""
     engine = training.engine.value
-    return engine == "fsdp2" or (engine == "deepspeed" and training.zero_stage == 3)
+    return (engine == "fsdp2" or (engine == "deepspeed" and training.zero_stage == 3)
+            or (engine == "fsdp1" and training.zero_stage != 0))
 
 
 def _gathering_engine(training: TrainingSpec) -> str:
-    return "FSDP2" if training.engine.value == "fsdp2" else "DeepSpeed ZeRO-3"
+    return {"fsdp2": "FSDP2", "fsdp1": "FSDP1"}.get(training.engine.value, "DeepSpeed ZeRO-3")
 
 
 def model_facts(spec: TransformerSpec | ParamCountSpec, training: TrainingSpec) -> ModelFacts:

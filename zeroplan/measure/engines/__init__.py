@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # torch is imported lazily: zeroplan.measure must import with
 _ENGINE_MODULES = {
     "torch": "zeroplan.measure.engines.torch_engine",
     "fsdp2": "zeroplan.measure.engines.fsdp2_engine",
+    "fsdp1": "zeroplan.measure.engines.fsdp1_engine",
     "deepspeed": "zeroplan.measure.engines.deepspeed_engine",
 }
 

@@ -36,6 +36,7 @@ from transformers import Trainer, TrainerCallback
 from zeroplan.errors import MeasureError
 from zeroplan.measure.engines.common import (RunContext, count_bitsandbytes_updates, module_buffers,
                                              optimizer_class_and_kwargs)
+from zeroplan.measure.fsdp1_rules import refuse_unmeasurable_fsdp1
 from zeroplan.measure.processes import run_folder
 from zeroplan.spec.model import TransformerSpec
 from zeroplan.spec.program import ModelInit, OptimizerImpl
@@ -64,7 +65,7 @@ def run_trainer(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, 
 
         prepare_environment(ctx)  # before deepspeed is imported (by us or by transformers)
         import_deepspeed()
-    if engine == Engine.FSDP2 and not ctx.is_cuda:
+    if engine in (Engine.FSDP2, Engine.FSDP1) and not ctx.is_cuda:
         let_accelerate_shard_on_cpu()
         notes.append(FSDP_CPU_NOTE)
     output_dir = str(run_folder("trainer"))  # named for this worker: removed by the next run if it is killed
@@ -72,7 +73,7 @@ def run_trainer(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, 
     step_times: list[float] = []
     fits, oom_message = True, None
     try:
-        with TensorAccounting() as accounting:
+        with TensorAccounting(device_type="cuda" if ctx.is_cuda else None) as accounting:  # as the worker's
             accounting.set_classifier(lambda: _tensors_by_category(held, engine))
             recorder = PhaseRecorder(accounting, probe, on_phase)
             marks = _Marks(recorder, held, training, ctx, steps, step_times, notes, fault)
@@ -137,6 +138,7 @@ def check_supported(training: TrainingSpec, ctx: RunContext) -> None:
     if engine == Engine.FSDP2 and Offload.CPU in (training.offload_optimizer, training.offload_params) and not ctx.is_cuda:
         raise MeasureError("offload: accelerate's FSDP2 offload pins host memory, which fails without a GPU; "
                            "measure it with --recipe plain")
+    refuse_unmeasurable_fsdp1(training, on_gpu=ctx.is_cuda)  # measure/fsdp1_rules.py
     if training.checkpointing not in (Checkpointing.NONE, Checkpointing.FULL) or training.checkpoint_every is not None:
         raise MeasureError(f"checkpointing: the Trainer checkpoints every decoder layer whole (gradient_checkpointing); "
                            f"{training.checkpointing.value} is not one of its choices: use none or full")
@@ -180,6 +182,20 @@ def _trainer_optim(training: TrainingSpec) -> str:
     return "adamw_torch_fused" if training.program.optimizer_impl == OptimizerImpl.FUSED else "adamw_torch"
 
 
+def _fsdp1_config(spec: TransformerSpec, training: TrainingSpec) -> dict[str, Any]:
+    """TrainingArguments.fsdp_config for FSDP1 (transformers 5.23.0 training_args.py `_process_fsdp_args` reads each)."""
+    from zeroplan.spec.fsdp1 import sharding_strategy
+
+    wrapping = training.fsdp1_wrapping
+    strategy = sharding_strategy(training.zero_stage, wrapping.hybrid).lstrip("_").lower()
+    prefetch = {"backward-pre": "BACKWARD_PRE", "backward-post": "BACKWARD_POST", "none": "NO_PREFETCH"}
+    return {"version": 1, "reshard_after_forward": strategy, "transformer_layer_cls_to_wrap": [_block_class_name(spec, training)],
+            "use_orig_params": wrapping.use_orig_params, "sync_module_states": wrapping.sync_module_states,
+            "cpu_ram_efficient_loading": wrapping.cpu_ram_efficient_loading,
+            "backward_prefetch": prefetch[wrapping.backward_prefetch.value], "forward_prefetch": wrapping.forward_prefetch,
+            "limit_all_gathers": wrapping.limit_all_gathers}
+
+
 def _arguments(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, steps: int, output_dir: str):
     """TrainingArguments for the spec, then the distributed set-up the model build needs."""
     from transformers import TrainingArguments
@@ -204,6 +220,12 @@ def _arguments(spec: TransformerSpec, training: TrainingSpec, ctx: RunContext, s
     if training.engine == Engine.FSDP2:
         kwargs.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": training.zero_stage == 3,
                                               "transformer_layer_cls_to_wrap": [_block_class_name(spec, training)]})
+    if training.engine == Engine.FSDP1:
+        kwargs.update(fsdp=True, fsdp_config=_fsdp1_config(spec, training))
+        # accelerate 1.15.0's FSDP1 plugin takes FSDP_SHARDING_STRATEGY (FULL_SHARD when unset) before the
+        # reshard_after_forward the Trainer passes (utils/dataclasses.py __post_init__): set it, as `accelerate
+        # launch --fsdp_sharding_strategy` does, so that the strategy asked for is the one that runs
+        os.environ["FSDP_SHARDING_STRATEGY"] = kwargs["fsdp_config"]["reshard_after_forward"].upper()
     args = TrainingArguments(**kwargs)
     args.device  # noqa: B018 - accelerate's PartialState joins the process group the worker made
     if training.engine == Engine.DEEPSPEED:
@@ -382,8 +404,10 @@ class _Marks:
 def _engine_that_ran(wrapped, model, distributed_type: str) -> str:
     if type(wrapped).__name__ == "DeepSpeedEngine":
         return "deepspeed"
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
+    if isinstance(wrapped, FullyShardedDataParallel):
+        return "fsdp1"
     if isinstance(model, FSDPModule):
         return "fsdp2"
     if isinstance(wrapped, DistributedDataParallel):
@@ -430,6 +454,10 @@ def _engine_tensors_by_category(held: dict, engine: Engine) -> dict[str, list[to
             from zeroplan.measure.engines.fsdp2_engine import fsdp2_tensors
 
             return fsdp2_tensors(trainer.model, optimizer)
+        if engine == Engine.FSDP1:
+            from zeroplan.measure.engines.fsdp1_engine import fsdp1_tensors
+
+            return fsdp1_tensors(trainer.model_wrapped, optimizer)
         from zeroplan.measure.engines.torch_engine import ddp_tensors
 
         return ddp_tensors(trainer.model, optimizer)
@@ -476,8 +504,9 @@ def let_accelerate_shard_on_cpu() -> None:
     the branch for GPU-like types (MULTI_GPU, MULTI_XPU, ...); MULTI_CPU, what TrainingArguments
     (use_cpu=True) gives on gloo, is not among them, so the plugin is dropped and
     Accelerator.prepare_model wraps the model in DDP, silently. This runs the three statements of
-    that branch for MULTI_CPU after the original __init__, and nothing else; from there on it is
-    accelerate's own FSDP2 path (fsdp_utils.py fsdp2_prepare_model)."""
+    that branch for MULTI_CPU after the original __init__, and gives FSDP1 the CPU device without an index, and
+    nothing else; from there on it is accelerate's own FSDP path (fsdp_utils.py fsdp2_prepare_model, or
+    FullyShardedDataParallel in Accelerator.prepare_model)."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
@@ -496,6 +525,11 @@ def let_accelerate_shard_on_cpu() -> None:
                 fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
             PartialState._shared_state["distributed_type"] = self.distributed_type
+            # FSDP1 takes accelerate's device as device_id and compares it with torch.device("cpu")
+            # (_init_utils.py _get_compute_device): the CPU device without an index, as a GPU rank's has its own
+            # (AcceleratorState keeps a copy of PartialState's attributes: both are set)
+            if getattr(self, "device", None) is not None and self.device.type == "cpu":
+                self.device = PartialState._shared_state["device"] = torch.device("cpu")
 
     __init__.zeroplan_cpu_fsdp = True
     AcceleratorState.__init__ = __init__
