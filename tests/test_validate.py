@@ -334,3 +334,22 @@ def test_the_gpu_grid_rows_are_valid_and_fit_their_gpus():
             model, training = row_specs(row, "nccl")
             assert training.device.value == "cuda"
             assert estimate(model, training).peak_bytes < 40 * 10**9
+
+
+def test_the_committed_rows_set_the_estimate_s_stream_beside_the_real_one():
+    # issue 22: every measured row's estimate is replayed through the allocator model; a row whose measurement kept
+    # the real stream (measure/allocator_replay.py) is set beside it with the same PYTORCH_CUDA_ALLOC_CONF
+    committed = json.loads((v.checkout_docs() / "accuracy.json").read_text())
+    records = {row["id"]: row["record"] for row in committed["rows"] if "record" in row}
+    kept = [row for row in GRID if any("allocator_replay" in rank for rank in
+                                       records.get(row.id, {}).get("measurement", {}).get("ranks", ()))]
+    plain = [row for row in GRID if row.id in records and row not in kept]
+    assert kept and plain
+    report = v.build_report([kept[0], plain[0]], records, {}, backend="gloo", steps=3, command="c")
+    with_stream, without = report.rows
+    real = max(rank["allocator_replay"]["reserved_peak_bytes"] for rank in records[kept[0].id]["measurement"]["ranks"])
+    assert with_stream.replay.replayed_reserved_bytes == real
+    assert with_stream.replay.estimated_reserved_bytes % (2 << 20) == 0  # whole segments (2 MiB and up)
+    assert with_stream.replay.error == with_stream.replay.estimated_reserved_bytes / real - 1
+    assert without.replay.replayed_reserved_bytes is None and without.replay.error is None
+    assert report.distributions()["reserved_replay"]["rows"] == 1

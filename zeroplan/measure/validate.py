@@ -35,6 +35,7 @@ from zeroplan.errors import MeasureError, SpecError, ZeroplanError
 from zeroplan.measure.comparison import CATEGORIES, TARGETS, Comparison, Targets, compare, device_peaks, summary_peaks
 from zeroplan.measure.grid import Row, missing_files, row_implementation, row_specs, run_backend
 from zeroplan.measure.published import PublishedCheck, check_published
+from zeroplan.measure.replay_check import ReplayPair, replay_pair
 
 DEFAULT_STEPS = 3  # step 1 creates the optimizer states; steps 2-3 are the steady state
 DEFAULT_TIMEOUT_S = 900.0
@@ -263,6 +264,7 @@ class RowReport:
     comparison: Comparison | None
     reason: str
     stale: bool = False  # measured with different specs than the row's current ones
+    replay: ReplayPair | None = None  # the estimate's stream and the real one through the allocator model
 
     @property
     def status(self) -> str:
@@ -306,10 +308,16 @@ class Report:
         times = sorted(r.get("measured_at", "") for r in records)
         return times[0], times[-1], sorted({r.get("source") or "unknown" for r in records})
 
+    @property
+    def replayed(self) -> list[RowReport]:
+        """The measured rows whose real stream was kept, so that both replays are compared."""
+        return [r for r in self.compared if r.replay is not None and r.replay.error is not None]
+
     def distributions(self) -> dict[str, dict[str, Any]]:
         return {
             "steady_peak": distribution({r.row.id: r.comparison.steady.peak.error for r in self.compared}),
             "first_step_peak": distribution({r.row.id: r.comparison.first.peak.error for r in self.compared}),
+            "reserved_replay": distribution({r.row.id: r.replay.error for r in self.replayed}),
         }
 
 
@@ -323,15 +331,18 @@ def build_report(rows: Sequence[Row], records: dict[str, dict[str, Any]], reason
     out = []
     for row in rows:
         record = records.get(row.id)
-        comparison = None
+        comparison = replayed = None
         if record is not None and "measurement" in record:
             model, training = row_specs(row, backend)
             training = with_measured_imbalance(training, record["measurement"].get("notes", ()))  # EP rows
             # the worst rank kind's estimate against the rank that peaks highest (a plain row has one kind)
-            phases = [phase_to_dict(phase) for phase in estimate_mesh(model, training).worst.estimate.phases]
+            estimated = estimate_mesh(model, training)
+            phases = [phase_to_dict(phase) for phase in estimated.worst.estimate.phases]
             comparison = compare(phases, summary_peaks(record["measurement"]), engine=row.engine)
+            replayed = replay_pair(estimated, record["measurement"])
         stale = record is not None and record.get("fingerprint") != fingerprint(row, backend, steps)
-        out.append(RowReport(row, record, comparison, reason_for(row.id, reasons), stale))
+        out.append(RowReport(row, record, comparison, reason_for(row.id, reasons), stale,
+                             replayed if comparison is not None else None))
     return Report(out, backend, command, steps, wall_seconds, published=check_published())
 
 

@@ -159,6 +159,7 @@ def render_markdown(report: Report) -> str:
                                  percent(errors["reserved_peak_bytes"])])
         headers = ["row", "est. tensor MiB", "max_memory_allocated MiB", "error", "max_memory_reserved MiB", "error"]
         lines += [table(gpu_rows, headers, markdown=True, left=len(headers)), ""]
+    lines += replay_markdown(report)
     lines += published_markdown(report)
     misses = [r for r in report.rows if r.status in ("miss", "failed")]
     lines += ["## Rows that miss the targets", ""]
@@ -174,6 +175,31 @@ def render_markdown(report: Report) -> str:
         lines += [f"Stale (measured with other specs than the row's current ones; re-run them): {', '.join(stale)}.", ""]
     lines += [GRID_TEXT, GPU_TEXT]
     return "\n".join(lines)
+
+
+def replay_markdown(report: Report) -> list[str]:
+    """The reserved model checked without a GPU: each row's estimated stream and its real stream through the
+    caching-allocator model (measure/replay_check.py), side by side."""
+    compared = [r for r in report.compared if r.replay is not None]
+    if not compared:
+        return []
+    lines = ["## The reserved model on the estimate's stream and on the real one", "",
+             ("Each row's estimate read as allocations and frees in program order (its ledger), and the real run's "
+              "allocations and frees as the accounting saw them, each replayed through the caching-allocator model "
+              "(estimate/device/allocator.py) with the run's `PYTORCH_CUDA_ALLOC_CONF`: what `max_memory_reserved` "
+              "would be on a GPU for each stream. The error is the estimate's stream against the real one; the "
+              "peak's error above is the tensors', this one adds the allocator's rounding, segments and "
+              "fragmentation."), ""]
+    shown = [[r.row.id, _mib(r.replay.estimated_reserved_bytes), _mib(r.replay.replayed_reserved_bytes),
+              percent(r.replay.error)] for r in compared if r.replay.error is not None]
+    missing = [r.row.id for r in compared if r.replay.error is None]
+    headers = ["row", "estimate's stream, reserved MiB", "real stream, reserved MiB", "error"]
+    if shown:
+        lines += [table(shown, headers, markdown=True, left=len(headers)), ""]
+    if missing:
+        lines += [f"{len(missing)} of {len(compared)} rows were measured before measure kept the stream (their "
+                  "estimate's replay is in docs/accuracy.json): `zeroplan validate --rows PATTERN` re-measures them.", ""]
+    return lines
 
 
 def _measured_span(report: Report) -> str:
@@ -276,6 +302,12 @@ def report_json(report: Report) -> dict[str, Any]:
                 "misses": miss_texts(r.comparison),
                 "device": device,
             }
+            if r.replay is not None:  # the reserved model on both streams (measure/replay_check.py)
+                entry["comparison"]["allocator_replay"] = {
+                    "estimated_reserved_bytes": r.replay.estimated_reserved_bytes,
+                    "replayed_reserved_bytes": r.replay.replayed_reserved_bytes,
+                    "estimated_allocated_bytes": r.replay.estimated_allocated_bytes,
+                    "replayed_allocated_bytes": r.replay.replayed_allocated_bytes, "reserved_error": r.replay.error}
         if r.stale:
             entry["stale"] = True
         if r.record is not None:
