@@ -54,7 +54,7 @@ def test_torchtune_result_names_its_single_device_program():
 def test_an_explicit_knob_shows_in_the_name():
     name = reproduction_name(_titan(loss="standard", grad_accum=2, grad_sync="last", checkpointing="full",
                                     checkpoint_every=2), MODEL)
-    assert "full checkpointing of every 2th block, standard loss, reduce the last micro-batch" in name
+    assert "full checkpointing of one block in 2, standard loss, reduce the last micro-batch" in name
 
 
 def test_the_chunked_loss_of_each_recipe_is_its_own_flow():

@@ -35,7 +35,7 @@ def _why(config: RankedConfig, term: str) -> str:
         tokens = config.micro_batch * training.seq_len // mesh.cp
         return f"micro-batch {config.micro_batch} x {training.seq_len} tokens ({tokens} per GPU), {config.step.mfu:.0%} MFU"
     if term == "recompute":
-        policy = f"full checkpointing of every {choice.checkpoint_every}th block" if choice.checkpoint_every else \
+        policy = f"full checkpointing of one block in {choice.checkpoint_every}" if choice.checkpoint_every else \
             f"{choice.checkpointing.value} checkpointing"
         return f"{policy} recomputes in backward"
     if term == "data parallel":

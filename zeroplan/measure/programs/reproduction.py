@@ -21,7 +21,7 @@ def _checkpointing(training: TrainingSpec) -> str | None:
     if training.checkpointing == Checkpointing.NONE:
         return None
     if training.checkpoint_every:
-        return f"full checkpointing of every {training.checkpoint_every}th block"
+        return f"full checkpointing of one block in {training.checkpoint_every}"
     return f"{training.checkpointing.value} checkpointing"
 
 
