@@ -130,6 +130,31 @@ def test_a_rotary_model_past_its_context_gets_a_note():
                for note in notes), notes
 
 
+def test_measure_says_so_before_its_ranks_start(monkeypatch):
+    # was: `measure tiny-llama --seq-len 100000` ran on without a word until its timeout; the note comes first now
+    pytest.importorskip("torch")
+    import zeroplan.measure.launcher as launcher
+    from zeroplan.api.keywords import options_from_keywords, parameters
+    from zeroplan.api.measurements import measure_from_options
+    from zeroplan.cli.measure_options import MEASURE_OPTIONS
+
+    heard = []
+
+    def started(*args, **kwargs):
+        raise RuntimeError("the ranks would start here")
+
+    class Progress:
+        announce = heard.append
+
+    monkeypatch.setattr(launcher, "run_ranks", started)
+    monkeypatch.setattr(launcher, "check_host_memory", lambda *args: None)  # the estimate's host bytes are large
+    options = options_from_keywords("measure", parameters(MEASURE_OPTIONS),
+                                    {"model": "tiny-llama", "nproc": 1, "engine": "torch", "seq_len": 100_000})
+    with pytest.raises(RuntimeError, match="would start"):
+        measure_from_options(options, Progress())
+    assert any(line.startswith("note: seq_len 100,000 is past tiny-llama's max_position_embeddings 256") for line in heard), heard
+
+
 def test_learned_positions_cannot_run_past_their_rows():
     one_error(run("estimate", "gpt2", "--seq-len", "100000"),
               r"seq_len 100,000: gpt2 has 1,024 learned positions \(max_position_embeddings\)")

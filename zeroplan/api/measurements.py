@@ -18,9 +18,11 @@ from zeroplan.errors import MissingDependencyError, SpecError
 def measure_from_options(options: dict[str, Any], progress=None) -> MeasureReport | None:
     """Run the measurement the options describe and return the report; --output is written atomically
     (nothing when the run fails). A rank that ran out of memory is a result (`fits` False). `progress`
-    (the launcher's `Progress`, with `announce`) is told of builds and phases as they happen. Across
-    nodes (--nnodes), node 0 returns every rank's report and the other nodes None."""
-    from zeroplan.importers.options import load_config, model_from_options, training_spec_from_options
+    (the launcher's `Progress`, with `announce`) is told of builds and phases as they happen, and of the
+    estimate's notes once the run is found runnable, before its ranks start (a sequence past the model's
+    context, what a config file holds that is not modelled); the report repeats them. Across nodes
+    (--nnodes), node 0 returns every rank's report and the other nodes None."""
+    from zeroplan.importers.options import input_notes, load_config, model_from_options, training_spec_from_options
     from zeroplan.measure.launcher import DEFAULT_RECIPE, choose_backend, measured_device, run_measurement
     from zeroplan.spec.files import writable_file
 
@@ -61,6 +63,9 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
     if snapshot is not None and training.compile:
         raise SpecError("--snapshot: a compiled run is counted from the allocator's records, which keep no stream of "
                         "its allocations to draw; leave out --compile")
+    # what the estimate takes as given, said before the ranks start (issue 21: a rotary model far past its context
+    # ran on, slowly, without a word until the timeout)
+    before = input_notes(model, training, config, options["model"])
     engine_config = None
     if training.engine.value == "deepspeed":
         _require("deepspeed", "engine deepspeed needs DeepSpeed; install it with: pip install 'zeroplan[deepspeed]'")
@@ -84,7 +89,8 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
            **({"announce": progress.announce} if progress is not None else {})}
     if nodes is None:
         with _snapshot_parts(snapshot) as parts:
-            result = run_measurement(model, training, simulate=simulate, snapshot=parts and parts.pattern, **run)
+            result = run_measurement(model, training, simulate=simulate, snapshot=parts and parts.pattern, notes=before,
+                                     **run)
             notes = parts.write(snapshot, result) if parts else []
     else:
         from zeroplan.measure.nodes import run_nodes
@@ -101,6 +107,7 @@ def measure_from_options(options: dict[str, Any], progress=None) -> MeasureRepor
     data = report_data(estimated, measured, comparison)
     if nodes is None and notes:
         data["notes"] = data.get("notes", []) + notes
+    data["notes"] = list(dict.fromkeys([*before, *data.get("notes", [])]))
     if nodes is not None:
         data["nodes"] = {"nnodes": nodes.nnodes, "nproc_per_node": nproc, "rdzv_endpoint": str(nodes.endpoint)}
     if options["output"] is not None:

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
@@ -151,6 +152,7 @@ def run_measurement(
     progress: Progress | None = None,
     check_memory: bool = True,
     snapshot: str | None = None,
+    notes: Sequence[str] = (),
 ) -> MeasureResult:
     """Run `steps` training steps of `model` under `training` on `nproc` local ranks and return
     what every rank measured. `backend` None picks nccl where GPUs are visible, else gloo;
@@ -161,12 +163,15 @@ def run_measurement(
     seconds and of each rank's phases (the ranks write them to a file the launcher polls). `check_memory`:
     refuse a run whose estimated host bytes exceed what this machine has available (measure/host_memory.py).
     `snapshot`: a path with "{rank}" where each rank writes its stream for PyTorch's memory viewer (run_snapshot.py).
+    `notes` (the estimate's, of what it takes as given) are announced once the run is found runnable, before it starts.
 
     Raises MeasureError when a rank fails (naming it and its exception) or the run times out."""
     backend = check_runnable(model, training, nproc=nproc, backend=backend, simulate=simulate, steps=steps,
                              timeout_s=timeout_s)
     if check_memory:
         check_host_memory(model, training, nproc, backend)
+    for note in notes:
+        announce(f"note: {note}")
     outcomes = run_ranks(model, training, nproc=nproc, backend=backend, steps=steps, timeout_s=timeout_s,
                          implementation=implementation, engine_config=engine_config, announce=announce,
                          fork_workers=fork_workers, progress=progress, snapshot=snapshot)
