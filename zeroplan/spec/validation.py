@@ -62,4 +62,5 @@ def shown(value: Any, limit: int = 60) -> str:
         return text
     if isinstance(value, int) and not isinstance(value, bool):
         return f"a number of {len(str(abs(value))):,} digits"
-    return f"{text[: limit - 10]}... ({len(text):,} characters)"
+    size = len(value) if isinstance(value, str) else len(text)  # a string's own length, not its repr's quotes
+    return f"{text[: limit - 10]}... ({size:,} characters)"
