@@ -9,7 +9,8 @@ discarded. Two ways of running zeroplan are timed:
   `VENV/bin/zeroplan estimate llama-2-7b --gpus 8 --zero 3` over
   `VENV/bin/python -c "import click, tabulate; from pydantic import BaseModel"` (issue 20, item 6),
   and `VENV/bin/zeroplan --help` and `VENV/bin/zeroplan plan llama-2-7b --gpu h100-80gb --gpus 8`
-  over the same floors, for scale;
+  over the same floors, for scale, and the floor with one pydantic model defined (what pydantic
+  itself adds to any program that defines one);
 - `python -m zeroplan` from this checkout (the interpreter running this script, the checkout on
   PYTHONPATH, bytecode cached in a temporary PYTHONPYCACHEPREFIX written by the warm-up rounds):
   the estimate over the same floor and `zeroplan --help` over `python -c "import click"` (issue 9).
@@ -50,6 +51,9 @@ REPO = Path(__file__).resolve().parent.parent
 ESTIMATE_ARGS = ["estimate", "llama-2-7b", "--gpus", "8", "--zero", "3"]
 PLAN_ARGS = ["plan", "llama-2-7b", "--gpu", "h100-80gb", "--gpus", "8"]
 LIBRARIES = "import click, tabulate; from pydantic import BaseModel"
+# the floor and one pydantic model with one constrained field: what pydantic itself adds once a model is defined
+# (pydantic.fields and what it imports: pydantic.types, annotated_types, secrets, hashlib), for scale
+ONE_MODEL = f"{LIBRARIES}\nfrom pydantic import Field\nclass Spec(BaseModel):\n    size: int = Field(1, ge=1)"
 CHECKOUT_TARGET = 1.5  # issue 9, item 6
 INSTALLED_TARGET = 1.3  # issue 20, item 6
 PYCACHE = os.path.join(tempfile.gettempdir(), "zeroplan-bench-pycache")  # keeps the checkout clean
@@ -152,6 +156,8 @@ def installed_ratios(bin_dir: Path, cwd: Path) -> list[Ratio]:
         Ratio("VENV/bin/zeroplan --help", [zeroplan, "--help"], "VENV/bin/python -c 'import click'",
               [python, "-c", "import click"], env, cwd, None),
         Ratio(f"VENV/bin/zeroplan {' '.join(PLAN_ARGS)}", [zeroplan, *PLAN_ARGS], *floor, env, cwd, None),
+        Ratio("VENV/bin/python -c '...; class Spec(BaseModel): size: int = Field(1, ge=1)'", [python, "-c", ONE_MODEL],
+              *floor, env, cwd, None),
     ]
 
 
@@ -275,7 +281,8 @@ def main() -> None:
             "",
             "A fresh virtual environment in a temporary directory, `pip install` of a copy of this working tree (not",
             "editable; pip compiles the bytecode), then `VENV/bin/zeroplan` against `VENV/bin/python` importing the",
-            f"libraries. Target: the estimate at most {INSTALLED_TARGET}x its floor; `--help` and `plan` are for scale.",
+            f"libraries. Target: the estimate at most {INSTALLED_TARGET}x its floor; `--help`, `plan` and the floor with one",
+            "pydantic model defined (`Field` imports pydantic.types, annotated_types, secrets and hashlib) are for scale.",
             "",
             *table(installed),
             "",
