@@ -28,19 +28,20 @@ def rates_from_options(options: dict, preset, model, training) -> tuple[Any, tup
 def priced(data: dict, model, training, preset, gpu_memory: int | None, options: dict) -> list[str]:
     """Add `step` (with --gpu) and, when the peak does not fit the GPU's memory, `suggestions` to an estimate's JSON
     `data`; the lines to print under its table."""
-    from zeroplan.plan.serialize import step_to_dict, suggestions_to_dict
-    from zeroplan.report.plan import step_line, suggestion_lines
-
     lines: list[str] = []
     if preset is not None:
+        from zeroplan.plan.serialize import step_to_dict
         from zeroplan.plan.step_time import step_time
+        from zeroplan.report.plan import step_line
 
         rates, notes = rates_from_options(options, preset, model, training)
         data["step"] = step_to_dict(step_time(model, training, rates), rates)
         lines.append(step_line(data["step"]))
         lines.extend(f"note: {note}" for note in notes)
     if gpu_memory is not None and not data["fits"]:
+        from zeroplan.plan.serialize import suggestions_to_dict
         from zeroplan.plan.suggest import suggest_changes
+        from zeroplan.report.plan import suggestion_lines
 
         data["suggestions"] = suggestions_to_dict(suggest_changes(model, training, gpu_memory))
         lines.extend(suggestion_lines(data["suggestions"], options["units"]))

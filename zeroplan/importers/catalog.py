@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import tomllib
 from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +29,14 @@ _MODEL_KINDS = {"transformer": TransformerSpec, "params": ParamCountSpec}  # the
 
 
 def _catalogue_dir() -> Path:
-    """The installed `zeroplan/model_specs/`, else the checkout's top-level `model_specs/`."""
-    installed = Path(str(resources.files("zeroplan"))) / "model_specs"
+    """The installed `zeroplan/model_specs/`, else the checkout's top-level `model_specs/`. The catalogue is read
+    as files, so the package is a folder: this module's (importlib.resources finds the same one, and imports its
+    readers to do so)."""
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "model_specs"
     if installed.is_dir():
         return installed
-    return Path(__file__).resolve().parents[2] / "model_specs"
+    return package.parent / "model_specs"
 
 
 def _catalogue_files() -> dict[str, Path]:

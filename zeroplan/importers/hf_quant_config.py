@@ -17,7 +17,6 @@ Each says so in one note of the estimate (`checkpoint_quant_note`, through impor
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -95,6 +94,8 @@ def _packed_int(section: Mapping[str, Any], method: str, where: str, dtype: str)
 
 @lru_cache(maxsize=32)  # keyed by the file's stat too: a rewritten file is read again
 def _read(path: str, stamp: tuple[int, int]) -> dict[str, Any] | None:
+    import json  # here, not at start-up: only a model read from a config.json has one to read
+
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):

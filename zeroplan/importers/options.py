@@ -77,10 +77,12 @@ def gpu_memory_bytes(text: str, field: str = "--gpu-memory") -> GpuMemory:
 def gpu_spec(gpu: str | None, gpu_memory: int | None):
     """The GPU the run names (zeroplan/spec/gpu.py GpuSpec): a --gpu preset, or the preset --gpu-memory was given
     as; None when neither names one (a size alone, or nothing)."""
-    from zeroplan.importers.gpus import get_gpu
-
     name = gpu or getattr(gpu_memory, "gpu", None)
-    return None if name is None else get_gpu(name).spec()
+    if name is None:
+        return None
+    from zeroplan.importers.gpus import get_gpu  # the presets are read only when a GPU is named
+
+    return get_gpu(name).spec()
 
 
 HOST_MEMORY_PER_GPU_MEMORY = 2

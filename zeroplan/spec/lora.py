@@ -12,7 +12,6 @@ stores the frozen base, as validated data.
 
 from __future__ import annotations
 
-import json
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -180,6 +179,8 @@ _SUPPORTED_PEFT_MAJOR = 0  # peft 0.x writes the file this reader knows
 
 def lora_spec_from_adapter_config(path: str | Path) -> LoraSpec:
     """The `LoraSpec` of a PEFT `adapter_config.json`; a SpecError names the file and field."""
+    import json  # here, not at start-up: only --lora's adapter_config.json needs it
+
     where = str(path)
     try:
         data = json.loads(Path(path).read_text())

@@ -128,17 +128,18 @@ def tokenize(text: str) -> list[str]:
     return tokens
 
 
-_UNSIGNED = re.compile(r"([+-]?)([0-9]+)")
-_DOUBLE = re.compile(r"""[+-]?(?:
+# patterns, compiled (and cached by `re`) at their first use: only a PYTORCH_CUDA_ALLOC_CONF value is parsed
+_UNSIGNED = r"([+-]?)([0-9]+)"
+_DOUBLE = r"""[+-]?(?:
       (?P<hex>0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?[0-9]+)?)
     | (?P<dec>(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)
     | (?P<inf>[iI][nN][fF](?:[iI][nN][iI][tT][yY])?)
-    | (?P<nan>[nN][aA][nN](?:\([0-9A-Za-z_]*\))?))""", re.X)
+    | (?P<nan>[nN][aA][nN](?:\([0-9A-Za-z_]*\))?))"""
 
 
 def stoull(token: str) -> int:
     """std::stoull: the leading decimal number of `token` ("100x" -> 100, "-5" -> 2**64 - 5)."""
-    match = _UNSIGNED.match(token)
+    match = re.match(_UNSIGNED, token)
     if match is None:
         raise _Refused(f"{token!r} is not a whole number", "stoull")
     value = int(match.group(2))
@@ -150,7 +151,7 @@ def stoull(token: str) -> int:
 def stod(token: str) -> float:
     """std::stod: the leading number of `token` (decimal, hexadecimal, inf or nan); out of range
     (overflow, or a nonzero value below the smallest normal double) is refused as glibc does."""
-    match = _DOUBLE.match(token)
+    match = re.match(_DOUBLE, token, re.X)
     if match is None:
         raise _Refused(f"{token!r} is not a number", "stod")
     text = match.group(0)

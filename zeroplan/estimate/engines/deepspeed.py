@@ -575,8 +575,7 @@ class _StepMoments(NamedTuple):
     optimizer_step: PhaseBytes
 
 
-@dataclass(frozen=True)
-class _Fixed12:
+class _Fixed12(NamedTuple):
     """Stages 1-2 apart from the activations: cached per model and `Setup` (not the micro-batch,
     sequence length or checkpointing)."""
 
@@ -816,8 +815,7 @@ def _stage3_sizes(facts: ModelFacts, n: int, threshold: int) -> tuple[int, int, 
     return p3_all, p3, persistent, gatherable
 
 
-@dataclass(frozen=True)
-class _Walk3:
+class _Walk3(NamedTuple):
     """What stage 3 holds along a step apart from activations (elements, or bytes where named):
     the same for every micro-batch, so cached per (model, N, b, knobs). Plain ints: the terms are
     named when a moment is chosen (`_backward_extra`), so that the walks compare ints."""
@@ -904,8 +902,7 @@ def _backward_extra(run: _Run, acts: ActivationBytes | None, start: Point, gathe
             "grads": named("gradients (.grad)", trigger), "activations": hook}
 
 
-@dataclass(frozen=True)
-class _Fixed3:
+class _Fixed3(NamedTuple):
     """Stage 3 apart from the activations: cached per model and `Setup`."""
 
     init: PhaseBytes
