@@ -21,7 +21,7 @@ Each run of tests/data/published_gpu_memory.toml names the counter it published;
 The out-of-memory and fits facts are compared with the estimate's `fits` (the replay against the GPU's
 capacity and the device figure within its memory). Beside each row: what the checkout given by
 --against (a worktree of 65b353f) estimated: its `per_gpu.peak`, the only figure it gave, and its `fits`.
-Options that checkout lacks are translated (`OLDER_OPTIONS`) and the table says so. Nothing is fitted to
+Options that checkout lacks are translated (`OLDER_FLAGS`, `OLDER_OPTIONS`, `OLDER_VALUES`) and the table says so. Nothing is fitted to
 these rows: a row that is off says why in the data (`off_because`).
 
     python bench/published_gpu_memory.py --against /work/wt/base65     # writes bench/results/published_gpu_memory.md
@@ -55,13 +55,13 @@ COMPARED = {"reserved": "reserved", "device": "device", "allocated": "allocated"
 WITHIN = 0.10  # the issue's "within 10%"
 GIB = 2**30
 
-# What an older checkout cannot parse, and what stands for it there (each one as a user of that version would
-# have written the run): option -> (replacement, why). A None replacement drops the option and its value.
-OLDER_OPTIONS: dict[tuple[str, str | None], tuple[tuple[str, ...], str]] = {
-    ("--paged-optimizer", None): ((), "no paged optimizer: its states counted on the GPU"),
-    ("--base-precision", "torchao-nf4"): (("--base-precision", "nf4"), "torchao's NF4 as bitsandbytes' nf4"),
-    ("--gpu-memory", "rtx3090-24gb"): (("--gpu-memory", "24GiB"), "no RTX 3090 preset: its 24 GiB"),
-}
+# What an older checkout cannot parse, and what stands for it there (each as a user of that version would have written
+# the run): flags and options it lacks are dropped, values it lacks replaced; each with why.
+OLDER_FLAGS = {"--paged-optimizer": "no paged optimizer: its states counted on the GPU",
+               "--async-tp": "no async TP", "--float8-all-gather": "no float8", "--float8-precompute-scale": "no float8"}
+OLDER_OPTIONS = {"--compile": "no torch.compile: eager", "--float8": "no float8", "--float8-saved": "no float8"}
+OLDER_VALUES = {("--base-precision", "torchao-nf4"): ("nf4", "torchao's NF4 as bitsandbytes' nf4"),
+                ("--gpu-memory", "rtx3090-24gb"): ("24GiB", "no RTX 3090 preset: its 24 GiB")}
 
 
 def model_path(text: str) -> str:
@@ -100,20 +100,21 @@ def estimate_here(run_id: str) -> tuple[dict | None, str]:
 
 
 def older_args(args: list[str]) -> tuple[list[str], list[str]]:
-    """`args` in an older checkout's options (OLDER_OPTIONS), and what was translated."""
+    """`args` in an older checkout's options (OLDER_FLAGS, OLDER_OPTIONS, OLDER_VALUES), and what was translated."""
     out, notes, index = [], [], 0
     while index < len(args):
         option = args[index]
         value = args[index + 1] if index + 1 < len(args) else None
-        if (option, None) in OLDER_OPTIONS:
-            replacement, why = OLDER_OPTIONS[option, None]
-            out += replacement
-            notes.append(f"`{option}` dropped ({why})")
+        if option in OLDER_FLAGS:
+            notes.append(f"`{option}` dropped ({OLDER_FLAGS[option]})")
             index += 1
-        elif (option, value) in OLDER_OPTIONS:
-            replacement, why = OLDER_OPTIONS[option, value]
-            out += replacement
-            notes.append(f"`{option} {value}` as `{' '.join(replacement)}` ({why})")
+        elif option in OLDER_OPTIONS:
+            notes.append(f"`{option} {value}` dropped ({OLDER_OPTIONS[option]})")
+            index += 2
+        elif (option, value) in OLDER_VALUES:
+            replacement, why = OLDER_VALUES[option, value]
+            out += [option, replacement]
+            notes.append(f"`{option} {value}` as `{option} {replacement}` ({why})")
             index += 2
         else:
             out.append(option)
