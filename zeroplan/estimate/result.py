@@ -113,11 +113,13 @@ class ModelSummary(NamedTuple):
 
 class PieceSizes(NamedTuple):
     """The size of one tensor of each kind of term (estimate/terms.py PIECES) on a rank: its largest parameter
-    tensor in fp32 (the widest form a parameter-sized tensor takes: master, states, fp32 gradients), and one
-    micro-batch's residual stream in the compute dtype (the tensor most saved activations are)."""
+    tensor in fp32 (the widest form a parameter-sized tensor takes: master, states, fp32 gradients), one
+    micro-batch's residual stream in the compute dtype (the tensor most saved activations are), and its logits in
+    fp32 (what the loss's tensors are)."""
 
     tensors: int
     activations: int
+    logits: int = 0  # one micro-batch's fp32 logits on the rank (a loss chunk's, under a chunked loss); 0: none
 
 
 @dataclass(frozen=True)
