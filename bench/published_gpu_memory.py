@@ -4,7 +4,10 @@ Each run of tests/data/published_gpu_memory.toml names the counter it published;
 (docs/engines/allocator.md), and each published figure is compared with its own:
 
 - reserved (`torch.cuda.max_memory_reserved()`, torchtitan's logs) -> per_gpu.reserved;
-- device (nvidia-smi, a GPU-memory chart, memory in use at an out-of-memory error) -> per_gpu.device;
+- device (nvidia-smi, a GPU-memory chart) -> per_gpu.device;
+- device at out of memory (torch's OutOfMemoryError: total capacity less free memory, when an allocation
+  failed) -> device_memory.device_at_oom: the replay against the GPU's capacity, stopped at its first failed
+  allocation, its reserved bytes then and the memory outside the allocator;
 - allocated (`max_memory_allocated()`) -> per_gpu.allocated;
 - active (`active_bytes.all.peak`, torchtune's optimization-flags table) -> per_gpu.allocated: a block is
   active while allocated and, once freed, until the events of the other streams that used it complete
@@ -51,8 +54,9 @@ RUNS: list[dict] = tomllib.loads((DATA / "published_gpu_memory.toml").read_text(
 UNITS = {"GiB": 2**30, "GB": 10**9, "G": 2**30}  # "G": a poster's rounding, read as GiB (the row says so)
 FACTS = ("out of memory", "fits")
 COMPARED = {"reserved": "reserved", "device": "device", "allocated": "allocated", "active": "allocated",
-            "unstated": "reserved"}  # published counter -> the estimate's figure (module docstring)
+            "unstated": "reserved", "device at out of memory": "device_at_oom"}  # module docstring
 WITHIN = 0.10  # the issue's "within 10%"
+TARGETS = ("reserved", "device", "device at out of memory")  # the issue's "published reserved and nvidia-smi figures"
 GIB = 2**30
 
 # What an older checkout cannot parse, and what stands for it there (each as a user of that version would have written
@@ -141,6 +145,13 @@ def estimate_there(checkout: Path, run: dict) -> tuple[dict | None, str, list[st
     return json.loads(done.stdout), "", notes
 
 
+def figure_bytes(data: dict | None, name: str) -> int | None:
+    """A figure of an estimate's JSON: per_gpu's, else device_memory's (None where it has none)."""
+    if data is None:
+        return None
+    return data["per_gpu"][name] if name in data["per_gpu"] else data.get("device_memory", {}).get(name)
+
+
 @dataclass(frozen=True)
 class Row:
     """One published run beside the estimate now and the older checkout's."""
@@ -162,11 +173,15 @@ class Row:
         return COMPARED.get(self.run["figure"])
 
     @property
+    def estimate_bytes(self) -> int | None:
+        """The estimate's figure that matches the published one (None for a fact, or where there is none)."""
+        return None if self.fact else figure_bytes(self.now, self.compared)
+
+    @property
     def error(self) -> float | None:
         """estimate / published - 1 for the matching figure; None for a fact or a row not estimated."""
-        if self.fact or self.now is None:
-            return None
-        return self.now["per_gpu"][self.compared] / published_bytes(self.run) - 1
+        found = self.estimate_bytes
+        return None if found is None else found / published_bytes(self.run) - 1
 
     @property
     def then_error(self) -> float | None:
@@ -222,13 +237,10 @@ def distribution(errors: Iterable[float | None]) -> Distribution:
 def groups(found: list[Row]) -> list[tuple[str, list[Row]]]:
     """The figure rows by published counter, the issue's target group, and by source."""
     figures = [r for r in found if not r.fact]
-    out = [(f"{kind} (vs {COMPARED[kind]})", [r for r in figures if r.run["figure"] == kind])
-           for kind in ("reserved", "device", "unstated", "active", "allocated")]
+    out = [(f"{kind} (vs {COMPARED[kind]})", [r for r in figures if r.run["figure"] == kind]) for kind in COMPARED]
     out = [(label, members) for label, members in out if members]
-    out.append(("reserved and device (the issue's targets)",
-                [r for r in figures if r.run["figure"] in ("reserved", "device")]))
-    out.append(("reserved, device and unstated (vs reserved)",
-                [r for r in figures if r.run["figure"] in ("reserved", "device", "unstated")]))
+    out.append(("reserved and device (the issue's targets)", [r for r in figures if r.run["figure"] in TARGETS]))
+    out.append(("reserved, device and unstated", [r for r in figures if r.run["figure"] in (*TARGETS, "unstated")]))
     out.append(("every figure row", figures))
     for source in sorted({source_of(r.run) for r in figures}):
         out.append((f"source {source}", [r for r in figures if source_of(r.run) == source]))
@@ -304,7 +316,7 @@ def markdown(found: list[Row], against: Path | None, invocation: str) -> list[st
             continue
         off = r.error is None or abs(r.error) > WITHIN
         lines.append(f"| {r.run['id']} | {r.run['figure']} | {published_bytes(r.run) / GIB:.2f} | {r.compared} | "
-                     f"{gib(_per_gpu(r.now, r.compared))} | {percent(r.error)} | {gib(_per_gpu(r.now, 'allocated'))} | "
+                     f"{gib(r.estimate_bytes)} | {percent(r.error)} | {gib(_per_gpu(r.now, 'allocated'))} | "
                      f"{gib(_per_gpu(r.now, 'reserved'))} | {gib(_per_gpu(r.now, 'device'))} | "
                      f"{gib(_per_gpu(r.then, 'peak'))} | {percent(r.then_error)} | {cell(_why(r, off))} |")
     translated = [r for r in found if r.then_notes]

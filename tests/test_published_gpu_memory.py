@@ -24,7 +24,7 @@ from zeroplan.cli import cli
 
 DATA = Path(__file__).resolve().parent / "data"
 RUNS = tomllib.loads((DATA / "published_gpu_memory.toml").read_text(encoding="utf-8"))["run"]
-FIGURES = {"reserved", "active", "allocated", "device", "unstated", "out of memory", "fits"}
+FIGURES = {"reserved", "active", "allocated", "device", "device at out of memory", "unstated", "out of memory", "fits"}
 UNITS = {"GiB": 2**30, "GB": 10**9, "G": 2**30}  # "G": a poster's rounding, read as GiB (the row says so)
 
 

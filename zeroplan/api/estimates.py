@@ -29,28 +29,32 @@ def estimate_from_options(options: dict[str, Any]) -> EstimateResult:
     # one estimate per rank kind (tp, cp, pp, ep, HSDP: issue 14); plain data parallelism has one
     result = estimate_mesh(model, training)
     data = estimate_to_dict(result, training, gpu_memory_bytes=gpu_memory, notes=notes,
-                            figures=gpu_figures_of(result, training))
+                            figures=gpu_figures_of(result, training, gpu_memory))
     lines = priced(data, model, training, preset, gpu_memory, options)  # `step` (with --gpu), `suggestions` (issue 24)
     return EstimateResult(data, lines)
 
 
-def gpu_figures_of(result, training):
+def gpu_figures_of(result, training, gpu_memory_bytes=None):
     """Each rank kind's allocated, reserved and device bytes on the run's GPU (estimate/device/estimate.py), with
     the allocator settings of this process's environment, or the recipe's (torchtitan turns expandable segments
-    on: torchtitan/train.py sets PYTORCH_CUDA_ALLOC_CONF); None for a CPU run, whose one memory has no allocator."""
+    on: torchtitan/train.py sets PYTORCH_CUDA_ALLOC_CONF); None for a CPU run, whose one memory has no allocator.
+    A GPU known by its memory alone (`--gpu-memory 80GiB`) is that much memory for the allocator's replay."""
     if training.device.value != "cuda" or any(rank.estimate.ledger is None for rank in result.ranks):
         return None
     import os
 
     from zeroplan.estimate.device.alloc_conf import RECIPE_ALLOC_CONF, parse_alloc_conf, settings_from_environment
-    from zeroplan.estimate.device.estimate import device_figures
+    from zeroplan.estimate.device.estimate import UnnamedGpu, device_figures
 
     settings = settings_from_environment(os.environ)
     if not any(variable in os.environ for variable in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
         recipe_default = RECIPE_ALLOC_CONF.get(training.recipe.value)
         if recipe_default is not None:
             settings = parse_alloc_conf(recipe_default)
-    return device_figures(result, training, training.gpu, settings=settings)
+    gpu = training.gpu
+    if gpu is None and gpu_memory_bytes is not None:
+        gpu = UnnamedGpu(memory_bytes=gpu_memory_bytes)
+    return device_figures(result, training, gpu, settings=settings)
 
 
 def compare_from_options(options: dict[str, Any]) -> CompareResult:
