@@ -16,16 +16,14 @@ Each run of tests/data/published_gpu_memory.toml names the counter it published;
   stream records no such use, so its active equals its allocated;
 - unstated (torchtune's "Peak Memory per GPU" table, the one kind here) -> per_gpu.reserved: the same
   table in torchtune's README of 2024 said "These resource requirements are based on GPU peak memory
-  reserved during training", and the table gives one configuration two figures on two GPUs (Llama 3.1 8B
-  LoRA: 16.2 GiB on a 4090, 30.3 GiB on an A6000), which no allocated or active count can do (they depend
-  on the program only) and reserved does (the allocator frees its cache and retries only when cudaMalloc
-  fails, so a smaller GPU holds less cache).
+  reserved during training"; the recipes log active, allocated and reserved alike (training/memory.py
+  `get_memory_stats`), so the table's counter is one of them, and its own earlier note names reserved.
 
 The out-of-memory and fits facts are compared with the estimate's `fits` (the replay against the GPU's
 capacity and the device figure within its memory). Beside each row: what the checkout given by
 --against (a worktree of 65b353f) estimated: its `per_gpu.peak`, the only figure it gave, and its `fits`.
-Options that checkout lacks are translated (`OLDER_FLAGS`, `OLDER_OPTIONS`, `OLDER_VALUES`) and the table says so. Nothing is fitted to
-these rows: a row that is off says why in the data (`off_because`).
+Options that checkout lacks are translated (`OLDER_FLAGS`, `OLDER_OPTIONS`, `OLDER_VALUES`) and the table
+says so. Nothing is fitted to these rows: a row that is off says why in the data (`off_because`).
 
     python bench/published_gpu_memory.py --against /work/wt/base65     # writes bench/results/published_gpu_memory.md
     python bench/published_gpu_memory.py --no-write                    # this checkout only, printed
