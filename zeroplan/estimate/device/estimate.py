@@ -152,7 +152,7 @@ def device_figures(result: MeshEstimate, training, gpu: GpuFacts | None = None, 
         unlimited = _Unlimited(gpu)
         needs = gpu_figures(short, unlimited, process_groups=groups, settings=settings, environ=environ,
                             program_outside=program)
-        figures |= {kind: replace(found, ran_out=True,
+        figures |= {kind: replace(found, ran_out=True, capacity_bytes=figures[kind].capacity_bytes,
                                   device_at_oom_bytes=figures[kind].reserved_at_oom_bytes + figures[kind].outside_bytes)
                     for kind, found in needs.items()}
     return figures
