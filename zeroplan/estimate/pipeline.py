@@ -232,6 +232,19 @@ def _with_offloaded_activations(per_node: NodeBytes, host_bytes: int, training: 
     return per_node, notes
 
 
+MAX_PARAM_PIECES = 1024  # a replay's cost grows with its events: a mixture of experts' thousands of tensors merge
+
+
+@memo(maxsize=256)  # one per rank's facts (by identity)
+def param_pieces(facts: ModelFacts) -> tuple[int, ...]:
+    """Every parameter tensor's element count in model.parameters() order, neighbours merged into at most
+    MAX_PARAM_PIECES runs: how per-parameter states, gradients and copies are allocated (one tensor each: torch/optim
+    `_init_group`, autograd's .grad, FSDP2's per-parameter shards)."""
+    numels = [t.numel for g in facts.groups for _ in range(g.count) for t in g.tensors]
+    run = -(-len(numels) // MAX_PARAM_PIECES)
+    return tuple(sum(numels[i:i + run]) for i in range(0, len(numels), run))
+
+
 def loss_piece_bytes(model: TransformerSpec, training: TrainingSpec, tokens: int) -> int:
     """One fp32 logits tensor of the rank's loss: its tokens (a chunk's under torchtune's chunked loss: modules/
     transformer.py `chunked_output`) over the vocabulary, sharded over tp under loss parallelism
@@ -258,7 +271,7 @@ def estimate_of(model: ModelSpec, training: TrainingSpec, profile: Profile) -> E
         tokens = training.micro_batch * (training.seq_len // training.mesh.cp)
         residual = tokens * model.hidden_size * state_bytes(training.precision, training.optimizer).activation
         logits = loss_piece_bytes(model, training, tokens)
-    pieces = PieceSizes(profile.facts.largest_tensor_numel * FP32_BYTES, residual, logits)
+    pieces = PieceSizes(profile.facts.largest_tensor_numel * FP32_BYTES, residual, logits, param_pieces(profile.facts))
     return Estimate(summary, training.engine.value, folded.phases, folded.per_node, profile.notes, parts, folded.ledger,
                     pieces)
 

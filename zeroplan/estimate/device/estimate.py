@@ -47,13 +47,28 @@ class UnnamedGpu(NamedTuple):
 
 
 def _pieces(size: int, name: str, sizes: PieceSizes | None) -> list[int]:
-    """`size` bytes of term `name` as the tensors the program allocates them in."""
+    """`size` bytes of term `name` as the tensors the program allocates them in: a parameter-sized term in the
+    proportions of the rank's parameter tensors, another in tensors of its kind's size."""
     kind = pieces_of(name)
+    if kind == "tensors" and sizes is not None and sizes.param_numels:
+        return _proportional(size, sizes.param_numels)
     piece = 0 if sizes is None or kind == "whole" else getattr(sizes, kind)
     if piece <= 0 or size <= piece:
         return [size]
     whole, rest = divmod(size, piece)
     return [piece] * whole + ([rest] if rest else [])
+
+
+def _proportional(size: int, numels: tuple[int, ...]) -> list[int]:
+    """`size` bytes cut in the proportions of `numels` (each piece at least one byte; they add up to `size`)."""
+    total, pieces, done, running = sum(numels), [], 0, 0
+    for numel in numels:
+        running += numel
+        upto = size * running // total
+        if upto > done:
+            pieces.append(upto - done)
+            done = upto
+    return pieces
 
 
 def ledger_events(ledger: Iterable[Moment], sizes: PieceSizes | None = None) -> list[Event]:
