@@ -61,7 +61,7 @@ def compare_from_options(options: dict[str, Any]) -> CompareResult:
     """The grid of ZeRO stages x GPU counts x offload targets; on a mesh every row is its worst rank."""
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.importers.options import load_config, model_from_options
-    from zeroplan.plan.grid import OFFLOAD_CHOICES, compare
+    from zeroplan.plan.grid import OFFLOAD_CHOICES, OnDevice, compare
     from zeroplan.plan.search import parse_gpu_counts
     from zeroplan.spec.files import writable_file
 
@@ -81,4 +81,14 @@ def compare_from_options(options: dict[str, Any]) -> CompareResult:
     estimator = None
     if not base.mesh.is_trivial:  # every row is the worst rank of the mesh (issue 14)
         from zeroplan.estimate import worst_rank_estimate as estimator
-    return CompareResult(compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"], estimator))
+    from zeroplan.estimate import estimate_mesh
+
+    def on_device(training):  # each row's fits as `zeroplan estimate`'s (one replay per row)
+        figures = gpu_figures_of(estimate_mesh(model, training), training, gpu_memory)
+        if figures is None:
+            return None
+        return OnDevice(max(found.device_bytes for found in figures.values()),
+                        not all(found.fits for found in figures.values()))
+
+    return CompareResult(compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"], estimator,
+                                 on_device))
