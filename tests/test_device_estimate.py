@@ -103,3 +103,27 @@ def test_what_the_device_held_when_the_replay_ran_out():
     roomy = json.loads(runner.invoke(cli, ["estimate", "llama-2-7b", "--gpus", "8", "--zero", "2", "--gpu-memory",
                                            "h100-80gb", "--format", "json"]).output)
     assert roomy["fits"] is True and roomy["device_memory"]["device_at_oom"] is None
+
+
+def test_compare_decides_as_estimate_does():
+    # issue 22: compare's fit column follows the device figure, as estimate's fits: one decision, two commands
+    runner = CliRunner()
+    grid = json.loads(runner.invoke(cli, ["compare", "llama-2-7b", "--zero", "1,2,3", "--gpus", "8", "--offload",
+                                          "none,cpu", "--gpu", "a100-40gb", "--format", "json"]).output)
+    assert grid["fits_on"] == "device"
+    for row in grid["rows"]:
+        options = ["estimate", "llama-2-7b", "--zero", str(row["zero_stage"]), "--gpus", "8", "--gpu", "a100-40gb",
+                   "--offload-optimizer", row["offload_optimizer"], "--offload-params", row["offload_params"],
+                   "--format", "json"]
+        single = json.loads(runner.invoke(cli, options).output)
+        assert (row["fits"], row["device"]) == (single["fits"], single["per_gpu"]["device"]), row["config"]
+
+
+def test_plan_says_it_decides_on_the_peak():
+    # plan keeps the peak (a replay per fit check would halve its speed: bench/results/published_gpu_memory.md)
+    result = CliRunner().invoke(cli, ["plan", "llama-2-7b", "--gpu", "h100-80gb", "--gpus", "8", "--format", "json"])
+    data = json.loads(result.output)
+    assert data["fits_on"] == "peak"
+    assert all(config["per_gpu"]["peak"] <= data["budget"] for config in data["top"])
+    text = CliRunner().invoke(cli, ["plan", "llama-2-7b", "--gpu", "h100-80gb", "--gpus", "8"]).output
+    assert "fits = peak <= budget" in text.splitlines()[0]
