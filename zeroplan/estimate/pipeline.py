@@ -232,7 +232,7 @@ def _with_offloaded_activations(per_node: NodeBytes, host_bytes: int, training: 
     return per_node, notes
 
 
-MAX_PARAM_PIECES = 1024  # a replay's cost grows with its events: a mixture of experts' thousands of tensors merge
+MAX_PARAM_PIECES = 256  # the replay's cost grows with its events (a few us each): a 70B model's 723 tensors merge in threes
 
 
 @memo(maxsize=256)  # one per rank's facts (by identity)

@@ -121,7 +121,7 @@ class PieceSizes(NamedTuple):
     activations: int
     logits: int = 0  # one micro-batch's fp32 logits on the rank (a loss chunk's, under a chunked loss); 0: none
     # the rank's parameter tensors' element counts in model.parameters() order (runs of neighbours merged to at most
-    # MAX_PARAM_PIECES): a parameter-sized term is split in their proportions; empty: into `tensors`-sized pieces
+    # MAX_PARAM_PIECES, estimate/pipeline.py): a parameter-sized term is split in their proportions; empty: into `tensors`-sized pieces
     param_numels: tuple[int, ...] = ()
 
 
