@@ -93,12 +93,12 @@ def _errors(kinds) -> list[float]:
 def test_reserved_and_device_figures_as_the_table_has_them():
     # The targets are on the published reserved and nvidia-smi figures (device, and device at an
     # out-of-memory error): at least 80% within 10%, median |error| at most 7%. The table at this commit: 24 rows,
-    # median 7.7%, 14 within 10% (65b353f's peak: 12.8%, 4 within); the misses say why in the data. These bounds
+    # median 7.7%, 15 within 10% (65b353f's peak: 12.8%, 4 within); the misses say why in the data. These bounds
     # are that table's, so that a change that loses ground shows here; they are not the targets.
     errors = _errors(table.TARGETS)
     assert len(errors) == 24
     assert statistics.median(abs(e) for e in errors) <= 0.08, errors
-    assert sum(abs(e) <= table.WITHIN for e in errors) >= 14, errors
+    assert sum(abs(e) <= table.WITHIN for e in errors) >= 15, errors
 
 
 def test_active_figures_no_worse_than_before_the_device_figures():
