@@ -1,89 +1,111 @@
-"""Published GPU memory figures of training runs (tests/data/published_gpu_memory.toml).
+"""Published GPU memory figures of training runs (tests/data/published_gpu_memory.toml) against the estimate.
 
-Each run's configuration must be expressible as `zeroplan estimate` options; each says which figure
-it published (reserved, active, allocated, device, unstated, or only whether it ran out of memory)
-with the source's words. The peak-active rows are held against today's tensor peak (the estimate
-less its overhead: what the allocator hands out, without the context). The reserved and device
-rows, and the out-of-memory/fits facts, are compared once the estimate gives its reserved and device
-figures (docs/engines/allocator.md); until then `test_figures_and_facts_are_there` only checks
-that they are complete.
+Each run's configuration must be expressible as `zeroplan estimate` options; each says which counter it
+published (reserved, active, allocated, device, device at out of memory, unstated, or only whether it ran out of
+memory) with the source's words. bench/published_gpu_memory.py compares each with the estimate's matching figure
+(its docstring says which and why) and commits the table, bench/results/published_gpu_memory.md; these tests read
+the same comparison:
+
+- every out-of-memory/fits fact is asserted where the estimate agrees, and is a strict xfail with the row's
+  `off_because` where it does not (so a fix shows up as an unexpected pass);
+- no single figure row has a tolerance a source would justify (the published figures are one run each, rounded
+  to 0.1 GiB, and the estimate models no run-to-run spread), so they are held as distributions, with bounds taken
+  from the committed table, and every row off by more than 10% must say why (and no row within it keeps a reason).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-import tomllib
-from functools import lru_cache
+import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from zeroplan.cli import cli
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
 
-DATA = Path(__file__).resolve().parent / "data"
-RUNS = tomllib.loads((DATA / "published_gpu_memory.toml").read_text(encoding="utf-8"))["run"]
-FIGURES = {"reserved", "active", "allocated", "device", "unstated", "out of memory", "fits"}
-UNITS = {"GiB": 2**30, "GB": 10**9, "G": 2**30}  # "G": a poster's rounding, read as GiB (the row says so)
+import published_gpu_memory as table  # noqa: E402  bench/published_gpu_memory.py: the one comparison
 
-
-def _path(text: str) -> str:
-    return str(DATA / text) if text.startswith("published_models/") else text
+RUNS = table.RUNS
+FIGURES = {*table.COMPARED, *table.FACTS}
+FACT_RUNS = [run for run in RUNS if run["figure"] in table.FACTS]
+FIGURE_RUNS = [run for run in RUNS if run["figure"] not in table.FACTS]
 
 
-@lru_cache(maxsize=None)
-def invoked(run_id: str):
-    run = next(r for r in RUNS if r["id"] == run_id)
-    return CliRunner().invoke(cli, ["estimate", _path(run["model"]), *map(_path, run["args"]), "--format", "json"])
-
-
-def estimated(run_id: str) -> dict:
-    result = invoked(run_id)
-    assert result.exit_code == 0, f"{run_id}: {result.output}"
-    return json.loads(result.output)
-
-
-def published_bytes(run: dict) -> int:
-    return int(run["value"] * UNITS[run["unit"]])
+def row(run: dict) -> table.Row:
+    data, refusal = table.estimate_here(run["id"])
+    return table.Row(run, data, refusal)
 
 
 def test_figures_and_facts_are_there():
     assert len([r for r in RUNS if "not_expressible" not in r]) >= 40
     assert len({r["id"] for r in RUNS}) == len(RUNS)
-    kinds = [r["figure"] for r in RUNS]
-    assert set(kinds) <= FIGURES
-    assert sum(k in ("out of memory", "fits") for k in kinds) >= 11  # the issue's 11 facts
+    assert {r["figure"] for r in RUNS} <= FIGURES
+    assert len(FACT_RUNS) >= 11  # the issue's 11 facts
     for run in RUNS:
         assert run["source"].startswith("https://") and run["quote"].strip(), run["id"]
-        assert ("value" in run) == (run["figure"] not in ("out of memory", "fits")), run["id"]
+        assert ("value" in run) == (run["figure"] not in table.FACTS), run["id"]
         if "value" in run:
-            assert run["unit"] in UNITS and run["value"] > 0, run["id"]
+            assert run["unit"] in table.UNITS and run["value"] > 0, run["id"]
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r["id"] for r in RUNS])
 def test_every_configuration_is_expressible(run):
-    # `zeroplan estimate MODEL ARGS --format json` accepts it and gives a peak; a run zeroplan cannot
-    # express yet says so in the data, and is refused with that message (it fails here once it can)
+    # `zeroplan estimate MODEL ARGS --format json` accepts it and gives its three figures on a named GPU memory; a
+    # run zeroplan cannot express yet says so in the data, and is refused with that message (it fails here once it can)
+    data, refusal = table.estimate_here(run["id"])
     if "not_expressible" in run:
-        result = invoked(run["id"])
-        assert result.exit_code == 2 and run["not_expressible"] in result.output, result.output
+        assert data is None and run["not_expressible"] in refusal, refusal
         return
-    data = estimated(run["id"])
-    assert data["per_gpu"]["peak"] > 0
-    assert data.get("fits") is not None  # every row names its GPU's memory
+    assert data is not None, refusal
+    assert data["fits"] is not None  # every row names its GPU's memory
+    per_gpu = data["per_gpu"]
+    assert 0 < per_gpu["allocated"] <= per_gpu["reserved"] < per_gpu["device"]
 
 
-def test_peak_active_against_todays_tensor_peak():
-    # torchtune's optimization-flags table publishes peak *active* bytes (allocated blocks, and those a
-    # stream still uses): the tensor peak's counterpart. The flags are cumulative: from "+ Compile" on,
-    # every row runs torch.compile, which zeroplan does not model (its estimates are high there); the
-    # unpacked baseline is left out (its sequence lengths are not stated). The issue's target is
-    # "allocated figures no worse than today": today's median |error| over these 9 rows is 13.5%.
-    rows = [r for r in RUNS if r["figure"] == "active" and "baseline" not in r["id"]]
-    errors = {}
-    for run in rows:
-        per_gpu = estimated(run["id"])["per_gpu"]
-        errors[run["id"]] = (per_gpu["peak"] - per_gpu["overhead"]) / published_bytes(run) - 1
+def _fact_param(run: dict):
+    if "off_because" in run:
+        return pytest.param(run, id=run["id"], marks=pytest.mark.xfail(reason=run["off_because"], strict=True))
+    return pytest.param(run, id=run["id"])
+
+
+@pytest.mark.parametrize("run", [_fact_param(run) for run in FACT_RUNS])
+def test_out_of_memory_and_fits_facts(run):
+    # the estimate's `fits` (the allocator replay against the GPU's capacity, device bytes within its memory) says
+    # what the run did; where it does not, the row says why and the test is a strict xfail
+    found = row(run)
+    assert found.now is not None, found.now_refusal
+    assert found.agrees, f"{run['id']}: published {run['figure']}, estimated fits={found.now['fits']}"
+
+
+@pytest.mark.parametrize("run", FIGURE_RUNS, ids=[r["id"] for r in FIGURE_RUNS])
+def test_a_figure_off_by_more_than_ten_percent_says_why(run):
+    # bench/results/published_gpu_memory.md prints the reason beside the row; a row that comes within 10% drops it
+    error = row(run).error
+    off = error is None or abs(error) > table.WITHIN
+    assert off == ("off_because" in run), f"{run['id']}: error {table.percent(error)}"
+
+
+def _errors(kinds) -> list[float]:
+    return [row(run).error for run in FIGURE_RUNS if run["figure"] in kinds and row(run).error is not None]
+
+
+def test_reserved_and_device_figures_as_the_table_has_them():
+    # The issue's targets are on the published reserved and nvidia-smi figures (device, and device at an
+    # out-of-memory error): at least 80% within 10%, median |error| at most 7%. The table at this commit: 26 rows,
+    # median 8.3%, 15 within 10% (65b353f's peak on its 24: 12.8%, 4 within); the misses say why in the data. These
+    # bounds are that table's, so that a change that loses ground shows here; they are not the issue's targets.
+    errors = _errors(table.TARGETS)
+    assert len(errors) == 26
+    assert statistics.median(abs(e) for e in errors) <= 0.085, errors
+    assert sum(abs(e) <= table.WITHIN for e in errors) >= 15, errors
+
+
+def test_active_figures_no_worse_than_before_the_device_figures():
+    # "allocated figures no worse than today" (issue 22): torchtune's optimization-flags table publishes peak
+    # active bytes (allocated blocks and those waiting on another stream's event; the estimate's stream has no such
+    # wait, so its allocated stands for active). The unpacked baseline is left out (its sequence length is not
+    # stated). 65b353f's peak on the 9 rows: median |error| 14.7%; the table at this commit: 12.6%.
+    errors = [row(run).error for run in FIGURE_RUNS if run["figure"] == "active" and "baseline" not in run["id"]]
     assert len(errors) == 9
-    assert statistics.median(abs(e) for e in errors.values()) <= 0.14, errors
+    assert statistics.median(abs(e) for e in errors) <= 0.13, errors

@@ -39,13 +39,17 @@ def allocator_settings_of(training):
     return settings
 
 
-def gpu_figures_of(result, training, record_history: bool = False):
+def gpu_figures_of(result, training, gpu_memory_bytes: int | None = None, record_history: bool = False):
     """Each rank kind's allocated, reserved and device bytes on the run's GPU (estimate/device/estimate.py), with
     the allocator settings of this process's environment, or the recipe's (torchtitan turns expandable segments
-    on: torchtitan/train.py sets PYTORCH_CUDA_ALLOC_CONF); None for a CPU run, whose one memory has no allocator."""
+    on: torchtitan/train.py sets PYTORCH_CUDA_ALLOC_CONF); None for a CPU run, whose one memory has no allocator.
+    A GPU known by its memory alone (`--gpu-memory 80GiB`) is that much memory for the allocator's replay."""
     if training.device.value != "cuda" or any(rank.estimate.ledger is None for rank in result.ranks):
         return None
-    from zeroplan.estimate.device.estimate import device_figures
+    from zeroplan.estimate.device.estimate import UnnamedGpu, device_figures
 
-    return device_figures(result, training, training.gpu, settings=allocator_settings_of(training),
+    gpu = training.gpu
+    if gpu is None and gpu_memory_bytes is not None:
+        gpu = UnnamedGpu(memory_bytes=gpu_memory_bytes)
+    return device_figures(result, training, gpu, settings=allocator_settings_of(training),
                           record_history=record_history)

@@ -37,7 +37,7 @@ def estimate_from_options(options: dict[str, Any], snapshot: str | None = None) 
     # one estimate per rank kind (tp, cp, pp, ep, HSDP: issue 14); plain data parallelism has one
     result = estimate_mesh(model, training)
     data = estimate_to_dict(result, training, gpu_memory_bytes=gpu_memory, notes=notes,
-                            figures=gpu_figures_of(result, training))
+                            figures=gpu_figures_of(result, training, gpu_memory))
     lines = priced(data, model, training, preset, gpu_memory, options)  # `step` (with --gpu), `suggestions` (issue 24)
     estimated = EstimateResult(data, lines, result, training)
     if snapshot is not None:
@@ -49,7 +49,7 @@ def compare_from_options(options: dict[str, Any]) -> CompareResult:
     """The grid of ZeRO stages x GPU counts x offload targets; on a mesh every row is its worst rank."""
     from zeroplan.cli.grid_options import base_training, parse_choice_list, parse_int_list, resolve_gpu
     from zeroplan.importers.options import load_config, model_from_options
-    from zeroplan.plan.grid import OFFLOAD_CHOICES, compare
+    from zeroplan.plan.grid import OFFLOAD_CHOICES, OnDevice, compare
     from zeroplan.plan.search import parse_gpu_counts
     from zeroplan.spec.files import writable_file
 
@@ -69,4 +69,14 @@ def compare_from_options(options: dict[str, Any]) -> CompareResult:
     estimator = None
     if not base.mesh.is_trivial:  # every row is the worst rank of the mesh (issue 14)
         from zeroplan.estimate import worst_rank_estimate as estimator
-    return CompareResult(compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"], estimator))
+    from zeroplan.estimate import estimate_mesh
+
+    def on_device(training):  # each row's fits as `zeroplan estimate`'s (one replay per row)
+        figures = gpu_figures_of(estimate_mesh(model, training), training, gpu_memory)
+        if figures is None:
+            return None
+        return OnDevice(max(found.device_bytes for found in figures.values()),
+                        not all(found.fits for found in figures.values()))
+
+    return CompareResult(compare(model, base, stages, gpu_counts, offloads, gpu_memory, options["headroom"], estimator,
+                                 on_device))

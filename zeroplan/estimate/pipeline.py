@@ -232,6 +232,30 @@ def _with_offloaded_activations(per_node: NodeBytes, host_bytes: int, training: 
     return per_node, notes
 
 
+MAX_PARAM_PIECES = 256  # the replay's cost grows with its events (a few us each): a 70B model's 723 tensors merge in threes
+
+
+@memo(maxsize=256)  # one per rank's facts (by identity)
+def param_pieces(facts: ModelFacts) -> tuple[int, ...]:
+    """Every parameter tensor's element count in model.parameters() order, neighbours merged into at most
+    MAX_PARAM_PIECES runs: how per-parameter states, gradients and copies are allocated (one tensor each: torch/optim
+    `_init_group`, autograd's .grad, FSDP2's per-parameter shards)."""
+    numels = [t.numel for g in facts.groups for _ in range(g.count) for t in g.tensors]
+    run = -(-len(numels) // MAX_PARAM_PIECES)
+    return tuple(sum(numels[i:i + run]) for i in range(0, len(numels), run))
+
+
+def loss_piece_bytes(model: TransformerSpec, training: TrainingSpec, tokens: int) -> int:
+    """One fp32 logits tensor of the rank's loss: its tokens (a chunk's under torchtune's chunked loss: modules/
+    transformer.py `chunked_output`) over the vocabulary, sharded over tp under loss parallelism
+    (torch/distributed/tensor/parallel/loss.py). The device figures split the loss's terms into tensors of this size."""
+    if training.program.loss == Loss.CHUNKED:
+        tokens = training.micro_batch * -(-(training.seq_len // training.mesh.cp) // training.program.loss_chunks)
+    tp = training.mesh.tp
+    vocab = -(-model.vocab_size // tp) if tp > 1 and training.mesh.loss_parallel else model.vocab_size
+    return tokens * vocab * FP32_BYTES
+
+
 def estimate_of(model: ModelSpec, training: TrainingSpec, profile: Profile) -> Estimate:
     """The rank's `Estimate`: its phases folded from their terms (and its ledger, in naming mode)."""
     whole = model_facts(model, training)
@@ -242,11 +266,12 @@ def estimate_of(model: ModelSpec, training: TrainingSpec, profile: Profile) -> E
     parts = profile.param_parts
     if parts is not None:
         parts = ParamParts(int(parts.base_bytes), int(parts.adapter_bytes))
-    residual = 0
+    residual = logits = 0
     if isinstance(model, TransformerSpec):
-        residual = (training.micro_batch * (training.seq_len // training.mesh.cp) * model.hidden_size
-                    * state_bytes(training.precision, training.optimizer).activation)
-    pieces = PieceSizes(profile.facts.largest_tensor_numel * FP32_BYTES, residual)
+        tokens = training.micro_batch * (training.seq_len // training.mesh.cp)
+        residual = tokens * model.hidden_size * state_bytes(training.precision, training.optimizer).activation
+        logits = loss_piece_bytes(model, training, tokens)
+    pieces = PieceSizes(profile.facts.largest_tensor_numel * FP32_BYTES, residual, logits, param_pieces(profile.facts))
     return Estimate(summary, training.engine.value, folded.phases, folded.per_node, profile.notes, parts, folded.ledger,
                     pieces)
 

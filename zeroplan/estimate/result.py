@@ -113,11 +113,16 @@ class ModelSummary(NamedTuple):
 
 class PieceSizes(NamedTuple):
     """The size of one tensor of each kind of term (estimate/terms.py PIECES) on a rank: its largest parameter
-    tensor in fp32 (the widest form a parameter-sized tensor takes: master, states, fp32 gradients), and one
-    micro-batch's residual stream in the compute dtype (the tensor most saved activations are)."""
+    tensor in fp32 (the widest form a parameter-sized tensor takes: master, states, fp32 gradients), one
+    micro-batch's residual stream in the compute dtype (the tensor most saved activations are), and its logits in
+    fp32 (what the loss's tensors are); and its parameter tensors' sizes, which per-parameter terms follow."""
 
     tensors: int
     activations: int
+    logits: int = 0  # one micro-batch's fp32 logits on the rank (a loss chunk's, under a chunked loss); 0: none
+    # the rank's parameter tensors' element counts in model.parameters() order (runs of neighbours merged to at most
+    # MAX_PARAM_PIECES, estimate/pipeline.py): a parameter-sized term is split in their proportions; empty: into `tensors`-sized pieces
+    param_numels: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ def device_to_dict(figures: DeviceFigures) -> dict[str, Any]:
             "cublas_workspaces": sum(t.size_bytes for t in figures.allocator_terms),
             "segments": replay.segments, "num_alloc_retries": replay.num_alloc_retries, "num_ooms": replay.num_ooms,
             "inactive_split_peak": replay.peak_inactive_split_bytes,
-            "ran_out_of_memory": figures.ran_out}  # the figures are then what it would need
+            "ran_out_of_memory": figures.ran_out,  # the figures are then what it would need
+            "device_at_oom": figures.device_at_oom_bytes}  # what the device held when it ran out
 
 
 def rank_to_dict(rank: RankEstimate, gpu_memory_bytes: int | None, figures: DeviceFigures | None = None) -> dict[str, Any]:

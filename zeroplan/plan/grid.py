@@ -16,12 +16,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from zeroplan.errors import FieldError, SpecError
 from zeroplan.estimate.result import Estimate
 from zeroplan.spec.training import Engine, Offload, TrainingSpec, config_label
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme", "cpu-optimizer", "nvme-optimizer")
+
+
+class OnDevice(NamedTuple):
+    """A configuration on the GPU, as `zeroplan estimate` decides its fits (estimate/device/estimate.py): its worst
+    rank's device bytes (reserved and the memory outside the allocator) and whether a rank's allocator replay ran
+    out of the GPU's capacity."""
+
+    device_bytes: int
+    ran_out: bool
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,7 @@ class CompareRow:
     estimate: Estimate
     baseline_peak_bytes: int | None  # stage-0 peak on the same GPU count, if it could be estimated
     fits: bool | None  # None when no GPU memory was given
+    device_bytes: int | None = None  # its device figure (OnDevice), None where there is none (a CPU run)
 
     @property
     def saving_percent(self) -> float | None:
@@ -49,7 +60,8 @@ class Comparison:
     rows: tuple[CompareRow, ...]
     skipped: tuple[str, ...]  # grid points that were not estimated, with the reason (and baseline notes)
     gpu_memory_bytes: int | None
-    budget_bytes: int | None  # gpu memory less the headroom; a row fits when its peak <= this
+    budget_bytes: int | None  # gpu memory less the headroom; a row fits when its device bytes (else peak) <= this
+    fits_on: str = "peak"  # "device": the rows' fits follow their device figure, as `zeroplan estimate`'s
 
 
 def _offloads(stage: int, choice: str) -> tuple[Offload, Offload]:
@@ -84,8 +96,11 @@ def compare(
     gpu_memory_bytes: int | None = None,
     headroom: float = 0.0,
     estimator: Callable[..., Estimate] | None = None,
+    on_device: Callable[[TrainingSpec], OnDevice | None] | None = None,
 ) -> Comparison:
-    """Estimate every (stage, GPU count, offload) of the grid over the `base` training spec."""
+    """Estimate every (stage, GPU count, offload) of the grid over the `base` training spec. With `on_device`, a row
+    fits as `zeroplan estimate`'s fits: its allocator replay stays within the GPU and its device bytes within the
+    budget (one replay per row); without it, or where it gives None (a CPU run), its peak within the budget."""
     if estimator is None:
         from zeroplan.estimate import estimate as estimator
     for choice in offloads:
@@ -124,6 +139,13 @@ def compare(
                     estimate = baseline_estimate
                 else:
                     estimate = estimator(model, training)
+                device = None if on_device is None else on_device(training)
+                if budget is None:
+                    fits = None
+                elif device is None:
+                    fits = estimate.peak_bytes <= budget
+                else:
+                    fits = not device.ran_out and device.device_bytes <= budget
                 rows.append(
                     CompareRow(
                         label=_label(training),
@@ -131,9 +153,11 @@ def compare(
                         training=training,
                         estimate=estimate,
                         baseline_peak_bytes=None if baseline_estimate is None else baseline_estimate.peak_bytes,
-                        fits=None if budget is None else estimate.peak_bytes <= budget,
+                        fits=fits,
+                        device_bytes=None if device is None else device.device_bytes,
                     )
                 )
     if not rows:  # an empty table with exit 0 would read as an answer
         raise SpecError(f"nothing to compare: every combination was skipped ({'; '.join(skipped)})")
-    return Comparison(getattr(model, "name", "model"), tuple(rows), tuple(skipped), gpu_memory_bytes, budget)
+    fits_on = "device" if rows and all(row.device_bytes is not None for row in rows) else "peak"
+    return Comparison(getattr(model, "name", "model"), tuple(rows), tuple(skipped), gpu_memory_bytes, budget, fits_on)

@@ -66,6 +66,10 @@ def plan_to_dict(plan: Plan) -> dict:
         "gpu_memory": plan.limits.gpu_memory_bytes,
         "headroom": plan.limits.headroom,
         "budget": plan.limits.budget_bytes,
+        # what a configuration's fit is decided on: its peak (the tensors and the memory outside the allocator)
+        # within the budget, not its device figure (`zeroplan estimate`'s fits): a replay per fit check would cost
+        # the search more than half its speed (bench/results/published_gpu_memory.md, plan and compare)
+        "fits_on": "peak",
         "cpu_memory_per_node": plan.limits.cpu_memory_bytes,
         "nvme_per_node": plan.limits.nvme_bytes,
         "evaluated": plan.evaluated,

@@ -205,7 +205,8 @@ def _device_lines(data: dict[str, Any], units: str) -> list[str]:
              f"{device['segments']} at the end; {device['num_alloc_retries']} retries after freeing its cache)",
              f"device    {amount(per_gpu['device'], units)} (nvidia-smi: reserved and, outside the allocator, {outside})"]
     if device["ran_out_of_memory"]:
-        lines.append("the allocator runs out of this GPU's memory: the figures are what the run would need")
+        lines.append(f"the allocator runs out of this GPU's memory with {amount(device['device_at_oom'], units)} in use "
+                     "(reserved and outside): the figures are what the run would need")
     return lines
 
 

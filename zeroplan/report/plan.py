@@ -82,7 +82,8 @@ def render_plan(data: dict[str, Any], fmt: str = "table", units: str = "GiB") ->
     if fmt not in FORMATS:
         raise SpecError(f"--format: unknown format {fmt!r}; use {', '.join(FORMATS)}")
     head = (f"{data['model']}: {amount(data['gpu_memory'], units)} {units} per GPU, budget "
-            f"{amount(data['budget'], units)} {units} after {data['headroom']:.0%} headroom; searched "
+            f"{amount(data['budget'], units)} {units} after {data['headroom']:.0%} headroom (fits = peak <= budget: the "
+            "tensors and the memory outside the allocator, not the device figure; zeroplan estimate gives that); searched "
             f"{data['evaluated']:,} configurations ({data['estimate_calls']:,} memory-model evaluations), "
             f"{data['fitting']:,} fit")
     if data["cost_bounded"]:

@@ -30,11 +30,13 @@ from zeroplan.spec.training import Attention, Checkpointing, TrainingSpec
 FP32_BYTES = 4
 
 _PARTITIONER = "torch/_functorch/partitioners.py min_cut_rematerialization_partition (docs/engines/programs.md, torch.compile)"
-register({
-    "activations saved by compiled blocks": _PARTITIONER,
+register({  # tensors of the logits' shape
     "compiled loss: logits and log-sum-exp kept for backward": "torch.compile of the cross-entropy, " + _PARTITIONER,
     "compiled loss: the logits' gradient": "torch.compile of the cross-entropy (one fused backward kernel; "
                                            "docs/engines/programs.md, torch.compile)",
+}, pieces="logits")
+register({
+    "activations saved by compiled blocks": _PARTITIONER,
     "head weight's 16-bit gradient (autocast)": "torch/csrc/autograd: the head mm's grad_weight before ToCopyBackward "
                                                 "of autocast's weight cast (docs/engines/programs.md, torch.compile)",
 })

@@ -87,16 +87,18 @@ register({
     "saved activations freed by a block's backward": f"{_DOC} (a block's backward frees its MLP product)",
     "token ids, labels and shared tables": f"{_DOC} (outside the blocks)",
     "final norm saved activations": f"{_DOC} (the final norm)",
-    "logits": f"{_DOC} (logits and loss; transformers loss_utils.py ForCausalLMLoss)",
-    "loss saved activations (fp32)": f"{_DOC} (logits and loss: log_softmax's output)",
-    "loss fp32 upcast": f"{_DOC} (logits and loss: the fp32 upcast)",
-    "loss gradients (fp32)": f"{_DOC} (logits and loss: nll_loss and log_softmax backward)",
-    "logits gradient cast": f"{_DOC} (logits and loss: the gradient cast for lm_head)",
     "output head backward gradients": f"{_DOC} (lm_head's backward)",
     "attention core backward saved": f"{_DOC} (eager attention's backward)",
     "attention core backward gradients": f"{_DOC} (eager attention's backward)",
     "activations offloaded to the host": f"{_DOC} (activation offloading; torchtune training/_activation_offloading.py)",
 }, pieces="activations")
+register({  # tensors of the logits' shape (one loss chunk's under a chunked loss)
+    "logits": f"{_DOC} (logits and loss; transformers loss_utils.py ForCausalLMLoss)",
+    "loss saved activations (fp32)": f"{_DOC} (logits and loss: log_softmax's output)",
+    "loss fp32 upcast": f"{_DOC} (logits and loss: the fp32 upcast)",
+    "loss gradients (fp32)": f"{_DOC} (logits and loss: nll_loss and log_softmax backward)",
+    "logits gradient cast": f"{_DOC} (logits and loss: the gradient cast for lm_head)",
+}, pieces="logits")
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ frees of its program, replayed through the caching allocator, with the memory ou
 The ledger holds the terms live at each phase's largest moment, in program order (estimate/ledger.py).
 Between two moments a term that grows allocates the difference, one that shrinks frees its most recent
 pieces (backward frees what forward saved last), one that disappears frees all of it: `ledger_events`.
-The process groups are the mesh's: one NCCL communicator per dimension of more than one rank
-(`process_groups`), the world's on plain data parallelism.
+A term that the engine allocates on a side stream is allocated there (`TERM_STREAMS`): each stream has its own
+free blocks, so what it frees stays cached for it. The process groups are the mesh's: one NCCL communicator per
+dimension of more than one rank (`process_groups`), the world's on plain data parallelism.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from zeroplan.estimate.device.alloc_conf import DEFAULT_SETTINGS, AllocatorSettings
-from zeroplan.estimate.device.events import Alloc, Event, Free
+from zeroplan.estimate.device.events import DEFAULT_STREAM, Alloc, Event, Free
 from zeroplan.estimate.device.figures import DeviceFigures, GpuFacts, gpu_figures, rank_outside_terms
 from zeroplan.estimate.device.outside import OutsideTerm, ProcessGroup
 from zeroplan.estimate.ledger import Moment
@@ -23,6 +24,15 @@ from zeroplan.estimate.result import MeshEstimate, PieceSizes
 from zeroplan.estimate.terms import named, pieces_of, register, source_of
 
 UNKNOWN_GPU_BYTES = 1 << 50  # no GPU named: nothing runs out of memory (the figures are the program's own)
+
+# FSDP2's side streams (torch 2.13 torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): `foreach_all_gather`
+# allocates the all-gather output under all_gather_copy_in_stream (_fsdp_param_group.py `get_all_gather_streams`:
+# forward and pre-backward, implicit prefetching), `foreach_reduce` the reduce-scatter output under
+# reduce_scatter_stream, and the sharded gradients are views of it (`torch.as_strided(reduce_output, ...)`, cast
+# there to the parameters' dtype when they differ), kept until the optimizer's zero_grad.
+FSDP2_ALL_GATHER_STREAM = 1
+FSDP2_REDUCE_SCATTER_STREAM = 2
+TERM_STREAMS = {"all-gather output": FSDP2_ALL_GATHER_STREAM, "sharded gradients": FSDP2_REDUCE_SCATTER_STREAM}
 
 
 class UnnamedGpu(NamedTuple):
@@ -37,20 +47,36 @@ class UnnamedGpu(NamedTuple):
 
 
 def _pieces(size: int, name: str, sizes: PieceSizes | None) -> list[int]:
-    """`size` bytes of term `name` as the tensors the program allocates them in."""
+    """`size` bytes of term `name` as the tensors the program allocates them in: a parameter-sized term in the
+    proportions of the rank's parameter tensors, another in tensors of its kind's size."""
     kind = pieces_of(name)
-    piece = 0 if sizes is None or kind == "whole" else (sizes.activations if kind == "activations" else sizes.tensors)
+    if kind == "tensors" and sizes is not None and sizes.param_numels:
+        return _proportional(size, sizes.param_numels)
+    piece = 0 if sizes is None or kind == "whole" else getattr(sizes, kind)
     if piece <= 0 or size <= piece:
         return [size]
     whole, rest = divmod(size, piece)
     return [piece] * whole + ([rest] if rest else [])
 
 
+def _proportional(size: int, numels: tuple[int, ...]) -> list[int]:
+    """`size` bytes cut in the proportions of `numels` (each piece at least one byte; they add up to `size`)."""
+    total, pieces, done, running = sum(numels), [], 0, 0
+    for numel in numels:
+        running += numel
+        upto = size * running // total
+        if upto > done:
+            pieces.append(upto - done)
+            done = upto
+    return pieces
+
+
 def ledger_events(ledger: Iterable[Moment], sizes: PieceSizes | None = None,
                   moments: list[int] | None = None) -> list[Event]:
     """The ledger as allocations and frees in program order (module docstring): a term grows by tensors of its
-    kind's size (`sizes`; None: by one block each time), each one block the allocator hands out, keyed by (term,
-    category, piece). `moments`, if given, receives the index of each moment's first event."""
+    kind's size (`sizes`; None: by one block each time), each one block the allocator hands out on the term's
+    stream (`TERM_STREAMS`), keyed by (term, category, piece). `moments`, if given, receives the index of each
+    moment's first event."""
     pieces: dict[tuple[str, str], list[tuple[int, int]]] = {}  # (name, category) -> [(piece number, bytes)], oldest first
     counter = 0
     events: list[Event] = []
@@ -69,16 +95,17 @@ def ledger_events(ledger: Iterable[Moment], sizes: PieceSizes | None = None,
                 if size > excess:  # the rest of the piece stays: it is a smaller block now
                     counter += 1
                     held.append((counter, size - excess))
-                    events.append(Alloc((*key, counter), size - excess))
+                    events.append(Alloc((*key, counter), size - excess, TERM_STREAMS.get(key[0], DEFAULT_STREAM)))
                 excess -= size
         for key, wanted in now.items():
             held = pieces.setdefault(key, [])
             missing = wanted - sum(size for _, size in held)
             if missing > 0:
+                stream = TERM_STREAMS.get(key[0], DEFAULT_STREAM)
                 for size in _pieces(missing, key[0], sizes):
                     counter += 1
                     held.append((counter, size))
-                    events.append(Alloc((*key, counter), size))
+                    events.append(Alloc((*key, counter), size, stream))
     return events
 
 
@@ -144,7 +171,9 @@ def device_figures(result: MeshEstimate, training, gpu: GpuFacts | None = None, 
         unlimited = _Unlimited(gpu)
         needs = gpu_figures(short, unlimited, process_groups=groups, settings=settings, environ=environ,
                             program_outside=program, record_history=record_history)
-        figures |= {kind: replace(found, ran_out=True) for kind, found in needs.items()}
+        figures |= {kind: replace(found, ran_out=True, capacity_bytes=figures[kind].capacity_bytes,
+                                  device_at_oom_bytes=figures[kind].reserved_at_oom_bytes + figures[kind].outside_bytes)
+                    for kind, found in needs.items()}
     return figures
 
 

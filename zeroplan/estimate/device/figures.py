@@ -61,11 +61,24 @@ class DeviceFigures:
     # the replay against the GPU's capacity ran out of memory: these figures are then the program's needs, from a
     # replay on a GPU without limit (estimate/device/estimate.py `device_figures`)
     ran_out: bool = False
+    # what the device held when that allocation failed: the replay's reserved bytes then, and the memory outside the
+    # allocator (torch's OutOfMemoryError: "this process has ... memory in use"); None when it did not run out
+    device_at_oom_bytes: int | None = None
+
+    @property
+    def outside_bytes(self) -> int:
+        return sum(term.size_bytes for term in self.outside)
 
     @property
     def fits(self) -> bool:
         """No allocation ran out of memory: reserved stayed within the capacity, so device within the GPU."""
         return self.replay.fits and not self.ran_out
+
+    @property
+    def reserved_at_oom_bytes(self) -> int | None:
+        """Reserved bytes when this replay's first allocation failed (None if none did)."""
+        index = self.replay.first_oom_event
+        return None if index is None else self.replay.reserved_after[index]
 
 
 def tensor_peak(events: Sequence[Event]) -> int:

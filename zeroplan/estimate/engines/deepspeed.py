@@ -173,8 +173,11 @@ _TERM_SOURCES = {
 
 def _one_buffer(name: str) -> bool:
     per_tensor = ("ds_tensor", "before flattening", "being flattened", "before partitioning", "being partitioned")
-    return any(word in name for word in ("flat", "partition", "bucket", "buffer")) and not any(
-        words in name for words in per_tensor)
+    # the basic optimizer steps the flat fp32 partitions (stage_1_and_2.py: param_group['params'] =
+    # [single_partition_of_fp32_groups[i]]; stage3.py: fp32_partitioned_groups_flat per sub-group), so its states are
+    # one flat tensor each (stage 0 in fp32, which steps the module's parameters, is the exception)
+    return name == "optimizer states (basic optimizer)" or any(
+        word in name for word in ("flat", "partition", "bucket", "buffer")) and not any(words in name for words in per_tensor)
 
 
 register({name: source for name, source in _TERM_SOURCES.items() if not _one_buffer(name)})

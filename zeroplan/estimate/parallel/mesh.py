@@ -50,13 +50,13 @@ register({
     "async TP symmetric-memory workspace": "torch/distributed/_symmetric_memory/__init__.py get_symm_mem_workspace, "
                                            "_pipelined_produce_and_all2all (docs/engines/programs.md, async TP)",
 }, pieces="whole")
-register({  # one tensor of the rank's logits shard each (the backward's three are taken as one block)
+register({  # tensors of the rank's logits shard: one, and the backward's three
     "loss parallel: log_softmax's shifted logits (fp32)": "torch/distributed/tensor/parallel/loss.py _log_softmax "
                                                           "(docs/engines/mesh.md, Loss parallelism)",
     "loss parallel: nll_loss and log_softmax backward (fp32)": "torch/distributed/tensor/parallel/loss.py "
                                                                "_nll_loss_and_log_softmax_backward (docs/engines/mesh.md, "
                                                                "Loss parallelism)",
-}, pieces="whole")
+}, pieces="logits")
 
 # Tensor-parallel plans (torchtitan v0.2.2 models/llama3/infra/parallelize.py `apply_tp`; 0.3.0
 # models/common/decoder_sharding.py): layer roles (model/layout.py), by how their weight is cut over tp.

@@ -1,0 +1,129 @@
+"""An estimate's ledger as the allocation stream its device figures replay (estimate/device/estimate.py): the side
+streams FSDP2 allocates on, the loss's logits-sized tensors, the GPU's memory as the replay's capacity, and what the
+device held when the replay ran out. The rules are checked against the installed torch's own source where they
+come from it."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from zeroplan.cli import cli
+from zeroplan.estimate import estimate_mesh
+from zeroplan.estimate.device.estimate import (FSDP2_ALL_GATHER_STREAM, FSDP2_REDUCE_SCATTER_STREAM, TERM_STREAMS,
+                                               ledger_events)
+from zeroplan.estimate.device.events import DEFAULT_STREAM, Alloc
+from zeroplan.importers.catalog import resolve_model
+from zeroplan.spec.training import TrainingSpec
+
+GIB = 2**30
+
+
+def _events(model: str, **training):
+    result = estimate_mesh(resolve_model(model), TrainingSpec(**training))
+    rank = result.worst
+    return rank.estimate, ledger_events(rank.estimate.ledger, rank.estimate.piece_sizes)
+
+
+def _source(function) -> str:
+    return "".join(line.strip() for line in inspect.getsource(function).splitlines())
+
+
+def test_fsdp2_allocates_its_collectives_outputs_on_its_side_streams():
+    # torch 2.13 _fsdp_collectives.py: the all-gather output under all_gather_copy_in_stream, the reduce-scatter
+    # output under reduce_scatter_stream, and the sharded gradients as strided views of that output
+    collectives = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_collectives")
+    gather = _source(collectives.foreach_all_gather)
+    assert gather.index("with device_handle.stream(all_gather_copy_in_stream):") < gather.index("all_gather_output = ")
+    reduce = _source(collectives.foreach_reduce)
+    opened = reduce.index("with device_handle.stream(reduce_scatter_stream):")
+    assert opened < reduce.index("reduce_output = reduce_scatter_comm.allocate(")
+    assert "new_sharded_grad = torch.as_strided(reduce_output," in reduce
+
+    _, events = _events("llama-3.1-8b", engine="fsdp2", zero_stage=3, gpus=8, precision="bf16", micro_batch=1,
+                        seq_len=2048)
+    streams = {}
+    for event in events:
+        if type(event) is Alloc:
+            streams.setdefault(event.key[0], set()).add(event.stream)
+    assert streams["all-gather output"] == {FSDP2_ALL_GATHER_STREAM}
+    assert streams["sharded gradients"] == {FSDP2_REDUCE_SCATTER_STREAM}
+    assert all(found == {DEFAULT_STREAM} for name, found in streams.items() if name not in TERM_STREAMS)
+
+
+def test_the_sharded_gradients_cache_stays_with_the_reduce_scatter_stream():
+    # zero_grad frees the sharded gradients back to the reduce-scatter stream's pool, which the next forward's
+    # activations (default stream) cannot use (CUDACachingAllocator.cpp: free blocks are per stream), so reserved
+    # sits at least the gradients' bytes above allocated once the steady forward has begun
+    result = CliRunner().invoke(cli, ["estimate", "llama-3.1-8b", "--engine", "fsdp2", "--zero", "3", "--gpus", "8",
+                                      "--precision", "bf16", "--micro-batch", "1", "--seq-len", "2048",
+                                      "--gpu-memory", "h100-80gb", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    optimizer_step = next(p for p in data["phases"] if (p["step"], p["phase"]) == ("steady", "optimizer_step"))
+    assert data["per_gpu"]["peak_step"] == "steady"
+    assert data["per_gpu"]["reserved"] - data["per_gpu"]["allocated"] >= optimizer_step["grads"]
+
+
+def test_loss_parallel_backward_is_three_logits_shards():
+    # torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`: grad_input (zeros_like the
+    # fp32 logits shard), exp(x) and their sum are alive together: three tensors of the shard's shape
+    loss = pytest.importorskip("torch.distributed.tensor.parallel.loss")
+    body = _source(loss._nll_loss_and_log_softmax_backward)
+    assert "grad_input = torch.zeros_like(x)" in body and "(grad_input + torch.exp(x)) * grad_output" in body
+
+    model = resolve_model("llama-3.1-8b")
+    estimate, events = _events("llama-3.1-8b", engine="fsdp2", zero_stage=3, gpus=8, precision="bf16", micro_batch=2,
+                               seq_len=4096, recipe="torchtitan", loss="standard", mesh={"tp": 8})
+    shard = 2 * 4096 * -(-model.vocab_size // 8) * 4
+    assert estimate.piece_sizes.logits == shard
+    backward = [event.size_bytes for event in events
+                if type(event) is Alloc and event.key[0] == "loss parallel: nll_loss and log_softmax backward (fp32)"]
+    assert backward[:3] == [shard] * 3
+
+
+def test_a_gpu_known_by_its_memory_is_the_replays_capacity():
+    result = CliRunner().invoke(cli, ["estimate", "llama-2-7b", "--gpus", "8", "--zero", "2", "--gpu-memory", "24GiB",
+                                      "--format", "json"])
+    assert result.exit_code == 0, result.output
+    device = json.loads(result.output)["device_memory"]
+    assert device["capacity"] == 24 * GIB - sum(term["bytes"] for term in device["outside"])
+
+
+def test_what_the_device_held_when_the_replay_ran_out():
+    # what torch's OutOfMemoryError reports as in use: no more than the GPU's memory, and only when it ran out
+    runner = CliRunner()
+    short = json.loads(runner.invoke(cli, ["estimate", "llama-2-7b", "--gpus", "8", "--zero", "2", "--gpu-memory",
+                                           "24GiB", "--format", "json"]).output)
+    assert short["fits"] is False and short["device_memory"]["ran_out_of_memory"]
+    assert 0 < short["device_memory"]["device_at_oom"] <= 24 * GIB < short["per_gpu"]["device"]
+    roomy = json.loads(runner.invoke(cli, ["estimate", "llama-2-7b", "--gpus", "8", "--zero", "2", "--gpu-memory",
+                                           "h100-80gb", "--format", "json"]).output)
+    assert roomy["fits"] is True and roomy["device_memory"]["device_at_oom"] is None
+
+
+def test_compare_decides_as_estimate_does():
+    # issue 22: compare's fit column follows the device figure, as estimate's fits: one decision, two commands
+    runner = CliRunner()
+    grid = json.loads(runner.invoke(cli, ["compare", "llama-2-7b", "--zero", "1,2,3", "--gpus", "8", "--offload",
+                                          "none,cpu", "--gpu", "a100-40gb", "--format", "json"]).output)
+    assert grid["fits_on"] == "device"
+    for row in grid["rows"]:
+        options = ["estimate", "llama-2-7b", "--zero", str(row["zero_stage"]), "--gpus", "8", "--gpu", "a100-40gb",
+                   "--offload-optimizer", row["offload_optimizer"], "--offload-params", row["offload_params"],
+                   "--format", "json"]
+        single = json.loads(runner.invoke(cli, options).output)
+        assert (row["fits"], row["device"]) == (single["fits"], single["per_gpu"]["device"]), row["config"]
+
+
+def test_plan_says_it_decides_on_the_peak():
+    # plan keeps the peak (a replay per fit check would halve its speed: bench/results/published_gpu_memory.md)
+    result = CliRunner().invoke(cli, ["plan", "llama-2-7b", "--gpu", "h100-80gb", "--gpus", "8", "--format", "json"])
+    data = json.loads(result.output)
+    assert data["fits_on"] == "peak"
+    assert all(config["per_gpu"]["peak"] <= data["budget"] for config in data["top"])
+    text = CliRunner().invoke(cli, ["plan", "llama-2-7b", "--gpu", "h100-80gb", "--gpus", "8"]).output
+    assert "fits = peak <= budget" in text.splitlines()[0]
