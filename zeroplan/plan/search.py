@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from zeroplan.errors import FieldError, SpecError
-from zeroplan.estimate import Fit
-from zeroplan.estimate import estimate_mesh
+from zeroplan.estimate import Fit, FitModel
+from zeroplan.estimate import estimate_mesh_unnamed
 from zeroplan.estimate.activations.transformer import memory_checkpointing
 from zeroplan.estimate.parallel.mesh import rank_kinds
 from zeroplan.estimate.result import MeshEstimate
@@ -111,7 +111,9 @@ class Choice(NamedTuple):
 
 @dataclass(frozen=True)
 class RankedConfig:
-    """One configuration that fits, with its full (per-rank) estimate, its step time and why it ranks there."""
+    """One configuration that fits, with its full (per-rank) estimate, its step time and why it ranks there. The
+    estimate is the planner's, without the ledger nothing in a plan reads (`zeroplan.estimate.estimate_mesh` of
+    `training` names its terms)."""
 
     rank: int
     choice: Choice
@@ -165,20 +167,17 @@ class Planner:
 
     def __init__(self, model, base: TrainingSpec, rates: Rates, estimator: Estimator | None = None):
         """`estimator` stands in for `zeroplan.estimate.estimate` and then decides the fits of data-parallel
-        choices; by default fits are decided by `zeroplan.estimate.fit` (the same peak, faster) and, on a
-        mesh, by the worst rank's estimate (`mesh_fit.worst_within`)."""
-        if estimator is None:
-            from zeroplan.estimate import fit as fitter
-        else:
-            fitter = estimator
+        choices; by default fits are decided by `zeroplan.estimate.FitModel` (`fit`'s peak, what the micro-batch
+        does not change computed once per choice) and, on a mesh, by the worst rank's estimate (`mesh_fit.worst_within`)."""
         self.model = model
         self.base = base
         self.rates = rates
-        self._fit = fitter
+        self._estimator = estimator
         self.estimate_calls = 0
         self._validated: dict[Choice, TrainingSpec | str] = {}
         # data parallel, by (memory twin, micro-batch, accumulation): a fit
         self._fits: dict[tuple[Choice, int, int], Fit | Estimate] = {}
+        self._fit_models: dict[Choice, FitModel] = {}  # data parallel, by memory twin
         # meshes, by (memory twin, micro-batch, accumulation, budget): the worst rank's peak, or None over it
         self._mesh_fits: dict[tuple[Choice, int, int, int], int | None] = {}
         self._steps: dict[Choice, StepModel] = {}
@@ -256,7 +255,14 @@ class Planner:
         found = self._fits.get(key)
         if found is None:
             self.estimate_calls += 1
-            found = self._fits[key] = self._fit(self.model, self.training(key[0], micro_batch, grad_accum))
+            if self._estimator is not None:
+                found = self._estimator(self.model, self.training(key[0], micro_batch, grad_accum))
+            else:
+                model = self._fit_models.get(key[0])
+                if model is None:
+                    model = self._fit_models[key[0]] = FitModel(self.model, self.training(key[0], micro_batch, grad_accum))
+                found = model.at(micro_batch, grad_accum)
+            self._fits[key] = found
         return found
 
     def mesh_peak(self, choice: Choice, micro_batch: int, grad_accum: int, budget_bytes: int) -> int | None:
@@ -568,7 +574,7 @@ def _ranked(planner: Planner, rank: int, hit: Hit, best: RankedConfig | None, re
     choice, micro, accum = hit.choice, hit.micro_batch, hit.grad_accum
     training = planner.training(choice, micro, accum)
     planner.estimate_calls += 1
-    estimate = estimate_mesh(planner.model, training)
+    estimate = estimate_mesh_unnamed(planner.model, training)  # the planner's fast mode: the same bytes, no names
     step = planner.step_model(choice).at(micro, accum)
     config = RankedConfig(rank, choice, micro, accum, training, estimate, step, "")
     return RankedConfig(rank, choice, micro, accum, training, estimate, step, reason(config, best or config))
