@@ -15,7 +15,7 @@ Each step names its bytes (estimate/terms.py); the phases are folds of those ter
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from zeroplan.estimate.activations.transformer import ActivationBytes, activation_bytes, attention_kernel, memory_checkpointing
 from zeroplan.estimate.caches import memo
@@ -36,6 +36,10 @@ from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.estimate.activations.compiled import compiles_block
 from zeroplan.spec.program import Loss, Recipe
 from zeroplan.spec.training import Attention, Device, Engine, Precision, TrainingSpec
+
+if TYPE_CHECKING:
+    from zeroplan.spec.gpu import GpuSpec
+    from zeroplan.spec.mesh import MeshSpec
 
 IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, with the model's dropout rates
 _IMPLEMENTATIONS = {attention: f"{IMPLEMENTATION}/{attention.value}" for attention in Attention}
@@ -131,9 +135,30 @@ def _adapted(training: TrainingSpec) -> Any:
 def single_rank(model: ModelSpec, training: TrainingSpec) -> SingleRank:
     """`SingleRank` of `training` on plain data parallelism."""
     dtypes = state_bytes(training.precision, training.optimizer)
-    overhead = 0 if training.engine == Engine.PAPER else outside_memory(training)
     return SingleRank(model_facts(model, training), dtypes, kbit_activation_bytes(training, dtypes.activation),
-                      setup_of(training), overhead)
+                      setup_of(training), _overhead(training))
+
+
+class _World(NamedTuple):
+    """What `outside_memory` reads of a training spec: the device, the mesh, the world and the GPU."""
+
+    device: Device
+    mesh: MeshSpec
+    gpus: int
+    node_gpus: int
+    gpu: GpuSpec | None
+
+
+def _overhead(training: TrainingSpec) -> int:
+    """What is not a tensor (estimate/device/estimate.py `outside_memory`); none for the paper's engine."""
+    if training.engine == Engine.PAPER:
+        return 0
+    return _outside_memory(_World(training.device, training.mesh, training.gpus, training.node_gpus, training.gpu))
+
+
+@memo(maxsize=256)  # the same for every micro-batch, ZeRO stage, offload and checkpointing of a world
+def _outside_memory(world: _World) -> int:
+    return outside_memory(world)
 
 
 def _single_run(model: ModelSpec, training: TrainingSpec, rank: SingleRank) -> EngineRun:
@@ -187,7 +212,7 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
         shape = kind._replace(pp_rank=0, stages=tuple(range(len(kind.stages))),
                               in_flight=0 if mesh.pp_schedule.looped and mesh.pp > 1 else kind.in_flight)
         run = _mesh_run(model, training, shape)
-        overhead = 0 if training.engine == Engine.PAPER else outside_memory(training)  # what is not a tensor
+        overhead = _overhead(training)
     facts, result = run.facts, _with_adapters(model, training, run)
     notes = _program_notes(model, training)
     if training.lora is not None and isinstance(model, TransformerSpec):
