@@ -243,10 +243,13 @@ class Planner:
         activations its own equal (`memory_checkpointing`: selective under fused attention keeps what no
         checkpointing keeps), where no context-parallel ring tells them apart (estimate/mesh_cp.py). Only
         the step time tells the two apart."""
-        checkpointing = self._memory_modes[choice.checkpointing]
-        if checkpointing == choice.checkpointing or choice.mesh.cp > 1:
-            return choice
-        return choice._replace(checkpointing=checkpointing)
+        if not self.shares_fits(choice):
+            return choice  # (itself: callers may test `memory_twin(c) is c`)
+        return choice._replace(checkpointing=self._memory_modes[choice.checkpointing])
+
+    def shares_fits(self, choice: Choice) -> bool:
+        """Whether `choice`'s memory twin is another choice (`memory_twin`)."""
+        return self._memory_modes[choice.checkpointing] != choice.checkpointing and choice.mesh.cp == 1
 
     def fit_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Fit | Estimate:
         """The peak and host bytes of a data-parallel configuration (`zeroplan.estimate.fit`), cached (the
@@ -423,11 +426,10 @@ class Planner:
         per_rank = space.global_batch // data_parallel
         return [(micro, per_rank // micro) for micro in micros if per_rank % micro == 0]
 
-    def groups(self, choice: Choice, pairs: list[tuple[int, int]]) -> list[tuple[Any, list[tuple[int, int]]]]:
-        """`pairs` split into the groups within which memory grows with the micro-batch: whether gradients
+    def groups(self, mesh: MeshSpec, pairs: list[tuple[int, int]]) -> list[tuple[Any, list[tuple[int, int]]]]:
+        """`pairs` split into the groups within which memory grows with the micro-batch on `mesh`: whether gradients
         accumulate, and under a pipeline how many micro-batches each rank keeps in flight."""
         grouped: dict[Any, list[tuple[int, int]]] = {}
-        mesh = choice.mesh
         for pair in pairs:
             key: Any = pair[1] > 1
             if mesh.pp > 1:
@@ -450,6 +452,7 @@ class Planner:
                     notes.append(f"{where} skipped: global batch {space.global_batch} does not split over its "
                                  f"{choice.gpus // choice.mesh.model_ranks} data-parallel ranks")
         pairs = [pairs_by[(choice.gpus, choice.mesh)] for choice in choices]
+        groups_by = {key: self.groups(key[1], found) for key, found in pairs_by.items()}  # the same for every choice
         order = list(range(len(choices)))
         if top is not None:
             bounds = {index: min(map(self.step_model(choices[index]).seconds_per_token, *zip(*pairs[index])))
@@ -465,7 +468,7 @@ class Planner:
                 bounded = len(order) - position
                 break
             cheapest = None
-            for accumulating, group in self.groups(choice, pairs[index]):
+            for accumulating, group in groups_by[(choice.gpus, choice.mesh)]:
                 evaluated += len(group)
                 micros = [micro for micro, _ in group]
                 hint = self._hint(hints, choice, accumulating, micros)
@@ -477,7 +480,7 @@ class Planner:
                         hit = Hit(step.seconds_per_token(micro, accum), index, -micro, choice, accum)
                         fitting.append(hit)
                         cheapest = hit.seconds_per_token if cheapest is None else min(cheapest, hit.seconds_per_token)
-            if cheapest is not None and self.memory_twin(choice) == choice:  # a twin is counted, never shown
+            if cheapest is not None and not self.shares_fits(choice):  # a twin is counted, never shown
                 bisect.insort(best, cheapest)
         fitting.sort()
         return evaluated, fitting, notes, bounded
@@ -544,7 +547,7 @@ def plan(model, base: TrainingSpec, space: SearchSpace, limits: Limits, rates: R
     evaluated, fitting, notes, bounded = planner.search(space, limits, top=top if searching and cost_bound else None)
     # A configuration whose memory twin is another choice (selective checkpointing under fused attention)
     # fits exactly where its twin does and costs at least as much (it only adds recomputation): counted, not ranked.
-    candidates = [hit for hit in fitting if planner.memory_twin(hit.choice) == hit.choice]
+    candidates = [hit for hit in fitting if not planner.shares_fits(hit.choice)]
     if len(candidates) < len(fitting):
         notes.append(f"{len(fitting) - len(candidates)} configurations with selective checkpointing are not ranked: under "
                      "fused attention it keeps what no checkpointing keeps (the kernel stores no attention scores) "
