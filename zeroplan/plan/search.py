@@ -23,6 +23,7 @@ Exactness comes from the estimator; speed from its structure, not from approxima
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -437,10 +438,13 @@ class Planner:
             grouped.setdefault(key, []).append(pair)
         return list(grouped.items())
 
-    def search(self, space: SearchSpace, limits: Limits, top: int | None = None) -> tuple[int, list[Hit], list[str], int]:
+    def search(self, space: SearchSpace, limits: Limits, top: int | None = None,
+               price_twins: bool = True) -> tuple[int, list[Hit], list[str], int]:
         """The configurations of `space` that fit, cheapest first: (configurations decided, hits, notes on what
         was skipped, choices not checked). With `top`, choices are checked cheapest first and those whose
-        cheapest micro-batch costs more than the top-th checked choice's are not checked (`Plan.bounded`)."""
+        cheapest micro-batch costs more than the top-th checked choice's are not checked (`Plan.bounded`). Without
+        `price_twins`, the hits of a choice that shares its twin's fit checks are counted, not priced (their
+        `seconds_per_token` is infinite, so they sort last): for a caller that never shows them (`plan`)."""
         choices, notes = self.choices(space, limits)
         pairs_by: dict[tuple[int, MeshSpec], list[tuple[int, int]]] = {}
         for choice in choices:
@@ -474,7 +478,9 @@ class Planner:
                 hint = self._hint(hints, choice, accumulating, micros)
                 count = self.fitting_prefix(choice, group, limits, hint)
                 self._remember(hints, choice, accumulating, group[count - 1][0] if count else 0)
-                if count:
+                if count and not price_twins and self.shares_fits(choice):
+                    fitting.extend(Hit(math.inf, index, -micro, choice, accum) for micro, accum in group[:count])
+                elif count:
                     step = self.step_model(choice)
                     for micro, accum in group[:count]:
                         hit = Hit(step.seconds_per_token(micro, accum), index, -micro, choice, accum)
@@ -544,7 +550,8 @@ def plan(model, base: TrainingSpec, space: SearchSpace, limits: Limits, rates: R
         raise FieldError("global_batch", f"{space.global_batch} is not divisible by the GPU count ({counts})")
     planner = planner or Planner(model, base, rates, estimator)
     searching = space.mesh == "search"
-    evaluated, fitting, notes, bounded = planner.search(space, limits, top=top if searching and cost_bound else None)
+    evaluated, fitting, notes, bounded = planner.search(space, limits, top=top if searching and cost_bound else None,
+                                                        price_twins=False)
     # A configuration whose memory twin is another choice (selective checkpointing under fused attention)
     # fits exactly where its twin does and costs at least as much (it only adds recomputation): counted, not ranked.
     candidates = [hit for hit in fitting if not planner.shares_fits(hit.choice)]
