@@ -58,8 +58,8 @@ def fit(model: ModelSpec, training: TrainingSpec) -> Fit:
 
 class FitModel:
     """`fit` of one plain data-parallel configuration as a function of the micro-batch and accumulation (`at`),
-    what neither changes (the model's facts, the engine's set-up, the overhead: `SingleRank`) computed once, as
-    plan/step_time.py `StepModel` does for the step time."""
+    what neither changes (the model's facts, what the activations read of the spec, the engine's set-up, the overhead:
+    `SingleRank`) computed once, as plan/step_time.py `StepModel` does for the step time."""
 
     def __init__(self, model: ModelSpec, training: TrainingSpec):
         if not training.mesh.is_trivial:

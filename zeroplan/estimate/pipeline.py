@@ -17,7 +17,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from zeroplan.estimate.activations.transformer import ActivationBytes, activation_bytes, attention_kernel, memory_checkpointing
+from zeroplan.estimate.activations.transformer import (ActivationBytes, ActivationInputs, activation_bytes, activation_inputs,
+                                                       attention_kernel, memory_checkpointing)
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, StateBytes, state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, Setup, setup_of
@@ -79,6 +80,7 @@ class SingleRank(NamedTuple):
     facts: ModelFacts
     dtypes: StateBytes
     activation: int  # bytes per activation element (estimate/adapters/lora.py `kbit_activation_bytes`)
+    activations: ActivationInputs | None  # None for a model known by its parameter count
     setup: Setup
     overhead: int  # what is not a tensor: the CUDA context and NCCL's buffers (estimate/device/estimate.py)
 
@@ -135,8 +137,9 @@ def _adapted(training: TrainingSpec) -> Any:
 def single_rank(model: ModelSpec, training: TrainingSpec) -> SingleRank:
     """`SingleRank` of `training` on plain data parallelism."""
     dtypes = state_bytes(training.precision, training.optimizer)
-    return SingleRank(model_facts(model, training), dtypes, kbit_activation_bytes(training, dtypes.activation),
-                      setup_of(training), _overhead(training))
+    activation = kbit_activation_bytes(training, dtypes.activation)
+    inputs = activation_inputs(model, training, activation) if isinstance(model, TransformerSpec) else None
+    return SingleRank(model_facts(model, training), dtypes, activation, inputs, setup_of(training), _overhead(training))
 
 
 class _World(NamedTuple):
@@ -165,7 +168,7 @@ def _single_run(model: ModelSpec, training: TrainingSpec, rank: SingleRank) -> E
     """Steps 1-3 on plain data parallelism: the whole model, every rank alike."""
     acts = None
     if isinstance(model, TransformerSpec):
-        acts = activation_bytes(model, training, rank.activation)
+        acts = activation_bytes(model, training, rank.activation, rank.activations)
         if training.lora is not None:
             acts = lora_activations(acts, model, training, rank.activation)  # estimate/adapters/lora.py
     if training.engine == Engine.PAPER:
