@@ -245,7 +245,7 @@ class Planner:
         checkpointing keeps), where no context-parallel ring tells them apart (estimate/mesh_cp.py). Only
         the step time tells the two apart."""
         if not self.shares_fits(choice):
-            return choice  # (itself: callers may test `memory_twin(c) is c`)
+            return choice
         return choice._replace(checkpointing=self._memory_modes[choice.checkpointing])
 
     def shares_fits(self, choice: Choice) -> bool:
@@ -253,8 +253,8 @@ class Planner:
         return self._memory_modes[choice.checkpointing] != choice.checkpointing and choice.mesh.cp == 1
 
     def fit_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Fit | Estimate:
-        """The peak and host bytes of a data-parallel configuration (`zeroplan.estimate.fit`), cached (the
-        suggestions re-search with other limits) and shared with its memory twin."""
+        """The peak and host bytes of a data-parallel configuration (`zeroplan.estimate.fit`, by the twin's
+        `FitModel`), cached (the suggestions re-search with other limits) and shared with its memory twin."""
         key = (self.memory_twin(choice), micro_batch, grad_accum)
         found = self._fits.get(key)
         if found is None:
