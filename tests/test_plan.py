@@ -15,7 +15,7 @@ from zeroplan.importers.catalog import resolve_model
 from zeroplan.plan.policies import Policy
 from zeroplan.plan.rates import rates_for
 from zeroplan.errors import SpecError
-from zeroplan.estimate import estimate, fit
+from zeroplan.estimate import FitModel, estimate, fit
 from zeroplan.estimate.activations.transformer import memory_checkpointing
 from zeroplan.importers.gpus import get_gpu
 from zeroplan.importers.options import training_spec_from_options
@@ -85,6 +85,36 @@ def test_fit_is_the_estimate_s_peak():
             full, decided = estimate(model, case), fit(model, case)
             assert (decided.peak_bytes, decided.per_node) == (full.peak_bytes, full.per_node), (model.name, case)
             assert decided.estimate() == full
+
+
+# beyond the grid: adapters (their storage and activations), activations offloaded to the host, a CPU run, the paper
+_FIT_MODEL_EXTRAS = [
+    ("llama-3-8b", dict(gpus=8, zero_stage=3, engine="fsdp2", lora={"rank": 16, "targets": ["q_proj", "v_proj"]},
+                        quant={"base_precision": "nf4", "quant_storage": "bf16"})),
+    ("llama-3-8b", dict(gpus=8, zero_stage=3, engine="deepspeed", checkpointing="full",
+                        lora={"rank": 16, "targets": ["q_proj", "v_proj"]})),
+    ("llama-3-8b", dict(gpus=1, zero_stage=0, engine="torch", lora={"rank": 8, "targets": ["all-linear"]},
+                        quant={"base_precision": "nf4"})),
+    ("llama-3-8b", dict(gpus=8, zero_stage=2, engine="fsdp2", recipe="torchtune", activation_offload="cpu",
+                        checkpointing="full")),
+    ("gpt2", dict(gpus=2, zero_stage=3, engine="fsdp2", device="cpu", attention="eager")),
+    ("llama-2-7b", dict(gpus=64, zero_stage=3, engine="paper")),
+]
+
+
+def test_fit_model_gives_the_estimate_s_peak_at_every_micro_batch():
+    """The planner probes one choice's micro-batches through `FitModel`, which keeps what they do not change (the
+    set-up per accumulation on or off): each probe must be the full estimate's peak and host bytes, in any order,
+    accumulation turning on and off."""
+    cases = list(_grid()) + [(resolve_model(name), TrainingSpec(**fields)) for name, fields in _FIT_MODEL_EXTRAS]
+    for model, training in cases:
+        probes = FitModel(model, training)
+        for micro, accum in ((2, 1), (5, 3), (1, 1), (3, 2)):
+            full = estimate(model, training.model_copy(update={"micro_batch": micro, "grad_accum": accum}))
+            decided = probes.at(micro, accum)
+            assert (decided.peak_bytes, decided.per_node) == (full.peak_bytes, full.per_node), (model.name, training, micro)
+    with pytest.raises(ValueError, match="a mesh is checked rank by rank"):
+        FitModel(resolve_model("llama-3-8b"), TrainingSpec(gpus=8, zero_stage=3, engine="fsdp2", mesh={"tp": 2}))
 
 
 def test_selective_shares_the_estimate_of_no_checkpointing_only_under_fused_attention():

@@ -15,11 +15,12 @@ Each step names its bytes (estimate/terms.py); the phases are folds of those ter
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from zeroplan.estimate.activations.transformer import ActivationBytes, activation_bytes, attention_kernel, memory_checkpointing
+from zeroplan.estimate.activations.transformer import (ActivationBytes, ActivationInputs, activation_bytes, activation_inputs,
+                                                       attention_kernel, memory_checkpointing)
 from zeroplan.estimate.caches import memo
-from zeroplan.estimate.dtypes import FP32_BYTES, state_bytes
+from zeroplan.estimate.dtypes import FP32_BYTES, StateBytes, state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, Setup, setup_of
 from zeroplan.estimate.engines.deepspeed_mesh import autotp_training
 from zeroplan.estimate.model.facts import ModelFacts, model_facts
@@ -36,6 +37,10 @@ from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.estimate.activations.compiled import compiles_block
 from zeroplan.spec.program import Loss, Recipe
 from zeroplan.spec.training import Attention, Device, Engine, Precision, TrainingSpec
+
+if TYPE_CHECKING:
+    from zeroplan.spec.gpu import GpuSpec
+    from zeroplan.spec.mesh import MeshSpec
 
 IMPLEMENTATION = "hf-transformers"  # the modules activations.py describes, with the model's dropout rates
 _IMPLEMENTATIONS = {attention: f"{IMPLEMENTATION}/{attention.value}" for attention in Attention}
@@ -65,7 +70,19 @@ class EngineRun(NamedTuple):
     engine: Engine  # the engine the rank runs (a mesh rank with nothing to shard steps as plain torch)
     setup: Setup
     result: EngineEstimate
-    notes: tuple[str, ...]
+
+
+class SingleRank(NamedTuple):
+    """What a plain data-parallel estimate reads of its configuration that no micro-batch or accumulation count
+    changes (step 1, the engine's `Setup` but for `accumulating`, step 4's overhead): the planner's `FitModel`
+    computes it once per configuration."""
+
+    facts: ModelFacts
+    dtypes: StateBytes
+    activation: int  # bytes per activation element (estimate/adapters/lora.py `kbit_activation_bytes`)
+    activations: ActivationInputs | None  # None for a model known by its parameter count
+    setup: Setup
+    overhead: int  # what is not a tensor: the CUDA context and NCCL's buffers (estimate/device/estimate.py)
 
 
 class Profile(NamedTuple):
@@ -117,22 +134,48 @@ def _adapted(training: TrainingSpec) -> Any:
             local_training.precision, local_training.optimizer).activation))
 
 
-def _single_run(model: ModelSpec, training: TrainingSpec) -> EngineRun:
-    """Steps 1-3 on plain data parallelism: the whole model, every rank alike."""
-    facts = model_facts(model, training)
+def single_rank(model: ModelSpec, training: TrainingSpec) -> SingleRank:
+    """`SingleRank` of `training` on plain data parallelism."""
     dtypes = state_bytes(training.precision, training.optimizer)
+    activation = kbit_activation_bytes(training, dtypes.activation)
+    inputs = activation_inputs(model, training, activation) if isinstance(model, TransformerSpec) else None
+    return SingleRank(model_facts(model, training), dtypes, activation, inputs, setup_of(training), _overhead(training))
+
+
+class _World(NamedTuple):
+    """What `outside_memory` reads of a training spec: the device, the mesh, the world and the GPU."""
+
+    device: Device
+    mesh: MeshSpec
+    gpus: int
+    node_gpus: int
+    gpu: GpuSpec | None
+
+
+def _overhead(training: TrainingSpec) -> int:
+    """What is not a tensor (estimate/device/estimate.py `outside_memory`); none for the paper's engine."""
+    if training.engine == Engine.PAPER:
+        return 0
+    return _outside_memory(_World(training.device, training.mesh, training.gpus, training.node_gpus, training.gpu))
+
+
+@memo(maxsize=256)  # the same for every micro-batch, ZeRO stage, offload and checkpointing of a world
+def _outside_memory(world: _World) -> int:
+    return outside_memory(world)
+
+
+def _single_run(model: ModelSpec, training: TrainingSpec, rank: SingleRank) -> EngineRun:
+    """Steps 1-3 on plain data parallelism: the whole model, every rank alike."""
     acts = None
     if isinstance(model, TransformerSpec):
-        activation = kbit_activation_bytes(training, dtypes.activation)  # estimate/adapters/lora.py
-        acts = activation_bytes(model, training, activation)
+        acts = activation_bytes(model, training, rank.activation, rank.activations)
         if training.lora is not None:
-            acts = lora_activations(acts, model, training, activation)  # estimate/adapters/lora.py
-    setup = setup_of(training)
+            acts = lora_activations(acts, model, training, rank.activation)  # estimate/adapters/lora.py
     if training.engine == Engine.PAPER:
-        result = engine_profile(Engine.PAPER)(facts, setup, dtypes)
+        result = engine_profile(Engine.PAPER)(rank.facts, rank.setup, rank.dtypes)
     else:
-        result = engine_profile(training.engine)(facts, setup, acts)
-    return EngineRun(facts, acts, training.engine, setup, result, _program_notes(model, training))
+        result = engine_profile(training.engine)(rank.facts, rank.setup, acts)
+    return EngineRun(rank.facts, acts, training.engine, rank.setup, result)
 
 
 @memo(maxsize=64)  # every micro-batch and checkpointing choice of a mesh plan asks for the same rank kinds
@@ -149,8 +192,7 @@ def _mesh_run(model: TransformerSpec, training: TrainingSpec, shape: RankKind) -
         from zeroplan.estimate.parallel.tp_embedding import with_replicated_embedding_grad
 
         facts = with_replicated_embedding_grad(facts, model, training.mesh)
-    return EngineRun(facts, acts, engine, setup, engine_profile(engine)(facts, setup, acts),
-                     _program_notes(model, training))
+    return EngineRun(facts, acts, engine, setup, engine_profile(engine)(facts, setup, acts))
 
 
 def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro_batches: int,
@@ -165,19 +207,20 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
         training = training.model_copy(update={"precision": Precision.FP32})
     mesh = training.mesh
     if trivial:
-        run = _single_run(model, training)
+        single = single_rank(model, training)
+        run, overhead = _single_run(model, training, single), single.overhead
     else:
         # the profile reads the kind's ends, layers, stage count and (one stage per rank) micro-batches in flight
         # only: the middle ranks of a looped schedule share it and differ in their walk alone
         shape = kind._replace(pp_rank=0, stages=tuple(range(len(kind.stages))),
                               in_flight=0 if mesh.pp_schedule.looped and mesh.pp > 1 else kind.in_flight)
         run = _mesh_run(model, training, shape)
-    facts, result = run.facts, run.result
-    notes = run.notes
+        overhead = _overhead(training)
+    facts, result = run.facts, _with_adapters(model, training, run)
+    notes = _program_notes(model, training)
     if training.lora is not None and isinstance(model, TransformerSpec):
-        from zeroplan.estimate.adapters.program import lora_notes, with_adapters
+        from zeroplan.estimate.adapters.program import lora_notes
 
-        result = with_adapters(result, facts, model, training, run.setup)
         notes += lora_notes(model, training, facts)
     dtypes = state_bytes(training.precision, training.optimizer)
     if mesh.pp > 1 and mesh.pp_schedule.looped:
@@ -187,13 +230,9 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
             return None
         result, kind = result._replace(phases=looped[0]), kind._replace(in_flight=looped[1])  # the walk's count at its peak
     buffers = _NO_BUFFERS if trivial else mesh_buffers(model, training, kind, dtypes.activation, micro_batches)
-    overhead = 0 if training.engine == Engine.PAPER else outside_memory(training)  # what is not a tensor
     phases = with_buffers(result.phases, buffers, overhead)
-    per_node = result.per_node
-    if run.acts is not None and run.acts.offloaded:
-        per_node, offload_notes = _with_offloaded_activations(per_node, run.acts.host_bytes, training)
-        notes += offload_notes
-    notes += result.notes
+    per_node, offload_notes = _host(run, result, training)
+    notes += offload_notes + result.notes
     if unmixed:
         notes += ("torchtitan trains in fp32 here: with tp or pp and nothing for FSDP to shard, mixed precision is "
                   "disabled (distributed/utils.py maybe_enable_amp)",)
@@ -208,6 +247,31 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
 
         parts = adapter_param_parts(phases, facts, training, run.setup)
     return Profile(facts, kind, phases, per_node, notes, parts)
+
+
+def single_peak(model: ModelSpec, training: TrainingSpec, rank: SingleRank) -> tuple[int, NodeBytes]:
+    """`profile_rank`'s peak and per-node bytes on plain data parallelism (`rank` being `single_rank(model,
+    training)`), without what only a shown estimate reads: its notes, its phases with their overhead, the adapters'
+    split of the parameters. The overhead is in every phase alike, so it adds to the largest engine phase."""
+    run = _single_run(model, training, rank)
+    result = _with_adapters(model, training, run)
+    return max([sum(p.categories) for p in result.phases]) + rank.overhead, _host(run, result, training)[0]
+
+
+def _with_adapters(model: ModelSpec, training: TrainingSpec, run: EngineRun) -> EngineEstimate:
+    """The engine's profile with the adapters' storage (estimate/adapters/program.py), or as it is without LoRA."""
+    if training.lora is None or not isinstance(model, TransformerSpec):
+        return run.result
+    from zeroplan.estimate.adapters.program import with_adapters
+
+    return with_adapters(run.result, run.facts, model, training, run.setup)
+
+
+def _host(run: EngineRun, result: EngineEstimate, training: TrainingSpec) -> tuple[NodeBytes, tuple[str, ...]]:
+    """Per-node host bytes: the engine's, and the activations offloaded to the host (with a note on a CPU run)."""
+    if run.acts is not None and run.acts.offloaded:
+        return _with_offloaded_activations(result.per_node, run.acts.host_bytes, training)
+    return result.per_node, ()
 
 
 def _mixed_precision_disabled(training: TrainingSpec) -> bool:

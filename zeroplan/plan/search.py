@@ -23,13 +23,14 @@ Exactness comes from the estimator; speed from its structure, not from approxima
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from zeroplan.errors import FieldError, SpecError
-from zeroplan.estimate import Fit
-from zeroplan.estimate import estimate_mesh
+from zeroplan.estimate import Fit, FitModel
+from zeroplan.estimate import estimate_mesh_unnamed
 from zeroplan.estimate.activations.transformer import memory_checkpointing
 from zeroplan.estimate.parallel.mesh import rank_kinds
 from zeroplan.estimate.result import MeshEstimate
@@ -111,7 +112,9 @@ class Choice(NamedTuple):
 
 @dataclass(frozen=True)
 class RankedConfig:
-    """One configuration that fits, with its full (per-rank) estimate, its step time and why it ranks there."""
+    """One configuration that fits, with its full (per-rank) estimate, its step time and why it ranks there. The
+    estimate is the planner's, without the ledger nothing in a plan reads (`zeroplan.estimate.estimate_mesh` of
+    `training` names its terms)."""
 
     rank: int
     choice: Choice
@@ -165,20 +168,17 @@ class Planner:
 
     def __init__(self, model, base: TrainingSpec, rates: Rates, estimator: Estimator | None = None):
         """`estimator` stands in for `zeroplan.estimate.estimate` and then decides the fits of data-parallel
-        choices; by default fits are decided by `zeroplan.estimate.fit` (the same peak, faster) and, on a
-        mesh, by the worst rank's estimate (`mesh_fit.worst_within`)."""
-        if estimator is None:
-            from zeroplan.estimate import fit as fitter
-        else:
-            fitter = estimator
+        choices; by default fits are decided by `zeroplan.estimate.FitModel` (`fit`'s peak, what the micro-batch
+        does not change computed once per choice) and, on a mesh, by the worst rank's estimate (`mesh_fit.worst_within`)."""
         self.model = model
         self.base = base
         self.rates = rates
-        self._fit = fitter
+        self._estimator = estimator
         self.estimate_calls = 0
         self._validated: dict[Choice, TrainingSpec | str] = {}
         # data parallel, by (memory twin, micro-batch, accumulation): a fit
         self._fits: dict[tuple[Choice, int, int], Fit | Estimate] = {}
+        self._fit_models: dict[Choice, FitModel] = {}  # data parallel, by memory twin
         # meshes, by (memory twin, micro-batch, accumulation, budget): the worst rank's peak, or None over it
         self._mesh_fits: dict[tuple[Choice, int, int, int], int | None] = {}
         self._steps: dict[Choice, StepModel] = {}
@@ -244,19 +244,29 @@ class Planner:
         activations its own equal (`memory_checkpointing`: selective under fused attention keeps what no
         checkpointing keeps), where no context-parallel ring tells them apart (estimate/mesh_cp.py). Only
         the step time tells the two apart."""
-        checkpointing = self._memory_modes[choice.checkpointing]
-        if checkpointing == choice.checkpointing or choice.mesh.cp > 1:
+        if not self.shares_fits(choice):
             return choice
-        return choice._replace(checkpointing=checkpointing)
+        return choice._replace(checkpointing=self._memory_modes[choice.checkpointing])
+
+    def shares_fits(self, choice: Choice) -> bool:
+        """Whether `choice`'s memory twin is another choice (`memory_twin`)."""
+        return self._memory_modes[choice.checkpointing] != choice.checkpointing and choice.mesh.cp == 1
 
     def fit_at(self, choice: Choice, micro_batch: int, grad_accum: int) -> Fit | Estimate:
-        """The peak and host bytes of a data-parallel configuration (`zeroplan.estimate.fit`), cached (the
-        suggestions re-search with other limits) and shared with its memory twin."""
+        """The peak and host bytes of a data-parallel configuration (`zeroplan.estimate.fit`, by the twin's
+        `FitModel`), cached (the suggestions re-search with other limits) and shared with its memory twin."""
         key = (self.memory_twin(choice), micro_batch, grad_accum)
         found = self._fits.get(key)
         if found is None:
             self.estimate_calls += 1
-            found = self._fits[key] = self._fit(self.model, self.training(key[0], micro_batch, grad_accum))
+            if self._estimator is not None:
+                found = self._estimator(self.model, self.training(key[0], micro_batch, grad_accum))
+            else:
+                model = self._fit_models.get(key[0])
+                if model is None:
+                    model = self._fit_models[key[0]] = FitModel(self.model, self.training(key[0], micro_batch, grad_accum))
+                found = model.at(micro_batch, grad_accum)
+            self._fits[key] = found
         return found
 
     def mesh_peak(self, choice: Choice, micro_batch: int, grad_accum: int, budget_bytes: int) -> int | None:
@@ -417,11 +427,10 @@ class Planner:
         per_rank = space.global_batch // data_parallel
         return [(micro, per_rank // micro) for micro in micros if per_rank % micro == 0]
 
-    def groups(self, choice: Choice, pairs: list[tuple[int, int]]) -> list[tuple[Any, list[tuple[int, int]]]]:
-        """`pairs` split into the groups within which memory grows with the micro-batch: whether gradients
+    def groups(self, mesh: MeshSpec, pairs: list[tuple[int, int]]) -> list[tuple[Any, list[tuple[int, int]]]]:
+        """`pairs` split into the groups within which memory grows with the micro-batch on `mesh`: whether gradients
         accumulate, and under a pipeline how many micro-batches each rank keeps in flight."""
         grouped: dict[Any, list[tuple[int, int]]] = {}
-        mesh = choice.mesh
         for pair in pairs:
             key: Any = pair[1] > 1
             if mesh.pp > 1:
@@ -429,10 +438,13 @@ class Planner:
             grouped.setdefault(key, []).append(pair)
         return list(grouped.items())
 
-    def search(self, space: SearchSpace, limits: Limits, top: int | None = None) -> tuple[int, list[Hit], list[str], int]:
+    def search(self, space: SearchSpace, limits: Limits, top: int | None = None,
+               price_twins: bool = True) -> tuple[int, list[Hit], list[str], int]:
         """The configurations of `space` that fit, cheapest first: (configurations decided, hits, notes on what
         was skipped, choices not checked). With `top`, choices are checked cheapest first and those whose
-        cheapest micro-batch costs more than the top-th checked choice's are not checked (`Plan.bounded`)."""
+        cheapest micro-batch costs more than the top-th checked choice's are not checked (`Plan.bounded`). Without
+        `price_twins`, the hits of a choice that shares its twin's fit checks are counted, not priced (their
+        `seconds_per_token` is infinite, so they sort last): for a caller that never shows them (`plan`)."""
         choices, notes = self.choices(space, limits)
         pairs_by: dict[tuple[int, MeshSpec], list[tuple[int, int]]] = {}
         for choice in choices:
@@ -444,6 +456,7 @@ class Planner:
                     notes.append(f"{where} skipped: global batch {space.global_batch} does not split over its "
                                  f"{choice.gpus // choice.mesh.model_ranks} data-parallel ranks")
         pairs = [pairs_by[(choice.gpus, choice.mesh)] for choice in choices]
+        groups_by = {key: self.groups(key[1], found) for key, found in pairs_by.items()}  # the same for every choice
         order = list(range(len(choices)))
         if top is not None:
             bounds = {index: min(map(self.step_model(choices[index]).seconds_per_token, *zip(*pairs[index])))
@@ -459,19 +472,21 @@ class Planner:
                 bounded = len(order) - position
                 break
             cheapest = None
-            for accumulating, group in self.groups(choice, pairs[index]):
+            for accumulating, group in groups_by[(choice.gpus, choice.mesh)]:
                 evaluated += len(group)
                 micros = [micro for micro, _ in group]
                 hint = self._hint(hints, choice, accumulating, micros)
                 count = self.fitting_prefix(choice, group, limits, hint)
                 self._remember(hints, choice, accumulating, group[count - 1][0] if count else 0)
-                if count:
+                if count and not price_twins and self.shares_fits(choice):
+                    fitting.extend(Hit(math.inf, index, -micro, choice, accum) for micro, accum in group[:count])
+                elif count:
                     step = self.step_model(choice)
                     for micro, accum in group[:count]:
                         hit = Hit(step.seconds_per_token(micro, accum), index, -micro, choice, accum)
                         fitting.append(hit)
                         cheapest = hit.seconds_per_token if cheapest is None else min(cheapest, hit.seconds_per_token)
-            if cheapest is not None and self.memory_twin(choice) == choice:  # a twin is counted, never shown
+            if cheapest is not None and not self.shares_fits(choice):  # a twin is counted, never shown
                 bisect.insort(best, cheapest)
         fitting.sort()
         return evaluated, fitting, notes, bounded
@@ -535,10 +550,11 @@ def plan(model, base: TrainingSpec, space: SearchSpace, limits: Limits, rates: R
         raise FieldError("global_batch", f"{space.global_batch} is not divisible by the GPU count ({counts})")
     planner = planner or Planner(model, base, rates, estimator)
     searching = space.mesh == "search"
-    evaluated, fitting, notes, bounded = planner.search(space, limits, top=top if searching and cost_bound else None)
+    evaluated, fitting, notes, bounded = planner.search(space, limits, top=top if searching and cost_bound else None,
+                                                        price_twins=False)
     # A configuration whose memory twin is another choice (selective checkpointing under fused attention)
     # fits exactly where its twin does and costs at least as much (it only adds recomputation): counted, not ranked.
-    candidates = [hit for hit in fitting if planner.memory_twin(hit.choice) == hit.choice]
+    candidates = [hit for hit in fitting if not planner.shares_fits(hit.choice)]
     if len(candidates) < len(fitting):
         notes.append(f"{len(fitting) - len(candidates)} configurations with selective checkpointing are not ranked: under "
                      "fused attention it keeps what no checkpointing keeps (the kernel stores no attention scores) "
@@ -568,7 +584,7 @@ def _ranked(planner: Planner, rank: int, hit: Hit, best: RankedConfig | None, re
     choice, micro, accum = hit.choice, hit.micro_batch, hit.grad_accum
     training = planner.training(choice, micro, accum)
     planner.estimate_calls += 1
-    estimate = estimate_mesh(planner.model, training)
+    estimate = estimate_mesh_unnamed(planner.model, training)  # the planner's fast mode: the same bytes, no names
     step = planner.step_model(choice).at(micro, accum)
     config = RankedConfig(rank, choice, micro, accum, training, estimate, step, "")
     return RankedConfig(rank, choice, micro, accum, training, estimate, step, reason(config, best or config))

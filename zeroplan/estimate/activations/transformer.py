@@ -46,6 +46,7 @@ kernel (Liger's): `_loss_terms`; docs/engines/activations.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import NamedTuple
 
 import zeroplan.estimate.activations.families as families
 import zeroplan.estimate.activations.moe as moe
@@ -678,19 +679,41 @@ def attention_kernel(spec: TransformerSpec, training: TrainingSpec) -> str:
     return attention_core(spec, training.attention, dropout_of(spec, training), w).kernel
 
 
-def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationBytes:
-    """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens."""
+class ActivationInputs(NamedTuple):
+    """What `activation_bytes` reads of a training spec besides the micro-batch: the same for every micro-batch of
+    one configuration (the planner's probes: estimate/__init__.py `FitModel`)."""
+
+    seq_len: int
+    checkpointing: Checkpointing
+    checkpoint_every: int | None
+    kernel: tuple  # `_activation_bytes`' arguments after the checkpointing mode
+    reread: bool  # torch.compile, float8 or activation offload: their changes read the spec again
+
+
+def activation_inputs(spec: TransformerSpec, training: TrainingSpec, act_bytes: int) -> ActivationInputs:
     program = training.program
-    args = (spec, training.micro_batch, training.seq_len)
     titan = program.loss == Loss.CHUNKED and program.recipe == Recipe.TORCHTITAN
     # torchtitan's lm_head, an FSDP2 unit of its own with gradient sync off but for the last chunk,
     # accumulates its unsharded gradient in the fp32 reduce dtype (torch _fsdp_param.py
     # to_accumulated_grad_if_needed); the profile counts the 16-bit one.
     fp32_head_grad = (titan and training.engine == Engine.FSDP2
                       and training.precision in (Precision.BF16, Precision.FP16))
-    rest = (training.attention, runs_autocast(training), act_bytes, dropout_of(spec, training), program.loss, program.loss_chunks,
-            "torchtitan" if titan else "torchtune", fp32_head_grad)
-    acts = _checkpointed_bytes(args, training.checkpointing, training.checkpoint_every, rest)
+    kernel = (training.attention, runs_autocast(training), act_bytes, dropout_of(spec, training), program.loss,
+              program.loss_chunks, "torchtitan" if titan else "torchtune", fp32_head_grad)
+    reread = bool(training.compile) or training.float8 is not None or program.activation_offload == ActivationOffload.CPU
+    return ActivationInputs(training.seq_len, training.checkpointing, training.checkpoint_every, kernel, reread)
+
+
+def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: int,
+                     inputs: ActivationInputs | None = None) -> ActivationBytes:
+    """Activations of one micro-batch of `training.micro_batch` x `training.seq_len` tokens; `inputs`: the caller's
+    `activation_inputs(spec, training, act_bytes)`, or of a spec that differs from `training` in the micro-batch or
+    the accumulation only."""
+    inputs = inputs or activation_inputs(spec, training, act_bytes)
+    acts = _checkpointed_bytes((spec, training.micro_batch, inputs.seq_len), inputs.checkpointing, inputs.checkpoint_every,
+                               inputs.kernel)
+    if not inputs.reread:
+        return acts
     if training.compile:  # what inductor's graphs keep instead (estimate/activations/compiled.py)
         from zeroplan.estimate.activations.compiled import compiled_changes
 
@@ -701,7 +724,7 @@ def activation_bytes(spec: TransformerSpec, training: TrainingSpec, act_bytes: i
         from zeroplan.estimate.activations.float8 import float8_changes
 
         acts = acts.with_each_kind(lambda kind: kind.replaced(**float8_changes(kind, spec, training, act_bytes)))
-    if program.activation_offload == ActivationOffload.CPU:
+    if training.program.activation_offload == ActivationOffload.CPU:
         return _offloaded(acts, spec, training, act_bytes)
     return acts
 

@@ -238,6 +238,7 @@ def _layout(facts: ModelFacts) -> _Layout:
     return _Layout(numels, tuple(backward), tuple(gathered), tied, first_block, max(numels, default=0))
 
 
+@memo(maxsize=4096)  # as fsdp2.py `_sizes`: every micro-batch of a configuration has the same run
 def _run(facts: ModelFacts, setup: Setup) -> _Run:
     b = FP32_BYTES if setup.precision == Precision.FP32 else HALF_BYTES
     layout = _layout(facts)
