@@ -48,3 +48,9 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], markdown: bool 
         colalign=tuple(colalign) if colalign else ("left",) * left + ("right",) * (len(headers) - left),
         maxcolwidths=None if markdown or wrap is None else list(wrap),
     )
+
+
+def checkpointing_label(config: dict[str, Any]) -> str:
+    """The checkpointing of a JSON `config`: its mode, and for full checkpointing of every Nth block which blocks."""
+    every = config.get("checkpoint_every")
+    return config["checkpointing"] + (f" (one block in {every})" if every else "")

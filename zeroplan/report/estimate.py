@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zeroplan.estimate.serialize import MODEL_COLUMNS, gpu_memory_left_bytes, node_count
-from zeroplan.report.common import CATEGORY_LABELS, amount, table
+from zeroplan.report.common import CATEGORY_LABELS, amount, checkpointing_label, table
 from zeroplan.spec.units import bytes_in_unit
 
 _SHORT_LABELS = CATEGORY_LABELS | {"optimizer_states": "opt states", "temporaries": "temps"}
@@ -32,7 +32,7 @@ def _describe_config(data: dict[str, Any]) -> str:
         config["optimizer"],
         f"micro-batch {config['micro_batch']} x {config['seq_len']} tokens",
         f"grad-accum {config['grad_accum']}",
-        f"checkpointing {config['checkpointing']}",
+        f"checkpointing {checkpointing_label(config)}",
         f"{config['attention']} attention",
     ]
     if config["offload_optimizer"] != "none":

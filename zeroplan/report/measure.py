@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from zeroplan.report.common import CATEGORY_LABELS, amount, percent, table
+from zeroplan.report.common import CATEGORY_LABELS, amount, checkpointing_label, percent, table
 
 if TYPE_CHECKING:
     from zeroplan.measure.comparison import Comparison
@@ -54,7 +54,7 @@ def _header(data: dict[str, Any]) -> list[str]:
     if config["grad_accum"] > 1:
         setup.append(f"grad-accum {config['grad_accum']}")
     if config["checkpointing"] != "none":
-        setup.append(f"checkpointing {config['checkpointing']}")
+        setup.append(f"checkpointing {checkpointing_label(config)}")
     for what in ("optimizer", "params"):
         if config[f"offload_{what}"] != "none":
             setup.append(f"{what} offload {config[f'offload_{what}']}")
