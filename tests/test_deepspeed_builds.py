@@ -343,15 +343,45 @@ def test_ctrl_c_during_a_build_ends_the_command_its_compilers_and_their_lock(tmp
             os.kill(pid, signal.SIGKILL)
 
 
+# The build child (`python -m zeroplan.measure.deepspeed_build --child OP`) with one difference: before torch's
+# `load` runs ninja in the op's build folder, the kept folder's build of the op is copied there (ninja's outputs,
+# its log and dependency record, their times kept), so ninja finds nothing to compile. The locks, the clean-up,
+# the report, DeepSpeed's builder, torch's `load`, ninja and the import of the .so are the child's own.
+KEPT_BUILD_CHILD = """
+import os, shutil
+from pathlib import Path
+import torch.utils.cpp_extension as cpp_extension
+from zeroplan.measure import deepspeed_build
+
+KEPT = Path({kept!r})
+load = cpp_extension.load
+
+def load_on_the_kept_build(name, *args, **kwargs):
+    folder = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / name  # deepspeed_build.torch_env: the build folder
+    for path in (KEPT / name).iterdir():
+        if path.name not in (deepspeed_build.BUILD_LOCK, deepspeed_build.TORCH_LOCK):
+            shutil.copy2(path, folder / path.name)
+    return load(name, *args, **kwargs)
+
+cpp_extension.load = load_on_the_kept_build  # DeepSpeed's OpBuilder.jit_load imports it when it runs
+deepspeed_build.main()
+"""
+
+
 @pytest.mark.distributed
-def test_sigkill_during_a_build_ends_its_compilers_and_the_next_run_cleans_up_and_builds(tmp_path, monkeypatch):
+def test_sigkill_during_a_build_ends_its_compilers_and_the_next_run_cleans_up_and_builds(tmp_path, monkeypatch,
+                                                                                          deepspeed_ops):
     """Issue 21: SIGKILL of `measure` during its first DeepSpeed build left ninja, c++ and cc1plus running
     and their lock in place; the next run waited on the lock, then imported a .so nobody had linked
     (ImportError ... deepspeed_shm_comm.so: cannot open shared object file), and the build's run folder
-    and temporary files stayed in $TMPDIR."""
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("needs deepspeed")
-    folder, tmpdir = tmp_path / "ext", tmp_path / "tmp"
+    and temporary files stayed in $TMPDIR.
+
+    The killed build is a real one; the next run's build child is the real one too, but what its ninja
+    would compile is the kept folder's build of the op (KEPT_BUILD_CHILD), which the suite's other
+    DeepSpeed tests use: the op is compiled once in the suite, not twice."""
+    deepspeed_ops("deepspeed_shm_comm")
+    kept = deepspeed_build.ops_dir()
+    folder, tmpdir, stand_in = tmp_path / "ext", tmp_path / "tmp", tmp_path / "stand_in"
     tmpdir.mkdir()
     monkeypatch.setenv(deepspeed_build.EXTENSIONS_ENV, str(folder))
     monkeypatch.setenv("TMPDIR", str(tmpdir))
@@ -377,6 +407,10 @@ def test_sigkill_during_a_build_ends_its_compilers_and_the_next_run_cleans_up_an
     from zeroplan.importers.catalog import resolve_model
     from zeroplan.measure.launcher import run_measurement
 
+    stand_in.mkdir()
+    (stand_in / "kept_build_child.py").write_text(KEPT_BUILD_CHILD.format(kept=str(kept)))
+    monkeypatch.setattr(deepspeed_build, "MODULE", "kept_build_child")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(stand_in), os.environ.get("PYTHONPATH")) if p))
     messages = []
     training = _training(zero_stage=1, micro_batch=1, seq_len=32, recipe="plain",
                          deepspeed={"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000})

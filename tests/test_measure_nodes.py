@@ -127,14 +127,14 @@ def test_nodes_that_disagree_stop_with_one_line(tmp_path, node1, line):
 
 @needs_torch
 @pytest.mark.parametrize(("rank", "line"), [
-    ("0", "Error: node 1 of 2 did not join --rdzv-endpoint 127.0.0.1:{port} within 2 s (--rdzv-timeout)\n"),
-    ("1", "Error: no node 0 at --rdzv-endpoint 127.0.0.1:{port} within 2 s (--rdzv-timeout): start `zeroplan measure "
+    ("0", "Error: node 1 of 2 did not join --rdzv-endpoint 127.0.0.1:{port} within 1 s (--rdzv-timeout)\n"),
+    ("1", "Error: no node 0 at --rdzv-endpoint 127.0.0.1:{port} within 1 s (--rdzv-timeout): start `zeroplan measure "
           "... --node-rank 0` on that machine\n"),
 ])
 def test_a_node_that_never_comes_is_a_bounded_wait(tmp_path, rank, line):
     port = _free_port()
     started = time.monotonic()
-    args = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "2", "--node-rank", rank]
+    args = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "1", "--node-rank", rank]
     [(status, out, err)] = run_nodes(tmp_path, [args])
     assert (status, out, err) == (2, "", line.format(port=port))
     assert time.monotonic() - started < 60
