@@ -20,12 +20,10 @@ import difflib
 from functools import lru_cache
 from importlib import resources
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from zeroplan.errors import SpecError
-from zeroplan.spec.gpu import GpuSpec
+from zeroplan.spec.gpu import COMPUTE_CAPABILITY_PATTERN, Architecture, GpuSpec, capability_pair
 
 try:  # Python 3.11+
     import tomllib
@@ -55,18 +53,14 @@ class GpuPreset(BaseModel):
     )
     pcie_bandwidth_gbps: float = Field(gt=0, description="Host link bandwidth (PCIe), GB/s both directions.")
     source: str = Field(description="Datasheet the figures come from.")
-    architecture: Literal["volta", "turing", "ampere", "ada", "hopper", "blackwell", "cdna3"] = Field(
+    architecture: Architecture = Field(
         description="GPU architecture (NVIDIA's marketing generation, AMD's CDNA generation).")
     compute_capability: str | None = Field(
-        None, pattern=r"^[0-9]+\.[0-9]+$", description="CUDA compute capability, e.g. '9.0'; none for AMD GPUs.")
+        None, pattern=COMPUTE_CAPABILITY_PATTERN, description="CUDA compute capability, e.g. '9.0'; none for AMD GPUs.")
 
     @property
     def compute_capability_pair(self) -> tuple[int, int] | None:
-        """(major, minor), as torch.cuda.get_device_capability() gives it; None without CUDA."""
-        if self.compute_capability is None:
-            return None
-        major, minor = self.compute_capability.split(".")
-        return int(major), int(minor)
+        return capability_pair(self.compute_capability)
 
     @property
     def interconnect(self) -> str:

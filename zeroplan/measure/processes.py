@@ -71,9 +71,15 @@ def end_session(signum: int, cleanup=None) -> None:
 
 def kill_session_members(session_id: int) -> None:
     """SIGKILL every process of session `session_id` but this one, sweeping until none is left (or SWEEP_S)."""
+    sweep_sessions({session_id}, spare=os.getpid())
+
+
+def sweep_sessions(sessions: set[int], spare: int | None = None) -> None:
+    """SIGKILL every process of `sessions` but `spare`, sweeping until none is left (or SWEEP_S): a
+    process may start a child between one look at /proc and the kill."""
     deadline = time.monotonic() + SWEEP_S
-    while PROC.is_dir() and time.monotonic() < deadline:
-        members = [pid for pid in session_members({session_id}) if pid != os.getpid()]
+    while sessions and PROC.is_dir() and time.monotonic() < deadline:
+        members = [pid for pid in session_members(sessions) if pid != spare]
         if not members:
             return
         for pid in members:
@@ -152,17 +158,7 @@ def kill_sessions(procs: list) -> None:
     # By session, not by process group or by walking children: ninja starts each compiler in a
     # new process group, and a compiler whose parent died is reparented away from the tree, but
     # both keep the session that start_new_session gave the child.
-    deadline = time.monotonic() + SWEEP_S
-    while sessions and PROC.is_dir():
-        members = session_members(sessions)
-        if not members or time.monotonic() > deadline:
-            break
-        for pid in members:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.02)
+    sweep_sessions(sessions)
     for proc in procs:
         try:
             proc.wait(timeout=10)
