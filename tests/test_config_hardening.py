@@ -102,18 +102,37 @@ def test_sub_group_size_is_read_and_written(tmp_path):
     assert write_deepspeed_config(spec)["zero_optimization"]["sub_group_size"] == 12345
 
 
+def _largest_sub_group_by_deepspeed(numels: list[int], n: int, sub_group_size: int) -> int:
+    """The largest sub-group DeepSpeed's own stage3.py `_create_fp16_sub_groups` cuts from tensors
+    of `numels` elements (in parameter order), each partitioned ceil(numel / n) per rank."""
+    from types import SimpleNamespace
+
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    params = [SimpleNamespace(partition_numel=lambda numel=numel: -(-numel // n)) for numel in numels]
+    cut = stage3.DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups(SimpleNamespace(sub_group_size=sub_group_size),
+                                                                       params)
+    return max(sum(p.partition_numel() for p in sub_group) for sub_group in cut)
+
+
 def test_sub_group_size_sets_the_nvme_swap_buffers():
-    """stage3.py `_create_fp16_sub_groups` cuts the partition into sub-groups of sub_group_size
+    """stage3.py `_create_fp16_sub_groups` cuts the partition into sub-groups of at least sub_group_size
     elements; the optimizer swapper pins buffer_count (4) fp32 buffers of the largest one
-    (swap_tensor/optimizer_utils.py). llama-2-70b on 8 GPUs: 4 x (1e9 - 1e8) x 4 bytes x 8 GPUs
-    = 115.2 GB less host memory per node with sub_group_size 1e8."""
+    (swap_tensor/optimizer_utils.py), on each of a node's 8 GPUs. llama-2-70b on 8 GPUs: about
+    4 x (1e9 - 1e8) x 4 bytes x 8 GPUs = 115.2 GB less host memory per node with sub_group_size 1e8."""
     from zeroplan.estimate import estimate
 
     model = resolve_model("llama-2-70b")
+    # Llama-2-70B's tensors in parameter order (config.json: hidden 8192, 80 layers, 8 KV heads of
+    # 128, intermediate 28672, vocabulary 32000, untied head)
+    h, kv, mlp, vocab = 8192, 8 * 128, 28672, 32000
+    layer = [h * h, kv * h, kv * h, h * h, mlp * h, mlp * h, h * mlp, h, h]
+    numels = [vocab * h, *layer * 80, h, vocab * h]
     base = dict(zero_stage=3, gpus=8, offload_optimizer="nvme", offload_params="nvme")
     default = estimate(model, TrainingSpec(**base)).per_node.cpu_bytes
     small = estimate(model, TrainingSpec(**base, deepspeed={"sub_group_size": 100_000_000})).per_node.cpu_bytes
-    assert default - small == 4 * (1_000_000_000 - 100_000_000) * 4 * 8
+    largest = [_largest_sub_group_by_deepspeed(numels, 8, size) for size in (1_000_000_000, 100_000_000)]
+    assert default - small == 4 * (largest[0] - largest[1]) * 4 * 8
+    assert default - small == pytest.approx(115.2e9, rel=0.02)
 
 
 def test_colossalai_sub_group_size_default_is_level_3s():

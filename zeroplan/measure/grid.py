@@ -85,6 +85,7 @@ class Row:
     world: int = 2
     simulate: bool = False  # the fake backend: one process standing for `world` ranks
     small_buckets: bool = False  # deepspeed: SMALL_BUCKETS instead of DeepSpeed's defaults
+    sub_group_size: int | None = None  # deepspeed stage 3: elements per optimizer sub-group (None: DeepSpeed's 1e9)
     quick: bool = False  # part of the CI slice (`--quick`, tests/test_accuracy_slice.py)
     recipe: str = "plain"  # the program measured: zeroplan's own loop unless a row names another
     optimizer_impl: str | None = None  # torch optimizer kernel: fused, foreach, for-loop (None: the recipe's)
@@ -111,6 +112,7 @@ class Row:
     @property
     def id(self) -> str:
         setup = f"{self.engine}-{self.stage}" + ("+offload" if self.offload else "") + ("+smallbkt" if self.small_buckets else "")
+        setup += f"+subgroup{self.sub_group_size}" if self.sub_group_size is not None else ""
         ckpt = "ckpt" if self.checkpointing == "full" else "nockpt" if self.checkpointing == "none" else self.checkpointing
         if self.checkpoint_every:
             ckpt += f"-every{self.checkpoint_every}"
@@ -168,6 +170,8 @@ class Row:
             fields["deepspeed"] = dict(SMALL_BUCKETS)
         if self.client_optimizer:
             fields["deepspeed"] = {**fields.get("deepspeed", {}), "client_optimizer": True}
+        if self.sub_group_size is not None:
+            fields["deepspeed"] = {**fields.get("deepspeed", {}), "sub_group_size": self.sub_group_size}
         for knob in ("optimizer_impl", "ddp", "grad_sync", "model_init", "activation_offload"):
             if getattr(self, knob) is not None:
                 fields[knob] = getattr(self, knob)
@@ -258,6 +262,9 @@ def _grid() -> tuple[Row, ...]:
                         quick=quick))
     rows.append(Row("tiny-llama", "deepspeed", 3, "fp32", checkpointing="selective", attention="eager", micro_batch=1,
                     seq_len=1024, small_buckets=True))
+    # Stage 3's step one optimizer sub-group at a time (stage3.py `_create_fp16_sub_groups`): a sub_group_size
+    # that cuts each rank's 250,176-element partition into four, where the first step's peak is the step
+    rows.append(Row("tiny-llama", "deepspeed", 3, "bf16", checkpointing="full", small_buckets=True, sub_group_size=50_000))
     # The torch optimizer's kernel (for-loop is the plain loop's on CPU, in every row above), one rank
     # without DDP, the optimizer in backward, and DeepSpeed stepping a client torch optimizer.
     for model, engine, stage, precision, extra in (

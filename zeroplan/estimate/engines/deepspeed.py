@@ -138,11 +138,11 @@ _TERM_SOURCES = {
     "gradient partitions (grad_partitions_flat_buffer)":
         "zero/stage3.py `_setup_for_real_optimizer`",
     "fp32 gradient partition (fp32_partitioned_groups_flat .grad)":
-        "zero/stage3.py `_prepare_fp32_grad_for_sub_group`",
+        "zero/stage3.py `_prepare_fp32_grad_for_sub_group` (one sub-group's at a time: `_release_sub_group` frees it)",
     "CPU Adam gradient partition (subgroup_gradient_buffer)":
         "zero/stage3.py `initialize_optimizer_states` (with offload_optimizer, kept as the fp32 master's .grad)",
     "initial step zero gradient (initialize_optimizer_states)":
-        "zero/stage3.py `initialize_optimizer_states` (`gradient_buffer`)",
+        "zero/stage3.py `initialize_optimizer_states` (`gradient_buffer`, the largest sub-group)",
     "ZeRO-3 gathered parameters":
         "zero/partitioned_param_coordinator.py `fetch_sub_module`, `__params_to_release` (kept while reused within "
         "stage3_max_reuse_distance); zero/partition_parameters.py `AllGatherCoalescedHandle.wait`",
@@ -260,17 +260,57 @@ def _step_impl(setup: Setup, offload_opt: bool) -> OptimizerImpl:
                                     program_impl=setup.program.optimizer_impl).impl
 
 
+def _trainer_param_groups(setup: Setup) -> bool:
+    """Does DeepSpeed step the Trainer's AdamW, with its two param groups (transformers trainer.py
+    `create_optimizer`): the parameters with weight decay, then those without
+    (`get_decay_parameter_names`: biases and norms)? DeepSpeed's config optimizer and the plain
+    loop's client optimizer take the parameters as one group."""
+    return setup.deepspeed.client_optimizer and setup.program.recipe == Recipe.HF_TRAINER
+
+
+def _decays(name: str) -> bool:
+    """In the Trainer's weight-decay group? (trainer.py `get_decay_parameter_names`: not a norm's, not a bias)"""
+    return "norm" not in name and not name.endswith("bias")
+
+
 def _first_param_group(facts: ModelFacts, setup: Setup) -> int:
-    """Trainable elements of the first param group of the optimizer DeepSpeed steps. The Trainer's
-    AdamW has two (transformers trainer.py `create_optimizer`): the parameters with weight decay,
-    then those without (`get_decay_parameter_names`: biases and norms); DeepSpeed's config
-    optimizer and the plain loop's client optimizer take the parameters as one group."""
-    if not (setup.deepspeed.client_optimizer and setup.program.recipe == Recipe.HF_TRAINER):
+    """Trainable elements of the first param group of the optimizer DeepSpeed steps (`_trainer_param_groups`)."""
+    if not _trainer_param_groups(setup):
         return facts.trainable_params
-    decay = sum(t.numel * g.count for g in facts.groups if not g.frozen for t in g.tensors
-                if "norm" not in t.name and not t.name.endswith("bias"))
+    decay = sum(t.numel * g.count for g in facts.groups if not g.frozen for t in g.tensors if _decays(t.name))
     # engine.py `_configure_optimizer` drops an empty group: then the other is the only one
     return decay or facts.trainable_params
+
+
+@memo(maxsize=4096)  # one walk over the tensors per (model, N, sub_group_size, groups), not per estimate
+def _sub_groups_of(facts: ModelFacts, n: int, sub_group_size: int, trainer_groups: bool) -> tuple[int, ...]:
+    """Elements of each optimizer sub-group of a rank's stage-3 partition, in the order `step` takes
+    them, exactly as stage3.py `_create_fp16_partitions_with_defragmentation` ->
+    `_create_fp16_sub_groups` cuts each param group (in parameter order) from the tensors'
+    `partition_numel()` (ceil(n_t / N), partition_parameters.py `_partition_param`)."""
+    if trainer_groups:  # the Trainer's decay group, then its no-decay group (`_trainer_param_groups`)
+        tensors = [t for g in facts.groups for _ in range(g.count) for t in g.trainable_tensors]
+        ordered = [t.numel for t in tensors if _decays(t.name)], [t.numel for t in tensors if not _decays(t.name)]
+        param_groups = [group for group in ordered if group]  # engine.py `_configure_optimizer` drops an empty group
+    else:
+        param_groups = [facts.trainable_numels()]
+    sizes: list[int] = []
+    for group in param_groups:
+        parts = [ceil_div(numel, n) for numel in group]
+        if sub_group_size >= sum(parts):  # the whole param group is one sub-group
+            sizes.append(sum(parts))
+            continue
+        # a sub-group closes once it holds sub_group_size elements (so it can hold up to one
+        # tensor's partition, less one element, more), or at the group's last tensor
+        filled = 0
+        for part in parts:
+            filled += part
+            if filled >= sub_group_size:
+                sizes.append(filled)
+                filled = 0
+        if filled:
+            sizes.append(filled)
+    return tuple(sizes)
 
 
 def _step_temporaries(run: _Run, largest: int, total: int) -> int:
@@ -960,8 +1000,9 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
     grad_partitions = named("gradient partitions (grad_partitions_flat_buffer)", p3 * b)
     # `_setup_for_real_optimizer`: one bucket in the communication dtype, not doubled by overlap.
     bucket = named("reduce bucket (ipg buffer)", knobs.reduce_bucket_size * b)
-    # the step's `.to(fp32)` (optimizer offload keeps its own from init: `offload_grads`)
-    fp32_grad = named("fp32 gradient partition (fp32_partitioned_groups_flat .grad)", p3 * FP32_BYTES)
+    # `step` works one sub-group at a time (`_create_fp16_sub_groups`)
+    sub_groups = _sub_groups(run)
+    sub_group = max(sub_groups, default=0)
 
     on_device_opt = not run.offload_opt or run.cpu_run
     on_device_par = not run.offload_par or run.cpu_run
@@ -983,19 +1024,16 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
         base = {"params": partitions_dev + persist, "optimizer_states": opt(master + held),
                 "grads": opt(grad_partitions + offload_grads), "buffers": bucket}
         # `step`: all parameters are released, persistent ones included, and re-gathered after
-        # the update. `_prepare_fp32_grad_for_sub_group`: flatten(averaged_gradients).to(fp32)
-        # as the sub-group's .grad (an extra P3 x b flatten when b != 4), then the optimizer
-        # steps the sub-group (torch AdamW: two temporaries of the sub-group).
-        sub_group = _largest_sub_group(run, p3)
+        # the update. Without optimizer offload, one sub-group after the other (`_stage3_sub_group_steps`).
         stepping_base = dict(base, params=partitions_dev)
         if run.offload_opt:
             stepping = dict(stepping_base, optimizer_states=opt(master + states))
         else:
-            flat_grad = named("flat gradient partition (flatten(averaged_gradients))", p3 * b) if b != FP32_BYTES else 0
-            convert = dict(stepping_base, grads=grad_partitions + fp32_grad, temporaries=flat_grad)
-            update = dict(stepping_base, optimizer_states=master + states, grads=grad_partitions + fp32_grad,
-                          temporaries=_step_temporaries(run, sub_group, sub_group))
-            stepping = largest_point(convert, update)
+            # the first step creates the states sub-group by sub-group; later ones hold them all,
+            # so the largest sub-group is the step's largest moment
+            order = sub_groups if step == Step.FIRST else (sub_group,)
+            stepping = largest_point(*_stage3_sub_group_steps(run, stepping_base, master, grad_partitions, order,
+                                                              states if step == Step.STEADY else None))
         after = dict(base, params=partitions_dev + named("persistent parameters (ds_persist)", persistent * b),
                      optimizer_states=opt(master + states))
         steps.append(_StepMoments(step, base, None, phase(step, Phase.OPTIMIZER_STEP, **largest_point(stepping, after))))
@@ -1005,8 +1043,8 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
     # is whole on the GPU before `deepspeed.initialize` partitions it (`_built_whole`). Then
     # `_create_fp16_partitions_with_defragmentation` copies the partitions into one buffer (on the
     # host with offload_param: `param_groups_fp16_flat_cpu_memory`), `_create_fp32_partitions`, and
-    # `initialize_optimizer_states` makes a P3 x 4 zero gradient (temporary without offload) before
-    # the bucket and gradient partitions.
+    # `initialize_optimizer_states` makes a zero gradient of the largest sub-group in fp32
+    # (`gradient_buffer`, temporary without offload) before the bucket and gradient partitions.
     if run.setup.program.model_init == ModelInit.ZERO_INIT:
         built = {"params": partitions_dev + named("tensor being partitioned (zero.Init)", run.layout.largest * b)}
     else:
@@ -1014,13 +1052,39 @@ def _stage3_fixed(run: _Run) -> _Fixed3:
     # the partitions, and their copy into one buffer
     defrag = {"params": partitions_dev + (named("parameter partitions before defragmentation (ds_tensor)", p3_all * b)
                                           if on_device_par else 0)}
-    zero_grad = named("initial step zero gradient (initialize_optimizer_states)", p3 * FP32_BYTES)
+    zero_grad = named("initial step zero gradient (initialize_optimizer_states)", sub_group * FP32_BYTES)
     opt_init = {"params": partitions_dev, "optimizer_states": opt(master),
                 "temporaries": 0 if run.offload_opt else opt(zero_grad), "grads": opt(offload_grads)}
     first_base = steps[0].during
     init = phase(Step.FIRST, Phase.INIT, **largest_point(built, defrag, opt_init, dict(first_base, params=partitions_dev)))
     host = _stage3_host(run, p3, partitions, master + states, grad_partitions + offload_grads)
     return _Fixed3(init, tuple(steps), host, walk)
+
+
+def _stage3_sub_group_steps(run: _Run, base: Point, master: int, grad_partitions: int, order: tuple[int, ...],
+                            held: int | None) -> list[Point]:
+    """The moments of stage3.py `step`'s loop over the sub-groups of `order` (elements each), without
+    optimizer offload; `held`: the optimizer states of every sub-group, there from the start (steps 2
+    on), or None: the first step, which creates them as it goes.
+
+    Per sub-group: `_prepare_fp32_grad_for_sub_group` builds flatten(averaged_gradients) (a copy in
+    the model dtype) and `.to(fp32)` of it as the sub-group's .grad (the same tensor when b = 4);
+    `_optimizer_step` steps it, torch's AdamW creating the sub-group's states at its first step
+    (`_init_group`) and allocating its temporaries; `_release_sub_group` sets the .grad to None
+    before the next sub-group. `averaged_gradients[i]` are views of `grad_partitions_flat_buffer`
+    (`independent_gradient_partition_epilogue`: `__param_id_to_grad_partition`), so setting them to
+    None frees nothing: that buffer stays whole."""
+    moments: list[Point] = []
+    for before, size in zip(accumulate(order, initial=0), order):
+        fp32_grad = named("fp32 gradient partition (fp32_partitioned_groups_flat .grad)", size * FP32_BYTES)
+        flat_grad = named("flat gradient partition (flatten(averaged_gradients))", size * run.b) if run.b != FP32_BYTES else 0
+        grads = grad_partitions + fp32_grad
+        states_before = held if held is not None else _states(run, before)
+        states_after = held if held is not None else _states(run, before + size)
+        moments.append(dict(base, optimizer_states=master + states_before, grads=grads, temporaries=flat_grad))
+        moments.append(dict(base, optimizer_states=master + states_after, grads=grads,
+                            temporaries=_step_temporaries(run, size, size)))
+    return moments
 
 
 def _built_whole(run: _Run) -> int:
@@ -1036,10 +1100,13 @@ def _built_whole(run: _Run) -> int:
     return named("whole module parameters before partitioning", run.total * built) + cast
 
 
-def _largest_sub_group(run: _Run, p3: int) -> int:
-    """Elements of the largest optimizer sub-group of a rank's P3-element partition."""
-    # stage3.py `_create_fp16_sub_groups`: tensors join a sub-group until it holds sub_group_size elements
-    return min(p3, max(run.setup.deepspeed.sub_group_size, ceil_div(run.layout.largest, run.n)))
+def _sub_groups(run: _Run) -> tuple[int, ...]:
+    """Elements of each optimizer sub-group of a rank's partition, in step order (`_sub_groups_of`)."""
+    return _sub_groups_of(run.facts, run.n, run.setup.deepspeed.sub_group_size, _trainer_param_groups(run.setup))
+
+
+def _largest_sub_group(run: _Run) -> int:
+    return max(_sub_groups(run), default=0)
 
 
 def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int) -> tuple[int, int]:
@@ -1060,7 +1127,7 @@ def _stage3_host(run: _Run, p3: int, partitions: int, optimizer: int, grads: int
         host += optimizer + grads
     elif run.setup.offload_optimizer == Offload.NVME:
         nvme += optimizer
-        swap = OPTIMIZER_SWAP_BUFFERS * _largest_sub_group(run, p3) * FP32_BYTES
+        swap = OPTIMIZER_SWAP_BUFFERS * _largest_sub_group(run) * FP32_BYTES
         host += grads + named("optimizer swap buffers (NVMe)", swap)
     if run.setup.offload_params == Offload.CPU:
         host += partitions
