@@ -9,9 +9,9 @@ its reason. Only a missed target counts as the expected failure: a measurement t
 """
 
 import warnings
-from pathlib import Path
 
 import pytest
+from tests.paths import REPO
 
 pytest.importorskip("torch")
 
@@ -25,7 +25,7 @@ from zeroplan.report.accuracy import miss_texts, row_line  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-REASONS = v.load_reasons(Path(__file__).resolve().parent.parent / "docs" / "accuracy_reasons.toml")
+REASONS = v.load_reasons(REPO / "docs" / "accuracy_reasons.toml")
 TIMEOUT_S = 120  # per row; a healthy one takes 3-10 s on 2 cores with forked workers (measure/worker_server.py)
 
 

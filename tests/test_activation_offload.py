@@ -3,7 +3,7 @@ measure runs it, and as the estimate counts it."""
 
 import pytest
 
-from grid_rows import assert_peaks_within_targets, measure_row_comparison
+from tests.grid_rows import assert_peaks_within_targets, measure_row_comparison
 
 from zeroplan.estimate import estimate
 from zeroplan.estimate.activations.transformer import activation_bytes

@@ -9,7 +9,6 @@ terms must vanish for every model that leaves the family fields at their default
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -17,6 +16,7 @@ import zeroplan.estimate.activations.families as families
 from zeroplan.estimate.activations.transformer import activation_bytes
 from zeroplan.importers.catalog import list_models, resolve_model
 from zeroplan.measure.grid import Row, row_specs
+from tests.paths import DATA
 
 CASES = [
     ("qwen3-tiny", "fused"), ("qwen3-tiny", "eager"),
@@ -24,8 +24,8 @@ CASES = [
     ("gemma3-tiny", "fused"), ("gemma3-tiny", "eager"),
     ("olmo2-tiny", "fused"), ("olmo2-tiny", "eager"),
     ("phi4-tiny", "fused"), ("phi4-tiny", "eager"),
-    (str(Path(__file__).parent / "data" / "phi3-mha-tiny.toml"), "fused"),  # phi-3-mini's attention: no GQA
-    (str(Path(__file__).parent / "data" / "phi3-mha-tiny.toml"), "eager"),
+    (str(DATA / "phi3-mha-tiny.toml"), "fused"),  # phi-3-mini's attention: no GQA
+    (str(DATA / "phi3-mha-tiny.toml"), "eager"),
 ]
 
 

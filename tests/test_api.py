@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -15,8 +14,8 @@ from click.testing import CliRunner
 import zeroplan
 from zeroplan.cli import cli
 from zeroplan.errors import FieldError, MissingDependencyError, SpecError, ZeroplanError
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _cli_json(*args: str) -> str:

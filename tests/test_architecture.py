@@ -13,8 +13,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from tests.paths import REPO
 
-PACKAGE = Path(__file__).resolve().parent.parent / "zeroplan"
+PACKAGE = REPO / "zeroplan"
 
 # part -> the parts it may import (besides itself). `errors` is the one shared module at the root.
 # The report layer formats results: it may read the estimate's result types, not the estimator.

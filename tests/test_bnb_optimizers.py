@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import tomllib
 import weakref
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -21,8 +20,8 @@ from zeroplan.estimate.engines.bnb_optim import StateTensor, cpu_step_temporary_
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.options import training_spec_from_options
 from zeroplan.spec.training import Optimizer, TrainingSpec
+from tests.paths import DATA
 
-DATA = Path(__file__).resolve().parent / "data"
 SIZES = (64, 4095, 4096, 4097, 8192 + 17, 100_000)  # around min_8bit_size (4096) and a block of 256
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import statistics
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -20,8 +19,9 @@ from zeroplan.plan.calibrate import calibrate, measured_step_seconds
 from zeroplan.plan.rates import rates_for
 from zeroplan.plan.step_time import step_time
 from zeroplan.spec.training import TrainingSpec
+from tests.paths import DATA
 
-MEASURED = Path(__file__).resolve().parent / "data" / "measure" / "tiny-llama-fsdp2-cpu.json"
+MEASURED = DATA / "measure" / "tiny-llama-fsdp2-cpu.json"
 
 
 def _measure() -> dict:

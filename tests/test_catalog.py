@@ -14,8 +14,8 @@ from zeroplan.estimate.model.layout import param_layout
 from zeroplan.importers.catalog import list_models, params_model, resolve_model
 from zeroplan.errors import SpecError, UnknownModelError
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SYNTHETIC = {"tiny-llama", "tiny-gpt2", "llama-100m", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "olmo2-tiny", "phi4-tiny",
              "qwen3moe-tiny", "dsv3-tiny", "gptoss-tiny"}
 

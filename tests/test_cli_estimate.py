@@ -30,8 +30,8 @@ from zeroplan.estimate.result import (
 )
 from zeroplan.spec.model import ParamCountSpec, TransformerSpec
 from zeroplan.spec.training import TrainingSpec
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
 
 

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from zeroplan.estimate.model.layout import param_layout
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.cli import cli
-from worker_processes import SPAWNED, alive, recording
+from tests.worker_processes import SPAWNED, alive, recording
 
 TIMEOUT = "120"  # seconds per run; a healthy run takes a few seconds
 RUN = ["--precision", "fp32", "--micro-batch", "1", "--seq-len", "32", "--steps", "2", "--timeout", TIMEOUT,

@@ -5,13 +5,12 @@ by bench/estimate_speed.py, as a ratio to importing the libraries (tests assert 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import click
 
 from zeroplan.cli import COMMANDS, cli
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
 # A fresh interpreter: this test process has imported every command already.
 HELP = """

@@ -26,7 +26,7 @@ def test_nothing_is_patched_without_a_gloo_process_group():
                                     "tiny-llama/fsdp2-3/fp32/nockpt/1x64/w2/hf-trainer"])
 def test_the_trainer_s_fsdp2_at_1x64_peaks_alike_on_both_ranks(row_id):
     pytest.importorskip("transformers")
-    from grid_rows import assert_peaks_within_targets, measure_row_comparison
+    from tests.grid_rows import assert_peaks_within_targets, measure_row_comparison
 
     comparison, record = measure_row_comparison(row_id)
     assert_peaks_within_targets(comparison)

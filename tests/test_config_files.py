@@ -20,8 +20,9 @@ from zeroplan.importers.deepspeed_json import BF16_KEYS, FP16_KEYS, ZERO_KEYS
 from zeroplan.importers.values import OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS
 from zeroplan.errors import SpecError
 from zeroplan.spec.training import TrainingSpec
+from tests import paths
 
-DATA = Path(__file__).parent / "data" / "configs"
+DATA = paths.DATA / "configs"
 
 
 def write(tmp_path: Path, name: str, content: object) -> Path:

@@ -21,6 +21,7 @@ from zeroplan.importers.colossalai_py import _INT_KNOBS as COLOSSALAI_INT_KEYS
 from zeroplan.importers.colossalai_py import _LEVEL_KEYS as COLOSSALAI_LEVEL_KEYS
 from zeroplan.importers.deepspeed_json import BF16_KEYS, FP16_KEYS, ZERO_KEYS
 from zeroplan.importers.values import OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS
+from tests.paths import DATA, REPO
 
 FUZZ = settings(max_examples=120, deadline=timedelta(seconds=5), derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -260,7 +261,6 @@ def test_random_bytes_as_toml_or_yaml_or_unnamed_never_escape(content):
 from zeroplan.importers.deepspeed_json import TOP_LEVEL_KEYS as DEEPSPEED_TOP_KEYS  # noqa: E402
 from zeroplan.importers.torchtitan_toml import TORCHTITAN_SECTIONS  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data"
 _KNOWN = (DEEPSPEED_TOP_KEYS | ZERO_KEYS | FP16_KEYS | BF16_KEYS | ACCELERATE_KEYS | FSDP_KEYS | ACCELERATE_DEEPSPEED_KEYS
           | TORCHTUNE_KEYS | TORCHTITAN_SECTIONS | set(_colossalai_keys))
 # a key no reader knows: lower-case words, as a typo or an invented option would be
@@ -335,7 +335,7 @@ def test_an_unknown_lora_or_model_spec_key_is_refused(key):
         adapter.write_text(json.dumps({"r": 8, "target_modules": ["q_proj"], key: 1}))
         refused_or_warned(CliRunner().invoke(cli, ["estimate", "llama-100m", "--lora", str(adapter)]), key)
         spec = Path(folder) / "model.toml"
-        spec.write_text((Path(__file__).resolve().parent.parent / "model_specs" / "tiny-llama.toml").read_text()
+        spec.write_text((REPO / "model_specs" / "tiny-llama.toml").read_text()
                         + f"\n{key} = 1\n")
         refused_or_warned(CliRunner().invoke(cli, ["estimate", str(spec)]), key)
 

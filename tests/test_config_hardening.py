@@ -16,8 +16,8 @@ from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.options import training_spec_from_options
 from zeroplan.importers.training_config import read_training_config, write_deepspeed_config
 from zeroplan.spec.training import TrainingSpec
+from tests.paths import DATA
 
-DATA = Path(__file__).parent / "data"
 CONFIGS = DATA / "configs"
 GIB = 2**30
 

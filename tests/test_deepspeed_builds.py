@@ -19,14 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from worker_processes import alive
+from tests.worker_processes import alive
 from zeroplan.errors import MeasureError
 from zeroplan.measure import deepspeed_build
 from zeroplan.measure.deepspeed_build import ops_for
 from zeroplan.measure.processes import exit_status, kill_sessions, remove_stale_lock, spawn, working_in
 from zeroplan.spec.training import TrainingSpec
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 BOUND_S = 60  # waits below end in a second or two; a hang exceeds this
 
 

@@ -15,6 +15,7 @@ from zeroplan.estimate.activations.transformer import activation_bytes, memory_c
 from zeroplan.estimate.result import Step
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import Checkpointing, TrainingSpec
+from tests.paths import REPO
 
 GPT2 = resolve_model("tiny-gpt2")  # h 128, 4 heads, 2 layers; its config sets no dropout
 H, HEADS, LAYERS = GPT2.hidden_size, GPT2.num_heads, GPT2.num_layers
@@ -151,12 +152,10 @@ def test_forward_keeps_what_the_estimate_adds(attention):
 
 
 def test_a_spec_file_with_dropout_on_a_missing_layer_is_one_line(tmp_path):
-    from pathlib import Path
-
     from zeroplan.errors import SpecError
 
     path = tmp_path / "llama.toml"
-    catalogue = Path(__file__).resolve().parent.parent / "model_specs" / "llama-2-7b.toml"
+    catalogue = REPO / "model_specs" / "llama-2-7b.toml"
     path.write_text(catalogue.read_text().replace("attention_dropout = 0.0", "residual_dropout = 0.1"))
     with pytest.raises(SpecError, match="residual_dropout: llama models have no residual dropout layer"):
         resolve_model(str(path))

@@ -146,7 +146,7 @@ def test_units_match_torch_s_flat_parameters(world, use_orig):
                                     "tiny-llama/fsdp1-3/bf16/nockpt/2x128/w2/orig"])
 def test_measured_loop_within_targets(row_id):
     pytest.importorskip("transformers")
-    from grid_rows import assert_peaks_within_targets, measure_row_comparison
+    from tests.grid_rows import assert_peaks_within_targets, measure_row_comparison
 
     comparison, _ = measure_row_comparison(row_id)
     assert_peaks_within_targets(comparison)

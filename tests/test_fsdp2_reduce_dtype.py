@@ -4,7 +4,7 @@ it, against the definition of the reduce-scatter input, and on 2 gloo ranks agai
 
 import pytest
 
-from grid_rows import assert_peaks_within_targets, measure_row_comparison
+from tests.grid_rows import assert_peaks_within_targets, measure_row_comparison
 
 from zeroplan.estimate import estimate
 from zeroplan.estimate.dtypes import FP32_BYTES, HALF_BYTES

@@ -5,7 +5,7 @@ estimate against the definitions of FSDP2's units, and on 2 gloo ranks against a
 
 import pytest
 
-from grid_rows import assert_peaks_within_targets, measure_row_comparison
+from tests.grid_rows import assert_peaks_within_targets, measure_row_comparison
 
 from zeroplan.errors import SpecError
 from zeroplan.estimate import estimate

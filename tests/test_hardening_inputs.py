@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from zeroplan.cli import cli
+from tests.paths import DATA
 
-DATA = Path(__file__).resolve().parent / "data"
 LLAMA_2_7B = json.loads((DATA / "hf_configs" / "llama-2-7b.json").read_text())
 
 

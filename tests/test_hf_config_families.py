@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from zeroplan.errors import SpecError
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.hf_config import spec_from_hf_config
+from tests.paths import DATA
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = DATA / "hf_configs"
 
 
 def _config(name: str) -> dict:

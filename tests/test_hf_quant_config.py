@@ -4,7 +4,6 @@ packed storage against published checkpoint sizes, the methods read but not mode
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -17,8 +16,9 @@ from zeroplan.importers.hf_config import vision_tower_params
 from zeroplan.importers.hf_quant_config import quant_from_checkpoint
 from zeroplan.spec.lora import QuantSpec
 from zeroplan.spec.training import TrainingSpec
+from tests import paths
 
-DATA = Path(__file__).resolve().parent / "data" / "hf_configs"
+DATA = paths.DATA / "hf_configs"
 LLAMA = json.loads((DATA / "llama-3-8b.json").read_text()) if (DATA / "llama-3-8b.json").exists() else None
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import re
 import signal
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -23,8 +22,9 @@ from zeroplan.importers.catalog import resolve_model
 from zeroplan.measure import host_memory
 from zeroplan.measure.host_memory import HostAvailable, HostNeed, check_fits, killed_message, oom_kill_record, run_need
 from zeroplan.spec.training import TrainingSpec
+from tests import paths
 
-DATA = Path(__file__).resolve().parent / "data" / "configs"
+DATA = paths.DATA / "configs"
 GIB = 2**30
 
 

@@ -20,10 +20,10 @@ from click.testing import CliRunner
 
 from zeroplan.cli import cli
 from zeroplan.report.html.page import CATEGORY_COLORS
+from tests.paths import REPO
 
 CHROMIUM = next((found for name in ("chromium", "chromium-browser") if (found := shutil.which(name))), None)
 NO_CHROMIUM = "headless Chromium is not installed (Debian: apt-get install chromium; .ci/run installs it where apt-get exists)"
-REPO = Path(__file__).resolve().parent.parent
 
 # nothing reaches a network: every proxied request goes to a closed port and no name resolves
 OFFLINE = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from zeroplan.errors import FieldError
+from tests.paths import TESTS
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -26,9 +27,9 @@ pytest.importorskip("transformers")
 from zeroplan.measure.comparison import TARGETS  # noqa: E402
 from zeroplan.measure.processes import child_env, exit_status, kill_sessions, spawn  # noqa: E402
 
-from worker_processes import alive  # noqa: E402
+from tests.worker_processes import alive  # noqa: E402
 
-PROGRAM = Path(__file__).resolve().parent / "live_program.py"
+PROGRAM = TESTS / "live_program.py"
 DEADLINE_S = 300  # a 3-step tiny-llama run takes 10-30 s per process on 2 busy cores
 
 

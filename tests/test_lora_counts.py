@@ -7,7 +7,6 @@ zeroplan's count for every target set."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +16,9 @@ from zeroplan.estimate.adapters.lora import adapter_params, lora_layout, quantiz
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.hf_config import spec_from_hf_config
 from zeroplan.spec.lora import LoraSpec, QuantSpec
+from tests.paths import DATA
 
-HF_CONFIGS = sorted((Path(__file__).parent / "data" / "hf_configs").glob("*.json"))
+HF_CONFIGS = sorted((DATA / "hf_configs").glob("*.json"))
 
 # the attention projections each family's PEFT default targets (peft/utils/constants.py
 # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)

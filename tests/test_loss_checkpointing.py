@@ -9,7 +9,7 @@ the estimate against a measurement of the same program (steady peak 3%, first st
 
 import pytest
 
-from grid_rows import assert_peaks_within_targets, measure_row_comparison
+from tests.grid_rows import assert_peaks_within_targets, measure_row_comparison
 
 from zeroplan.estimate import estimate
 from zeroplan.estimate.activations.transformer import _op_saved_per_token, Widths, activation_bytes

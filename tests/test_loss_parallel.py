@@ -4,15 +4,14 @@ estimate against the grid's loss-parallel rows (a 16k vocabulary, where the loss
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from zeroplan.estimate import estimate_mesh
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec
+from tests.paths import DATA, REPO
 
-_DATA = Path(__file__).parent / "data"
+_DATA = DATA
 
 
 @pytest.fixture
@@ -93,7 +92,7 @@ def test_the_accounting_counts_the_shards_loss_parallel_handlers_allocate(tmp_pa
     import sys
 
     pytest.importorskip("torch")
-    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_loss_parallel as t; "
+    code = (f"import importlib, json, sys; sys.path.insert(0, {str(REPO)!r}); t = importlib.import_module({__name__!r}); "
             f"print(json.dumps(t.count_loss_parallel({str(tmp_path / 'store')!r})))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -18,7 +18,7 @@ from zeroplan.measure import launcher  # noqa: E402
 from zeroplan.measure.accounting import TensorAccounting  # noqa: E402
 from zeroplan.measure.allocator_replay import replay_summary  # noqa: E402
 from zeroplan.spec.training import TrainingSpec  # noqa: E402
-from worker_processes import workers_recorded  # noqa: E402
+from tests.worker_processes import workers_recorded  # noqa: E402
 
 FLOAT32 = 4
 

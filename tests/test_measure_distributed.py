@@ -28,7 +28,7 @@ from zeroplan.measure import launcher, worker_server  # noqa: E402
 from zeroplan.measure.worker import FAULT_ENV  # noqa: E402
 from zeroplan.measure.processes import remove_dead_run_folders  # noqa: E402
 from zeroplan.spec.training import TrainingSpec  # noqa: E402
-from worker_processes import SPAWNED, alive, workers_recorded  # noqa: E402
+from tests.worker_processes import SPAWNED, alive, workers_recorded  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from zeroplan.importers.catalog import resolve_model  # noqa: E402
 from zeroplan.measure import launcher  # noqa: E402
 from zeroplan.spec.training import TrainingSpec  # noqa: E402
-from worker_processes import workers_recorded  # noqa: E402
+from tests.worker_processes import workers_recorded  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

@@ -23,8 +23,8 @@ from click.testing import CliRunner
 
 from zeroplan.cli import cli
 from zeroplan.measure.processes import child_env, exit_status, kill_sessions, spawn
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 RUN = ["measure", "tiny-llama", "--engine", "torch", "--zero", "0", "--precision", "fp32", "--micro-batch", "1",
        "--seq-len", "32", "--steps", "2", "--implementation", "reference", "--timeout", "120", "--nproc", "1"]
 BOUND_S = 240

@@ -6,13 +6,12 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from zeroplan.measure import context
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
 # Runs in a fresh interpreter: this test process may have imported torch already. The run itself
 # is replaced by one that returns a made-up result, so that everything else the parent does (the

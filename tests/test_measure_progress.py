@@ -11,13 +11,12 @@ import select
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from zeroplan.cli.progress import MeasureProgress, StatusLine, bar
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 RUN = ["measure", "tiny-llama", "--engine", "torch", "--zero", "0", "--nproc", "2", "--precision", "fp32",
        "--micro-batch", "1", "--seq-len", "32", "--steps", "2", "--implementation", "reference", "--format", "json",
        "--timeout", "120"]

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from zeroplan.estimate import estimate_mesh
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec
+from tests.paths import DATA
 
 
 def _training(gpus: int, grad_accum: int = 1, precision: str = "fp32", zero_stage: int = 3, **mesh) -> TrainingSpec:
@@ -47,7 +47,7 @@ def test_tensor_parallelism_alone_holds_no_fsdp2_buffers():
     assert all(phase.categories.buffers == 0 for phase in rank.estimate.phases)
 
 
-_TINY_LLAMA_4L = str(Path(__file__).parent / "data" / "tiny-llama-4l.toml")
+_TINY_LLAMA_4L = str(DATA / "tiny-llama-4l.toml")
 
 
 @pytest.mark.parametrize("gpus,schedule,measured", [

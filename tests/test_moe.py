@@ -6,7 +6,6 @@ models and the published totals are in tests/test_param_counts.py."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -17,8 +16,9 @@ from zeroplan.estimate.model.facts import model_facts
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.hf_config import spec_from_hf_config
 from zeroplan.spec.training import TrainingSpec
+from tests.paths import DATA
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = DATA / "hf_configs"
 
 
 def _config(name: str, **changes) -> dict:

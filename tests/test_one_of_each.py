@@ -17,8 +17,9 @@ from zeroplan.errors import SpecError
 from zeroplan.estimate.result import CATEGORY_NAMES, TENSOR_CATEGORIES, CategoryBytes
 from zeroplan.spec.training import TrainingSpec
 from zeroplan.spec.validation import describe_validation_error
+from tests.paths import REPO
 
-PACKAGE = Path(__file__).resolve().parent.parent / "zeroplan"
+PACKAGE = REPO / "zeroplan"
 
 
 # -- the category list ---------------------------------------------------------------------------

@@ -18,8 +18,9 @@ from click.testing import CliRunner
 from zeroplan.cli import cli
 from zeroplan.errors import SpecError
 from zeroplan.spec.files import writable_file, write_atomic
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 PLAN = ["plan", "llama-2-7b", "--gpu", "h100-80gb", "--gpus", "8"]
 
 

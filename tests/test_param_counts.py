@@ -17,6 +17,7 @@ import pytest
 from zeroplan.estimate.model.layout import param_layout
 from zeroplan.importers.catalog import list_models, resolve_model
 from zeroplan.importers.hf_config import SUPPORTED_MODEL_TYPES, spec_from_hf_config
+from tests.paths import DATA
 
 # Exact totals as published (Hugging Face Hub safetensors metadata; GPT-2: transformers'
 # GPT2LMHeadModel.num_parameters(), the head tied to the token embedding).
@@ -53,7 +54,7 @@ QWEN3_MODEL_CARDS = {"qwen3-0.6b": (0.6, 0.44), "qwen3-1.7b": (1.7, 1.4), "qwen3
 # (the catalogue entry) plus the SigLIP vision tower and projector of its config.json.
 GEMMA3_IMAGE_TEXT_TOTALS = {"gemma-3-4b": 4_300_079_472, "gemma-3-12b": 12_187_325_040, "gemma-3-27b": 27_432_406_640}
 
-HF_CONFIGS = sorted((Path(__file__).parent / "data" / "hf_configs").glob("*.json"))
+HF_CONFIGS = sorted((DATA / "hf_configs").glob("*.json"))
 
 
 def _read(path: Path) -> dict:
@@ -107,7 +108,7 @@ def test_gemma3_language_model_plus_vision_tower_is_the_published_total(name, to
     text = {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
             "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
             "vocab_size": spec.vocab_size, "sliding_window": spec.sliding_window}
-    vision = _read(Path(__file__).parent / "data" / "hf_configs" / "gemma-3-4b.json")["vision_config"]  # the same in all three
+    vision = _read(DATA / "hf_configs" / "gemma-3-4b.json")["vision_config"]  # the same in all three
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=256)
     with torch.device("meta"):
         model = transformers.Gemma3ForConditionalGeneration(config)

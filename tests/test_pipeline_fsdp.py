@@ -4,7 +4,6 @@ against what torch 2.13.0 did on 4 gloo ranks (pp 2 x 2 virtual stages x dp_shar
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -13,8 +12,9 @@ from zeroplan.estimate.parallel.pipeline_fsdp import resharded_stages
 from zeroplan.estimate.parallel.pipeline_schedule import ChunkBytes, inputs_only_backwards, looped_peak, looped_rank_actions
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec
+from tests.paths import DATA
 
-_TINY_LLAMA_4L = str(Path(__file__).parent / "data" / "tiny-llama-4l.toml")
+_TINY_LLAMA_4L = str(DATA / "tiny-llama-4l.toml")
 
 
 def _training(gpus: int, zero_stage: int = 3) -> TrainingSpec:

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from zeroplan.estimate import estimate_mesh
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.training import TrainingSpec
+from tests.paths import DATA
 
-_TINY_LLAMA_4L = str(Path(__file__).parent / "data" / "tiny-llama-4l.toml")
+_TINY_LLAMA_4L = str(DATA / "tiny-llama-4l.toml")
 
 
 def test_zero_bubble_second_rank_reports_the_four_chunks_measured_at_its_peak():

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import statistics
 import sys
-from pathlib import Path
 
 import pytest
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 import published_gpu_memory as table  # noqa: E402  bench/published_gpu_memory.py: the one comparison

@@ -1,8 +1,8 @@
 """The README's first screen and .ci/run stay in step: CI runs exactly the test command users see."""
 
-from pathlib import Path
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 def _command_lines(text: str) -> list[str]:

@@ -11,19 +11,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
-from worker_processes import alive
+from tests.worker_processes import alive
 from zeroplan.measure import processes
 from zeroplan.measure.processes import process_start, remove_dead_run_folders, run_folder
+from tests.paths import REPO
 
 NS = str(os.stat("/proc/self/ns/pid").st_ino) if os.path.exists("/proc/self/ns/pid") else "0"  # our pid namespace
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 BOUND_S = 120  # a tiny run on 2 busy cores takes seconds; a hang exceeds this
 
 

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from zeroplan.estimate import estimate_mesh
 from zeroplan.estimate.model.facts import model_facts
@@ -12,8 +11,9 @@ from zeroplan.estimate.parallel.tp_embedding import with_replicated_embedding_gr
 from zeroplan.importers.catalog import resolve_model
 from zeroplan.spec.mesh import MeshSpec
 from zeroplan.spec.training import TrainingSpec
+from tests.paths import DATA
 
-_TINY_LLAMA_16K = str(Path(__file__).parent / "data" / "tiny-llama-16k.toml")
+_TINY_LLAMA_16K = str(DATA / "tiny-llama-16k.toml")
 
 
 def _training(tp: int = 2) -> TrainingSpec:

@@ -18,8 +18,9 @@ from zeroplan.importers.catalog import resolve_model
 from zeroplan.importers.torchtitan_toml import MODELS as TITAN_MODELS
 from zeroplan.importers.torchtune_yaml import MODELS as TUNE_MODELS
 from zeroplan.importers.training_config import load_training_config
+from tests import paths
 
-DATA = Path(__file__).parent / "data" / "configs"
+DATA = paths.DATA / "configs"
 
 
 def load(path: Path):
