@@ -18,7 +18,7 @@ moved (engine.py `_configure_distributed_model`); zero-init, partitioned as buil
 
 Speed (the planner asks thousands of times): what does not depend on the activations is built once
 per model and configuration (`_stage12_fixed`, `_stage3_fixed`), and the maxima along backward are evaluated
-only at the module groups that can hold them (`_contenders`); tests/test_deepspeed_profile_fast.py
+only at the module groups that can hold them (`_contenders`); tests/estimate/engines/test_deepspeed_profile_fast.py
 holds the result to the slow path that evaluates every group, over random models and configurations.
 """
 

@@ -42,8 +42,9 @@ def test_ddp_holds_the_same_bytes_whether_it_reduces_every_micro_batch_or_the_la
 @pytest.mark.parametrize("stage", [2, 3])
 def test_fsdp2_between_micro_batches_holds_unsharded_or_sharded_gradients(stage):
     """With set_requires_gradient_sync(False) the next micro-batch starts with every unsharded
-    gradient in the reduce dtype (fp32 in zeroplan's loop; the Trainer's bf16: test_fsdp2_reduce_dtype.py);
-    reducing every micro-batch, with the sharded ones only (`foreach_reduce` adds into the sharded .grad)."""
+    gradient in the reduce dtype (fp32 in zeroplan's loop; the Trainer's bf16:
+    tests/estimate/engines/test_fsdp2_reduce_dtype.py); reducing every micro-batch, with the sharded ones only
+    (`foreach_reduce` adds into the sharded .grad)."""
     gpus = 2
     fields = dict(engine="fsdp2", zero_stage=stage, gpus=gpus, grad_accum=2, seq_len=128, precision="bf16", recipe="plain")
     shard = _padded_shard(TINY, gpus)

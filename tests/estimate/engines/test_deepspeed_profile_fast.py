@@ -4,7 +4,7 @@ The profile skips module groups that cannot hold a backward peak (`_contenders`)
 does not depend on the activations per model and `Setup`. Over random small models and
 configurations, these tests compare it with the direct definition (every module group evaluated,
 every cache empty). That the definition itself matches DeepSpeed 0.19.8 is
-tests/test_accuracy_deepspeed.py's job (measured runs).
+tests/estimate/engines/test_deepspeed_accuracy.py's job (measured runs).
 """
 
 from __future__ import annotations

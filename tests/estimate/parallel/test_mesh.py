@@ -136,7 +136,7 @@ def test_experts_split_over_ep():
     whole = {t.name: t.numel for t in param_layout(model).block}
     block = {t.name: t.numel for t in next(g for g in facts.groups if g.role == "block").tensors}
     # ExpertParallel: Shard(0) over ep leaves each rank 1/ep of every fused expert tensor (FSDP2 then
-    # shards them over efsdp: tests/test_mesh_ep.py)
+    # shards them over efsdp: tests/estimate/parallel/test_experts.py)
     assert block["moe.experts.down_proj"] == whole["moe.experts.down_proj"] // 8
     assert estimate_mesh(model, training).worst.estimate.peak.categories.buffers > 0
 

@@ -1,7 +1,7 @@
 """Mixture of experts and latent attention (Qwen3-MoE, DeepSeek-V3, GPT-OSS): config.json import,
 bad input as one line naming the field, blocks of two kinds grouped in forward order, and the
 answers of `zeroplan estimate` for the big ones. Parameter counts against transformers' meta
-models and the published totals are in tests/test_param_counts.py."""
+models and the published totals are in tests/estimate/model/test_param_counts.py."""
 
 from __future__ import annotations
 
@@ -115,6 +115,6 @@ def test_deepspeed_zero3_gathers_a_whole_moe_layer_at_once():
     # ZeRO-3 fetches each module's own parameters before its forward: the experts module owns its
     # fused 3-D tensors, so one DeepSeek-V3 layer gathers all 256 experts (11.5e9 elements with
     # attention, router and shared expert: 21 GiB in bf16) however many ranks share them.
-    sparse_layer = 11_507_286_016  # tests/test_param_counts.py checks the block against transformers
+    sparse_layer = 11_507_286_016  # tests/estimate/model/test_param_counts.py checks the block against transformers
     buffers = _per_gpu("deepseek-v3", "--zero", "3", "--gpus", "256")["buffers"]
     assert buffers >= 2 * sparse_layer

@@ -84,7 +84,7 @@ def test_activations_grow_with_micro_batch_and_full_checkpointing_cuts_them():
 
 
 def test_eager_attention_adds_the_score_matrix():
-    model = resolve_model("gpt2")  # without its dropout: tests/test_dropout.py counts what that adds
+    model = resolve_model("gpt2")  # without its dropout: tests/estimate/activations/test_dropout.py counts what that adds
     fused = estimate(model, TrainingSpec(engine="torch", seq_len=1024, precision="fp32", attention="fused", dropout=0))
     eager = estimate(model, TrainingSpec(engine="torch", seq_len=1024, precision="fp32", attention="eager", dropout=0))
     extra = eager.peak.categories.activations - fused.peak.categories.activations

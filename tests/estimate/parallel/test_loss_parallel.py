@@ -85,8 +85,9 @@ def count_loss_parallel(store: str) -> list[tuple[int, int]]:
 
 
 def test_the_accounting_counts_the_shards_loss_parallel_handlers_allocate(tmp_path):
-    # in a fresh process: after torch.profiler has run in a process (test_compiled.py), the handlers' forward
-    # allocations reach the accounting one shard short (not understood; measure's workers never profile a mesh run)
+    # in a fresh process: after torch.profiler has run in a process (tests/estimate/activations/test_compiled.py), the
+    # handlers' forward allocations reach the accounting one shard short (not understood; measure's workers never
+    # profile a mesh run)
     import json
     import subprocess
     import sys
