@@ -230,7 +230,7 @@ GPT-2-like, tied embeddings):
   core recomputed) or eager attention (`/eager` in the id; every other row runs fused SDPA):
   fused and eager, with and without autocast (the torch engine's bf16), on both models, six of
   them at 1x1024 or 4x256 tokens, where eager attention's backward is a block's peak;
-- the CI slice (`--quick`, tests/test_accuracy_slice.py): the first row of torch 0, torch 1, fsdp2 2,
+- the CI slice (`--quick`, tests/measure/test_accuracy_slice.py): the first row of torch 0, torch 1, fsdp2 2,
   fsdp2 3 and deepspeed 2 with small buckets, tiny-llama fsdp2 3 on 8 simulated ranks, and
   tiny-llama fsdp2 2 with selective checkpointing of eager attention at 1x1024.
 

@@ -1,5 +1,5 @@
 """The accuracy harness without measuring: the grid's design, the distribution, the reasons file,
-the measurement cache and the report (the comparison itself: tests/test_comparison.py).
+the measurement cache and the report (the comparison itself: tests/measure/test_comparison.py).
 Hand-computed numbers throughout; no worker process is started."""
 
 import json

@@ -14,7 +14,7 @@ from zeroplan.spec.training import TrainingSpec  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-ADAPTER_PARAMS = 37_376  # rank 8 on tiny-llama's 14 linear layers: 8 x (in + out) each (tests/test_peft_model.py)
+ADAPTER_PARAMS = 37_376  # rank 8 on tiny-llama's 14 linear layers: 8 x (in + out) each (tests/measure/programs/test_peft_model.py)
 MODEL_PARAMS = 500_352  # tiny-llama without adapters
 
 
