@@ -1,6 +1,6 @@
 """`zeroplan measure`'s progress (issue 25, item 5): on a terminal, each rank's step and phase and
 DeepSpeed's builds on stderr, redrawn in place; otherwise nothing. The terminal is a pseudo-terminal
-(the standard library's `pty`); the run is 2 gloo ranks of tiny-llama, as tests/test_cli_measure.py's."""
+(the standard library's `pty`); the run is 2 gloo ranks of tiny-llama, as tests/cli/test_measure.py's."""
 
 from __future__ import annotations
 
