@@ -2,7 +2,7 @@
 
 Bad input: exit status 2, one `Error:` line naming the option, key or file and what to do, no traceback.
 Input read but not modelled: the estimate, with a note that says so. Files a command writes are in
-tests/test_output_files.py.
+tests/spec/test_output_files.py.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def test_hf_zero3_docs_style_auto(tmp_path):
                    stage3_gather_16bit_weights_on_model_save=True)
     config.update({"bf16": {"enabled": True}, "fp16": {"enabled": "auto"}, "train_batch_size": "auto",
                    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"})
-    # the Trainer fills the hidden-size "auto" values (tests/test_config_hardening.py)
+    # the Trainer fills the hidden-size "auto" values (tests/importers/test_odd_configs.py)
     assert ds(tmp_path, config, hidden_size=1024) == {
         "engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu",
         "precision": "bf16",
@@ -505,7 +505,7 @@ def _fully_shard_reshard(source: str) -> list[object]:
     (TrainingSpec(recipe="plain", engine="fsdp2", zero_stage=2, precision="pure-bf16", optimizer="sgd"), [False, False]),
 ])
 def test_fsdp2_snippet_compiles_and_reshards_by_stage(spec, reshard):
-    """The root form (units root: the plain recipe); units split: tests/test_fsdp2_emit.py."""
+    """The root form (units root: the plain recipe); units split: tests/importers/test_fsdp2_snippet.py."""
     source = write_fsdp2_snippet(spec)
     compile(source, "<fsdp2 plan>", "exec")
     assert _fully_shard_reshard(source) == reshard  # blocks, then root

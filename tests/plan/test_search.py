@@ -1,5 +1,5 @@
 """zeroplan plan: the search decides every configuration exactly as a full estimate would, ranks by the
-step-time model (tests/test_step_time.py checks its terms), never aborts on a candidate the spec refuses,
+step-time model (tests/plan/test_step_time.py checks its terms), never aborts on a candidate the spec refuses,
 says the smallest change that would fit when nothing does, and the emitted DeepSpeed config reads back to the
 same estimate."""
 

@@ -54,7 +54,7 @@ def test_hsdp_keeps_the_shard_groups_collectives_on_the_node_and_pays_an_all_red
     training = TrainingSpec(engine="fsdp2", zero_stage=3, gpus=32, seq_len=4096, recipe="torchtitan", grad_accum=4,
                             mesh=MeshSpec(tp=2, dp_replicate=4))
     hsdp, flat = _cost(model, training), _cost(model, training.varied(mesh=MeshSpec(tp=2)))
-    assert flat["hsdp all-reduce"] == 0 < hsdp["hsdp all-reduce"]  # its volume: tests/test_step_time.py
+    assert flat["hsdp all-reduce"] == 0 < hsdp["hsdp all-reduce"]  # its volume: tests/plan/test_step_time.py
     # the shard group of 4 x tp 2 stays in a node: its gathers and reduce-scatters run on NVLink, not the network
     assert hsdp["data parallel"] < flat["data parallel"]
 
