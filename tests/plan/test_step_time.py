@@ -2,7 +2,7 @@
 token (Kaplan et al. 2020; PaLM appendix B with the causal mask's half; FlashAttention's backward), each
 checkpointing policy's recomputation, the ZeRO paper's communication volumes on the links they cross (once), what
 overlaps them, the pipeline's bubble, and the knobs. The published throughput it is checked against is
-tests/test_throughput.py."""
+tests/project/test_published_throughput.py."""
 
 from __future__ import annotations
 

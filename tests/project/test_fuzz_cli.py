@@ -1,7 +1,7 @@
 """Property-based fuzzing of the command line (issue 10): random option values for estimate, compare
 and plan never produce a traceback, end with status 0 or 2 only, and with 2 print exactly one
 `Error:` line. Each call is bounded (the planner's searches are capped), and the whole test runs in
-seconds. Config documents are fuzzed in tests/test_fuzz_config.py.
+seconds. Config documents are fuzzed in tests/project/test_fuzz_config.py.
 """
 
 from __future__ import annotations
