@@ -5,7 +5,7 @@ Each scenario runs as a fresh `python -m zeroplan plan ...` process in this chec
 alternately, `--runs` times each); a process's time is its CPU time (user + system, from
 `resource.getrusage(RUSAGE_CHILDREN)`), with the wall clock beside it: on a shared machine the wall clock also
 counts waiting for a core. The plans themselves changed on purpose with the one step-time model (issue 24), so the
-two checkouts' outputs are not compared; tests/test_mesh_plan_speed.py checks that the search's shortcuts change
+two checkouts' outputs are not compared; tests/plan/test_mesh_speed.py checks that the search's shortcuts change
 no plan.
 
     python bench/plan_mesh_speed.py                                   # writes bench/plan_mesh_speed.md

@@ -1,5 +1,6 @@
 """The published throughput table of docs/throughput.md: every run of tests/data/throughput.toml priced by
-`zeroplan estimate --gpu`, with its error, the distribution and the rankings (tests/test_throughput.py checks them).
+`zeroplan estimate --gpu`, with its error, the distribution and the rankings
+(tests/project/test_published_throughput.py checks them).
 
     python bench/throughput_table.py             # rewrites the table between the markers of docs/throughput.md
     python bench/throughput_table.py --no-write  # prints it

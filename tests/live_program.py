@@ -1,4 +1,4 @@
-"""A user's training program, run by tests/test_live.py as 1 or 2 processes: a tiny Llama trained by the
+"""A user's training program, run by tests/measure/test_live.py as 1 or 2 processes: a tiny Llama trained by the
 transformers Trainer with `zeroplan.ZeroplanCallback()`, or by a plain loop (DDP on 2 ranks) under
 `zeroplan.track(model, optimizer)`. It writes what zeroplan reported to --output as JSON.
 

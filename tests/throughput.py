@@ -1,5 +1,5 @@
 """The published throughput table (tests/data/throughput.toml) priced by `zeroplan estimate --gpu`: shared by
-tests/test_throughput.py and bench/throughput_table.py (which writes the table of docs/throughput.md)."""
+tests/project/test_published_throughput.py and bench/throughput_table.py (which writes the table of docs/throughput.md)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from zeroplan import __version__
 from zeroplan.cli.group import LazyGroup
 
 # command name (its module under zeroplan.cli) -> the first sentence of its help, which
-# `zeroplan --help` lists without importing the command (tests/test_cli_startup.py holds them equal)
+# `zeroplan --help` lists without importing the command (tests/cli/test_startup.py holds them equal)
 COMMANDS = {
     "compare": "Compare the per-GPU memory of MODEL over ZeRO stages x GPU counts x offload targets: one row "
                "per configuration with its breakdown at the peak, host memory per node, the saving against ZeRO-0 "

@@ -19,7 +19,7 @@ from zeroplan.measure.validate import BACKENDS, DEFAULT_STEPS, DEFAULT_TIMEOUT_S
 @click.option("--rows", "patterns", metavar="PATTERN[,PATTERN]",
               help="Only the rows whose id matches: a glob (tiny-llama/fsdp2-*) or a substring (deepspeed-3). "
                    "The other rows keep their cached measurements in the report.")
-@click.option("--quick", is_flag=True, help="Only the CI slice (a few fast rows; tests/test_accuracy_slice.py).")
+@click.option("--quick", is_flag=True, help="Only the CI slice (a few fast rows; tests/measure/test_accuracy_slice.py).")
 @click.option("--grid", "grid_name", type=click.Choice(("accuracy", "gpu-1", "gpu-8", "gpu-1-quant")), default="accuracy",
               show_default=True,
               help="accuracy: the CPU accuracy grid (docs/accuracy.md); gpu-1, gpu-8: the GPU checks of allocated, "

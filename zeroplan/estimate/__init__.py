@@ -48,7 +48,7 @@ class Fit(NamedTuple):
 
 def fit(model: ModelSpec, training: TrainingSpec) -> Fit:
     """`estimate(model, training)`'s peak and per-node bytes on plain data parallelism, equal to its
-    (tests/test_plan.py), in the planner's fast mode: no names, no notes, no per-phase result. The planner
+    (tests/plan/test_search.py), in the planner's fast mode: no names, no notes, no per-phase result. The planner
     decides the fit of thousands of configurations and shows a handful."""
     if not training.mesh.is_trivial:  # (the planner checks meshes rank by rank: plan/mesh_fit.py)
         profile = profile_rank(model, training, single_kind(model), 1)

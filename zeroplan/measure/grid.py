@@ -86,7 +86,7 @@ class Row:
     simulate: bool = False  # the fake backend: one process standing for `world` ranks
     small_buckets: bool = False  # deepspeed: SMALL_BUCKETS instead of DeepSpeed's defaults
     sub_group_size: int | None = None  # deepspeed stage 3: elements per optimizer sub-group (None: DeepSpeed's 1e9)
-    quick: bool = False  # part of the CI slice (`--quick`, tests/test_accuracy_slice.py)
+    quick: bool = False  # part of the CI slice (`--quick`, tests/measure/test_accuracy_slice.py)
     recipe: str = "plain"  # the program measured: zeroplan's own loop unless a row names another
     optimizer_impl: str | None = None  # torch optimizer kernel: fused, foreach, for-loop (None: the recipe's)
     ddp: bool | None = None  # engine torch on one rank: False runs the bare module (None: the recipe's)

@@ -312,7 +312,7 @@ def _start_worker(argv: list[str], env: dict[str, str], log: Path, fork: bool) -
     availability check through the CUDA runtime, unless PYTORCH_NVML_BASED_CUDA_CHECK=1) does so
     was never tried here (no GPU); the import is a small price beside a GPU run. Both start the
     same worker program, and a CPU run measures the same bytes either way
-    (tests/test_measure_distributed.py)."""
+    (tests/measure/test_distributed.py)."""
     if fork:
         return start_worker(argv, env=env, log=log)
     with open(log, "wb") as out:

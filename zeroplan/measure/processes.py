@@ -60,7 +60,7 @@ def end_session(signum: int, cleanup=None) -> None:
     this session, run `cleanup`, and exit. PR_SET_PDEATHSIG reaches only the direct child, so without
     this a command killed outright left its compilers running (issue 21)."""
 
-    def handler(received, frame):  # pragma: no cover - runs in the child; tests/test_deepspeed_builds.py kills one
+    def handler(received, frame):  # pragma: no cover - runs in the child; tests/measure/test_deepspeed_build.py kills one
         kill_session_members(os.getsid(0))
         if cleanup is not None:
             cleanup()

@@ -1,7 +1,7 @@
 """Whether a mesh configuration's worst rank fits, with as few rank estimates as the argument allows: the ends
 of the pipeline first, the first rank over the budget ending the check, the middle ranks no higher than rank 1
 left out (`may_be_worst`) and those of an interleaved schedule bounded together (`middle_ranks_peak_bound`).
-tests/test_mesh_plan_speed.py checks every shortcut against full estimates."""
+tests/plan/test_mesh_speed.py checks every shortcut against full estimates."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def memory_twin(model: TransformerSpec, training: TrainingSpec) -> TrainingSpec:
     keeping what none keeps, the spec without checkpointing, where no FSDP2 ring runs (cp 1). The engine profiles see
     checkpointing through the activations alone, the mesh's own terms (sequence and expert parallelism, the
     pipeline) only as full or op or neither; the ring's tell selective apart (estimate/mesh_cp.py). The fit check
-    reads the worst rank's peak, parameters and layers only, which the twins share (tests/test_mesh_plan_speed.py)."""
+    reads the worst rank's peak, parameters and layers only, which the twins share (tests/plan/test_mesh_speed.py)."""
     if (training.checkpointing != Checkpointing.SELECTIVE or training.mesh.cp > 1
             or memory_checkpointing(training, model) != Checkpointing.NONE):
         return training

@@ -69,7 +69,7 @@ def _speeds() -> dict[str, GpuSpeeds]:
 
 
 def gpu_speeds(name: str) -> GpuSpeeds:
-    """The compute rates of preset `name` (every preset has a file; tests/test_step_time.py checks)."""
+    """The compute rates of preset `name` (every preset has a file; tests/plan/test_step_time.py checks)."""
     return _speeds()[name]
 
 

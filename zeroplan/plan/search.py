@@ -9,13 +9,13 @@ Exactness comes from the estimator; speed from its structure, not from approxima
   micro-batches each rank keeps in flight; so a fixed global batch, whose accumulation falls as the
   micro-batch grows, is searched exactly (memory need not grow from one group to the next). Where to probe
   first comes from neighbouring choices and, for a data-parallel choice, the convexity of the peak in the
-  micro-batch (`Planner.gpu_prefix`); tests/test_plan.py checks every verdict against a full estimate.
+  micro-batch (`Planner.gpu_prefix`); tests/plan/test_search.py checks every verdict against a full estimate.
 - A choice whose memory equals another's (selective checkpointing under fused attention without a ring)
   shares its fit checks (`Planner.memory_twin`).
 - `plan --mesh` searches many meshes: each choice's cost is known before its memory (the step time needs no
   estimate), so choices are checked cheapest first, and once `top` choices fit, a choice whose cheapest
   micro-batch costs more than the top-th is not checked (`Plan.bounded` counts them): the plan shown is the
-  one the full search gives (tests/test_mesh_plan_speed.py).
+  one the full search gives (tests/plan/test_mesh_speed.py).
 - A candidate the training spec refuses (a mesh whose degrees do not fit the GPUs, an offload the engine does
   not run) is skipped with a note, never an error.
 """
@@ -314,7 +314,7 @@ class Planner:
         of a few points whose bytes are affine in m. For a convex g the line through the last two fitting
         probes meets zero at or after the last fitting m, and the chord between a fitting and a failing
         probe meets zero at or before it. Both properties are checked against full estimates in
-        tests/test_plan.py; if convexity failed, only the number of probes would grow."""
+        tests/plan/test_search.py; if convexity failed, only the number of probes would grow."""
         budget = limits.budget_bytes
         if len(pairs) == 1:
             return int(self.fit_at(choice, *pairs[0]).peak_bytes <= budget)
@@ -539,7 +539,7 @@ def plan(model, base: TrainingSpec, space: SearchSpace, limits: Limits, rates: R
          estimator: Estimator | None = None, planner: Planner | None = None, cost_bound: bool = True) -> Plan:
     """Search `space` for configurations of `model` that fit `limits`, cheapest first: each choice shown once,
     at its cheapest micro-batch. A mesh search checks choices cheapest first and leaves out those that cannot
-    rank in the top (`cost_bound`; without it every choice is checked: the same plan, tests/test_mesh_plan_speed.py)."""
+    rank in the top (`cost_bound`; without it every choice is checked: the same plan, tests/plan/test_mesh_speed.py)."""
     from zeroplan.plan.reasons import reason
     from zeroplan.plan.suggest import suggest
 

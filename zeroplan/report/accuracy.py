@@ -232,7 +232,7 @@ GPT-2-like, tied embeddings):
   them at 1x1024 or 4x256 tokens, where eager attention's backward is a block's peak;
 - deepspeed 3 with `sub_group_size` 5e4 (`+subgroup50000` in the id): each rank's partition in four
   optimizer sub-groups, stepped one at a time;
-- the CI slice (`--quick`, tests/test_accuracy_slice.py): the first row of torch 0, torch 1, fsdp2 2,
+- the CI slice (`--quick`, tests/measure/test_accuracy_slice.py): the first row of torch 0, torch 1, fsdp2 2,
   fsdp2 3 and deepspeed 2 with small buckets, tiny-llama fsdp2 3 on 8 simulated ranks, and
   tiny-llama fsdp2 2 with selective checkpointing of eager attention at 1x1024.
 

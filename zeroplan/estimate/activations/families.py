@@ -133,7 +133,7 @@ def phi3_sdpa_saved_per_token(spec: TransformerSpec, kernel: str, selective: boo
     that layout and sdpa_attention_forward's transpose(1, 2).contiguous() copies it for o_proj (q
     more). Under selective checkpointing the core's output is that copy (nothing more). Eager
     attention keeps nothing more than the Llama block (measured with and without grouped-query
-    attention: tests/test_activations_families.py)."""
+    attention: tests/estimate/activations/test_families.py)."""
     if spec.model_type != "phi3" or kernel != "fused":
         return 0
     q_width = spec.num_heads * spec.dim_per_head

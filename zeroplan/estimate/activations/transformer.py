@@ -643,7 +643,7 @@ def memory_checkpointing(training: TrainingSpec, model: object = None) -> Checkp
     (`attention_saved_per_token`, with the kernel's log-sum-exp counted in both), so selective
     keeps exactly what no checkpointing keeps, unless autocast makes the kept inputs wider than
     the casts the kernel saves. The engine profiles see checkpointing only through these
-    activations, so the two estimates are equal (the planner shares them; tests/test_plan.py
+    activations, so the two estimates are equal (the planner shares them; tests/plan/test_search.py
     checks it), while the step cost still differs. Not so where `model`'s attention dropout sends
     fused attention down SDPA's math path (on CPU), whose s x s tensors selective recomputes."""
     math = isinstance(model, TransformerSpec) and dropout_of(model, training).attention and training.device == Device.CPU

@@ -11,7 +11,7 @@ Both walk the tokens of `ConfigTokenizer` (AllocatorConfig.h): the text is cut a
 every white-space character is dropped (also inside a word), and after each key:value the token
 that follows is skipped as the separator whatever it is (`checkToken` only compares). Numbers are
 read with std::stoull / std::stod: a number prefix is enough ("100x" is 100, "-5" wraps around).
-Accepting and refusing follow torch exactly (tests/test_alloc_conf.py feeds the same strings to
+Accepting and refusing follow torch exactly (tests/estimate/device/test_alloc_conf.py feeds the same strings to
 torch 2.13's own parser where the CPU build has it); the messages name the variable and the key and
 quote torch's wording, or say plainly what torch's internal assertion means.
 

@@ -18,7 +18,7 @@ moved (engine.py `_configure_distributed_model`); zero-init, partitioned as buil
 
 Speed (the planner asks thousands of times): what does not depend on the activations is built once
 per model and configuration (`_stage12_fixed`, `_stage3_fixed`), and the maxima along backward are evaluated
-only at the module groups that can hold them (`_contenders`); tests/test_deepspeed_profile_fast.py
+only at the module groups that can hold them (`_contenders`); tests/estimate/engines/test_deepspeed_profile_fast.py
 holds the result to the slow path that evaluates every group, over random models and configurations.
 """
 
@@ -283,7 +283,7 @@ def _first_param_group(facts: ModelFacts, setup: Setup) -> int:
 
 
 @memo(maxsize=4096)  # one walk over the tensors per (model, N, sub_group_size, groups), not per estimate
-def _sub_groups_of(facts: ModelFacts, n: int, sub_group_size: int, trainer_groups: bool) -> tuple[int, ...]:
+def sub_groups_of(facts: ModelFacts, n: int, sub_group_size: int, trainer_groups: bool) -> tuple[int, ...]:
     """Elements of each optimizer sub-group of a rank's stage-3 partition, in the order `step` takes
     them, exactly as stage3.py `_create_fp16_partitions_with_defragmentation` ->
     `_create_fp16_sub_groups` cuts each param group (in parameter order) from the tensors'
@@ -1101,8 +1101,8 @@ def _built_whole(run: _Run) -> int:
 
 
 def _sub_groups(run: _Run) -> tuple[int, ...]:
-    """Elements of each optimizer sub-group of a rank's partition, in step order (`_sub_groups_of`)."""
-    return _sub_groups_of(run.facts, run.n, run.setup.deepspeed.sub_group_size, _trainer_param_groups(run.setup))
+    """Elements of each optimizer sub-group of a rank's partition, in step order (`sub_groups_of`)."""
+    return sub_groups_of(run.facts, run.n, run.setup.deepspeed.sub_group_size, _trainer_param_groups(run.setup))
 
 
 def _largest_sub_group(run: _Run) -> int:

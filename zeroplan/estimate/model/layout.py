@@ -4,7 +4,7 @@ Counting tensor by tensor (not with a closed formula) matters for ZeRO: DeepSpee
 every tensor under `stage3_param_persistence_threshold` elements whole on every rank, FSDP2 shards
 each tensor on dim 0 with padding, and both gather one module at a time. The shapes follow the
 Hugging Face implementations named in each branch (transformers/models/<type>/modeling_<type>.py);
-`tests/test_param_counts.py` checks the totals against published counts and, where transformers is
+`tests/estimate/model/test_param_counts.py` checks the totals against published counts and, where transformers is
 installed, against the model it builds on the meta device.
 """
 

@@ -1,0 +1,1 @@
+"""zeroplan's tests, in folders that mirror the package (tests/README.md)."""
