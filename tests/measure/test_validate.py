@@ -341,15 +341,32 @@ def test_the_committed_rows_set_the_estimate_s_stream_beside_the_real_one():
     # the real stream (measure/allocator_replay.py) is set beside it with the same PYTORCH_CUDA_ALLOC_CONF
     committed = json.loads((v.checkout_docs() / "accuracy.json").read_text())
     records = {row["id"]: row["record"] for row in committed["rows"] if "record" in row}
-    kept = [row for row in GRID if any("allocator_replay" in rank for rank in
-                                       records.get(row.id, {}).get("measurement", {}).get("ranks", ()))]
-    plain = [row for row in GRID if row.id in records and row not in kept]
-    assert kept and plain
-    report = v.build_report([kept[0], plain[0]], records, {}, backend="gloo", steps=3, command="c")
+
+    def streams(row):
+        return [rank.get("allocator_replay") or {} for rank in records.get(row.id, {}).get("measurement", {}).get("ranks", ())]
+
+    kept = [row for row in GRID if any(stream.get("replayed") for stream in streams(row))]
+    # a compiled run keeps no stream, and its record says why
+    compiled = [row for row in GRID if streams(row) and not any(stream.get("replayed") for stream in streams(row))]
+    assert kept and compiled
+    report = v.build_report([kept[0], compiled[0]], records, {}, backend="gloo", steps=3, command="c")
     with_stream, without = report.rows
     real = max(rank["allocator_replay"]["reserved_peak_bytes"] for rank in records[kept[0].id]["measurement"]["ranks"])
     assert with_stream.replay.replayed_reserved_bytes == real
     assert with_stream.replay.estimated_reserved_bytes % (2 << 20) == 0  # whole segments (2 MiB and up)
     assert with_stream.replay.error == with_stream.replay.estimated_reserved_bytes / real - 1
+    assert with_stream.replay.no_stream_because is None
     assert without.replay.replayed_reserved_bytes is None and without.replay.error is None
+    assert without.replay.no_stream_because == streams(compiled[0])[0]["reason"]
     assert report.distributions()["reserved_replay"]["rows"] == 1
+    difference = abs(with_stream.replay.estimated_reserved_bytes - real)
+    assert report.replay_differences == {"median_bytes": difference, "p90_bytes": difference,
+                                         "within_one_segment": int(difference <= 20 << 20), "rows": 1,
+                                         "large_segment_bytes": 20 << 20}
+    # a record from before measure kept streams has no allocator_replay at all
+    old = json.loads(json.dumps(records[kept[0].id]))
+    for rank in old["measurement"]["ranks"]:
+        del rank["allocator_replay"]
+    before = v.build_report([kept[0]], {kept[0].id: old}, {}, backend="gloo", steps=3, command="c")
+    assert before.rows[0].replay.no_stream_because == "measured before measure kept the stream"
+    assert before.replay_differences is None

@@ -309,6 +309,18 @@ class Report:
         return times[0], times[-1], sorted({r.get("source") or "unknown" for r in records})
 
     @property
+    def replay_differences(self) -> dict[str, int] | None:
+        """|estimate's reserved - real stream's reserved| over the replayed rows, in bytes: median, 90th percentile,
+        and how many rows differ by at most one large segment (the unit a tiny model's relative error hides)."""
+        pairs = [r.replay for r in self.replayed]
+        if not pairs:
+            return None
+        differences = [abs(pair.difference_bytes) for pair in pairs]
+        return {"median_bytes": round(percentile(differences, 50)), "p90_bytes": round(percentile(differences, 90)),
+                "within_one_segment": sum(abs(p.difference_bytes) <= p.large_segment_bytes for p in pairs),
+                "rows": len(pairs), "large_segment_bytes": pairs[0].large_segment_bytes}
+
+    @property
     def replayed(self) -> list[RowReport]:
         """The measured rows whose real stream was kept, so that both replays are compared."""
         return [r for r in self.compared if r.replay is not None and r.replay.error is not None]

@@ -192,13 +192,23 @@ def replay_markdown(report: Report) -> list[str]:
               "fragmentation."), ""]
     shown = [[r.row.id, _mib(r.replay.estimated_reserved_bytes), _mib(r.replay.replayed_reserved_bytes),
               percent(r.replay.error)] for r in compared if r.replay.error is not None]
-    missing = [r.row.id for r in compared if r.replay.error is None]
     headers = ["row", "estimate's stream, reserved MiB", "real stream, reserved MiB", "error"]
+    differences = report.replay_differences
+    if differences:
+        lines += [(f"In bytes, the two reserved peaks differ by {_mib(differences['median_bytes'])} MiB at the median "
+                   f"and {_mib(differences['p90_bytes'])} MiB at the 90th percentile; {differences['within_one_segment']} "
+                   f"of {differences['rows']} rows differ by at most one large segment "
+                   f"({_mib(differences['large_segment_bytes'])} MiB), which is a large share of a tiny model's "
+                   "reserved memory."), ""]
     if shown:
         lines += [table(shown, headers, markdown=True, left=len(headers)), ""]
-    if missing:
-        lines += [f"{len(missing)} of {len(compared)} rows were measured before measure kept the stream (their "
-                  "estimate's replay is in docs/accuracy.json): `zeroplan validate --rows PATTERN` re-measures them.", ""]
+    missing: dict[str, list[str]] = {}
+    for r in compared:
+        if r.replay.error is None:
+            missing.setdefault(r.replay.no_stream_because or "", []).append(r.row.id)
+    for why, ids in missing.items():
+        lines += [f"{len(ids)} of {len(compared)} rows have no real stream ({why}; the estimate's replay is in "
+                  f"docs/accuracy.json): {', '.join(ids)}.", ""]
     return lines
 
 
