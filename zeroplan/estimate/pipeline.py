@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from zeroplan.estimate.activations.transformer import (ActivationBytes, ActivationInputs, activation_bytes, activation_inputs,
                                                        attention_kernel, memory_checkpointing)
 from zeroplan.estimate.caches import memo
-from zeroplan.estimate.dtypes import FP32_BYTES, StateBytes, state_bytes
+from zeroplan.estimate.dtypes import FP32_BYTES, StateBytes, optimizer_state_count, state_bytes
 from zeroplan.estimate.engines.common import EngineEstimate, Setup, setup_of
 from zeroplan.estimate.engines.deepspeed_mesh import autotp_training
 from zeroplan.estimate.model.facts import ModelFacts, model_facts
@@ -335,7 +335,8 @@ def estimate_of(model: ModelSpec, training: TrainingSpec, profile: Profile) -> E
         tokens = training.micro_batch * (training.seq_len // training.mesh.cp)
         residual = tokens * model.hidden_size * state_bytes(training.precision, training.optimizer).activation
         logits = loss_piece_bytes(model, training, tokens)
-    pieces = PieceSizes(profile.facts.largest_tensor_numel * FP32_BYTES, residual, logits, param_pieces(profile.facts))
+    pieces = PieceSizes(profile.facts.largest_tensor_numel * FP32_BYTES, residual, logits, param_pieces(profile.facts),
+                        optimizer_state_count(training.optimizer))
     return Estimate(summary, training.engine.value, folded.phases, folded.per_node, profile.notes, parts, folded.ledger,
                     pieces)
 

@@ -123,6 +123,9 @@ class PieceSizes(NamedTuple):
     # the rank's parameter tensors' element counts in model.parameters() order (runs of neighbours merged to at most
     # MAX_PARAM_PIECES, estimate/pipeline.py): a parameter-sized term is split in their proportions; empty: into `tensors`-sized pieces
     param_numels: tuple[int, ...] = ()
+    # the optimizer's state tensors per tensor it steps (torch/optim/adam.py `_init_group`: exp_avg and exp_avg_sq;
+    # SGD's momentum_buffer): a flat partition's states (PIECES "states") are this many tensors of equal size
+    states: int = 1
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,13 @@ _NAMING: ContextVar[bool] = ContextVar("zeroplan_naming", default=False)
 _SOURCES: dict[str, str] = {}
 
 
-PIECES = ("tensors", "activations", "logits", "whole")
+PIECES = ("tensors", "activations", "logits", "whole", "states")
 """What a term is made of, as the caching allocator sees it (estimate/device/estimate.py splits each term's
 allocations so): tensors the size of the rank's parameters (per-parameter states, gradients, gathered
 parameters), tensors the size of the micro-batch's residual stream (what forward saves), tensors the size of
-the micro-batch's fp32 logits or loss chunk (the loss's upcast, log_softmax output and gradients), or one buffer
-(a flat partition, a bucket, a collective's input or output)."""
+the micro-batch's fp32 logits or loss chunk (the loss's upcast, log_softmax output and gradients), one buffer
+(a flat partition, a bucket, a collective's input or output), or the optimizer's states of one flat partition:
+one tensor per state, each the partition's size (exp_avg, exp_avg_sq)."""
 _PIECES: dict[str, str] = {}
 
 

@@ -17,7 +17,10 @@ from zeroplan.estimate.device.estimate import (FSDP2_ALL_GATHER_STREAM, FSDP2_RE
                                                ledger_events)
 from zeroplan.estimate.device.events import DEFAULT_STREAM, Alloc
 from zeroplan.importers.catalog import resolve_model
+from zeroplan.measure.grid import GRID, row_specs
+from zeroplan.measure.replay_check import replay_pair
 from zeroplan.spec.training import TrainingSpec
+from tests.paths import REPO
 
 GIB = 2**30
 
@@ -66,6 +69,40 @@ def test_the_sharded_gradients_cache_stays_with_the_reduce_scatter_stream():
     optimizer_step = next(p for p in data["phases"] if (p["step"], p["phase"]) == ("steady", "optimizer_step"))
     assert data["per_gpu"]["peak_step"] == "steady"
     assert data["per_gpu"]["reserved"] - data["per_gpu"]["allocated"] >= optimizer_step["grads"]
+
+
+# DeepSpeed stages 1-3 in bf16 with the default reduce bucket, whose real streams were recorded by `zeroplan validate`
+_DEEPSPEED_BF16_ROWS = ("tiny-gpt2/deepspeed-2/bf16/ckpt/2x128/w2", "tiny-llama/deepspeed-2/bf16/selective/2x128/w2/eager",
+                        "lora-r64-all-linear/tiny-llama/deepspeed-2/bf16/ckpt/2x128/w2",
+                        "tiny-llama/deepspeed-1/bf16/ckpt/2x128/w2", "olmo2-tiny/deepspeed-2/bf16/ckpt/2x128/w2/eager")
+
+
+def test_the_basic_optimizers_states_are_one_tensor_per_state_of_the_flat_partition():
+    # stage_1_and_2.py hands the basic optimizer one flat fp32 partition per param group, and torch's Adam creates
+    # each state as its own tensor of that size: two allocations, not one of twice the size
+    stage12 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    adam = pytest.importorskip("torch.optim.adam")
+    assert "param_group['params'] = [self.single_partition_of_fp32_groups[i]]" in inspect.getsource(stage12)
+    init = _source(adam.Adam._init_group)
+    assert 'state["exp_avg"] = torch.zeros_like(' in init and 'state["exp_avg_sq"] = torch.zeros_like(' in init
+
+    _, events = _events("llama-2-7b", engine="deepspeed", zero_stage=2, gpus=8, precision="bf16")
+    states = [e.size_bytes for e in events if type(e) is Alloc and e.key[0] == "optimizer states (basic optimizer)"]
+    partition = next(e.size_bytes for e in events if type(e) is Alloc
+                     and e.key[0] == "fp32 master partition (single_partition_of_fp32_groups)")
+    assert states == [partition, partition]
+
+
+@pytest.mark.parametrize("row_id", _DEEPSPEED_BF16_ROWS)
+def test_deepspeed_bf16_reserved_replay_matches_the_real_stream(row_id):
+    # the real run's allocation stream replayed through the same allocator (docs/accuracy.json, the row's recorded
+    # `allocator_replay`): about 962 MiB, one reduce bucket reused step after step. A states tensor of twice the
+    # partition in the large pool took a piece of the freed bucket and the next backward reserved a second bucket
+    record = next(r for r in json.loads((REPO / "docs" / "accuracy.json").read_text())["rows"] if r["id"] == row_id)
+    row = next(r for r in GRID if r.id == row_id)
+    pair = replay_pair(estimate_mesh(*row_specs(row)), record["record"]["measurement"])
+    assert pair.replayed_reserved_bytes is not None
+    assert abs(pair.error) <= 0.02, (pair.estimated_reserved_bytes, pair.replayed_reserved_bytes)
 
 
 def test_loss_parallel_backward_is_three_logits_shards():

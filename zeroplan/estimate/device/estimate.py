@@ -52,6 +52,8 @@ def _pieces(size: int, name: str, sizes: PieceSizes | None) -> list[int]:
     kind = pieces_of(name)
     if kind == "tensors" and sizes is not None and sizes.param_numels:
         return _proportional(size, sizes.param_numels)
+    if kind == "states":  # a flat partition's states grow one partition at a time, `states` tensors of its size
+        return _proportional(size, (1,) * (sizes.states if sizes is not None else 1))
     piece = 0 if sizes is None or kind == "whole" else getattr(sizes, kind)
     if piece <= 0 or size <= piece:
         return [size]

@@ -173,15 +173,18 @@ _TERM_SOURCES = {
 
 def _one_buffer(name: str) -> bool:
     per_tensor = ("ds_tensor", "before flattening", "being flattened", "before partitioning", "being partitioned")
-    # the basic optimizer steps the flat fp32 partitions (stage_1_and_2.py: param_group['params'] =
-    # [single_partition_of_fp32_groups[i]]; stage3.py: fp32_partitioned_groups_flat per sub-group), so its states are
-    # one flat tensor each (stage 0 in fp32, which steps the module's parameters, is the exception)
-    return name == "optimizer states (basic optimizer)" or any(
-        word in name for word in ("flat", "partition", "bucket", "buffer")) and not any(words in name for words in per_tensor)
+    return any(word in name for word in ("flat", "partition", "bucket", "buffer")) and not any(
+        words in name for words in per_tensor)
 
 
-register({name: source for name, source in _TERM_SOURCES.items() if not _one_buffer(name)})
+# the basic optimizer steps the flat fp32 partitions (stage_1_and_2.py: param_group['params'] =
+# [single_partition_of_fp32_groups[i]]; stage3.py: fp32_partitioned_groups_flat per sub-group), so its states are
+# one tensor per state of each partition (torch/optim/adam.py `_init_group`, ops/adam/fused_adam.py `step`: exp_avg,
+# exp_avg_sq = zeros_like(p)); stage 0 in fp32, which steps the module's parameters, is the exception
+_PER_STATE = ("optimizer states (basic optimizer)",)
+register({name: source for name, source in _TERM_SOURCES.items() if not _one_buffer(name) and name not in _PER_STATE})
 register({name: source for name, source in _TERM_SOURCES.items() if _one_buffer(name)}, pieces="whole")
+register({name: _TERM_SOURCES[name] for name in _PER_STATE}, pieces="states")
 
 def _plus(base: Point, **more: int) -> Point:
     out = dict(base)
