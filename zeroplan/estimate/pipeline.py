@@ -94,6 +94,7 @@ class Profile(NamedTuple):
     per_node: NodeBytes
     notes: tuple[str, ...]
     param_parts: ParamParts | None  # with LoRA: the peak's params as base + adapter bytes
+    term_tensors: tuple = ()  # the block terms known tensor by tensor (ActivationBytes.term_tensors), for the replay
 
 
 def single_kind(model: ModelSpec) -> RankKind:
@@ -246,7 +247,7 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
         from zeroplan.estimate.adapters.program import adapter_param_parts
 
         parts = adapter_param_parts(phases, facts, training, run.setup)
-    return Profile(facts, kind, phases, per_node, notes, parts)
+    return Profile(facts, kind, phases, per_node, notes, parts, run.acts.term_tensors() if run.acts is not None else ())
 
 
 def single_peak(model: ModelSpec, training: TrainingSpec, rank: SingleRank) -> tuple[int, NodeBytes]:
@@ -336,7 +337,7 @@ def estimate_of(model: ModelSpec, training: TrainingSpec, profile: Profile) -> E
         residual = tokens * model.hidden_size * state_bytes(training.precision, training.optimizer).activation
         logits = loss_piece_bytes(model, training, tokens)
     pieces = PieceSizes(profile.facts.largest_tensor_numel * FP32_BYTES, residual, logits, param_pieces(profile.facts),
-                        optimizer_state_count(training.optimizer))
+                        optimizer_state_count(training.optimizer), profile.term_tensors)
     return Estimate(summary, training.engine.value, folded.phases, folded.per_node, profile.notes, parts, folded.ledger,
                     pieces)
 

@@ -115,7 +115,8 @@ class PieceSizes(NamedTuple):
     """The size of one tensor of each kind of term (estimate/terms.py PIECES) on a rank: its largest parameter
     tensor in fp32 (the widest form a parameter-sized tensor takes: master, states, fp32 gradients), one
     micro-batch's residual stream in the compute dtype (the tensor most saved activations are), and its logits in
-    fp32 (what the loss's tensors are); and its parameter tensors' sizes, which per-parameter terms follow."""
+    fp32 (what the loss's tensors are); its parameter tensors' sizes, which per-parameter terms follow; and the
+    tensors of the block terms known one by one."""
 
     tensors: int
     activations: int
@@ -126,6 +127,9 @@ class PieceSizes(NamedTuple):
     # the optimizer's state tensors per tensor it steps (torch/optim/adam.py `_init_group`: exp_avg and exp_avg_sq;
     # SGD's momentum_buffer): a flat partition's states (PIECES "states") are this many tensors of equal size
     states: int = 1
+    # (term name, the tensors of one period) for the terms whose tensors are known one by one (a block's saved
+    # tensors: estimate/activations/tensors.py): such a term grows by those tensors, over and over, instead of its kind's
+    term_tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

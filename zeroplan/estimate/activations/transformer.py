@@ -50,6 +50,7 @@ from typing import NamedTuple
 
 import zeroplan.estimate.activations.families as families
 import zeroplan.estimate.activations.moe as moe
+from zeroplan.estimate.activations.tensors import llama_block_per_token
 from zeroplan.estimate.dtypes import FP32_BYTES
 from zeroplan.estimate.model.layout import param_layout
 from zeroplan.estimate.caches import memo
@@ -140,6 +141,11 @@ class ActivationBytes:
     # Does a block's backward peak in its attention core (eager attention's s x s gradients)
     # rather than in its MLP? Derived in __post_init__ (read at every moment of every profile).
     attention_peaks: bool = field(init=False, default=False)
+    # The tensors behind `saved_per_block` and `recompute_block`, bytes per micro-batch in save order (tensors.py;
+    # under checkpoint_every, one block's of each kind); () where they are not known one by one. Only the
+    # allocator replay reads them (`term_tensors`), where they add up to their field.
+    saved_tensors: tuple[int, ...] = field(default=(), compare=False, repr=False)
+    recompute_tensors: tuple[int, ...] = field(default=(), compare=False, repr=False)
     # Derived once (the engine profiles evaluate a block's moments thousands of times per plan):
     # what backward allocates at each moment, and the intercepts of the two moments, affine in
     # the blocks that still hold their saved tensors (1 or more).
@@ -179,6 +185,25 @@ class ActivationBytes:
         changed.__dict__.update(self.__dict__, **changes)
         changed.__post_init__()
         return changed
+
+    def term_tensors(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(ledger term name, the tensors of one period of its growth) for the block terms whose tensors are
+        known and add up to their bytes: what a block saves (N blocks' under checkpoint_every N, the last one
+        checkpointed), what a checkpointed block's backward rebuilds. The allocator replay cuts those terms so
+        (estimate/device/estimate.py); the others keep their kind's pieces."""
+        if self.offloaded:  # the blocks' tensors are on the host; the one in flight is a part of a block
+            return ()
+        found = []
+        saved = self.saved_tensors
+        if self.checkpoint_every:
+            plain, kept = self.saved_tensors, self.checkpointed.saved_tensors
+            saved = plain * (self.checkpoint_every - 1) + kept if plain and kept else ()
+        if saved and sum(saved) == self._saved_through(self.checkpoint_every or 1):
+            found.append((TERMS["saved_per_block"], saved))
+        rebuilt = self if not self.checkpoint_every else self.checkpointed
+        if rebuilt.recompute_tensors and sum(rebuilt.recompute_tensors) == rebuilt.recompute_block:
+            found.append((TERMS["recompute_block"], rebuilt.recompute_tensors))
+        return tuple(found)
 
     def with_each_kind(self, change) -> "ActivationBytes":
         """`change` (ActivationBytes -> ActivationBytes) applied to these terms and, under
@@ -788,26 +813,33 @@ def _block_matmuls(spec: TransformerSpec) -> list[tuple[int, bool]]:
 
 
 def _op_saved_per_token(spec: TransformerSpec, attention: Attention, seq_len: int, w: Widths) -> int:
+    """The bytes per token of `_op_saved_tensors_per_token`."""
+    return sum(_op_saved_tensors_per_token(spec, attention, seq_len, w))
+
+
+def _op_saved_tensors_per_token(spec: TransformerSpec, attention: Attention, seq_len: int, w: Widths) -> tuple[int, ...]:
     """What torchtitan's per-op policy saves of a block besides its input (torchtitan 0.3.0
     distributed/activation_checkpoint.py `SelectiveAC`): the outputs of the ops in its save list
     (torch's compute_intensive_ops: mm, addmm, bmm, the SDPA kernels), except every second mm or
     linear, counted in forward order from 0 at each block's forward. Fused attention saves the
     kernel's output and fp32 log-sum-exp; eager attention's two bmm (q k^T, probs v) are saved.
     Everything else is recomputed (docs/engines/activations.md, "Per-op checkpointing")."""
-    counted = saved = 0
-    for width, bias in _block_matmuls(spec):
+    q_width = spec.num_heads * spec.dim_per_head
+    if attention == Attention.FUSED:  # the kernel's output and fp32 logsumexp
+        core = [w.comp * q_width, FP32_BYTES * spec.num_heads]
+    else:  # q @ k^T's scores, probs @ v's output
+        core = [w.comp * spec.num_heads * seq_len, w.comp * q_width]
+    counted, saved = 0, []
+    for index, (width, bias) in enumerate(_block_matmuls(spec)):
+        if index == input_projections(spec)[0]:  # the core runs between the q/k/v projections and the output one
+            saved += core
         if bias:  # addmm: saved, not counted
-            saved += width
+            saved.append(w.comp * width)
             continue
         counted += 1
         if counted % 2:
-            saved += width
-    q_width = spec.num_heads * spec.dim_per_head
-    if attention == Attention.FUSED:
-        core = w.comp * q_width + FP32_BYTES * spec.num_heads
-    else:
-        core = w.comp * (spec.num_heads * seq_len + q_width)
-    return w.comp * saved + core
+            saved.append(w.comp * width)
+    return tuple(saved)
 
 
 def _loss_terms(spec: TransformerSpec, micro_batch: int, seq_len: int, loss: Loss, chunks: int, w: Widths,
@@ -924,6 +956,12 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         saved_pt, temporary_pt = saved_pt + family_saved, temporary_pt + family_temporary
         attention_saved, attention_temporary = tokens * saved_pt, tokens * temporary_pt
     recompute = forward_casts = 0
+    # the tensors behind these bytes, for the allocator replay (tensors.py; `ActivationBytes.term_tensors`)
+    full_tensors = tuple(tokens * size for size in llama_block_per_token(spec, core, w, seq_len, attn_reads, mlp_reads))
+    if sum(full_tensors) != full_block:  # a family's extras: not known one by one
+        full_tensors = ()
+    saved_tensors = full_tensors if checkpointing == Checkpointing.NONE else ()
+    recompute_tensors: tuple[int, ...] = ()
     if checkpointing in (Checkpointing.FULL, Checkpointing.OP):
         # torch.utils.checkpoint keeps the block input only (Korthikanti section 5: 2sbh in 16-bit)
         # and rebuilds the block's saved tensors in its backward, except the input when the first
@@ -932,13 +970,19 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         shared = saved_block if norm_saves_block_input(spec, w) else 0
         recompute = full_block - shared
         attention_saved += saved_block
+        saved_tensors = (saved_block,)
+        # what the recomputation rebuilds: the block's tensors, but for its input where the first norm keeps that one
+        recompute_tensors = full_tensors[1:] if shared else full_tensors
         if checkpointing == Checkpointing.OP:
             # The per-op policy also keeps its saved ops' outputs; the recomputation takes them
             # from its cache and drops the entries (torch/utils/checkpoint.py
             # _CachedTorchDispatchMode), so the block in backward holds what full checkpointing's does.
-            cached = tokens * _op_saved_per_token(spec, attention, seq_len, w)
+            cached_tensors = tuple(tokens * size for size in _op_saved_tensors_per_token(spec, attention, seq_len, w))
+            cached = sum(cached_tensors)
             saved_block += cached
             recompute -= cached
+            saved_tensors += cached_tensors
+            recompute_tensors = ()  # which of the block's tensors the cache spares is not listed
             # Autocast's weight casts are not saved but stay in its cache until the forward ends.
             forward_casts = spec.num_layers * block_casts
     else:
@@ -982,4 +1026,5 @@ def _activation_bytes(spec: TransformerSpec, micro_batch: int, seq_len: int, che
         attention_backward_temporary=attention_temporary,
         **head,
     )
-    return ActivationBytes(num_blocks=spec.num_layers, **{field: named(TERMS[field], value) for field, value in terms.items()})
+    return ActivationBytes(num_blocks=spec.num_layers, **{field: named(TERMS[field], value) for field, value in terms.items()},
+                           saved_tensors=saved_tensors, recompute_tensors=recompute_tensors)

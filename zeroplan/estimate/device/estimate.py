@@ -11,7 +11,9 @@ dimension of more than one rank (`process_groups`), the world's on plain data pa
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable, Mapping
+from itertools import accumulate
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -46,10 +48,15 @@ class UnnamedGpu(NamedTuple):
     interconnect: str = "nvswitch"
 
 
-def _pieces(size: int, name: str, sizes: PieceSizes | None) -> list[int]:
-    """`size` bytes of term `name` as the tensors the program allocates them in: a parameter-sized term in the
-    proportions of the rank's parameter tensors, another in tensors of its kind's size."""
+def _pieces(size: int, name: str, sizes: PieceSizes | None, held: int = 0) -> list[int]:
+    """`size` bytes of term `name`, which holds `held` already, as the tensors the program allocates them in: a
+    term known tensor by tensor (a block's saved tensors) in those, a parameter-sized term in the proportions of
+    the rank's parameter tensors, another in tensors of its kind's size."""
     kind = pieces_of(name)
+    if sizes is not None and sizes.term_tensors:
+        period = dict(sizes.term_tensors).get(name)
+        if period:
+            return _periodic(held, size, period)
     if kind == "tensors" and sizes is not None and sizes.param_numels:
         return _proportional(size, sizes.param_numels)
     if kind == "states":  # a flat partition's states grow one partition at a time, `states` tensors of its size
@@ -59,6 +66,19 @@ def _pieces(size: int, name: str, sizes: PieceSizes | None) -> list[int]:
         return [size]
     whole, rest = divmod(size, piece)
     return [piece] * whole + ([rest] if rest else [])
+
+
+def _periodic(start: int, size: int, period: tuple[int, ...]) -> list[int]:
+    """Bytes `start` to `start + size` of a term made of `period`'s tensors over and over (one block's, then the
+    next block's), cut where a tensor ends: a term that grows in steps continues where it stopped."""
+    ends = list(accumulate(period))
+    pieces, at, stop = [], start, start + size
+    while at < stop:
+        blocks, within = divmod(at, ends[-1])
+        end = blocks * ends[-1] + ends[bisect_right(ends, within)]
+        pieces.append(min(end, stop) - at)
+        at = min(end, stop)
+    return pieces
 
 
 def _proportional(size: int, numels: tuple[int, ...]) -> list[int]:
@@ -104,7 +124,7 @@ def ledger_events(ledger: Iterable[Moment], sizes: PieceSizes | None = None,
             missing = wanted - sum(size for _, size in held)
             if missing > 0:
                 stream = TERM_STREAMS.get(key[0], DEFAULT_STREAM)
-                for size in _pieces(missing, key[0], sizes):
+                for size in _pieces(missing, key[0], sizes, wanted - missing):
                     counter += 1
                     held.append((counter, size))
                     events.append(Alloc((*key, counter), size, stream))
