@@ -14,7 +14,8 @@ Bandwidths are the datasheet figures in GB/s (10^9 bytes/s), as the vendor print
 Infinity Fabric and PCIe are bidirectional totals, so one direction is half (`*_one_way_bytes_per_s`).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would compile each field's annotation string
+# (typing.ForwardRef) as the models are built, 2 ms of every command's start-up (bench/estimate_speed.py).
 
 import difflib
 from functools import lru_cache

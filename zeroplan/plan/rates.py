@@ -13,7 +13,8 @@ with their sources. Every rate is overridable from the CLI; `calibration` rescal
 efficiency from a measured step (`zeroplan.plan.calibrate`). docs/throughput.md derives the model.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would compile each field's annotation string
+# (typing.ForwardRef) as the models are built, 2 ms of every command's start-up (bench/estimate_speed.py).
 
 from functools import lru_cache
 from importlib import resources

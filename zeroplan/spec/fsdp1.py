@@ -15,7 +15,8 @@ Program defaults (None: the recipe's):
   sync_module_states False, backward_prefetch BACKWARD_PRE (fully_sharded_data_parallel.py __init__).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would compile each field's annotation string
+# (typing.ForwardRef) as the models are built, 2 ms of every command's start-up (bench/estimate_speed.py).
 
 from enum import Enum
 from typing import NamedTuple

@@ -2,7 +2,8 @@
 (the CUDA context's size and cuBLAS's workspaces), and how a node's GPUs are linked (NCCL's channels).
 zeroplan/importers/gpus.py builds it from a preset (`--gpu`, `--gpu-memory NAME`)."""
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would compile each field's annotation string
+# (typing.ForwardRef) as the models are built, 2 ms of every command's start-up (bench/estimate_speed.py).
 
 from typing import Literal
 

@@ -10,7 +10,8 @@ stores the frozen base, as validated data.
 - `check_training_lora`: the rules that join them to a `TrainingSpec` (called from its validator).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would compile each field's annotation string
+# (typing.ForwardRef) as the models are built, 2 ms of every command's start-up (bench/estimate_speed.py).
 
 from enum import Enum
 from pathlib import Path

@@ -9,7 +9,8 @@ config/configs.py `expert_parallel_degree`: "EP borrows ranks from FSDP and TP")
 dp_shard * cp * tp. Derivations and engine support: docs/engines/mesh.md.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would compile each field's annotation string
+# (typing.ForwardRef) as the models are built, 2 ms of every command's start-up (bench/estimate_speed.py).
 
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -158,7 +159,7 @@ def _check_engine(mesh: MeshSpec, engine: str, zero_stage: int) -> None:
                      "dimension (deepspeed: tp with ZeRO 0-2 and cp as Ulysses)")
 
 
-def check_mesh(model: ModelSpec, training: TrainingSpec) -> None:
+def check_mesh(model: "ModelSpec", training: "TrainingSpec") -> None:
     """The rules that need the model: heads, layers, experts and the sequence divide as the mesh cuts them.
     Raises SpecError, one line naming the field."""
     mesh = training.mesh
@@ -212,7 +213,7 @@ def check_mesh(model: ModelSpec, training: TrainingSpec) -> None:
                         "routed to one expert-parallel rank")
 
 
-def routed_experts(model: ModelSpec) -> int:
+def routed_experts(model: "ModelSpec") -> int:
     """Routed experts per sparse layer: the MoE spec's (Qwen3-MoE, DeepSeek-V3, GPT-OSS) or Mixtral's num_experts."""
     moe = getattr(model, "moe", None)
     return moe.num_experts if moe is not None else getattr(model, "num_experts", 1)

@@ -14,7 +14,8 @@ rates change its activations, not its parameters; `TransformerSpec.dropout_rates
 run trains with.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would compile each field's annotation string
+# (typing.ForwardRef) as the models are built, 2 ms of every command's start-up (bench/estimate_speed.py).
 
 from typing import Annotated, Literal, NamedTuple, Union
 

@@ -14,7 +14,8 @@ Mixtral keeps `TransformerSpec.num_experts` / `experts_per_token` (its experts a
 `intermediate_size`); these specs are for the families whose experts are not.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would compile each field's annotation string
+# (typing.ForwardRef) as the models are built, 2 ms of every command's start-up (bench/estimate_speed.py).
 
 from typing import Literal
 

@@ -2,7 +2,8 @@
 knobs of the engine that runs it. Validated once here; everything downstream trusts them.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: pydantic would compile each field's annotation string
+# (typing.ForwardRef) as the models are built, 2 ms of every command's start-up (bench/estimate_speed.py).
 
 from enum import Enum
 from functools import lru_cache
@@ -459,7 +460,7 @@ class TrainingSpec(BaseModel):
     def node_gpus(self) -> int:
         return node_size(self.gpus, self.gpus_per_node)
 
-    def varied(self, **changes: Any) -> TrainingSpec:
+    def varied(self, **changes: Any) -> "TrainingSpec":
         """This spec with `changes` (field: value), validated; a SpecError says why the combination
         is invalid. A world smaller than one node is that node (gpus_per_node follows gpus down)."""
         # pydantic keeps the field values in __dict__: a shallow copy, so the knob models are shared
