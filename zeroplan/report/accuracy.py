@@ -277,11 +277,14 @@ def published_markdown(report: Report) -> list[str]:
         "## Published GPU runs",
         "",
         "Runs on GPUs that state their configuration (`zeroplan/measure/published.py`), estimated with that "
-        "configuration and nothing fitted. The figures differ in kind: peak *reserved* (torchtitan) sits above "
-        "the allocated peak by the caching allocator's pool; peak *active* (torchtune) is close to allocated; the "
-        "estimate counts allocated tensor bytes plus the CUDA context. Error = estimate / published - 1.",
+        "configuration and nothing fitted. The estimate here is the tensor peak (`per_gpu.peak`: allocated tensor "
+        "bytes plus the memory outside the allocator), set against figures of other kinds: peak *reserved* "
+        "(torchtitan) sits above the allocated peak by the caching allocator's pool; peak *active* (torchtune) is "
+        "close to allocated. Error = estimate / published - 1. Each published figure against the estimate's figure "
+        "of the same kind (`reserved`, `allocated`, `device`), for 58 runs, is bench/results/published_gpu_memory.md "
+        "(`python bench/published_gpu_memory.py`).",
         "",
-        table(rows, ["run", "figure", "published", "estimate", "error or verdict", "source", "not modelled"],
+        table(rows, ["run", "figure", "published", "estimate (tensor peak)", "error or verdict", "source", "not modelled"],
               markdown=True, left=7),
         "",
     ]
