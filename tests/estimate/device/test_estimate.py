@@ -166,6 +166,17 @@ def test_plan_says_it_decides_on_the_peak():
     assert "fits = peak <= budget" in text.splitlines()[0]
 
 
+def _tensors(value, torch) -> list:
+    """The tensors in `value`, a tensor or nested lists, tuples and dicts of them (an aten op's arguments or outputs)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item, torch)]
+    return []
+
+
 def _step_temporaries_of_torch(impl: str, numel: int) -> tuple[list[int], int]:
     """The installed torch's AdamW stepping one flat fp32 tensor of `numel` elements (its second step: the states
     exist): the bytes of each tensor of that size its step allocates, and how many of them were alive at once."""
@@ -186,9 +197,8 @@ def _step_temporaries_of_torch(impl: str, numel: int) -> tuple[list[int], int]:
     class Allocations(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                      if isinstance(t, torch.Tensor)}
-            for t in torch.utils._pytree.tree_leaves(out):
+            inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs), torch)}
+            for t in _tensors(out, torch):
                 if isinstance(t, torch.Tensor) and t.numel() == numel and t.untyped_storage().data_ptr() not in inputs:
                     sizes.append(t.untyped_storage().nbytes())
                     alive[0] += 1
