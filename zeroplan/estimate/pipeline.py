@@ -21,7 +21,7 @@ from zeroplan.estimate.activations.transformer import (ActivationBytes, Activati
                                                        attention_kernel, memory_checkpointing)
 from zeroplan.estimate.caches import memo
 from zeroplan.estimate.dtypes import FP32_BYTES, StateBytes, optimizer_state_count, state_bytes
-from zeroplan.estimate.engines.common import EngineEstimate, Setup, setup_of
+from zeroplan.estimate.engines.common import EngineEstimate, Setup, setup_of, step_temporary_tensors
 from zeroplan.estimate.engines.deepspeed_mesh import autotp_training
 from zeroplan.estimate.model.facts import ModelFacts, model_facts
 from zeroplan.estimate.ledger import fold
@@ -33,6 +33,7 @@ from zeroplan.estimate.result import (Estimate, MeshEstimate, ModelSummary, Node
                                       PieceSizes, RankEstimate, RankKind)
 from zeroplan.estimate.terms import naming
 from zeroplan.spec.mesh import PPSchedule, check_mesh
+from zeroplan.spec.optimizer_step import training_optimizer_step
 from zeroplan.spec.model import ModelSpec, TransformerSpec
 from zeroplan.estimate.activations.compiled import compiles_block
 from zeroplan.spec.program import Loss, Recipe
@@ -337,7 +338,8 @@ def estimate_of(model: ModelSpec, training: TrainingSpec, profile: Profile) -> E
         residual = tokens * model.hidden_size * state_bytes(training.precision, training.optimizer).activation
         logits = loss_piece_bytes(model, training, tokens)
     pieces = PieceSizes(profile.facts.largest_tensor_numel * FP32_BYTES, residual, logits, param_pieces(profile.facts),
-                        optimizer_state_count(training.optimizer), profile.term_tensors)
+                        optimizer_state_count(training.optimizer), profile.term_tensors,
+                        step_temporary_tensors(training_optimizer_step(training).impl))
     return Estimate(summary, training.engine.value, folded.phases, folded.per_node, profile.notes, parts, folded.ledger,
                     pieces)
 

@@ -130,6 +130,9 @@ class PieceSizes(NamedTuple):
     # (term name, the tensors of one period) for the terms whose tensors are known one by one (a block's saved
     # tensors: estimate/activations/tensors.py): such a term grows by those tensors, over and over, instead of its kind's
     term_tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # the tensors the size of the stepped tensor that the optimizer's step kernel holds at once (engines/common.py
+    # `step_temporary_tensors`): a flat partition's step temporaries (PIECES "step") are this many of equal size
+    step_tensors: int = 1
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,14 @@ _NAMING: ContextVar[bool] = ContextVar("zeroplan_naming", default=False)
 _SOURCES: dict[str, str] = {}
 
 
-PIECES = ("tensors", "activations", "logits", "whole", "states")
+PIECES = ("tensors", "activations", "logits", "whole", "states", "step")
 """What a term is made of, as the caching allocator sees it (estimate/device/estimate.py splits each term's
 allocations so): tensors the size of the rank's parameters (per-parameter states, gradients, gathered
 parameters), tensors the size of the micro-batch's residual stream (what forward saves), tensors the size of
 the micro-batch's fp32 logits or loss chunk (the loss's upcast, log_softmax output and gradients), one buffer
-(a flat partition, a bucket, a collective's input or output), or the optimizer's states of one flat partition:
-one tensor per state, each the partition's size (exp_avg, exp_avg_sq)."""
+(a flat partition, a bucket, a collective's input or output), the optimizer's states of one flat partition:
+one tensor per state, each the partition's size (exp_avg, exp_avg_sq), or the optimizer step's temporaries over
+one flat partition: as many tensors of its size as the step kernel holds at once (for-loop: two; foreach: one)."""
 _PIECES: dict[str, str] = {}
 
 

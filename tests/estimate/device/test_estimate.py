@@ -164,3 +164,81 @@ def test_plan_says_it_decides_on_the_peak():
     assert all(config["per_gpu"]["peak"] <= data["budget"] for config in data["top"])
     text = CliRunner().invoke(cli, ["plan", "llama-2-7b", "--gpu", "h100-80gb", "--gpus", "8"]).output
     assert "fits = peak <= budget" in text.splitlines()[0]
+
+
+def _tensors(value, torch) -> list:
+    """The tensors in `value`, a tensor or nested lists, tuples and dicts of them (an aten op's arguments or outputs)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item, torch)]
+    return []
+
+
+def _step_temporaries_of_torch(impl: str, numel: int) -> tuple[list[int], int]:
+    """The installed torch's AdamW stepping one flat fp32 tensor of `numel` elements (its second step: the states
+    exist): the bytes of each tensor of that size its step allocates, and how many of them were alive at once."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import weakref
+
+    flat = torch.nn.Parameter(torch.randn(numel))
+    flat.grad = torch.randn(numel)
+    optimizer = torch.optim.AdamW([flat], foreach=impl == "foreach")
+    optimizer.step()  # the first step creates exp_avg and exp_avg_sq (states, not temporaries)
+    sizes: list[int] = []
+    alive = [0, 0]  # now, most at once
+
+    def gone() -> None:
+        alive[0] -= 1
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs), torch)}
+            for t in _tensors(out, torch):
+                if isinstance(t, torch.Tensor) and t.numel() == numel and t.untyped_storage().data_ptr() not in inputs:
+                    sizes.append(t.untyped_storage().nbytes())
+                    alive[0] += 1
+                    alive[1] = max(alive)
+                    weakref.finalize(t, gone)
+            return out
+
+    flat.grad = torch.randn(numel)
+    with Allocations():
+        optimizer.step()
+    return sizes, alive[1]
+
+
+@pytest.mark.parametrize("impl", ["foreach", "for-loop"])
+def test_deepspeed_step_temporaries_are_the_kernels_tensors_of_the_flat_partition(impl):
+    # stage_1_and_2.py `_optimizer_step` hands torch's AdamW one param group whose params are
+    # [single_partition_of_fp32_groups[i]]: a list of one flat tensor, so the step's temporaries are tensors the size
+    # of the whole partition (foreach: exp_avg_sq_sqrt; for-loop: the sqrt and the quotient), not one per parameter
+    stage12 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    optimizer_step = _source(stage12.DeepSpeedZeroOptimizer._optimizer_step)
+    assert "self.optimizer.param_groups = [original_param_groups[group_no]]" in optimizer_step
+
+    torch_sizes, at_once = _step_temporaries_of_torch(impl, 4096)
+    assert torch_sizes and set(torch_sizes) == {4096 * 4}
+
+    # no optimizer in the DeepSpeed JSON: the Trainer's torch AdamW steps, its decay group first (two param groups)
+    training = TrainingSpec(engine="deepspeed", zero_stage=2, gpus=8, precision="bf16", optimizer="adamw",
+                            optimizer_impl=impl, deepspeed={"client_optimizer": True})
+    _, events = _events("llama-2-7b", **training.model_dump())
+    # the group being stepped: its fp32 gradient partition is the .grad of its flat fp32 partition
+    group = next(e.size_bytes for e in events if type(e) is Alloc
+                 and e.key[0] == "fp32 gradient partition (single_partition_of_fp32_groups .grad)")
+    # each step the ledger holds allocates the kernel's tensors, alive at once, each the group's partition
+    steps: list[list[int] | None] = []
+    for event in (e for e in events if "step temporaries" in e.key[0]):
+        if type(event) is Alloc:
+            if not steps or steps[-1] is None:
+                steps.append([])
+            steps[-1].append(event.size_bytes)
+        elif steps and steps[-1] is not None:
+            steps.append(None)
+    steps = [step for step in steps if step is not None]
+    assert steps and all(step == [group] * at_once for step in steps), (steps, group, at_once)

@@ -61,6 +61,8 @@ def _pieces(size: int, name: str, sizes: PieceSizes | None, held: int = 0) -> li
         return _proportional(size, sizes.param_numels)
     if kind == "states":  # a flat partition's states grow one partition at a time, `states` tensors of its size
         return _proportional(size, (1,) * (sizes.states if sizes is not None else 1))
+    if kind == "step":  # a flat partition's step temporaries: the kernel's tensors of its size (engines/common.py)
+        return _proportional(size, (1,) * (sizes.step_tensors if sizes is not None else 1))
     piece = 0 if sizes is None or kind == "whole" else getattr(sizes, kind)
     if piece <= 0 or size <= piece:
         return [size]

@@ -119,6 +119,14 @@ def step_temporary_bytes(largest_numel: int, total_numel: int, state_element_byt
     return total_numel * state_element_bytes
 
 
+def step_temporary_tensors(impl: OptimizerImpl) -> int:
+    """How many tensors the size of the stepped tensor `step_temporary_bytes` holds at once, stepping a list of one
+    (a flat partition): the for-loop's sqrt and quotient (torch/optim/adam.py `_single_tensor_adam`: `denom =
+    (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`), foreach's one-tensor `exp_avg_sq_sqrt` list
+    (`_multi_tensor_adam`: `torch._foreach_sqrt(device_exp_avg_sqs)`, the rest in place); fused allocates none."""
+    return 2 if impl == OptimizerImpl.FOR_LOOP else 1
+
+
 def early_gradients(facts: ModelFacts) -> tuple[int, int, int]:
     """Gradient elements alive early in backward: the output head's .grad (lm_head and the final
     norm), the tied head's gradient, and a block's output projection's .grad (the first gradient

@@ -185,6 +185,15 @@ _PER_STATE = ("optimizer states (basic optimizer)",)
 register({name: source for name, source in _TERM_SOURCES.items() if not _one_buffer(name) and name not in _PER_STATE})
 register({name: source for name, source in _TERM_SOURCES.items() if _one_buffer(name)}, pieces="whole")
 register({name: _TERM_SOURCES[name] for name in _PER_STATE}, pieces="states")
+# the optimizer steps one flat partition at a time (stage_1_and_2.py `_optimizer_step`: `self.optimizer.param_groups =
+# [original_param_groups[i]]`, whose params are [single_partition_of_fp32_groups[i]]; stage3.py `_optimizer_step`
+# per sub-group of fp32_partitioned_groups_flat), so its step temporaries are tensors the size of that partition
+# (a list of one: `_multi_tensor_adam`'s `exp_avg_sq_sqrt`, `_single_tensor_adam`'s sqrt and quotient), not one per
+# parameter
+_FLAT_STEP = "optimizer step temporaries (flat partition)"
+register({_FLAT_STEP: "torch/optim/adam.py _single_tensor_adam / _multi_tensor_adam over stage_1_and_2.py "
+                      "single_partition_of_fp32_groups[i], stage3.py fp32_partitioned_groups_flat[sub_group_id] "
+                      "(docs/engines/allocator.md)"}, pieces="step")
 
 def _plus(base: Point, **more: int) -> Point:
     out = dict(base)
@@ -317,12 +326,20 @@ def sub_groups_of(facts: ModelFacts, n: int, sub_group_size: int, trainer_groups
 
 
 def _step_temporaries(run: _Run, largest: int, total: int) -> int:
-    """Step temporaries over fp32 master tensors: `largest` the largest tensor stepped, `total` all
-    of one optimizer call (common.py `step_temporary_bytes`). Only Adam/AdamW allocate any."""
+    """Step temporaries over the module's or per-parameter fp32 master tensors: `largest` the largest tensor
+    stepped, `total` all of one optimizer call (common.py `step_temporary_bytes`). Only Adam/AdamW allocate any."""
     if run.setup.optimizer not in (Optimizer.ADAM, Optimizer.ADAMW):
         return 0
     return named("optimizer step temporaries",
                  step_temporary_bytes(largest, total, FP32_BYTES, run.setup.optimizer, run.step_impl))
+
+
+def _flat_step_temporaries(run: _Run, numel: int) -> int:
+    """Step temporaries over one flat fp32 partition of `numel` elements, the only tensor of the optimizer's
+    param group (`_FLAT_STEP`): the kernel's temporaries, each the partition's size."""
+    if run.setup.optimizer not in (Optimizer.ADAM, Optimizer.ADAMW):
+        return 0
+    return named(_FLAT_STEP, step_temporary_bytes(numel, numel, FP32_BYTES, run.setup.optimizer, run.step_impl))
 
 
 def _states(run: _Run, numel: int) -> int:
@@ -808,7 +825,7 @@ def _stage12_fixed(run: _Run) -> _Fixed12:
             convert = dict(base, grads=owned + fp32_grad, temporaries=flat_grad if b != FP32_BYTES else 0)
             stepping = dict(base, optimizer_states=master + max(held, _states(run, first)),
                             grads=(owned if several else 0) + fp32_grad,
-                            temporaries=_step_temporaries(run, first, first))
+                            temporaries=_flat_step_temporaries(run, first))
             step_point = largest_point(convert, stepping)
         steps.append(_StepMoments(step, during, largest_point(*settled), phase(step, Phase.OPTIMIZER_STEP, **step_point)))
     host_bytes = (master + states + host_grads + host_buffers) if run.offload_opt and not run.cpu_run else 0
@@ -1086,7 +1103,7 @@ def _stage3_sub_group_steps(run: _Run, base: Point, master: int, grad_partitions
         states_after = held if held is not None else _states(run, before + size)
         moments.append(dict(base, optimizer_states=master + states_before, grads=grads, temporaries=flat_grad))
         moments.append(dict(base, optimizer_states=master + states_after, grads=grads,
-                            temporaries=_step_temporaries(run, size, size)))
+                            temporaries=_flat_step_temporaries(run, size)))
     return moments
 
 
