@@ -26,11 +26,14 @@ class Term(NamedTuple):
 
 
 class Moment(NamedTuple):
-    """The terms live at the largest moment of one phase of one step."""
+    """The terms live at the largest moment of one phase of one step, and at the moments of that phase the
+    engine names after it (`passing`, in program order): the replay reads them (estimate/device/estimate.py
+    `ledger_events`); the phase's figures are its largest moment's alone."""
 
     step: Step
     phase: Phase
     terms: tuple[Term, ...]
+    passing: tuple[tuple[Term, ...], ...] = ()
 
     def categories(self) -> CategoryBytes:
         by_category = dict.fromkeys(CATEGORY_NAMES, 0)
@@ -56,12 +59,17 @@ def terms_of(category: str, value: int) -> list[Term]:
     return [Term(name, category, part, source_of(name)) for name, part in parts.items() if part]
 
 
-def moment_of(phase: PhaseBytes) -> Moment:
-    """The terms of one phase whose categories hold named byte counts."""
+def _terms(phase: PhaseBytes) -> tuple[Term, ...]:
     terms: list[Term] = []
     for category, value in zip(CATEGORY_NAMES, phase.categories):
         terms += terms_of(category, value)
-    return Moment(phase.step, phase.phase, tuple(terms))
+    return tuple(terms)
+
+
+def moment_of(phase: PhaseBytes, passing: Sequence[PhaseBytes] = ()) -> Moment:
+    """The terms of one phase whose categories hold named byte counts, with those of the moments after its peak
+    (`passing`: the same step and phase, in program order)."""
+    return Moment(phase.step, phase.phase, _terms(phase), tuple(_terms(after) for after in passing))
 
 
 class Folded(NamedTuple):
@@ -70,11 +78,13 @@ class Folded(NamedTuple):
     per_node: NodeBytes
 
 
-def fold(phases: Sequence[PhaseBytes], per_node: NodeBytes) -> Folded:
-    """Phases (and per-node bytes) whose values may be named byte counts, as ints and their ledger."""
+def fold(phases: Sequence[PhaseBytes], per_node: NodeBytes, passing: Sequence[PhaseBytes] = ()) -> Folded:
+    """Phases (and per-node bytes) whose values may be named byte counts, as ints and their ledger; `passing`, the
+    moments after a phase's peak that the replay reads (engines/common.py EngineEstimate), go to their phase's moment."""
     if not naming_on():
         return Folded(tuple(phases), None, per_node)
-    ledger = tuple(moment_of(phase) for phase in phases)
+    ledger = tuple(moment_of(phase, [after for after in passing if (after.step, after.phase) == (phase.step, phase.phase)])
+                   for phase in phases)
     folded = tuple(PhaseBytes(moment.step, moment.phase, moment.categories()) for moment in ledger)
     return Folded(folded, ledger, NodeBytes(*(int(value) for value in per_node)))
 
@@ -96,14 +106,15 @@ def allocation_events(ledger: Iterable[Moment]) -> list[AllocationEvent]:
     live: dict[tuple[str, str], int] = {}
     events: list[AllocationEvent] = []
     for index, moment in enumerate(ledger):
-        now = {(term.name, term.category): term.bytes for term in moment.terms if term.bytes > 0}
-        for key, held in live.items():
-            after = now.get(key, 0)
-            if after < held:
-                events.append(AllocationEvent(index, False, key[0], key[1], held - after))
-        for key, after in now.items():
-            held = live.get(key, 0)
-            if after > held:
-                events.append(AllocationEvent(index, True, key[0], key[1], after - held))
-        live = now
+        for terms in (moment.terms, *moment.passing):
+            now = {(term.name, term.category): term.bytes for term in terms if term.bytes > 0}
+            for key, held in live.items():
+                after = now.get(key, 0)
+                if after < held:
+                    events.append(AllocationEvent(index, False, key[0], key[1], held - after))
+            for key, after in now.items():
+                held = live.get(key, 0)
+                if after > held:
+                    events.append(AllocationEvent(index, True, key[0], key[1], after - held))
+            live = now
     return events

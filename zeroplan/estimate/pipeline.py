@@ -96,6 +96,7 @@ class Profile(NamedTuple):
     notes: tuple[str, ...]
     param_parts: ParamParts | None  # with LoRA: the peak's params as base + adapter bytes
     term_tensors: tuple = ()  # the block terms known tensor by tensor (ActivationBytes.term_tensors), for the replay
+    passing: tuple[PhaseBytes, ...] = ()  # the engine's moments after a phase's peak (EngineEstimate.passing), for the replay
 
 
 def single_kind(model: ModelSpec) -> RankKind:
@@ -231,8 +232,12 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
         if looped is None:
             return None
         result, kind = result._replace(phases=looped[0]), kind._replace(in_flight=looped[1])  # the walk's count at its peak
+    # the moments after a phase's peak, raised as their phases are; the adapters and a looped schedule change the
+    # phases themselves, so there the replay reads the peaks alone
+    passing = result.passing if result is run.result and not (mesh.pp > 1 and mesh.pp_schedule.looped) else ()
     buffers = _NO_BUFFERS if trivial else mesh_buffers(model, training, kind, dtypes.activation, micro_batches)
     phases = with_buffers(result.phases, buffers, overhead)
+    passing = with_buffers(passing, buffers, overhead) if passing else ()
     per_node, offload_notes = _host(run, result, training)
     notes += offload_notes + result.notes
     if unmixed:
@@ -248,7 +253,8 @@ def profile_rank(model: ModelSpec, training: TrainingSpec, kind: RankKind, micro
         from zeroplan.estimate.adapters.program import adapter_param_parts
 
         parts = adapter_param_parts(phases, facts, training, run.setup)
-    return Profile(facts, kind, phases, per_node, notes, parts, run.acts.term_tensors() if run.acts is not None else ())
+    return Profile(facts, kind, phases, per_node, notes, parts, run.acts.term_tensors() if run.acts is not None else (),
+                   passing)
 
 
 def single_peak(model: ModelSpec, training: TrainingSpec, rank: SingleRank) -> tuple[int, NodeBytes]:
@@ -328,7 +334,7 @@ def estimate_of(model: ModelSpec, training: TrainingSpec, profile: Profile) -> E
     summary = ModelSummary(whole.name, whole.total_params, whole.trainable_params,
                            _IMPLEMENTATIONS[training.attention] if isinstance(model, TransformerSpec)
                            else "parameter count only")
-    folded = fold(profile.phases, profile.per_node)
+    folded = fold(profile.phases, profile.per_node, profile.passing)
     parts = profile.param_parts
     if parts is not None:
         parts = ParamParts(int(parts.base_bytes), int(parts.adapter_bytes))

@@ -107,29 +107,30 @@ def ledger_events(ledger: Iterable[Moment], sizes: PieceSizes | None = None,
     for moment in ledger:
         if moments is not None:
             moments.append(len(events))
-        now: dict[tuple[str, str], int] = {}
-        for term in moment.terms:
-            if term.category != "overhead":  # not a tensor: outside the allocator (figures.py adds it)
-                now[term.name, term.category] = now.get((term.name, term.category), 0) + term.bytes
-        for key, held in list(pieces.items()):  # frees first: what a phase no longer holds is gone before it allocates
-            excess = sum(size for _, size in held) - now.get(key, 0)
-            while excess > 0 and held:
-                number, size = held.pop()
-                events.append(Free((*key, number)))
-                if size > excess:  # the rest of the piece stays: it is a smaller block now
-                    counter += 1
-                    held.append((counter, size - excess))
-                    events.append(Alloc((*key, counter), size - excess, TERM_STREAMS.get(key[0], DEFAULT_STREAM)))
-                excess -= size
-        for key, wanted in now.items():
-            held = pieces.setdefault(key, [])
-            missing = wanted - sum(size for _, size in held)
-            if missing > 0:
-                stream = TERM_STREAMS.get(key[0], DEFAULT_STREAM)
-                for size in _pieces(missing, key[0], sizes, wanted - missing):
-                    counter += 1
-                    held.append((counter, size))
-                    events.append(Alloc((*key, counter), size, stream))
+        for terms in (moment.terms, *moment.passing):  # its peak, then the moments after it (ledger.py Moment)
+            now: dict[tuple[str, str], int] = {}
+            for term in terms:
+                if term.category != "overhead":  # not a tensor: outside the allocator (figures.py adds it)
+                    now[term.name, term.category] = now.get((term.name, term.category), 0) + term.bytes
+            for key, held in list(pieces.items()):  # frees first: what a phase no longer holds is gone before it allocates
+                excess = sum(size for _, size in held) - now.get(key, 0)
+                while excess > 0 and held:
+                    number, size = held.pop()
+                    events.append(Free((*key, number)))
+                    if size > excess:  # the rest of the piece stays: it is a smaller block now
+                        counter += 1
+                        held.append((counter, size - excess))
+                        events.append(Alloc((*key, counter), size - excess, TERM_STREAMS.get(key[0], DEFAULT_STREAM)))
+                    excess -= size
+            for key, wanted in now.items():
+                held = pieces.setdefault(key, [])
+                missing = wanted - sum(size for _, size in held)
+                if missing > 0:
+                    stream = TERM_STREAMS.get(key[0], DEFAULT_STREAM)
+                    for size in _pieces(missing, key[0], sizes, wanted - missing):
+                        counter += 1
+                        held.append((counter, size))
+                        events.append(Alloc((*key, counter), size, stream))
     return events
 
 

@@ -93,6 +93,9 @@ class EngineEstimate(NamedTuple):
     phases: tuple[PhaseBytes, ...]
     per_node: NodeBytes
     notes: tuple[str, ...] = ()
+    # moments after a phase's peak, in program order (each names its step and phase), that the allocator replay
+    # reads and the phase's figures do not: a large request late in a phase (ledger.py Moment.passing)
+    passing: tuple[PhaseBytes, ...] = ()
 
 
 def ceil_div(a: int, b: int) -> int:

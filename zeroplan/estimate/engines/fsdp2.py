@@ -331,14 +331,16 @@ def estimate_fsdp2(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
     z = _sizes(facts, setup)
     # The forward and backward moments are the same in every step; only the states differ.
     forward = _forward(acts, z)
-    backward = _backward(acts, z)
+    backward, backward_end = _backward(acts, z)
     phases: list[PhaseBytes] = []
+    passing: list[PhaseBytes] = []
     for step, held_states in ((Step.FIRST, 0), (Step.STEADY, z.states)):
         base = dict(params=z.sharded_params, optimizer_states=held_states)
         if step == Step.FIRST:
             phases.append(phase(step, Phase.INIT, params=z.init_params))
         phases.append(phase(step, Phase.FORWARD, **base, **forward))
         phases.append(phase(step, Phase.BACKWARD, **base, **backward))
+        passing += [phase(step, Phase.BACKWARD, **base, **end) for end in backward_end]
         phases.append(phase(step, Phase.OPTIMIZER_STEP, params=z.sharded_params, grads=z.sharded_grads,
                             optimizer_states=z.states, temporaries=z.temporaries))
     host = 0
@@ -353,7 +355,8 @@ def estimate_fsdp2(facts: ModelFacts, setup: Setup, acts: ActivationBytes | None
                          "states, so offload_params follows offload_optimizer")
         if setup.device == Device.CPU:
             notes.append(f"CPU run: the {z.host_bytes:,} offloaded bytes per rank share the one memory; on GPUs they sit on the host")
-    return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if setup.device == Device.CPU else host), tuple(notes))
+    return EngineEstimate(tuple(phases), NodeBytes(cpu_bytes=host, pinned_bytes=0 if setup.device == Device.CPU else host), tuple(notes),
+                          tuple(passing))
 
 
 def _padding_note(facts: ModelFacts, n: int, padded: int) -> str | None:
@@ -404,10 +407,11 @@ def _forward(acts: ActivationBytes | None, z: _Sizes) -> Point:
     return largest_point(*points)
 
 
-def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
+def _backward(acts: ActivationBytes | None, z: _Sizes) -> tuple[Point, tuple[Point, ...]]:
     """The largest moment of the backward pass: its start, the loss's backward, the head's,
     blocks j in {0, 1, L-2, L-1} (the terms are linear in j between the ends), the end; what each
-    holds is in docs/engines/fsdp2.md ("Backward")."""
+    holds is in docs/engines/fsdp2.md ("Backward"). With it, the moments of the lead's post-backward
+    that come after it, in program order (for the allocator replay: EngineEstimate.passing)."""
     num_blocks, reshard, held_blocks, held_grads, h2d_copy = z.num_blocks, z.reshard, z.held_blocks, z.held_grads, z.h2d_copy
     lead, tail, block_gathered, tied_grad, head_grads = z.lead_gathered, z.tail_gathered, z.block_gathered, z.tied_grad, z.head_grads
     block_grads, block_shard_grads, block_reduce_in = z.block_grads, z.block_shard_grads, z.block_reduce_in
@@ -513,7 +517,17 @@ def _backward(acts: ActivationBytes | None, z: _Sizes) -> Point:
                        temporaries=3 * tied_grad))
     # foreach_reduce copies the lead's unsharded gradients into its reduce-scatter input and
     # frees them (`unsharded_grads.clear()`) before allocating the reduce-scatter output.
-    points.append(dict(buffers=z.lead_reduce_in, grads=accum_left + blocks_done + z.lead_grads))
+    reduced = dict(buffers=z.lead_reduce_in, grads=accum_left + blocks_done + z.lead_grads)
+    points.append(reduced)
     # Then the reduce-scatter into the lead's shard (smaller). gloo's copy of the whole input
     # is not modelled (NCCL makes none): docs/engines/fsdp2.md ("What is not modelled").
-    return largest_point(*points)
+    peak = largest_point(*points)
+    if peak is reduced:
+        return peak, ()
+    # The lead's post-backward, after backward's peak: the replay needs its request (the whole lead's gradients in
+    # the reduce dtype, one tensor) even where it is not the peak. Before it the lead reshards and the last block's
+    # reduce-scatter input is dropped (_fsdp_param_group.py FSDPParamGroup.post_backward: `reshard`, then
+    # `reduce_scatter_states` popped down to reduce_scatter_max_input_buffers, 1), so foreach_reduce
+    # (_fsdp_collectives.py) asks for a new block of the lead's size.
+    resharded = dict(grads=reduced["grads"])
+    return peak, (resharded, reduced)
