@@ -19,8 +19,8 @@ class ReplayPair:
     replayed_reserved_bytes: int | None  # None: the measurement kept no stream (`no_stream_because` says why)
     estimated_allocated_bytes: int
     replayed_allocated_bytes: int | None
-    no_stream_because: str | None = None
-    large_segment_bytes: int = 20 << 20  # the settings' segment for requests under 10 MiB (kLargeBuffer)
+    no_stream_because: str | None
+    large_segment_bytes: int  # the replay settings' segment for requests under 10 MiB (kLargeBuffer by default)
 
     @property
     def difference_bytes(self) -> int | None:
@@ -32,9 +32,8 @@ class ReplayPair:
 
     @property
     def error(self) -> float | None:
-        if not self.replayed_reserved_bytes:
-            return None
-        return (self.estimated_reserved_bytes - self.replayed_reserved_bytes) / self.replayed_reserved_bytes
+        difference = self.difference_bytes
+        return None if difference is None else difference / self.replayed_reserved_bytes
 
 
 def replay_pair(estimate, measurement: Mapping[str, Any]) -> ReplayPair:
