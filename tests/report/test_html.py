@@ -185,8 +185,10 @@ def test_plan_page_when_nothing_fits_lists_the_changes(tmp_path):
     assert all(suggestion in "".join(page.text) for suggestion in data["suggestions"])
 
 
+@pytest.mark.distributed
 def test_measure_page_sets_the_estimate_beside_the_run(tmp_path):
     """A tiny run on two gloo ranks: the page (standard output) and the JSON (--output) of one run."""
+    pytest.importorskip("torch")
     args = ["measure", "tiny-llama", "--engine", "torch", "--zero", "1", "--nproc", "2", "--precision", "fp32",
             "--seq-len", "64", "--units", "MiB"]
     document = run(*args, "--format", "html", "--output", str(tmp_path / "m.json"))
